@@ -1,0 +1,181 @@
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cstring>
+#include <vector>
+
+#include "kernels/cpu/api.hpp"
+
+namespace mtdeepep::cpu {
+
+namespace {
+
+// Rows per parallel task: large enough that the pool's dispatch cost vanishes next to the copies.
+constexpr int64_t kRowGrain = 64;
+
+inline float load_float(const uint16_t* p, int h, FloatKind kind) {
+    if (kind == FloatKind::kBFloat16) {
+        uint32_t bits = static_cast<uint32_t>(p[h]) << 16;
+        float value;
+        std::memcpy(&value, &bits, sizeof(value));
+        return value;
+    }
+    return c10::detail::fp16_ieee_to_fp32_value(p[h]);
+}
+
+inline uint16_t to_bfloat16(float value) {
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof(bits));
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // quiet NaN
+    bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+// acc[0:hidden) += row, row in `kind`.
+inline void add_row(FloatKind kind, const uint8_t* row, int hidden, float* acc) {
+    if (kind == FloatKind::kFloat32) {
+        const float* values = reinterpret_cast<const float*>(row);
+        for (int h = 0; h < hidden; ++h) acc[h] += values[h];
+    } else if (kind == FloatKind::kBFloat16) {
+        const uint16_t* values = reinterpret_cast<const uint16_t*>(row);
+        for (int h = 0; h < hidden; ++h) {
+            uint32_t bits = static_cast<uint32_t>(values[h]) << 16;
+            float value;
+            std::memcpy(&value, &bits, sizeof(value));
+            acc[h] += value;
+        }
+    } else {
+        const uint16_t* values = reinterpret_cast<const uint16_t*>(row);
+        for (int h = 0; h < hidden; ++h) acc[h] += load_float(values, h, kind);
+    }
+}
+
+inline void store_row(FloatKind kind, const float* acc, int hidden, uint8_t* out) {
+    if (kind == FloatKind::kFloat32) {
+        std::memcpy(out, acc, sizeof(float) * hidden);
+    } else if (kind == FloatKind::kBFloat16) {
+        uint16_t* values = reinterpret_cast<uint16_t*>(out);
+        for (int h = 0; h < hidden; ++h) values[h] = to_bfloat16(acc[h]);
+    } else {
+        uint16_t* values = reinterpret_cast<uint16_t*>(out);
+        for (int h = 0; h < hidden; ++h) values[h] = c10::detail::fp16_ieee_from_fp32_value(acc[h]);
+    }
+}
+
+inline size_t element_bytes(FloatKind kind) {
+    return kind == FloatKind::kFloat32 ? 4 : 2;
+}
+
+}  // namespace
+
+void write_dispatch_rows(const DispatchSource& src, const int32_t* tokens, size_t begin, size_t end,
+                         const RowArrays& dst, size_t first_row, int64_t first_local_expert, int num_local_experts) {
+    const size_t scale_row_bytes = src.num_scales * src.scale_element_bytes;
+    at::parallel_for(static_cast<int64_t>(begin), static_cast<int64_t>(end), kRowGrain, [&](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; ++i) {
+            const int64_t t = tokens[i];
+            const size_t row = first_row + (i - begin);
+            std::memcpy(dst.x + row * src.x_row_bytes, src.x + t * src.x_token_stride, src.x_row_bytes);
+            if (dst.scales != nullptr) {
+                uint8_t* out = dst.scales + row * scale_row_bytes;
+                for (int s = 0; s < src.num_scales; ++s)
+                    std::memcpy(out + s * src.scale_element_bytes,
+                                src.scales + (t * src.scale_token_stride + s * src.scale_column_stride) *
+                                                 static_cast<int64_t>(src.scale_element_bytes),
+                                src.scale_element_bytes);
+            }
+            if (dst.topk_idx != nullptr) {
+                for (int k = 0; k < src.num_topk; ++k) {
+                    const int64_t expert = src.topk_idx[t * src.num_topk + k];
+                    const int64_t local = expert - first_local_expert;
+                    const bool is_local = expert >= 0 && local >= 0 && local < num_local_experts;
+                    dst.topk_idx[row * src.num_topk + k] = is_local ? local : -1;
+                    if (dst.topk_weights != nullptr)
+                        dst.topk_weights[row * src.num_topk + k] =
+                            is_local ? src.topk_weights[t * src.num_topk + k] : 0.0f;
+                }
+            }
+            if (dst.src_idx != nullptr) dst.src_idx[row] = static_cast<int32_t>(t);
+        }
+    });
+}
+
+void copy_rows(const RowArrays& src, size_t src_row, const RowArrays& dst, size_t dst_row, size_t num_rows,
+               size_t x_row_bytes, size_t scale_row_bytes, int num_topk) {
+    if (num_rows == 0) return;
+    // One contiguous block per field; the x block is split so that several threads share the bandwidth.
+    const int64_t x_bytes = static_cast<int64_t>(num_rows * x_row_bytes);
+    const int64_t chunk = 1 << 20;
+    at::parallel_for(0, (x_bytes + chunk - 1) / chunk, 1, [&](int64_t lo, int64_t hi) {
+        const int64_t first = lo * chunk, last = std::min(x_bytes, hi * chunk);
+        std::memcpy(dst.x + dst_row * x_row_bytes + first, src.x + src_row * x_row_bytes + first, last - first);
+    });
+    if (dst.scales != nullptr && scale_row_bytes > 0)
+        std::memcpy(dst.scales + dst_row * scale_row_bytes, src.scales + src_row * scale_row_bytes,
+                    num_rows * scale_row_bytes);
+    if (dst.topk_idx != nullptr)
+        std::memcpy(dst.topk_idx + dst_row * num_topk, src.topk_idx + src_row * num_topk,
+                    num_rows * num_topk * sizeof(int64_t));
+    if (dst.topk_weights != nullptr)
+        std::memcpy(dst.topk_weights + dst_row * num_topk, src.topk_weights + src_row * num_topk,
+                    num_rows * num_topk * sizeof(float));
+    if (dst.src_idx != nullptr) std::memcpy(dst.src_idx + dst_row, src.src_idx + src_row, num_rows * sizeof(int32_t));
+}
+
+void combine_reduce(FloatKind kind, const CombineSources& sources, int num_tokens, int hidden, int num_topk,
+                    const uint8_t* bias0, const uint8_t* bias1, uint8_t* out, float* out_weights) {
+    const size_t row_bytes = static_cast<size_t>(hidden) * element_bytes(kind);
+    const int num_ranks = sources.num_ranks;
+    at::parallel_for(0, num_tokens, 16, [&](int64_t lo, int64_t hi) {
+        std::vector<float> acc(hidden);
+        for (int64_t t = lo; t < hi; ++t) {
+            std::fill(acc.begin(), acc.end(), 0.0f);
+            const int32_t* head = sources.send_head + t * num_ranks;
+            for (int r = 0; r < num_ranks; ++r) {
+                if (head[r] < 0) continue;
+                add_row(kind, sources.rows[r] + (sources.row_offset[r] + head[r]) * row_bytes, hidden, acc.data());
+            }
+            if (bias0 != nullptr) add_row(kind, bias0 + t * row_bytes, hidden, acc.data());
+            if (bias1 != nullptr) add_row(kind, bias1 + t * row_bytes, hidden, acc.data());
+            store_row(kind, acc.data(), hidden, out + t * row_bytes);
+            if (out_weights == nullptr) continue;
+            float* weights = out_weights + t * num_topk;
+            std::fill(weights, weights + num_topk, 0.0f);
+            for (int r = 0; r < num_ranks; ++r) {
+                if (head[r] < 0) continue;
+                const float* row = sources.weight_rows[r] + (sources.row_offset[r] + head[r]) * num_topk;
+                for (int k = 0; k < num_topk; ++k) weights[k] += row[k];
+            }
+        }
+    });
+}
+
+void accumulate_rows(FloatKind kind, const uint8_t* rows, const float* weight_rows, const int32_t* tokens, size_t n,
+                     int hidden, int num_topk, float* acc, float* acc_weights) {
+    const size_t row_bytes = static_cast<size_t>(hidden) * element_bytes(kind);
+    // A token appears at most once in one sender's list, so rows of one call never race on acc.
+    at::parallel_for(0, static_cast<int64_t>(n), kRowGrain, [&](int64_t lo, int64_t hi) {
+        for (int64_t k = lo; k < hi; ++k) {
+            const int64_t t = tokens[k];
+            add_row(kind, rows + k * row_bytes, hidden, acc + t * hidden);
+            if (acc_weights == nullptr) continue;
+            for (int j = 0; j < num_topk; ++j) acc_weights[t * num_topk + j] += weight_rows[k * num_topk + j];
+        }
+    });
+}
+
+void finish_accumulation(FloatKind kind, const float* acc, int num_tokens, int hidden, const uint8_t* bias0,
+                         const uint8_t* bias1, uint8_t* out) {
+    const size_t row_bytes = static_cast<size_t>(hidden) * element_bytes(kind);
+    at::parallel_for(0, num_tokens, 16, [&](int64_t lo, int64_t hi) {
+        std::vector<float> row(hidden);
+        for (int64_t t = lo; t < hi; ++t) {
+            std::memcpy(row.data(), acc + t * hidden, sizeof(float) * hidden);
+            if (bias0 != nullptr) add_row(kind, bias0 + t * row_bytes, hidden, row.data());
+            if (bias1 != nullptr) add_row(kind, bias1 + t * row_bytes, hidden, row.data());
+            store_row(kind, row.data(), hidden, out + t * row_bytes);
+        }
+    });
+}
+
+}  // namespace mtdeepep::cpu

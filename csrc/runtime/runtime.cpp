@@ -1,0 +1,669 @@
+#include "runtime/runtime.hpp"
+
+#include <ATen/Parallel.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <future>
+
+#include "common/exception.hpp"
+#include "kernels/cpu/api.hpp"
+
+namespace mtdeepep {
+
+namespace {
+
+constexpr size_t kFieldAlignment = 64;
+
+size_t align_up(size_t value, size_t alignment) {
+    return (value + alignment - 1) / alignment * alignment;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) {
+    return (a + b - 1) / b;
+}
+
+enum OpKind : int32_t { kDispatchOp = 1, kCachedDispatchOp = 2, kCombineOp = 3 };
+
+// Struct-of-arrays layout of rows inside a receive region; identical on every rank for one operation.
+struct RegionLayout {
+    size_t capacity = 0;  // rows per round
+    size_t x_offset = 0, scale_offset = 0, idx_offset = 0, weight_offset = 0, src_offset = 0;
+    bool with_scales = false, with_topk = false, with_weights = false, with_src = false;
+
+    static RegionLayout make(size_t region_bytes, size_t x_row_bytes, size_t scale_row_bytes, int num_topk,
+                             bool with_topk, bool with_weights, bool with_src) {
+        RegionLayout layout;
+        layout.with_scales = scale_row_bytes > 0;
+        layout.with_topk = with_topk;
+        layout.with_weights = with_weights;
+        layout.with_src = with_src;
+        const size_t row_bytes = x_row_bytes + scale_row_bytes + (with_topk ? num_topk * sizeof(int64_t) : 0) +
+                                 (with_weights ? num_topk * sizeof(float) : 0) + (with_src ? sizeof(int32_t) : 0);
+        const size_t slack = 5 * kFieldAlignment;
+        layout.capacity = region_bytes > slack ? (region_bytes - slack) / row_bytes : 0;
+        size_t offset = 0;
+        auto place = [&](size_t& field, size_t bytes_per_row, bool used) {
+            field = offset;
+            if (used) offset = align_up(offset + layout.capacity * bytes_per_row, kFieldAlignment);
+        };
+        place(layout.x_offset, x_row_bytes, true);
+        place(layout.scale_offset, scale_row_bytes, layout.with_scales);
+        place(layout.idx_offset, num_topk * sizeof(int64_t), with_topk);
+        place(layout.weight_offset, num_topk * sizeof(float), with_weights);
+        place(layout.src_offset, sizeof(int32_t), with_src);
+        return layout;
+    }
+
+    static size_t bytes_needed_for_one_row(size_t x_row_bytes, size_t scale_row_bytes, int num_topk, bool with_topk,
+                                           bool with_weights, bool with_src) {
+        return 5 * kFieldAlignment + x_row_bytes + scale_row_bytes + (with_topk ? num_topk * sizeof(int64_t) : 0) +
+               (with_weights ? num_topk * sizeof(float) : 0) + (with_src ? sizeof(int32_t) : 0);
+    }
+
+    cpu::RowArrays arrays(uint8_t* base) const {
+        return {base + x_offset, with_scales ? base + scale_offset : nullptr,
+                with_topk ? reinterpret_cast<int64_t*>(base + idx_offset) : nullptr,
+                with_weights ? reinterpret_cast<float*>(base + weight_offset) : nullptr,
+                with_src ? reinterpret_cast<int32_t*>(base + src_offset) : nullptr};
+    }
+};
+
+// counts[i][j]: tokens rank i sends to rank j. Every rank derives the same plan from it.
+struct TrafficMatrix {
+    int num_ranks;
+    std::vector<int64_t> counts;
+
+    int64_t at(int i, int j) const { return counts[static_cast<size_t>(i) * num_ranks + j]; }
+    // Rows of receiver j that come from sources before i (j's recv_x segment of source i starts here).
+    int64_t recv_offset(int i, int j) const {
+        int64_t sum = 0;
+        for (int s = 0; s < i; ++s) sum += at(s, j);
+        return sum;
+    }
+    int64_t total_received(int j) const { return recv_offset(num_ranks, j); }
+    // Where source i's rows start among the rows receiver j gets from *other* ranks (the region's order).
+    int64_t remote_offset(int i, int j) const {
+        int64_t sum = 0;
+        for (int s = 0; s < i; ++s)
+            if (s != j) sum += at(s, j);
+        return sum;
+    }
+    int64_t remote_received(int j) const { return total_received(j) - at(j, j); }
+
+    static TrafficMatrix from_prefix(const at::Tensor& rank_prefix_matrix) {
+        TrafficMatrix m{static_cast<int>(rank_prefix_matrix.size(0)), {}};
+        auto prefix = rank_prefix_matrix.accessor<int32_t, 2>();
+        m.counts.resize(static_cast<size_t>(m.num_ranks) * m.num_ranks);
+        for (int i = 0; i < m.num_ranks; ++i)
+            for (int j = 0; j < m.num_ranks; ++j)
+                m.counts[i * m.num_ranks + j] = prefix[i][j] - (i > 0 ? prefix[i - 1][j] : 0);
+        return m;
+    }
+};
+
+// The rows [lo, hi) of a round that fall inside a sender's block [begin, begin + count).
+struct Overlap {
+    int64_t begin, end;
+    bool empty() const { return end <= begin; }
+};
+Overlap overlap(int64_t block_begin, int64_t block_count, int64_t lo, int64_t hi) {
+    return {std::max(block_begin, lo), std::min(block_begin + block_count, hi)};
+}
+
+cpu::FloatKind float_kind(at::ScalarType dtype) {
+    switch (dtype) {
+        case at::kBFloat16:
+            return cpu::FloatKind::kBFloat16;
+        case at::kHalf:
+            return cpu::FloatKind::kFloat16;
+        case at::kFloat:
+            return cpu::FloatKind::kFloat32;
+        default:
+            throw std::invalid_argument("mtdeepep: combine supports bfloat16, float16 and float32");
+    }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------
+// Set-up and lifetime
+
+Runtime::Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s, int num_threads)
+    : rank_(rank),
+      num_ranks_(num_ranks),
+      num_nvl_bytes_(num_nvl_bytes),
+      timeout_s_(timeout_s),
+      num_threads_(num_threads),
+      layout_(num_ranks) {
+    if (num_ranks < 1 || rank < 0 || rank >= num_ranks)
+        throw std::invalid_argument(concat("mtdeepep: invalid rank ", rank, " of ", num_ranks));
+    shm::cleanup_stale_segments();
+    own_segment_ = shm::SharedSegment::create(shm::make_segment_name(), layout_.control_bytes + num_nvl_bytes);
+    shm::init_control_header(static_cast<uint8_t*>(own_segment_->data()), rank, num_ranks, num_nvl_bytes);
+}
+
+Runtime::~Runtime() {
+    try {
+        destroy();
+    } catch (...) {
+    }
+}
+
+int64_t Runtime::pid() const {
+    return getpid();
+}
+
+void Runtime::sync(const std::vector<std::string>& names, const std::vector<int64_t>& pids) {
+    if (static_cast<int>(names.size()) != num_ranks_ || static_cast<int>(pids.size()) != num_ranks_)
+        throw std::invalid_argument("mtdeepep: sync needs one segment name and pid per rank");
+    try {
+        segments_.assign(num_ranks_, nullptr);
+        std::vector<uint8_t*> control_areas(num_ranks_);
+        std::vector<pid_t> peer_pids(num_ranks_);
+        const size_t bytes = layout_.control_bytes + num_nvl_bytes_;
+        for (int r = 0; r < num_ranks_; ++r) {
+            segments_[r] = r == rank_ ? own_segment_ : shm::SharedSegment::open(names[r], bytes);
+            control_areas[r] = static_cast<uint8_t*>(segments_[r]->data());
+            peer_pids[r] = static_cast<pid_t>(pids[r]);
+            auto* header = reinterpret_cast<shm::ControlHeader*>(control_areas[r]);
+            if (header->magic != shm::kControlMagic || header->rank != r || header->num_ranks != num_ranks_ ||
+                header->pid != pids[r])
+                throw CommError(concat("mtdeepep: segment ", names[r], " does not belong to rank ", r, " of ",
+                                       num_ranks_, " (pid ", pids[r], ")"));
+        }
+        peers_ = std::make_unique<shm::PeerGroup>(rank_, num_ranks_, control_areas, peer_pids, timeout_s_);
+        peers_->barrier("setup: all segments mapped");
+    } catch (...) {
+        segments_.clear();
+        peers_.reset();
+        own_segment_->unlink();
+        shm::cleanup_stale_segments();
+        throw;
+    }
+    // Every peer holds a mapping now: the name is no longer needed, and nothing is left behind even on SIGKILL.
+    own_segment_->unlink();
+    stream_ = std::make_unique<CommStream>();
+    available_ = true;
+}
+
+void Runtime::destroy() {
+    if (destroyed_) return;
+    destroyed_ = true;
+    if (stream_) stream_->shutdown();
+    if (peers_) {
+        std::lock_guard<std::mutex> lock(failure_mutex_);
+        peers_->mark_failed(failure_.empty() ? concat("rank ", rank_, " destroyed its buffer") : failure_);
+    }
+    available_ = false;
+    peers_.reset();
+    segments_.clear();
+    if (own_segment_) own_segment_->unlink();
+    own_segment_.reset();
+}
+
+void Runtime::set_timeout(double timeout_s) {
+    timeout_s_ = timeout_s;
+    if (peers_) peers_->set_timeout(timeout_s);
+}
+
+void Runtime::check_usable() const {
+    if (destroyed_) throw CommError("mtdeepep: the buffer was destroyed");
+    if (!available_) throw CommError("mtdeepep: the buffer is not set up (sync was not called or failed)");
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    if (!failure_.empty())
+        throw CommError(concat("mtdeepep: the buffer is unusable after an earlier failure: ", failure_));
+}
+
+uint8_t* Runtime::data_region(int rank) const {
+    return static_cast<uint8_t*>(segments_[rank]->data()) + layout_.control_bytes;
+}
+
+at::Tensor Runtime::get_local_buffer_tensor(at::ScalarType dtype, int64_t offset) const {
+    const int64_t element = c10::elementSize(dtype);
+    const int64_t available_bytes = num_nvl_bytes_ - offset * element;
+    if (offset < 0 || available_bytes < 0)
+        throw std::invalid_argument(
+            concat("mtdeepep: offset ", offset, " is outside the ", num_nvl_bytes_, "-byte buffer"));
+    auto keep_alive = own_segment_;
+    uint8_t* base = static_cast<uint8_t*>(own_segment_->data()) + layout_.control_bytes + offset * element;
+    return at::from_blob(base, {available_bytes / element}, [keep_alive](void*) {}, at::TensorOptions().dtype(dtype));
+}
+
+EventPtr Runtime::submit(const EventPtr& previous_event, std::function<void()> body) {
+    auto done = std::make_shared<Event>();
+    const int num_threads = num_threads_;
+    stream_->submit([this, previous_event, body = std::move(body), done, num_threads] {
+        try {
+            if (previous_event) previous_event->wait();
+            if (at::get_num_threads() != num_threads) at::set_num_threads(num_threads);
+            {
+                std::lock_guard<std::mutex> lock(failure_mutex_);
+                if (!failure_.empty())
+                    throw CommError(concat("mtdeepep: the buffer is unusable after an earlier failure: ", failure_));
+            }
+            body();
+            done->complete();
+        } catch (const GroupMismatch&) {
+            done->complete(std::current_exception());
+        } catch (const std::exception& error) {
+            {
+                std::lock_guard<std::mutex> lock(failure_mutex_);
+                if (failure_.empty()) {
+                    failure_ = error.what();
+                    if (peers_) peers_->mark_failed(concat("rank ", rank_, ": ", error.what()));
+                }
+            }
+            done->complete(std::current_exception());
+        }
+    });
+    return done;
+}
+
+void Runtime::exchange_signature(const std::vector<int32_t>& signature, const char* phase) {
+    int32_t* mine = peers_->mailbox(rank_, layout_.signature_offset);
+    std::fill(mine, mine + shm::kOpSignatureInts, 0);
+    std::copy(signature.begin(), signature.end(), mine);
+    peers_->barrier(phase);
+    for (int r = 0; r < num_ranks_; ++r) {
+        const int32_t* theirs = peers_->mailbox(r, layout_.signature_offset);
+        if (!std::equal(signature.begin(), signature.end(), theirs)) {
+            std::string a, b;
+            for (size_t i = 0; i < signature.size(); ++i) {
+                a += concat(i ? "," : "", signature[i]);
+                b += concat(i ? "," : "", theirs[i]);
+            }
+            throw GroupMismatch(concat("mtdeepep: ranks disagree on the operation in phase '", phase, "': rank ", rank_,
+                                       " has (", a, ") but rank ", r, " has (", b,
+                                       ") [kind, row bytes, scale bytes, top-k, weights, experts]"));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Layout
+
+LayoutResult Runtime::get_dispatch_layout(const at::Tensor& topk_idx, int num_experts, const EventPtr& previous_event,
+                                          bool async_finish) {
+    check_usable();
+    const int num_tokens = static_cast<int>(topk_idx.size(0));
+    const int num_topk = static_cast<int>(topk_idx.size(1));
+    auto num_tokens_per_rank = at::empty({num_ranks_}, at::kInt);
+    auto num_tokens_per_expert = at::empty({num_experts}, at::kInt);
+    auto is_token_in_rank = at::empty({num_tokens, num_ranks_}, at::kBool);
+    const int num_ranks = num_ranks_;
+    auto event = submit(previous_event, [=]() mutable {
+        cpu::get_dispatch_layout(topk_idx.data_ptr<int64_t>(), num_tokens, num_topk, num_ranks, num_experts,
+                                 num_tokens_per_rank.data_ptr<int32_t>(), num_tokens_per_expert.data_ptr<int32_t>(),
+                                 is_token_in_rank.data_ptr<bool>());
+    });
+    if (!async_finish) event->wait();
+    return {num_tokens_per_rank, std::nullopt, num_tokens_per_expert, is_token_in_rank, event};
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dispatch
+
+struct Runtime::DispatchArgs {
+    at::Tensor x;
+    OptTensor x_scales, topk_idx, topk_weights, num_tokens_per_expert;
+    at::Tensor is_token_in_rank;
+    OptTensor cached_rank_prefix_matrix;
+    int expert_alignment, num_worst_tokens, num_channels;
+    // Outputs, published through `allocated` before the data moves.
+    at::Tensor recv_x, send_head, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx;
+    OptTensor recv_x_scales, recv_topk_idx, recv_topk_weights;
+    std::vector<int> num_recv_tokens_per_expert;
+    std::promise<void> allocated;
+};
+
+DispatchResult Runtime::intranode_dispatch(const at::Tensor& x, const OptTensor& x_scales, const OptTensor& topk_idx,
+                                           const OptTensor& topk_weights, const OptTensor& num_tokens_per_rank,
+                                           const at::Tensor& is_token_in_rank, const OptTensor& num_tokens_per_expert,
+                                           const OptTensor& cached_rank_prefix_matrix, int expert_alignment,
+                                           int num_worst_tokens, int num_channels, const EventPtr& previous_event,
+                                           bool async_finish) {
+    check_usable();
+    (void)num_tokens_per_rank;  // recomputed from is_token_in_rank, which Python checked against it
+    auto args = std::make_shared<DispatchArgs>();
+    args->x = x;
+    args->x_scales = x_scales;
+    args->topk_idx = topk_idx;
+    args->topk_weights = topk_weights;
+    args->num_tokens_per_expert = num_tokens_per_expert;
+    args->is_token_in_rank = is_token_in_rank;
+    args->cached_rank_prefix_matrix = cached_rank_prefix_matrix;
+    args->expert_alignment = expert_alignment;
+    args->num_worst_tokens = num_worst_tokens;
+    args->num_channels = std::clamp(num_channels, 1, shm::kMaxChannels);
+    auto allocated = args->allocated.get_future();
+    auto event = submit(previous_event, [this, args] {
+        try {
+            run_dispatch(*args);
+        } catch (...) {
+            try {
+                args->allocated.set_exception(std::current_exception());
+            } catch (const std::future_error&) {
+                // outputs were already published; the error reaches the caller through the event
+            }
+            throw;
+        }
+    });
+    allocated.get();  // the host needs the receive counts to return sized tensors, as upstream's CPU sync
+    if (!async_finish) event->wait();
+    auto& a = *args;
+    return {a.recv_x,
+            a.recv_x_scales,
+            a.recv_topk_idx,
+            a.recv_topk_weights,
+            a.num_recv_tokens_per_expert,
+            a.rank_prefix_matrix,
+            a.channel_prefix_matrix,
+            a.recv_channel_prefix_matrix,
+            a.recv_src_idx,
+            a.send_head,
+            event};
+}
+
+void Runtime::run_dispatch(DispatchArgs& a) {
+    const bool cached = a.cached_rank_prefix_matrix.has_value();
+    const int num_tokens = static_cast<int>(a.x.size(0));
+    const int num_channels = a.num_channels;
+    const int num_topk = a.topk_idx ? static_cast<int>(a.topk_idx->size(1)) : 0;
+    const int num_experts = a.num_tokens_per_expert ? static_cast<int>(a.num_tokens_per_expert->size(0)) : 0;
+    const int experts_per_rank = num_experts / num_ranks_;
+    const size_t x_row_bytes = a.x.size(1) * a.x.element_size();
+    const int num_scales = a.x_scales ? static_cast<int>(a.x_scales->size(1)) : 0;
+    const size_t scale_element_bytes = a.x_scales ? a.x_scales->element_size() : 0;
+    const size_t scale_row_bytes = num_scales * scale_element_bytes;
+    const bool with_weights = a.topk_weights.has_value();
+
+    a.send_head = at::empty({num_tokens, num_ranks_}, at::kInt);
+    const cpu::SendPlan plan = cpu::make_send_plan(a.is_token_in_rank.data_ptr<bool>(), num_tokens, num_ranks_,
+                                                   num_channels, a.send_head.data_ptr<int32_t>());
+
+    // Phase 1: agree on who sends how much (skipped in cached mode, where the handle already says it).
+    TrafficMatrix traffic{num_ranks_, {}};
+    const std::vector<int32_t> signature = {cached ? kCachedDispatchOp : kDispatchOp,
+                                            static_cast<int32_t>(x_row_bytes),
+                                            static_cast<int32_t>(scale_row_bytes),
+                                            num_topk,
+                                            with_weights,
+                                            num_experts};
+    if (cached) {
+        traffic = TrafficMatrix::from_prefix(*a.cached_rank_prefix_matrix);
+        exchange_signature(signature, "dispatch (cached): begin");
+    } else {
+        int32_t* rank_counts = peers_->mailbox(rank_, layout_.rank_counts_offset);
+        int32_t* channel_counts = peers_->mailbox(rank_, layout_.channel_counts_offset);
+        for (int r = 0; r < num_ranks_; ++r) {
+            rank_counts[r] = static_cast<int32_t>(plan.tokens_per_rank[r].size());
+            std::copy_n(plan.channel_counts.data() + r * num_channels, num_channels,
+                        channel_counts + r * shm::kMaxChannels);
+        }
+        std::copy_n(a.num_tokens_per_expert->data_ptr<int32_t>(), num_experts,
+                    peers_->mailbox(rank_, layout_.expert_counts_offset));
+        exchange_signature(signature, "dispatch: counts published");
+        traffic.counts.resize(static_cast<size_t>(num_ranks_) * num_ranks_);
+        for (int i = 0; i < num_ranks_; ++i)
+            for (int j = 0; j < num_ranks_; ++j)
+                traffic.counts[i * num_ranks_ + j] = peers_->mailbox(i, layout_.rank_counts_offset)[j];
+    }
+
+    const int64_t num_recv = traffic.total_received(rank_);
+    if (a.num_worst_tokens > 0) {
+        for (int j = 0; j < num_ranks_; ++j)
+            if (traffic.total_received(j) > a.num_worst_tokens)
+                throw GroupMismatch(concat("mtdeepep: rank ", j, " receives ", traffic.total_received(j),
+                                           " tokens, more than num_worst_tokens=", a.num_worst_tokens));
+    }
+    const RegionLayout region =
+        RegionLayout::make(num_nvl_bytes_, x_row_bytes, scale_row_bytes, num_topk, num_topk > 0, with_weights, true);
+    int64_t max_remote = 0;
+    for (int j = 0; j < num_ranks_; ++j) max_remote = std::max(max_remote, traffic.remote_received(j));
+    if (max_remote > 0 && region.capacity == 0)
+        throw GroupMismatch(concat("mtdeepep: num_nvl_bytes=", num_nvl_bytes_,
+                                   " cannot hold one token row; dispatch "
+                                   "needs at least ",
+                                   RegionLayout::bytes_needed_for_one_row(x_row_bytes, scale_row_bytes, num_topk,
+                                                                          num_topk > 0, with_weights, true),
+                                   " bytes"));
+
+    // Phase 2: allocate the outputs and hand them to the caller.
+    const int64_t num_rows = a.num_worst_tokens > 0 ? a.num_worst_tokens : num_recv;
+    a.recv_x = at::empty({num_rows, a.x.size(1)}, a.x.options());
+    if (a.x_scales) a.recv_x_scales = at::empty({num_rows, num_scales}, a.x_scales->options());
+    a.recv_src_idx = at::empty({num_rows}, at::kInt);
+    if (num_topk > 0) {
+        a.recv_topk_idx = at::empty({num_rows, num_topk}, at::kLong);
+        if (with_weights) a.recv_topk_weights = at::empty({num_rows, num_topk}, at::kFloat);
+        if (num_rows > num_recv) {
+            a.recv_topk_idx->narrow(0, num_recv, num_rows - num_recv).fill_(-1);
+            if (with_weights) a.recv_topk_weights->narrow(0, num_recv, num_rows - num_recv).zero_();
+        }
+    }
+    if (num_rows > num_recv) a.recv_src_idx.narrow(0, num_recv, num_rows - num_recv).fill_(-1);
+    if (cached) {
+        a.rank_prefix_matrix = *a.cached_rank_prefix_matrix;
+        a.channel_prefix_matrix = at::empty({0}, at::kInt);
+        a.recv_channel_prefix_matrix = at::empty({0}, at::kInt);
+    } else {
+        a.rank_prefix_matrix = at::empty({num_ranks_, num_ranks_}, at::kInt);
+        a.channel_prefix_matrix = at::empty({num_ranks_, num_channels}, at::kInt);
+        a.recv_channel_prefix_matrix = at::empty({num_ranks_, num_channels}, at::kInt);
+        auto prefix = a.rank_prefix_matrix.accessor<int32_t, 2>();
+        auto channel_prefix = a.channel_prefix_matrix.accessor<int32_t, 2>();
+        auto recv_channel_prefix = a.recv_channel_prefix_matrix.accessor<int32_t, 2>();
+        for (int i = 0; i < num_ranks_; ++i) {
+            const int32_t* their_channels =
+                peers_->mailbox(i, layout_.channel_counts_offset) + rank_ * shm::kMaxChannels;
+            int64_t mine = 0, theirs = traffic.recv_offset(i, rank_);
+            for (int c = 0; c < num_channels; ++c) {
+                recv_channel_prefix[i][c] = static_cast<int32_t>(theirs);  // where source i's channel c starts
+                theirs += their_channels[c];
+                mine += plan.channel_counts[i * num_channels + c];
+                channel_prefix[i][c] = static_cast<int32_t>(mine);  // tokens to rank i from channels <= c
+            }
+            for (int j = 0; j < num_ranks_; ++j) prefix[i][j] = static_cast<int32_t>(traffic.recv_offset(i + 1, j));
+        }
+        a.num_recv_tokens_per_expert.assign(experts_per_rank, 0);
+        for (int i = 0; i < num_ranks_; ++i) {
+            const int32_t* expert_counts = peers_->mailbox(i, layout_.expert_counts_offset);
+            for (int e = 0; e < experts_per_rank; ++e)
+                a.num_recv_tokens_per_expert[e] += expert_counts[rank_ * experts_per_rank + e];
+        }
+        for (int& count : a.num_recv_tokens_per_expert)
+            count = static_cast<int>(ceil_div(count, a.expert_alignment) * a.expert_alignment);
+        if (a.num_worst_tokens > 0) a.num_recv_tokens_per_expert.clear();
+    }
+    a.allocated.set_value();
+
+    // Phase 3: move the rows. Own rows go straight to the outputs; the others go into the receivers' regions,
+    // in rounds of `region.capacity` rows when they do not fit at once.
+    const cpu::DispatchSource source{static_cast<const uint8_t*>(a.x.data_ptr()),
+                                     a.x.stride(0) * a.x.element_size(),
+                                     x_row_bytes,
+                                     a.x_scales ? static_cast<const uint8_t*>(a.x_scales->data_ptr()) : nullptr,
+                                     a.x_scales ? a.x_scales->stride(0) : 0,
+                                     a.x_scales ? a.x_scales->stride(1) : 0,
+                                     num_scales,
+                                     scale_element_bytes,
+                                     a.topk_idx ? a.topk_idx->data_ptr<int64_t>() : nullptr,
+                                     with_weights ? a.topk_weights->data_ptr<float>() : nullptr,
+                                     num_topk};
+    const cpu::RowArrays outputs{static_cast<uint8_t*>(a.recv_x.data_ptr()),
+                                 a.recv_x_scales ? static_cast<uint8_t*>(a.recv_x_scales->data_ptr()) : nullptr,
+                                 a.recv_topk_idx ? a.recv_topk_idx->data_ptr<int64_t>() : nullptr,
+                                 a.recv_topk_weights ? a.recv_topk_weights->data_ptr<float>() : nullptr,
+                                 a.recv_src_idx.data_ptr<int32_t>()};
+    const int64_t first_local_expert = static_cast<int64_t>(rank_) * experts_per_rank;
+    cpu::write_dispatch_rows(source, plan.tokens_per_rank[rank_].data(), 0, traffic.at(rank_, rank_), outputs,
+                             traffic.recv_offset(rank_, rank_), first_local_expert, experts_per_rank);
+
+    const int64_t capacity = static_cast<int64_t>(region.capacity);
+    const int64_t num_rounds = max_remote == 0 ? 0 : ceil_div(max_remote, capacity);
+    const cpu::RowArrays my_region = region.arrays(data_region(rank_));
+    for (int64_t round = 0; round < num_rounds; ++round) {
+        const int64_t lo = round * capacity, hi = lo + capacity;
+        for (int j = 0; j < num_ranks_; ++j) {
+            if (j == rank_) continue;
+            const int64_t begin = traffic.remote_offset(rank_, j);
+            const Overlap part = overlap(begin, traffic.at(rank_, j), lo, hi);
+            if (part.empty()) continue;
+            cpu::write_dispatch_rows(source, plan.tokens_per_rank[j].data(), part.begin - begin, part.end - begin,
+                                     region.arrays(data_region(j)), part.begin - lo,
+                                     static_cast<int64_t>(j) * experts_per_rank, experts_per_rank);
+        }
+        peers_->barrier("dispatch: rows written");
+        for (int i = 0; i < num_ranks_; ++i) {
+            if (i == rank_) continue;
+            const int64_t begin = traffic.remote_offset(i, rank_);
+            const Overlap part = overlap(begin, traffic.at(i, rank_), lo, hi);
+            if (part.empty()) continue;
+            cpu::copy_rows(my_region, part.begin - lo, outputs, traffic.recv_offset(i, rank_) + (part.begin - begin),
+                           part.end - part.begin, x_row_bytes, scale_row_bytes, num_topk);
+        }
+        if (round + 1 < num_rounds) peers_->barrier("dispatch: round consumed");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Combine
+
+struct Runtime::CombineArgs {
+    at::Tensor x;
+    OptTensor topk_weights, bias0, bias1;
+    at::Tensor rank_prefix_matrix, send_head;
+    int num_channels;
+    at::Tensor combined_x;
+    OptTensor combined_topk_weights;
+};
+
+CombineResult Runtime::intranode_combine(const at::Tensor& x, const OptTensor& topk_weights, const OptTensor& bias0,
+                                         const OptTensor& bias1, const at::Tensor& rank_prefix_matrix,
+                                         const at::Tensor& send_head, int num_channels, const EventPtr& previous_event,
+                                         bool async_finish) {
+    check_usable();
+    auto args = std::make_shared<CombineArgs>();
+    args->x = x;
+    args->topk_weights = topk_weights;
+    args->bias0 = bias0;
+    args->bias1 = bias1;
+    args->rank_prefix_matrix = rank_prefix_matrix;
+    args->send_head = send_head;
+    args->num_channels = std::clamp(num_channels, 1, shm::kMaxChannels);
+    const int64_t num_tokens = send_head.size(0);
+    args->combined_x = at::empty({num_tokens, x.size(1)}, x.options());
+    if (topk_weights) args->combined_topk_weights = at::empty({num_tokens, topk_weights->size(1)}, at::kFloat);
+    auto event = submit(previous_event, [this, args] { run_combine(*args); });
+    if (!async_finish) event->wait();
+    return {args->combined_x, args->combined_topk_weights, event};
+}
+
+void Runtime::run_combine(CombineArgs& a) {
+    const int num_tokens = static_cast<int>(a.send_head.size(0));
+    const int hidden = static_cast<int>(a.x.size(1));
+    const size_t x_row_bytes = hidden * a.x.element_size();
+    const int num_topk = a.topk_weights ? static_cast<int>(a.topk_weights->size(1)) : 0;
+    const bool with_weights = a.topk_weights.has_value();
+    const cpu::FloatKind kind = float_kind(a.x.scalar_type());
+    const TrafficMatrix traffic = TrafficMatrix::from_prefix(a.rank_prefix_matrix);
+
+    exchange_signature({kCombineOp, static_cast<int32_t>(x_row_bytes), 0, num_topk, with_weights, 0}, "combine: begin");
+
+    // Rank i's region receives the rows of the tokens it sent, from every other rank j, ordered by j.
+    const RegionLayout region =
+        RegionLayout::make(num_nvl_bytes_, x_row_bytes, 0, num_topk, false, with_weights, false);
+    int64_t max_remote = 0;
+    for (int i = 0; i < num_ranks_; ++i) {
+        int64_t incoming = 0;
+        for (int j = 0; j < num_ranks_; ++j)
+            if (j != i) incoming += traffic.at(i, j);
+        max_remote = std::max(max_remote, incoming);
+    }
+    if (max_remote > 0 && region.capacity == 0)
+        throw GroupMismatch(concat(
+            "mtdeepep: num_nvl_bytes=", num_nvl_bytes_,
+            " cannot hold one token row; combine "
+            "needs at least ",
+            RegionLayout::bytes_needed_for_one_row(x_row_bytes, 0, num_topk, false, with_weights, false), " bytes"));
+    // Offset of sender j's rows in receiver i's region: the transpose of dispatch's traffic.
+    auto combine_offset = [&](int j, int i) {
+        int64_t sum = 0;
+        for (int s = 0; s < j; ++s)
+            if (s != i) sum += traffic.at(i, s);
+        return sum;
+    };
+    const int64_t capacity = static_cast<int64_t>(region.capacity);
+    const int64_t num_rounds = max_remote == 0 ? 0 : ceil_div(max_remote, capacity);
+    const uint8_t* x_rows = static_cast<const uint8_t*>(a.x.data_ptr());
+    const float* weight_rows = with_weights ? a.topk_weights->data_ptr<float>() : nullptr;
+    const cpu::RowArrays my_rows{const_cast<uint8_t*>(x_rows), nullptr, nullptr, const_cast<float*>(weight_rows),
+                                 nullptr};
+    const cpu::RowArrays my_region = region.arrays(data_region(rank_));
+    const uint8_t* bias0 = a.bias0 ? static_cast<const uint8_t*>(a.bias0->data_ptr()) : nullptr;
+    const uint8_t* bias1 = a.bias1 ? static_cast<const uint8_t*>(a.bias1->data_ptr()) : nullptr;
+    uint8_t* out = static_cast<uint8_t*>(a.combined_x.data_ptr());
+    float* out_weights = with_weights ? a.combined_topk_weights->data_ptr<float>() : nullptr;
+
+    auto send_round = [&](int64_t lo, int64_t hi) {
+        for (int i = 0; i < num_ranks_; ++i) {
+            if (i == rank_) continue;
+            const int64_t begin = combine_offset(rank_, i);
+            const Overlap part = overlap(begin, traffic.at(i, rank_), lo, hi);
+            if (part.empty()) continue;
+            cpu::copy_rows(my_rows, traffic.recv_offset(i, rank_) + (part.begin - begin), region.arrays(data_region(i)),
+                           part.begin - lo, part.end - part.begin, x_row_bytes, 0, 0);
+            if (with_weights)
+                std::memcpy(region.arrays(data_region(i)).topk_weights + (part.begin - lo) * num_topk,
+                            weight_rows + (traffic.recv_offset(i, rank_) + (part.begin - begin)) * num_topk,
+                            (part.end - part.begin) * num_topk * sizeof(float));
+        }
+    };
+
+    if (num_rounds <= 1) {
+        // Everything fits: one pass per token over its contributions, straight into the output.
+        if (num_rounds == 1) {
+            send_round(0, capacity);
+            peers_->barrier("combine: rows written");
+        }
+        cpu::CombineSources sources{a.send_head.data_ptr<int32_t>(), num_ranks_, {}, {}, {}};
+        for (int j = 0; j < num_ranks_; ++j) {
+            const bool local = j == rank_;
+            sources.rows.push_back(local ? x_rows : my_region.x);
+            sources.row_offset.push_back(local ? traffic.recv_offset(rank_, rank_) : combine_offset(j, rank_));
+            sources.weight_rows.push_back(local ? weight_rows : my_region.topk_weights);
+        }
+        cpu::combine_reduce(kind, sources, num_tokens, hidden, num_topk, bias0, bias1, out, out_weights);
+        return;
+    }
+
+    // Several rounds: accumulate each round's rows into an FP32 buffer, then cast once.
+    const cpu::SendPlan plan = cpu::send_plan_from_head(a.send_head.data_ptr<int32_t>(), num_tokens, num_ranks_, 1);
+    auto acc = at::zeros({num_tokens, hidden}, at::kFloat);
+    if (with_weights) a.combined_topk_weights->zero_();
+    cpu::accumulate_rows(kind, x_rows + traffic.recv_offset(rank_, rank_) * x_row_bytes,
+                         with_weights ? weight_rows + traffic.recv_offset(rank_, rank_) * num_topk : nullptr,
+                         plan.tokens_per_rank[rank_].data(), traffic.at(rank_, rank_), hidden, num_topk,
+                         acc.data_ptr<float>(), out_weights);
+    for (int64_t round = 0; round < num_rounds; ++round) {
+        const int64_t lo = round * capacity, hi = lo + capacity;
+        send_round(lo, hi);
+        peers_->barrier("combine: rows written");
+        for (int j = 0; j < num_ranks_; ++j) {
+            if (j == rank_) continue;
+            const int64_t begin = combine_offset(j, rank_);
+            const Overlap part = overlap(begin, traffic.at(rank_, j), lo, hi);
+            if (part.empty()) continue;
+            cpu::accumulate_rows(kind, my_region.x + (part.begin - lo) * x_row_bytes,
+                                 with_weights ? my_region.topk_weights + (part.begin - lo) * num_topk : nullptr,
+                                 plan.tokens_per_rank[j].data() + (part.begin - begin), part.end - part.begin, hidden,
+                                 num_topk, acc.data_ptr<float>(), out_weights);
+        }
+        if (round + 1 < num_rounds) peers_->barrier("combine: round consumed");
+    }
+    cpu::finish_accumulation(kind, acc.data_ptr<float>(), num_tokens, hidden, bias0, bias1, out);
+}
+
+}  // namespace mtdeepep

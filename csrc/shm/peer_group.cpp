@@ -1,0 +1,143 @@
+#include "shm/peer_group.hpp"
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "common/exception.hpp"
+#include "shm/segment.hpp"
+
+namespace mtdeepep::shm {
+
+namespace {
+
+size_t round_up(size_t value, size_t alignment) {
+    return (value + alignment - 1) / alignment * alignment;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+}
+
+void copy_label(char* dst, size_t capacity, const std::string& text) {
+    size_t n = std::min(capacity - 1, text.size());
+    std::memcpy(dst, text.data(), n);
+    dst[n] = '\0';
+}
+
+}  // namespace
+
+MailboxLayout::MailboxLayout(int num_ranks) : num_ranks(num_ranks) {
+    size_t offset = round_up(sizeof(ControlHeader), 64);
+    signature_offset = offset;
+    offset = round_up(offset + kOpSignatureInts * sizeof(int32_t), 64);
+    rank_counts_offset = offset;
+    offset = round_up(offset + num_ranks * sizeof(int32_t), 64);
+    channel_counts_offset = offset;
+    offset = round_up(offset + static_cast<size_t>(num_ranks) * kMaxChannels * sizeof(int32_t), 64);
+    expert_counts_offset = offset;
+    offset += kMaxExperts * sizeof(int32_t);
+    control_bytes = round_up(offset, 4096);
+}
+
+void init_control_header(uint8_t* control_area, int rank, int num_ranks, size_t data_bytes) {
+    auto* header = new (control_area) ControlHeader();
+    header->rank = rank;
+    header->num_ranks = num_ranks;
+    header->pid = getpid();
+    header->data_bytes = data_bytes;
+    header->arrived.store(0, std::memory_order_relaxed);
+    header->failed.store(0, std::memory_order_relaxed);
+    copy_label(header->phase, sizeof(header->phase), "created");
+    std::atomic_thread_fence(std::memory_order_release);
+    header->magic = kControlMagic;
+}
+
+PeerGroup::PeerGroup(int rank, int num_ranks, std::vector<uint8_t*> control_areas, std::vector<pid_t> pids,
+                     double timeout_s)
+    : rank_(rank),
+      num_ranks_(num_ranks),
+      control_areas_(std::move(control_areas)),
+      pids_(std::move(pids)),
+      timeout_s_(timeout_s) {}
+
+void PeerGroup::mark_failed(const std::string& reason) {
+    ControlHeader* self = header(rank_);
+    copy_label(self->failure, sizeof(self->failure), reason);
+    self->failed.store(1, std::memory_order_release);
+}
+
+void PeerGroup::barrier(const char* phase) {
+    using clock = std::chrono::steady_clock;
+    const uint64_t target = ++arrived_;
+    ControlHeader* self = header(rank_);
+    copy_label(self->phase, sizeof(self->phase), phase);
+    self->arrived.store(target, std::memory_order_release);
+
+    std::vector<int> waiting;
+    for (int peer = 0; peer < num_ranks_; ++peer)
+        if (peer != rank_) waiting.push_back(peer);
+
+    const auto start = clock::now();
+    auto next_check = start + std::chrono::milliseconds(20);
+    for (uint64_t iteration = 0; !waiting.empty(); ++iteration) {
+        for (size_t i = 0; i < waiting.size();) {
+            ControlHeader* peer = header(waiting[i]);
+            if (peer->arrived.load(std::memory_order_acquire) >= target) {
+                waiting[i] = waiting.back();
+                waiting.pop_back();
+                continue;
+            }
+            if (peer->failed.load(std::memory_order_acquire) != 0) {
+                std::string reason(peer->failure);
+                throw CommError(concat("mtdeepep: rank ", rank_, " stopped waiting in phase '", phase, "' (barrier #",
+                                       target, "): rank ", waiting[i], " failed: ", reason));
+            }
+            ++i;
+        }
+        if (waiting.empty()) break;
+
+        // Spin briefly (peers usually arrive within microseconds), then yield the core: with more ranks than
+        // cores a spinning waiter would starve the rank it waits for.
+        if (iteration < 2000) {
+            cpu_relax();
+        } else if (iteration < 20000) {
+            sched_yield();
+        } else {
+            std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+        if ((iteration & 255) != 0) continue;
+
+        const auto now = clock::now();
+        if (now < next_check) continue;
+        next_check = now + std::chrono::milliseconds(20);
+        for (int peer : waiting) {
+            if (!process_alive(pids_[peer]))
+                throw CommError(concat("mtdeepep: rank ", rank_, " stopped waiting in phase '", phase, "' (barrier #",
+                                       target, "): rank ", peer, " (pid ", pids_[peer], ") exited without arriving"));
+        }
+        const double elapsed = std::chrono::duration<double>(now - start).count();
+        if (elapsed > timeout_s_) {
+            std::string missing, detail;
+            std::sort(waiting.begin(), waiting.end());
+            for (int peer : waiting) {
+                missing += concat(missing.empty() ? "" : ", ", peer);
+                ControlHeader* p = header(peer);
+                detail += concat("; rank ", peer, " last arrived at '", std::string(p->phase), "' (barrier #",
+                                 p->arrived.load(), ")");
+            }
+            throw CommTimeout(concat("mtdeepep: rank ", rank_, " timed out after ", timeout_s_, " s in phase '", phase,
+                                     "' (barrier #", target, "): rank(s) [", missing, "] did not arrive", detail));
+        }
+    }
+}
+
+}  // namespace mtdeepep::shm

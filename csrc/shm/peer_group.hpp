@@ -1,0 +1,77 @@
+// The control block each rank keeps at the start of its segment, and the barrier built on it.
+//
+// Every rank runs the same sequence of barriers, so one monotonically increasing counter per rank is enough:
+// barrier #n passes once every peer's counter reaches n. A wait that does not finish names the ranks that did not
+// arrive and the last phase each of them reached; a peer that failed, exited or destroyed its buffer ends the wait
+// at once with that cause.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace mtdeepep::shm {
+
+constexpr uint64_t kControlMagic = 0x6d74646565706570ull;  // "mtdeepep"
+constexpr int kMaxChannels = 128;
+constexpr int kMaxExperts = 1 << 16;
+constexpr int kOpSignatureInts = 16;
+
+struct alignas(64) ControlHeader {
+    uint64_t magic;
+    int32_t rank;
+    int32_t num_ranks;
+    int64_t pid;
+    uint64_t data_bytes;
+    alignas(64) std::atomic<uint64_t> arrived;  // barriers this rank has arrived at
+    alignas(64) std::atomic<int32_t> failed;    // non-zero once the owner failed or destroyed its buffer
+    char failure[480];
+    char phase[64];  // label of the owner's last barrier, for error messages
+};
+
+// Where the per-operation mailbox (counts a rank publishes for its peers) lives inside the control area.
+struct MailboxLayout {
+    int num_ranks;
+    size_t signature_offset;       // int32[kOpSignatureInts]: what the operation is, checked across ranks
+    size_t rank_counts_offset;     // int32[R]: tokens this rank sends to each rank
+    size_t channel_counts_offset;  // int32[R * kMaxChannels]: the same per sender channel
+    size_t expert_counts_offset;   // int32[kMaxExperts]: tokens this rank sends to each expert
+    size_t control_bytes;          // header + mailbox, rounded to pages: the data region starts here
+
+    explicit MailboxLayout(int num_ranks);
+};
+
+class PeerGroup {
+  public:
+    PeerGroup(int rank, int num_ranks, std::vector<uint8_t*> control_areas, std::vector<pid_t> pids, double timeout_s);
+
+    // Arrive at the next barrier and wait for every peer. Throws CommTimeout / CommError.
+    void barrier(const char* phase);
+
+    // Publishes a failure so peers stop waiting for this rank.
+    void mark_failed(const std::string& reason);
+
+    int32_t* mailbox(int rank, size_t offset) const {
+        return reinterpret_cast<int32_t*>(control_areas_[rank] + offset);
+    }
+    ControlHeader* header(int rank) const { return reinterpret_cast<ControlHeader*>(control_areas_[rank]); }
+    uint64_t barriers_passed() const { return arrived_; }
+    void set_timeout(double timeout_s) { timeout_s_ = timeout_s; }
+    double timeout() const { return timeout_s_; }
+
+  private:
+    int rank_;
+    int num_ranks_;
+    std::vector<uint8_t*> control_areas_;
+    std::vector<pid_t> pids_;
+    double timeout_s_;
+    uint64_t arrived_ = 0;
+};
+
+void init_control_header(uint8_t* control_area, int rank, int num_ranks, size_t data_bytes);
+
+}  // namespace mtdeepep::shm
