@@ -323,7 +323,10 @@ class Buffer:
             "is_token_in_rank", is_token_in_rank, dtypes=(torch.bool,), shape=(num_tokens, self.group_size),
             device=self.device,
         )  # fmt: skip
-        if not torch.equal(is_token_in_rank.sum(dim=0, dtype=torch.int32), num_tokens_per_rank):
+        # The layout may still be in flight (async get_dispatch_layout); then there is nothing to compare yet.
+        if (previous_event is None or previous_event.query()) and not torch.equal(
+            is_token_in_rank.sum(dim=0, dtype=torch.int32), num_tokens_per_rank
+        ):
             raise ValueError("mtdeepep: num_tokens_per_rank does not match is_token_in_rank's column sums")
         if topk_idx is not None:
             check_topk_idx(topk_idx, num_experts, self.device, num_tokens)

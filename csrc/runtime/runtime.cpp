@@ -262,12 +262,12 @@ EventPtr Runtime::submit(const EventPtr& previous_event, std::function<void()> b
 }
 
 void Runtime::exchange_signature(const std::vector<int32_t>& signature, const char* phase) {
-    int32_t* mine = peers_->mailbox(rank_, layout_.signature_offset);
+    int32_t* mine = mailbox(rank_, layout_.signature_offset);
     std::fill(mine, mine + shm::kOpSignatureInts, 0);
     std::copy(signature.begin(), signature.end(), mine);
     peers_->barrier(phase);
     for (int r = 0; r < num_ranks_; ++r) {
-        const int32_t* theirs = peers_->mailbox(r, layout_.signature_offset);
+        const int32_t* theirs = mailbox(r, layout_.signature_offset);
         if (!std::equal(signature.begin(), signature.end(), theirs)) {
             std::string a, b;
             for (size_t i = 0; i < signature.size(); ++i) {
@@ -367,6 +367,7 @@ DispatchResult Runtime::intranode_dispatch(const at::Tensor& x, const OptTensor&
 }
 
 void Runtime::run_dispatch(DispatchArgs& a) {
+    ++operation_;  // switch mailbox slots before publishing anything
     const bool cached = a.cached_rank_prefix_matrix.has_value();
     const int num_tokens = static_cast<int>(a.x.size(0));
     const int num_channels = a.num_channels;
@@ -395,20 +396,20 @@ void Runtime::run_dispatch(DispatchArgs& a) {
         traffic = TrafficMatrix::from_prefix(*a.cached_rank_prefix_matrix);
         exchange_signature(signature, "dispatch (cached): begin");
     } else {
-        int32_t* rank_counts = peers_->mailbox(rank_, layout_.rank_counts_offset);
-        int32_t* channel_counts = peers_->mailbox(rank_, layout_.channel_counts_offset);
+        int32_t* rank_counts = mailbox(rank_, layout_.rank_counts_offset);
+        int32_t* channel_counts = mailbox(rank_, layout_.channel_counts_offset);
         for (int r = 0; r < num_ranks_; ++r) {
             rank_counts[r] = static_cast<int32_t>(plan.tokens_per_rank[r].size());
             std::copy_n(plan.channel_counts.data() + r * num_channels, num_channels,
                         channel_counts + r * shm::kMaxChannels);
         }
         std::copy_n(a.num_tokens_per_expert->data_ptr<int32_t>(), num_experts,
-                    peers_->mailbox(rank_, layout_.expert_counts_offset));
+                    mailbox(rank_, layout_.expert_counts_offset));
         exchange_signature(signature, "dispatch: counts published");
         traffic.counts.resize(static_cast<size_t>(num_ranks_) * num_ranks_);
         for (int i = 0; i < num_ranks_; ++i)
             for (int j = 0; j < num_ranks_; ++j)
-                traffic.counts[i * num_ranks_ + j] = peers_->mailbox(i, layout_.rank_counts_offset)[j];
+                traffic.counts[i * num_ranks_ + j] = mailbox(i, layout_.rank_counts_offset)[j];
     }
 
     const int64_t num_recv = traffic.total_received(rank_);
@@ -456,8 +457,7 @@ void Runtime::run_dispatch(DispatchArgs& a) {
         auto channel_prefix = a.channel_prefix_matrix.accessor<int32_t, 2>();
         auto recv_channel_prefix = a.recv_channel_prefix_matrix.accessor<int32_t, 2>();
         for (int i = 0; i < num_ranks_; ++i) {
-            const int32_t* their_channels =
-                peers_->mailbox(i, layout_.channel_counts_offset) + rank_ * shm::kMaxChannels;
+            const int32_t* their_channels = mailbox(i, layout_.channel_counts_offset) + rank_ * shm::kMaxChannels;
             int64_t mine = 0, theirs = traffic.recv_offset(i, rank_);
             for (int c = 0; c < num_channels; ++c) {
                 recv_channel_prefix[i][c] = static_cast<int32_t>(theirs);  // where source i's channel c starts
@@ -469,7 +469,7 @@ void Runtime::run_dispatch(DispatchArgs& a) {
         }
         a.num_recv_tokens_per_expert.assign(experts_per_rank, 0);
         for (int i = 0; i < num_ranks_; ++i) {
-            const int32_t* expert_counts = peers_->mailbox(i, layout_.expert_counts_offset);
+            const int32_t* expert_counts = mailbox(i, layout_.expert_counts_offset);
             for (int e = 0; e < experts_per_rank; ++e)
                 a.num_recv_tokens_per_expert[e] += expert_counts[rank_ * experts_per_rank + e];
         }
@@ -562,6 +562,7 @@ CombineResult Runtime::intranode_combine(const at::Tensor& x, const OptTensor& t
 }
 
 void Runtime::run_combine(CombineArgs& a) {
+    ++operation_;
     const int num_tokens = static_cast<int>(a.send_head.size(0));
     const int hidden = static_cast<int>(a.x.size(1));
     const size_t x_row_bytes = hidden * a.x.element_size();

@@ -71,6 +71,10 @@ class Runtime {
     EventPtr submit(const EventPtr& previous_event, std::function<void()> body);
     void check_usable() const;
     uint8_t* data_region(int rank) const;
+    // A field of `rank`'s mailbox slot for the current operation.
+    int32_t* mailbox(int rank, size_t field) const {
+        return peers_->mailbox(rank, field + (operation_ & 1) * layout_.slot_bytes);
+    }
     // Publishes this rank's operation signature, waits at `phase`, and checks every peer published the same.
     void exchange_signature(const std::vector<int32_t>& signature, const char* phase);
 
@@ -84,6 +88,7 @@ class Runtime {
     std::vector<std::shared_ptr<shm::SharedSegment>> segments_;
     std::unique_ptr<shm::PeerGroup> peers_;
     std::unique_ptr<CommStream> stream_;
+    uint64_t operation_ = 0;  // operations that used the mailbox, on the comm thread
     bool available_ = false;
     bool destroyed_ = false;
     std::string failure_;  // set by the comm thread; read by callers after waiting on an event

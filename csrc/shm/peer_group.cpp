@@ -45,7 +45,8 @@ MailboxLayout::MailboxLayout(int num_ranks) : num_ranks(num_ranks) {
     offset = round_up(offset + static_cast<size_t>(num_ranks) * kMaxChannels * sizeof(int32_t), 64);
     expert_counts_offset = offset;
     offset += kMaxExperts * sizeof(int32_t);
-    control_bytes = round_up(offset, 4096);
+    slot_bytes = round_up(offset - signature_offset, 64);
+    control_bytes = round_up(signature_offset + 2 * slot_bytes, 4096);
 }
 
 void init_control_header(uint8_t* control_area, int rank, int num_ranks, size_t data_bytes) {

@@ -34,12 +34,16 @@ struct alignas(64) ControlHeader {
 };
 
 // Where the per-operation mailbox (counts a rank publishes for its peers) lives inside the control area.
+// There are two slots, used by alternate operations: an operation may end without a trailing barrier, so a fast
+// rank can publish operation n+1 while a peer still reads operation n; it cannot get further ahead, because it
+// waits at n+1's first barrier until every peer has finished n. Field offsets are relative to a slot.
 struct MailboxLayout {
     int num_ranks;
     size_t signature_offset;       // int32[kOpSignatureInts]: what the operation is, checked across ranks
     size_t rank_counts_offset;     // int32[R]: tokens this rank sends to each rank
     size_t channel_counts_offset;  // int32[R * kMaxChannels]: the same per sender channel
     size_t expert_counts_offset;   // int32[kMaxExperts]: tokens this rank sends to each expert
+    size_t slot_bytes;             // distance between the two slots
     size_t control_bytes;          // header + mailbox, rounded to pages: the data region starts here
 
     explicit MailboxLayout(int num_ranks);
