@@ -3,9 +3,8 @@
 The rank processes start once per world size; every test below runs one case of intranode_cases.py in them.
 """
 
-import pytest
-
 import intranode_cases as cases
+import pytest
 from ranks import RankPool
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,0 +1,28 @@
+"""Mixture-of-Experts layer: router, balancing, capacity, token dispatchers, experts (BF16/FP32 and FP8)."""
+
+from moe.balancing import AuxLossScale, ExpertBias, MoEMetrics, set_aux_loss_scale, update_expert_bias
+from moe.config import MoEConfig
+from moe.dispatcher import TokenDispatcher, build_dispatcher, register_dispatcher
+from moe.experts import SwiGLUExperts, SwiGLUMLP
+from moe.fp8 import Fp8SwiGLUExperts
+from moe.layer import MoELayer
+from moe.router import RouterOutput, TopKRouter, node_limited_routing
+
+__all__ = [
+    "AuxLossScale",
+    "ExpertBias",
+    "Fp8SwiGLUExperts",
+    "MoEConfig",
+    "MoELayer",
+    "MoEMetrics",
+    "RouterOutput",
+    "SwiGLUExperts",
+    "SwiGLUMLP",
+    "TokenDispatcher",
+    "TopKRouter",
+    "build_dispatcher",
+    "node_limited_routing",
+    "register_dispatcher",
+    "set_aux_loss_scale",
+    "update_expert_bias",
+]

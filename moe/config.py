@@ -1,0 +1,156 @@
+"""Configuration of one MoE layer.
+
+Field names follow Megatron-core's `TransformerConfig` where the concept is the same, so users can carry their
+settings over. Fields without a Megatron counterpart are marked "(ours)".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+TOKEN_DROP_POLICIES = ("probs", "position")
+# 'flex' is the seam for the mtdeepep-based dispatcher (normal and low-latency mode); see moe/dispatcher/registry.py.
+TOKEN_DISPATCHER_TYPES = ("alltoall", "allgather", "flex")
+FP8_FORMATS = (None, "e4m3")
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    """Settings of one MoE layer (router, balancing, capacity, dispatcher, experts).
+
+    Required: `hidden_size`, `num_moe_experts`, `moe_ffn_hidden_size`. Everything else has a default that gives
+    a dropless top-2 softmax MoE with an all-to-all dispatcher and no auxiliary loss.
+    """
+
+    hidden_size: int
+    num_moe_experts: int
+    moe_ffn_hidden_size: int
+
+    # Router.
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    init_method_std: float = 0.02
+
+    # Load balancing.
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+
+    # Capacity (None = dropless).
+    moe_expert_capacity_factor: float | None = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"
+
+    # Dispatcher and experts.
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_grouped_gemm: bool = True
+    moe_padded_batch_gemm: bool = False  # (ours) one torch.bmm over experts padded/truncated to one length
+    moe_padded_batch_gemm_factor: float | None = None  # (ours) length = mean rows per expert * factor; None = max
+    moe_padded_batch_gemm_alignment: int = 16  # (ours) the padded length is a multiple of this
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_shared_expert_overlap: bool = False
+    fp8: str | None = None  # None or 'e4m3' (DeepSeek-V3 block-wise recipe for the expert GEMMs)
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk"):
+            _require_positive_int(name, getattr(self, name))
+        if self.moe_router_topk > self.num_moe_experts:
+            raise ValueError(f"moe_router_topk={self.moe_router_topk} exceeds num_moe_experts={self.num_moe_experts}")
+        self._validate_router()
+        self._validate_balancing()
+        self._validate_capacity()
+        self._validate_experts()
+
+    def _validate_router(self) -> None:
+        _require_choice("moe_router_score_function", self.moe_router_score_function, SCORE_FUNCTIONS)
+        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
+            raise ValueError("moe_router_pre_softmax=True requires moe_router_score_function='softmax'")
+        if self.moe_router_topk_scaling_factor is not None and not self.moe_router_topk_scaling_factor > 0:
+            raise ValueError(f"moe_router_topk_scaling_factor must be > 0, got {self.moe_router_topk_scaling_factor}")
+        if not self.init_method_std > 0:
+            raise ValueError(f"init_method_std must be > 0, got {self.init_method_std}")
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise ValueError("moe_router_num_groups and moe_router_group_topk must be set together")
+        if groups is None:
+            return
+        _require_positive_int("moe_router_num_groups", groups)
+        _require_positive_int("moe_router_group_topk", group_topk)
+        if self.num_moe_experts % groups:
+            raise ValueError(
+                f"num_moe_experts={self.num_moe_experts} is not divisible by moe_router_num_groups={groups}"
+            )
+        if group_topk > groups:
+            raise ValueError(f"moe_router_group_topk={group_topk} exceeds moe_router_num_groups={groups}")
+        experts_per_group = self.num_moe_experts // groups
+        if self.moe_router_topk < group_topk:
+            raise ValueError(
+                f"moe_router_topk={self.moe_router_topk} must be >= moe_router_group_topk={group_topk} "
+                "(a group's score is the sum of its top (topk // group_topk) experts)"
+            )
+        if self.moe_router_topk // group_topk > experts_per_group:
+            raise ValueError(
+                f"topk // group_topk = {self.moe_router_topk // group_topk} exceeds the {experts_per_group} experts "
+                "of a group"
+            )
+        if self.moe_router_topk > group_topk * experts_per_group:
+            raise ValueError(
+                f"moe_router_topk={self.moe_router_topk} exceeds the {group_topk * experts_per_group} experts left "
+                "after group-limited routing"
+            )
+
+    def _validate_balancing(self) -> None:
+        _require_choice("moe_router_load_balancing_type", self.moe_router_load_balancing_type, LOAD_BALANCING_TYPES)
+        if self.moe_aux_loss_coeff < 0:
+            raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        if self.moe_router_load_balancing_type == "none" and self.moe_aux_loss_coeff > 0:
+            raise ValueError("moe_aux_loss_coeff > 0 needs moe_router_load_balancing_type other than 'none'")
+        if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
+            raise ValueError(f"moe_z_loss_coeff must be >= 0, got {self.moe_z_loss_coeff}")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError(
+                "moe_router_enable_expert_bias (aux-loss-free balancing) requires the sigmoid score function"
+            )
+        if not self.moe_router_bias_update_rate >= 0:
+            raise ValueError(f"moe_router_bias_update_rate must be >= 0, got {self.moe_router_bias_update_rate}")
+
+    def _validate_capacity(self) -> None:
+        _require_choice("moe_token_drop_policy", self.moe_token_drop_policy, TOKEN_DROP_POLICIES)
+        factor = self.moe_expert_capacity_factor
+        if factor is not None and not factor > 0:
+            raise ValueError(f"moe_expert_capacity_factor must be > 0 or None (dropless), got {factor}")
+        if self.moe_pad_expert_input_to_capacity and factor is None:
+            raise ValueError("moe_pad_expert_input_to_capacity requires moe_expert_capacity_factor")
+
+    def _validate_experts(self) -> None:
+        _require_choice("moe_token_dispatcher_type", self.moe_token_dispatcher_type, TOKEN_DISPATCHER_TYPES)
+        if self.moe_padded_batch_gemm_factor is not None and not self.moe_padded_batch_gemm_factor > 0:
+            raise ValueError(f"moe_padded_batch_gemm_factor must be > 0, got {self.moe_padded_batch_gemm_factor}")
+        if self.moe_padded_batch_gemm_factor is not None and not self.moe_padded_batch_gemm:
+            raise ValueError("moe_padded_batch_gemm_factor requires moe_padded_batch_gemm=True")
+        _require_positive_int("moe_padded_batch_gemm_alignment", self.moe_padded_batch_gemm_alignment)
+        if self.moe_shared_expert_intermediate_size is not None:
+            _require_positive_int("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
+        if self.moe_shared_expert_overlap and self.moe_shared_expert_intermediate_size is None:
+            raise ValueError("moe_shared_expert_overlap requires moe_shared_expert_intermediate_size")
+        _require_choice("fp8", self.fp8, FP8_FORMATS)
+        if self.fp8 is not None and self.moe_padded_batch_gemm:
+            raise ValueError("fp8 experts use grouped GEMMs; moe_padded_batch_gemm is not supported with fp8")
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _require_choice(name: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")

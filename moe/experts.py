@@ -1,0 +1,214 @@
+"""SwiGLU experts over rows sorted by local expert, three ways: grouped GEMM, padded batch GEMM, and a loop.
+
+Legend: N rows (sorted by local expert), L local experts, H hidden, F expert FFN hidden, P padded length.
+
+Expert `l` computes `y = (silu(x @ w13[l][:, :F]) * (x @ w13[l][:, F:])) @ w2[l]` on its rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe.capacity import align_up, pad_rows, plan_padding, unpad_rows
+
+EXPERT_IMPLS = ("grouped", "padded", "loop")
+
+
+def counts_to_list(tokens_per_expert: torch.Tensor | Sequence[int]) -> list[int]:
+    """Per-expert row counts as Python ints (a host sync if given a device tensor)."""
+    if isinstance(tokens_per_expert, torch.Tensor):
+        return [int(c) for c in tokens_per_expert.tolist()]
+    return [int(c) for c in tokens_per_expert]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Grouped GEMM: torch._grouped_mm where the build supports it, else a loop
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def grouped_mm_available(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs forward and backward correctly for `(device_type, dtype)`.
+
+    Probed once per pair on tiny 16-aligned operands (including an empty group) against a loop.
+    """
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(24, 16, generator=gen).to(device_type, dtype).requires_grad_()
+        w = torch.randn(3, 16, 32, generator=gen).to(device_type, dtype).requires_grad_()
+        offs = torch.tensor([8, 8, 24], dtype=torch.int32, device=device_type)
+        y = torch._grouped_mm(x, w, offs=offs)
+        y_ref = torch.cat([x[:8] @ w[0], x[8:8] @ w[1], x[8:] @ w[2]])
+        grad = torch.randn(24, 32, generator=gen).to(device_type, dtype)
+        gx, gw = torch.autograd.grad(y, (x, w), grad)
+        gx_ref, gw_ref = torch.autograd.grad(y_ref, (x, w), grad)
+        tol = 1e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+        return all(
+            torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+            for a, b in ((y, y_ref), (gx, gx_ref), (gw, gw_ref))
+        )
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (`_grouped_mm`'s backward needs it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _grouped_mm_fits(x_NK: torch.Tensor, w_LKM: torch.Tensor) -> bool:
+    """`_grouped_mm` needs 16-byte aligned row strides; the dtype/device pair must pass the probe."""
+    if x_NK.dtype != w_LKM.dtype or not grouped_mm_available(x_NK.device.type, x_NK.dtype):
+        return False
+    size = x_NK.element_size()
+    return (x_NK.size(1) * size) % 16 == 0 and (w_LKM.size(2) * size) % 16 == 0
+
+
+def grouped_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """`[N, K]` rows sorted by group times per-group `w [L, K, M]` -> `[N, M]`.
+
+    Uses `torch._grouped_mm` when available for the dtype/device and strides, otherwise loops over groups. Every
+    group's weight takes part in the graph (an empty group gets a zero gradient).
+    """
+    if x_NK.size(0) > 0 and _grouped_mm_fits(x_NK, w_LKM):
+        offs = torch.tensor(counts, device=x_NK.device).cumsum(0).to(torch.int32)
+        y_NM = torch._grouped_mm(x_NK.contiguous(), w_LKM, offs=offs)
+        return _ContiguousGrad.apply(y_NM)
+    return loop_linear(x_NK, w_LKM, counts)
+
+
+def loop_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Reference grouped linear: one `matmul` per group (empty groups included, so each weight gets a grad)."""
+    outs = [x_e @ w_LKM[e] for e, x_e in enumerate(x_NK.split(counts))]
+    return torch.cat(outs) if outs else x_NK.new_zeros(0, w_LKM.size(2))
+
+
+def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` with `h = [gate | up]` along the last dimension."""
+    gate, up = h_N2F.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Modules
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class SwiGLUExperts(nn.Module):
+    """`L` SwiGLU experts with weights `w13 [L, H, 2F]` (gate columns first, then up) and `w2 [L, F, H]`.
+
+    Args:
+        impl: 'grouped' (grouped GEMM, `torch._grouped_mm` when supported, else a loop), 'padded' (every
+            expert's rows padded or truncated to one aligned length, one `torch.bmm`; truncated rows give zero
+            output and are counted in `last_num_dropped`), or 'loop' (reference).
+        padded_factor: for 'padded', the length is `ceil(N / L * padded_factor)` aligned up to `padded_alignment`
+            (rows beyond it are dropped); None = the largest expert's count aligned up (dropless).
+    """
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        *,
+        impl: str = "grouped",
+        padded_factor: float | None = None,
+        padded_alignment: int = 16,
+        init_std: float = 0.02,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if impl not in EXPERT_IMPLS:
+            raise ValueError(f"impl must be one of {EXPERT_IMPLS}, got {impl!r}")
+        self.num_local_experts = num_local_experts
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        self.impl = impl
+        self.padded_factor = padded_factor
+        self.padded_alignment = padded_alignment
+        self.init_std = init_std
+        L, H, Fh = num_local_experts, hidden_size, ffn_hidden_size
+        self.w13 = nn.Parameter(torch.empty(L, H, 2 * Fh, dtype=dtype, device=device))
+        self.w2 = nn.Parameter(torch.empty(L, Fh, H, dtype=dtype, device=device))
+        self.last_num_dropped = 0
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w13, std=self.init_std)
+        nn.init.normal_(self.w2, std=self.init_std)
+
+    def linear(self, x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The grouped GEMM used by 'grouped' and 'loop' (subclasses swap in other arithmetic, e.g. FP8)."""
+        if self.impl == "loop":
+            return loop_linear(x_NK, w_LKM, counts)
+        return grouped_linear(x_NK, w_LKM, counts)
+
+    def padded_length(self, counts: list[int]) -> int:
+        if self.padded_factor is None:
+            length = max(counts, default=0)
+        else:
+            length = math.ceil(sum(counts) / max(len(counts), 1) * self.padded_factor)
+        return align_up(max(length, 1), self.padded_alignment)
+
+    def forward(self, x_NH: torch.Tensor, tokens_per_expert: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Args:
+            x_NH: `[N, H]` rows sorted by local expert (in the weights' dtype).
+            tokens_per_expert: `[L]` row counts (ints or an int tensor) summing to N.
+        Returns `[N, H]` in the input dtype.
+        """
+        counts = counts_to_list(tokens_per_expert)
+        if len(counts) != self.num_local_experts or sum(counts) != x_NH.size(0):
+            raise ValueError(
+                f"tokens_per_expert {counts} must have {self.num_local_experts} entries summing to {x_NH.size(0)}"
+            )
+        x_NH = x_NH.to(self.w13.dtype)
+        if self.impl == "padded":
+            return self._forward_padded(x_NH, counts)
+        self.last_num_dropped = 0
+        h_N2F = self.linear(x_NH, self.w13, counts)
+        return self.linear(swiglu(h_N2F), self.w2, counts)
+
+    def _forward_padded(self, x_NH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        plan = plan_padding(counts, self.padded_length(counts), device=x_NH.device)
+        self.last_num_dropped = plan.num_dropped
+        x_LPH = pad_rows(x_NH, plan).view(self.num_local_experts, plan.length, -1)
+        y_LPH = torch.bmm(swiglu(torch.bmm(x_LPH, self.w13)), self.w2)
+        return unpad_rows(y_LPH.flatten(0, 1), plan)
+
+
+class SwiGLUMLP(nn.Module):
+    """Dense SwiGLU MLP (the shared expert): `w13 [H, 2F]`, `w2 [F, H]`; `[T, H] -> [T, H]`."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        *,
+        init_std: float = 0.02,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(hidden_size, 2 * ffn_hidden_size, dtype=dtype, device=device))
+        self.w2 = nn.Parameter(torch.empty(ffn_hidden_size, hidden_size, dtype=dtype, device=device))
+        nn.init.normal_(self.w13, std=init_std)
+        nn.init.normal_(self.w2, std=init_std)
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        return swiglu(x_TH.to(self.w13.dtype) @ self.w13) @ self.w2

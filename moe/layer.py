@@ -1,0 +1,165 @@
+"""The MoE layer: router -> capacity -> dispatch -> experts -> combine (+ shared expert), with balancing losses.
+
+Legend: B sequences, S tokens per sequence, T = B*S tokens on this rank, H hidden, K top-k slots, E experts,
+L local experts, N rows received by this rank's experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe import balancing
+from moe.balancing import AuxLossScale, MoEMetrics, attach_aux_loss
+from moe.capacity import apply_capacity, expert_capacity, pad_rows, plan_padding, unpad_rows
+from moe.config import MoEConfig
+from moe.dispatcher import DispatchResult, build_dispatcher
+from moe.experts import SwiGLUExperts, SwiGLUMLP
+from moe.fp8 import Fp8SwiGLUExperts
+from moe.router import RouterOutput, TopKRouter
+
+
+class MoELayer(nn.Module):
+    """Mixture-of-Experts feed-forward layer with expert parallelism over `ep_group`.
+
+    With R ranks in `ep_group`, this rank holds the experts `[rank*L, (rank+1)*L)`, L = E / R; the router and the
+    shared expert are replicated (their gradients must be summed over the ranks that see different tokens, as
+    for any data-parallel parameter). `ep_group=None` runs everything in this process.
+
+    Args:
+        config: the layer's settings.
+        ep_group: expert-parallel process group (None = single process).
+        aux_loss_scale: shared `AuxLossScale` (see `balancing.attach_aux_loss`); a private one if None.
+        aux_loss_group: group over which 'global_aux_loss' sums the routed counts (None = this rank only).
+        dtype: dtype of the expert and shared-expert weights (the router weight is always float32).
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        *,
+        ep_group: dist.ProcessGroup | None = None,
+        aux_loss_scale: AuxLossScale | None = None,
+        aux_loss_group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.aux_loss_group = aux_loss_group
+        self.aux_loss_scale = aux_loss_scale if aux_loss_scale is not None else AuxLossScale()
+        self.router = TopKRouter(config).to(device)
+        self.dispatcher = build_dispatcher(config, ep_group)
+        self.ep_size = self.dispatcher.ep_size
+        self.num_local_experts = self.dispatcher.num_local_experts
+        self.local_expert_start = self.dispatcher.local_expert_start
+        if config.moe_padded_batch_gemm:
+            impl = "padded"
+        else:
+            impl = "grouped" if config.moe_grouped_gemm else "loop"
+        experts_cls = Fp8SwiGLUExperts if config.fp8 is not None else SwiGLUExperts
+        self.experts = experts_cls(
+            self.num_local_experts,
+            config.hidden_size,
+            config.moe_ffn_hidden_size,
+            impl=impl,
+            padded_factor=config.moe_padded_batch_gemm_factor,
+            padded_alignment=config.moe_padded_batch_gemm_alignment,
+            init_std=config.init_method_std,
+            dtype=dtype,
+            device=device,
+        )
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size is not None:
+            self.shared_experts = SwiGLUMLP(
+                config.hidden_size,
+                config.moe_shared_expert_intermediate_size,
+                init_std=config.init_method_std,
+                dtype=dtype,
+                device=device,
+            )
+        self.metrics: MoEMetrics | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Args:
+            hidden: `[B, S, H]` (sequences, for 'seq_aux_loss') or `[T, H]` (one sequence).
+        Returns the same shape and dtype. Auxiliary losses are attached to the output (see `attach_aux_loss`)
+        and their values, with load statistics, are stored in `self.metrics`.
+        """
+        cfg = self.config
+        x_TH = hidden.reshape(-1, cfg.hidden_size)
+        num_tokens = x_TH.size(0)
+
+        # Step 1: route (float32), then enforce the capacity limit.
+        route = self.router(x_TH)
+        probs_TK, topk_idx_TK, num_dropped = route.probs_TK, route.topk_idx_TK, 0
+        capacity = None
+        if cfg.moe_expert_capacity_factor is not None:
+            capacity = expert_capacity(
+                num_tokens, cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_expert_capacity_factor
+            )
+            kept = apply_capacity(probs_TK, topk_idx_TK, cfg.num_moe_experts, capacity, cfg.moe_token_drop_policy)
+            probs_TK, topk_idx_TK, num_dropped = kept.probs_TK, kept.topk_idx_TK, kept.num_dropped
+
+        # Step 2: dispatch; the shared expert runs while the tokens are in flight (if the dispatcher allows it).
+        pending = self.dispatcher.dispatch_begin(x_TH, probs_TK, topk_idx_TK)
+        shared_TH = None
+        if self.shared_experts is not None and cfg.moe_shared_expert_overlap and self.dispatcher.supports_async:
+            shared_TH = self.shared_experts(x_TH)
+        dispatched = self.dispatcher.dispatch_end(pending)
+
+        # Step 3: local experts, then combine (weights applied in float32).
+        expert_out_NH = self._run_experts(dispatched, capacity)
+        num_dropped += self.experts.last_num_dropped
+        out_TH = self.dispatcher.combine(expert_out_NH, dispatched.handle)
+        if self.shared_experts is not None:
+            if shared_TH is None:
+                shared_TH = self.shared_experts(x_TH)
+            out_TH = out_TH + shared_TH.to(out_TH.dtype)
+
+        # Step 4: balancing losses reach the gradient through the output.
+        losses = self._aux_losses(route, hidden)
+        if losses:
+            out_TH = attach_aux_loss(out_TH, sum(losses.values()), self.aux_loss_scale)
+        self.metrics = MoEMetrics(
+            tokens_per_expert=balancing.tokens_per_expert(route.topk_idx_TK, cfg.num_moe_experts),
+            num_dropped_tokens=num_dropped,
+            losses={name: loss.detach() for name, loss in losses.items()},
+        )
+        return out_TH.view(hidden.shape)
+
+    def _run_experts(self, dispatched: DispatchResult, capacity: int | None) -> torch.Tensor:
+        counts = dispatched.tokens_per_expert
+        if not self.config.moe_pad_expert_input_to_capacity:
+            return self.experts(dispatched.expert_input_NH, counts)
+        # Every local expert gets exactly `capacity` rows from each source rank (zero rows as padding).
+        length = capacity * self.ep_size
+        if max(counts, default=0) > length:
+            raise RuntimeError(
+                f"an expert received {max(counts)} rows > capacity * ep_size = {length}; padding to capacity "
+                "needs the same number of tokens on every expert-parallel rank"
+            )
+        plan = plan_padding(counts, length, device=dispatched.expert_input_NH.device)
+        y_padded = self.experts(pad_rows(dispatched.expert_input_NH, plan), [length] * len(counts))
+        return unpad_rows(y_padded, plan)
+
+    def _aux_losses(self, route: RouterOutput, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        cfg = self.config
+        E = cfg.num_moe_experts
+        losses: dict[str, torch.Tensor] = {}
+        kind = cfg.moe_router_load_balancing_type
+        if cfg.moe_aux_loss_coeff > 0 and kind != "none":
+            if kind == "aux_loss":
+                loss = balancing.switch_aux_loss(route.aux_scores_TE, route.topk_idx_TK, E)
+            elif kind == "seq_aux_loss":
+                B = hidden.size(0) if hidden.dim() == 3 else 1
+                loss = balancing.seq_aux_loss(
+                    route.aux_scores_TE.view(B, -1, E), route.topk_idx_TK.view(B, -1, cfg.moe_router_topk), E
+                )
+            else:
+                loss = balancing.global_aux_loss(route.aux_scores_TE, route.topk_idx_TK, E, self.aux_loss_group)
+            losses[kind] = cfg.moe_aux_loss_coeff * loss
+        if cfg.moe_z_loss_coeff:
+            losses["z_loss"] = cfg.moe_z_loss_coeff * balancing.z_loss(route.logits_TE)
+        return losses

@@ -1,0 +1,311 @@
+"""Multi-process cases: run inside every rank of a gloo world started by `test_moe_distributed.py`.
+
+Each case builds a single-process reference layer (EP 1) and an expert-parallel layer with the same weights. The
+reference processes every rank's chunk of tokens in turn (data parallel over the EP ranks), so for rank r:
+output(EP) == output(EP 1 on chunk r), expert grads == the reference's grads of this rank's experts, and the sum
+over ranks of the replicated (router, shared expert) grads == the reference's grads. All collectives of a case run
+before its assertions, so a failed check on one rank cannot leave the others blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from moe_testlib import assert_close
+
+from moe import MoEConfig, MoELayer, update_expert_bias
+
+BASE = dict(hidden_size=32, num_moe_experts=8, moe_ffn_hidden_size=16, init_method_std=0.2)
+
+CASES: dict[str, Callable[[int, int, dist.ProcessGroup], None]] = {}
+
+
+def case(name: str):
+    def register(fn):
+        CASES[name] = fn
+        return fn
+
+    return register
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def build_pair(cfg: MoEConfig, group, seed: int = 0, skew: bool = False) -> tuple[MoELayer, MoELayer]:
+    """Reference (EP 1) and expert-parallel layers holding the same weights on every rank."""
+    torch.manual_seed(seed)
+    ref = MoELayer(cfg)
+    with torch.no_grad():
+        if ref.router.expert_bias is not None:
+            ref.router.expert_bias.bias.copy_(torch.randn(cfg.num_moe_experts) * 0.05)
+        if skew:  # experts 0 and 1 win every token: the other ranks' experts receive nothing
+            ref.router.weight[2:].mul_(0.01)
+            ref.router.weight[:2] = 0.0
+            ref.router.weight[0, 0] = ref.router.weight[1, 1] = 1.0
+    torch.manual_seed(seed + 1)
+    ep = load_ep_from_ref(MoELayer(cfg, ep_group=group), ref)
+    return ref, ep
+
+
+def load_ep_from_ref(ep: MoELayer, ref: MoELayer) -> MoELayer:
+    start, stop = ep.local_expert_start, ep.local_expert_start + ep.num_local_experts
+    with torch.no_grad():
+        ep.router.load_state_dict(ref.router.state_dict())
+        ep.experts.w13.copy_(ref.experts.w13[start:stop])
+        ep.experts.w2.copy_(ref.experts.w2[start:stop])
+        if ref.shared_experts is not None:
+            ep.shared_experts.load_state_dict(ref.shared_experts.state_dict())
+    return ep
+
+
+def make_inputs(world: int, sizes: list[int] | None, seq: tuple[int, int] | None, seed: int = 7, skew=False):
+    """Every rank's `(x, grad_out)`, generated identically on all ranks."""
+    gen = torch.Generator().manual_seed(seed)
+    H = BASE["hidden_size"]
+    chunks = []
+    for r in range(world):
+        shape = (*seq, H) if seq is not None else ((sizes[r] if sizes else 12), H)
+        x = torch.randn(shape, generator=gen)
+        if skew:
+            x[..., :2] = x[..., :2].abs() + 3.0
+        chunks.append((x, torch.randn(shape, generator=gen)))
+    return chunks
+
+
+def forward_backward(layer: MoELayer, x: torch.Tensor, grad_out: torch.Tensor):
+    x = x.clone().requires_grad_()
+    out = layer(x)
+    (out * grad_out).sum().backward()
+    return out.detach(), x.grad, {k: v.clone() for k, v in layer.metrics.losses.items()}
+
+
+def replicated_grads(layer: MoELayer) -> dict[str, torch.Tensor]:
+    grads = {"router": layer.router.weight.grad}
+    if layer.shared_experts is not None:
+        grads["shared_w13"] = layer.shared_experts.w13.grad
+        grads["shared_w2"] = layer.shared_experts.w2.grad
+    return grads
+
+
+def compare_with_ep1(
+    rank: int,
+    world: int,
+    group,
+    cfg: MoEConfig,
+    *,
+    sizes: list[int] | None = None,
+    seq: tuple[int, int] | None = None,
+    skew: bool = False,
+    bias_update: bool = False,
+) -> None:
+    ref, ep = build_pair(cfg, group, skew=skew)
+    chunks = make_inputs(world, sizes, seq, skew=skew)
+
+    ref_results = [forward_backward(ref, x, g) for x, g in chunks]  # one reference forward per rank's chunk
+    out, x_grad, losses = forward_backward(ep, *chunks[rank])
+    dropped = ep.metrics.num_dropped_tokens
+
+    # Collectives first.
+    summed = {}
+    for name, grad in replicated_grads(ep).items():
+        summed[name] = grad.clone()
+        dist.all_reduce(summed[name], group=group)
+    bias = ep.router.expert_bias
+    if bias is not None:
+        counts = bias.counts.clone()
+        dist.all_reduce(counts, group=group)
+        ref_counts = ref.router.expert_bias.counts.clone()
+        if bias_update:
+            update_expert_bias(ep, dp_group=group)
+            update_expert_bias(ref)
+
+    # Checks.
+    ref_out, ref_x_grad, ref_losses = ref_results[rank]
+    assert_close(out, ref_out, msg="output")
+    assert_close(x_grad, ref_x_grad, msg="input grad")
+    start, stop = ep.local_expert_start, ep.local_expert_start + ep.num_local_experts
+    assert ep.experts.w13.grad is not None and ep.experts.w2.grad is not None, "expert grads must exist"
+    assert_close(ep.experts.w13.grad, ref.experts.w13.grad[start:stop], msg="w13 grad")
+    assert_close(ep.experts.w2.grad, ref.experts.w2.grad[start:stop], msg="w2 grad")
+    for name, grad in replicated_grads(ref).items():
+        assert_close(summed[name], grad, msg=f"{name} grad summed over ranks")
+    assert set(losses) == set(ref_losses)
+    for name in losses:
+        assert_close(losses[name], ref_losses[name], msg=f"loss {name}")
+    if cfg.moe_expert_capacity_factor is None and not cfg.moe_padded_batch_gemm:
+        assert dropped == 0
+    if skew:
+        assert sum(ep.metrics.tokens_per_expert[2:].tolist()) == 0, "skewed router should use experts 0 and 1 only"
+        if start >= 2:
+            assert ep.experts.w13.grad.abs().sum() == 0
+    if bias is not None:
+        assert float(counts.sum()) > 0
+        assert_close(counts, ref_counts, msg="expert-bias counts summed over ranks")
+        if bias_update:
+            assert_close(bias.bias, ref.router.expert_bias.bias, msg="bias after update")
+            assert float(bias.counts.abs().sum()) == 0
+
+
+def _cfg(**overrides) -> MoEConfig:
+    return MoEConfig(**{**BASE, **overrides})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cases: EP n == EP 1
+# ---------------------------------------------------------------------------------------------------------------
+
+SIGMOID_V3 = dict(
+    moe_router_score_function="sigmoid",
+    moe_router_topk=4,
+    moe_router_num_groups=4,
+    moe_router_group_topk=2,
+    moe_router_topk_scaling_factor=2.5,
+    moe_router_enable_expert_bias=True,
+    moe_router_load_balancing_type="seq_aux_loss",
+    moe_aux_loss_coeff=0.05,
+)
+
+for _disp in ("alltoall", "allgather"):
+    _p = "a2a" if _disp == "alltoall" else "ag"
+
+    def _mk(fn, **kw):
+        return lambda rank, world, group: fn(rank, world, group, **kw)
+
+    case(f"{_p}_softmax_aux_z")(
+        _mk(compare_with_ep1, cfg=_cfg(moe_token_dispatcher_type=_disp, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3))
+    )
+    case(f"{_p}_sigmoid_v3_seq_aux_bias_update")(
+        _mk(compare_with_ep1, cfg=_cfg(moe_token_dispatcher_type=_disp, **SIGMOID_V3), seq=(2, 6), bias_update=True)
+    )
+    case(f"{_p}_uneven_tokens_per_rank")(
+        _mk(compare_with_ep1, cfg=_cfg(moe_token_dispatcher_type=_disp, moe_aux_loss_coeff=0.01), sizes=[5, 12, 1, 9])
+    )
+    case(f"{_p}_skewed_idle_ranks")(_mk(compare_with_ep1, cfg=_cfg(moe_token_dispatcher_type=_disp), skew=True))
+    case(f"{_p}_capacity_probs_shared")(
+        _mk(
+            compare_with_ep1,
+            cfg=_cfg(
+                moe_token_dispatcher_type=_disp,
+                moe_expert_capacity_factor=0.75,
+                moe_shared_expert_intermediate_size=24,
+                moe_aux_loss_coeff=0.01,
+            ),
+        )
+    )
+
+case("a2a_capacity_position_pad_to_capacity")(
+    lambda rank, world, group: compare_with_ep1(
+        rank,
+        world,
+        group,
+        _cfg(moe_expert_capacity_factor=1.0, moe_token_drop_policy="position", moe_pad_expert_input_to_capacity=True),
+    )
+)
+case("a2a_shared_expert_overlap")(
+    lambda rank, world, group: compare_with_ep1(
+        rank, world, group, _cfg(moe_shared_expert_intermediate_size=24, moe_shared_expert_overlap=True)
+    )
+)
+case("a2a_padded_batch_gemm_dropless")(
+    lambda rank, world, group: compare_with_ep1(
+        rank, world, group, _cfg(moe_padded_batch_gemm=True, moe_padded_batch_gemm_alignment=4)
+    )
+)
+case("a2a_loop_experts_pre_softmax_top3")(
+    lambda rank, world, group: compare_with_ep1(
+        rank,
+        world,
+        group,
+        _cfg(moe_grouped_gemm=False, moe_router_topk=3, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.1),
+    )
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Other cases
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@case("alltoall_equals_allgather")
+def _alltoall_equals_allgather(rank, world, group):
+    results = []
+    for disp in ("alltoall", "allgather"):
+        cfg = _cfg(moe_token_dispatcher_type=disp, moe_aux_loss_coeff=0.01, moe_shared_expert_intermediate_size=8)
+        _, ep = build_pair(cfg, group, seed=3)
+        out, x_grad, losses = forward_backward(ep, *make_inputs(world, [7, 3, 11, 4], None)[rank])
+        results.append((out, x_grad, ep.experts.w13.grad, ep.experts.w2.grad, ep.router.weight.grad, losses))
+    a, b = results
+    for name, u, v in zip(["out", "x grad", "w13 grad", "w2 grad", "router grad"], a, b):
+        assert_close(u, v, msg=name)
+    assert_close(a[5]["aux_loss"], b[5]["aux_loss"], msg="aux loss")
+
+
+@case("global_aux_loss_over_group")
+def _global_aux_loss(rank, world, group):
+    coeff = 0.1
+    cfg = _cfg(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=coeff)
+    torch.manual_seed(0)
+    ep = MoELayer(cfg, ep_group=group, aux_loss_group=group)
+    ref = MoELayer(_cfg())  # same router weights, no aux loss: the global loss is added by hand below
+    ref.router.load_state_dict(ep.router.state_dict())
+    chunks = make_inputs(world, None, None, seed=11)
+    E = cfg.num_moe_experts
+
+    # Global f from every rank's routing; P from this rank's tokens only.
+    routes = [ref.router(x) for x, _ in chunks]
+    counts = sum(torch.bincount(r.topk_idx_TK.flatten(), minlength=E).float() for r in routes)
+    f_global = counts / sum(r.topk_idx_TK.numel() for r in routes)
+    expected = [coeff * E * (f_global * r.aux_scores_TE.mean(0)).sum() for r in routes]
+    sum(expected).backward()  # reference router grad of the aux term, summed over ranks
+
+    x = chunks[rank][0].clone().requires_grad_()
+    out = ep(x)
+    (out * 0).sum().backward()  # only the attached aux loss reaches the router
+    got = ep.metrics.losses["global_aux_loss"]
+    grad = ep.router.weight.grad.clone()
+    dist.all_reduce(grad, group=group)
+
+    assert_close(got, expected[rank].detach(), msg="global aux loss")
+    assert grad.abs().max() > 0
+    assert_close(grad, ref.router.weight.grad, msg="router grad of the global aux loss")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Worker
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def worker(rank: int, world: int, port: int, tasks, results) -> None:
+    """Join the gloo world, then run the case names received on `tasks` until None; report each outcome."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=30),
+        )
+        group = dist.new_group(list(range(world)))  # an explicit EP group, not the default one
+        results.put(("__ready__", rank, None))
+    except BaseException:
+        results.put(("__ready__", rank, traceback.format_exc()))
+        return
+    while True:
+        name = tasks.get()
+        if name is None:
+            break
+        try:
+            CASES[name](rank, world, group)
+            results.put((name, rank, None))
+        except BaseException:
+            results.put((name, rank, traceback.format_exc()))
+    dist.destroy_process_group()
