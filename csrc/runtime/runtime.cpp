@@ -9,12 +9,14 @@
 
 #include "common/exception.hpp"
 #include "kernels/cpu/api.hpp"
+#include "runtime/memory.hpp"
 
 namespace mtdeepep {
 
 namespace {
 
 constexpr size_t kFieldAlignment = 64;
+constexpr size_t kMaxCachedHostBytes = size_t(2) << 30;  // freed outputs kept for reuse, per buffer
 
 size_t align_up(size_t value, size_t alignment) {
     return (value + alignment - 1) / alignment * alignment;
@@ -26,49 +28,68 @@ int64_t ceil_div(int64_t a, int64_t b) {
 
 enum OpKind : int32_t { kDispatchOp = 1, kCachedDispatchOp = 2, kCombineOp = 3 };
 
-// Struct-of-arrays layout of rows inside a receive region; identical on every rank for one operation.
-struct RegionLayout {
-    size_t capacity = 0;  // rows per round
-    size_t x_offset = 0, scale_offset = 0, idx_offset = 0, weight_offset = 0, src_offset = 0;
-    bool with_scales = false, with_topk = false, with_weights = false, with_src = false;
+// What one dispatched or combined row carries besides its hidden bytes.
+struct RowFormat {
+    size_t x_bytes = 0, scale_bytes = 0;
+    int num_topk = 0;
+    bool with_topk = false, with_weights = false, with_src = false;
 
-    static RegionLayout make(size_t region_bytes, size_t x_row_bytes, size_t scale_row_bytes, int num_topk,
-                             bool with_topk, bool with_weights, bool with_src) {
+    size_t row_bytes() const {
+        return x_bytes + scale_bytes + (with_topk ? num_topk * sizeof(int64_t) : 0) +
+               (with_weights ? num_topk * sizeof(float) : 0) + (with_src ? sizeof(int32_t) : 0);
+    }
+    // The smallest block that holds one row with every field aligned.
+    size_t min_block_bytes() const { return 5 * kFieldAlignment + row_bytes(); }
+};
+
+// Struct-of-arrays placement of `capacity` rows inside a block; every rank computes the same one.
+struct RegionLayout {
+    size_t capacity = 0;
+    size_t total_bytes = 0;
+    size_t x_offset = 0, scale_offset = 0, idx_offset = 0, weight_offset = 0, src_offset = 0;
+    RowFormat format;
+
+    static RegionLayout for_rows(const RowFormat& format, size_t rows) {
         RegionLayout layout;
-        layout.with_scales = scale_row_bytes > 0;
-        layout.with_topk = with_topk;
-        layout.with_weights = with_weights;
-        layout.with_src = with_src;
-        const size_t row_bytes = x_row_bytes + scale_row_bytes + (with_topk ? num_topk * sizeof(int64_t) : 0) +
-                                 (with_weights ? num_topk * sizeof(float) : 0) + (with_src ? sizeof(int32_t) : 0);
-        const size_t slack = 5 * kFieldAlignment;
-        layout.capacity = region_bytes > slack ? (region_bytes - slack) / row_bytes : 0;
+        layout.format = format;
+        layout.capacity = rows;
         size_t offset = 0;
         auto place = [&](size_t& field, size_t bytes_per_row, bool used) {
             field = offset;
-            if (used) offset = align_up(offset + layout.capacity * bytes_per_row, kFieldAlignment);
+            if (used) offset = align_up(offset + rows * bytes_per_row, kFieldAlignment);
         };
-        place(layout.x_offset, x_row_bytes, true);
-        place(layout.scale_offset, scale_row_bytes, layout.with_scales);
-        place(layout.idx_offset, num_topk * sizeof(int64_t), with_topk);
-        place(layout.weight_offset, num_topk * sizeof(float), with_weights);
-        place(layout.src_offset, sizeof(int32_t), with_src);
+        place(layout.x_offset, format.x_bytes, true);
+        place(layout.scale_offset, format.scale_bytes, format.scale_bytes > 0);
+        place(layout.idx_offset, format.num_topk * sizeof(int64_t), format.with_topk);
+        place(layout.weight_offset, format.num_topk * sizeof(float), format.with_weights);
+        place(layout.src_offset, sizeof(int32_t), format.with_src);
+        layout.total_bytes = offset;
         return layout;
     }
 
-    static size_t bytes_needed_for_one_row(size_t x_row_bytes, size_t scale_row_bytes, int num_topk, bool with_topk,
-                                           bool with_weights, bool with_src) {
-        return 5 * kFieldAlignment + x_row_bytes + scale_row_bytes + (with_topk ? num_topk * sizeof(int64_t) : 0) +
-               (with_weights ? num_topk * sizeof(float) : 0) + (with_src ? sizeof(int32_t) : 0);
+    // As many rows as fit in `block_bytes` (a staging area for rounds).
+    static RegionLayout fitting(const RowFormat& format, size_t block_bytes) {
+        const size_t slack = 5 * kFieldAlignment;
+        return for_rows(format, block_bytes > slack ? (block_bytes - slack) / format.row_bytes() : 0);
     }
 
     cpu::RowArrays arrays(uint8_t* base) const {
-        return {base + x_offset, with_scales ? base + scale_offset : nullptr,
-                with_topk ? reinterpret_cast<int64_t*>(base + idx_offset) : nullptr,
-                with_weights ? reinterpret_cast<float*>(base + weight_offset) : nullptr,
-                with_src ? reinterpret_cast<int32_t*>(base + src_offset) : nullptr};
+        return {base + x_offset, format.scale_bytes > 0 ? base + scale_offset : nullptr,
+                format.with_topk ? reinterpret_cast<int64_t*>(base + idx_offset) : nullptr,
+                format.with_weights ? reinterpret_cast<float*>(base + weight_offset) : nullptr,
+                format.with_src ? reinterpret_cast<int32_t*>(base + src_offset) : nullptr};
     }
 };
+
+// Gives a reservation's unused part back to the arena when the operation ends, however it ends.
+struct ReservationGuard {
+    RegionArena& arena;
+    RegionArena::Block block;
+    size_t keep = 0;
+    ~ReservationGuard() { arena.release(block, keep); }
+};
+
+}  // namespace
 
 // counts[i][j]: tokens rank i sends to rank j. Every rank derives the same plan from it.
 struct TrafficMatrix {
@@ -102,6 +123,8 @@ struct TrafficMatrix {
         return m;
     }
 };
+
+namespace {
 
 // The rows [lo, hi) of a round that fall inside a sender's block [begin, begin + count).
 struct Overlap {
@@ -142,6 +165,8 @@ Runtime::Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_
     shm::cleanup_stale_segments();
     own_segment_ = shm::SharedSegment::create(shm::make_segment_name(), layout_.control_bytes + num_nvl_bytes);
     shm::init_control_header(static_cast<uint8_t*>(own_segment_->data()), rank, num_ranks, num_nvl_bytes);
+    arena_ = std::make_shared<RegionArena>(num_nvl_bytes);
+    pool_ = std::make_shared<HostPool>(kMaxCachedHostBytes);
 }
 
 Runtime::~Runtime() {
@@ -374,24 +399,32 @@ void Runtime::run_dispatch(DispatchArgs& a) {
     const int num_topk = a.topk_idx ? static_cast<int>(a.topk_idx->size(1)) : 0;
     const int num_experts = a.num_tokens_per_expert ? static_cast<int>(a.num_tokens_per_expert->size(0)) : 0;
     const int experts_per_rank = num_experts / num_ranks_;
-    const size_t x_row_bytes = a.x.size(1) * a.x.element_size();
     const int num_scales = a.x_scales ? static_cast<int>(a.x_scales->size(1)) : 0;
     const size_t scale_element_bytes = a.x_scales ? a.x_scales->element_size() : 0;
-    const size_t scale_row_bytes = num_scales * scale_element_bytes;
-    const bool with_weights = a.topk_weights.has_value();
+    RowFormat format;
+    format.x_bytes = a.x.size(1) * a.x.element_size();
+    format.scale_bytes = num_scales * scale_element_bytes;
+    format.num_topk = num_topk;
+    format.with_topk = num_topk > 0;
+    format.with_weights = a.topk_weights.has_value();
+    format.with_src = true;
 
     a.send_head = at::empty({num_tokens, num_ranks_}, at::kInt);
     const cpu::SendPlan plan = cpu::make_send_plan(a.is_token_in_rank.data_ptr<bool>(), num_tokens, num_ranks_,
                                                    num_channels, a.send_head.data_ptr<int32_t>());
 
-    // Phase 1: agree on who sends how much (skipped in cached mode, where the handle already says it).
+    // Phase 1: publish this rank's counts (non-cached) and the block of its region it lends to this operation,
+    // then agree. The block will hold its outputs if they fit (senders write them directly), else it stages rounds.
+    ReservationGuard reservation{*arena_, arena_->reserve_largest()};
+    publish_reservation(reservation.block);
     TrafficMatrix traffic{num_ranks_, {}};
     const std::vector<int32_t> signature = {cached ? kCachedDispatchOp : kDispatchOp,
-                                            static_cast<int32_t>(x_row_bytes),
-                                            static_cast<int32_t>(scale_row_bytes),
+                                            static_cast<int32_t>(format.x_bytes),
+                                            static_cast<int32_t>(format.scale_bytes),
                                             num_topk,
-                                            with_weights,
-                                            num_experts};
+                                            format.with_weights,
+                                            num_experts,
+                                            a.num_worst_tokens};
     if (cached) {
         traffic = TrafficMatrix::from_prefix(*a.cached_rank_prefix_matrix);
         exchange_signature(signature, "dispatch (cached): begin");
@@ -411,121 +444,175 @@ void Runtime::run_dispatch(DispatchArgs& a) {
             for (int j = 0; j < num_ranks_; ++j)
                 traffic.counts[i * num_ranks_ + j] = mailbox(i, layout_.rank_counts_offset)[j];
     }
-
-    const int64_t num_recv = traffic.total_received(rank_);
     if (a.num_worst_tokens > 0) {
         for (int j = 0; j < num_ranks_; ++j)
             if (traffic.total_received(j) > a.num_worst_tokens)
                 throw GroupMismatch(concat("mtdeepep: rank ", j, " receives ", traffic.total_received(j),
                                            " tokens, more than num_worst_tokens=", a.num_worst_tokens));
     }
-    const RegionLayout region =
-        RegionLayout::make(num_nvl_bytes_, x_row_bytes, scale_row_bytes, num_topk, num_topk > 0, with_weights, true);
-    int64_t max_remote = 0;
-    for (int j = 0; j < num_ranks_; ++j) max_remote = std::max(max_remote, traffic.remote_received(j));
-    if (max_remote > 0 && region.capacity == 0)
-        throw GroupMismatch(concat("mtdeepep: num_nvl_bytes=", num_nvl_bytes_,
-                                   " cannot hold one token row; dispatch "
-                                   "needs at least ",
-                                   RegionLayout::bytes_needed_for_one_row(x_row_bytes, scale_row_bytes, num_topk,
-                                                                          num_topk > 0, with_weights, true),
-                                   " bytes"));
 
-    // Phase 2: allocate the outputs and hand them to the caller.
-    const int64_t num_rows = a.num_worst_tokens > 0 ? a.num_worst_tokens : num_recv;
-    a.recv_x = at::empty({num_rows, a.x.size(1)}, a.x.options());
-    if (a.x_scales) a.recv_x_scales = at::empty({num_rows, num_scales}, a.x_scales->options());
-    a.recv_src_idx = at::empty({num_rows}, at::kInt);
-    if (num_topk > 0) {
-        a.recv_topk_idx = at::empty({num_rows, num_topk}, at::kLong);
-        if (with_weights) a.recv_topk_weights = at::empty({num_rows, num_topk}, at::kFloat);
-        if (num_rows > num_recv) {
-            a.recv_topk_idx->narrow(0, num_recv, num_rows - num_recv).fill_(-1);
-            if (with_weights) a.recv_topk_weights->narrow(0, num_recv, num_rows - num_recv).zero_();
-        }
+    // Every rank derives, for every receiver, where its rows go: straight into its outputs, or via staging.
+    std::vector<RegionLayout> output_layout(num_ranks_), staging_layout(num_ranks_);
+    std::vector<bool> direct(num_ranks_);
+    std::vector<uint8_t*> block_base(num_ranks_);
+    for (int j = 0; j < num_ranks_; ++j) {
+        const RegionArena::Block block = read_reservation(j);
+        const int64_t rows = a.num_worst_tokens > 0 ? a.num_worst_tokens : traffic.total_received(j);
+        output_layout[j] = RegionLayout::for_rows(format, rows);
+        direct[j] = output_layout[j].total_bytes <= block.size;
+        staging_layout[j] = RegionLayout::fitting(format, block.size);
+        block_base[j] = data_region(j) + block.offset;
+        if (!direct[j] && traffic.remote_received(j) > 0 && staging_layout[j].capacity == 0)
+            throw GroupMismatch(concat(
+                "mtdeepep: rank ", j, " has ", block.size, " free bytes of num_nvl_bytes=", num_nvl_bytes_,
+                ", which cannot hold one token row; dispatch needs at least ", format.min_block_bytes(), " bytes"));
     }
-    if (num_rows > num_recv) a.recv_src_idx.narrow(0, num_recv, num_rows - num_recv).fill_(-1);
-    if (cached) {
-        a.rank_prefix_matrix = *a.cached_rank_prefix_matrix;
-        a.channel_prefix_matrix = at::empty({0}, at::kInt);
-        a.recv_channel_prefix_matrix = at::empty({0}, at::kInt);
+
+    // Phase 2: outputs, published to the caller before the data moves.
+    const int64_t num_recv = traffic.total_received(rank_);
+    const int64_t num_rows = output_layout[rank_].capacity;
+    const int64_t hidden = a.x.size(1);
+    if (direct[rank_]) {
+        // The outputs are views of this rank's region; the block returns to the arena with the last of them.
+        reservation.keep = output_layout[rank_].total_bytes;
+        auto owner = arena_->hold({reservation.block.offset, reservation.keep});
+        const cpu::RowArrays views = output_layout[rank_].arrays(block_base[rank_]);
+        auto view = [&](void* ptr, at::IntArrayRef sizes, at::ScalarType dtype) {
+            return at::from_blob(ptr, sizes, [owner](void*) {}, at::TensorOptions().dtype(dtype));
+        };
+        a.recv_x = view(views.x, {num_rows, hidden}, a.x.scalar_type());
+        if (a.x_scales) a.recv_x_scales = view(views.scales, {num_rows, num_scales}, a.x_scales->scalar_type());
+        a.recv_src_idx = view(views.src_idx, {num_rows}, at::kInt);
+        if (num_topk > 0) a.recv_topk_idx = view(views.topk_idx, {num_rows, num_topk}, at::kLong);
+        if (format.with_weights) a.recv_topk_weights = view(views.topk_weights, {num_rows, num_topk}, at::kFloat);
     } else {
-        a.rank_prefix_matrix = at::empty({num_ranks_, num_ranks_}, at::kInt);
-        a.channel_prefix_matrix = at::empty({num_ranks_, num_channels}, at::kInt);
-        a.recv_channel_prefix_matrix = at::empty({num_ranks_, num_channels}, at::kInt);
-        auto prefix = a.rank_prefix_matrix.accessor<int32_t, 2>();
-        auto channel_prefix = a.channel_prefix_matrix.accessor<int32_t, 2>();
-        auto recv_channel_prefix = a.recv_channel_prefix_matrix.accessor<int32_t, 2>();
-        for (int i = 0; i < num_ranks_; ++i) {
-            const int32_t* their_channels = mailbox(i, layout_.channel_counts_offset) + rank_ * shm::kMaxChannels;
-            int64_t mine = 0, theirs = traffic.recv_offset(i, rank_);
-            for (int c = 0; c < num_channels; ++c) {
-                recv_channel_prefix[i][c] = static_cast<int32_t>(theirs);  // where source i's channel c starts
-                theirs += their_channels[c];
-                mine += plan.channel_counts[i * num_channels + c];
-                channel_prefix[i][c] = static_cast<int32_t>(mine);  // tokens to rank i from channels <= c
-            }
-            for (int j = 0; j < num_ranks_; ++j) prefix[i][j] = static_cast<int32_t>(traffic.recv_offset(i + 1, j));
-        }
-        a.num_recv_tokens_per_expert.assign(experts_per_rank, 0);
-        for (int i = 0; i < num_ranks_; ++i) {
-            const int32_t* expert_counts = mailbox(i, layout_.expert_counts_offset);
-            for (int e = 0; e < experts_per_rank; ++e)
-                a.num_recv_tokens_per_expert[e] += expert_counts[rank_ * experts_per_rank + e];
-        }
-        for (int& count : a.num_recv_tokens_per_expert)
-            count = static_cast<int>(ceil_div(count, a.expert_alignment) * a.expert_alignment);
-        if (a.num_worst_tokens > 0) a.num_recv_tokens_per_expert.clear();
+        a.recv_x = pool_->empty({num_rows, hidden}, a.x.scalar_type());
+        if (a.x_scales) a.recv_x_scales = pool_->empty({num_rows, num_scales}, a.x_scales->scalar_type());
+        a.recv_src_idx = at::empty({num_rows}, at::kInt);
+        if (num_topk > 0) a.recv_topk_idx = at::empty({num_rows, num_topk}, at::kLong);
+        if (format.with_weights) a.recv_topk_weights = at::empty({num_rows, num_topk}, at::kFloat);
     }
+    if (num_rows > num_recv) {
+        a.recv_src_idx.narrow(0, num_recv, num_rows - num_recv).fill_(-1);
+        if (a.recv_topk_idx) a.recv_topk_idx->narrow(0, num_recv, num_rows - num_recv).fill_(-1);
+        if (a.recv_topk_weights) a.recv_topk_weights->narrow(0, num_recv, num_rows - num_recv).zero_();
+    }
+    fill_dispatch_metadata(a, traffic, plan, experts_per_rank);
     a.allocated.set_value();
 
-    // Phase 3: move the rows. Own rows go straight to the outputs; the others go into the receivers' regions,
-    // in rounds of `region.capacity` rows when they do not fit at once.
+    // Phase 3: move the rows. Own rows and rows for receivers with room go straight into their outputs (one
+    // copy); the others are staged in the receivers' blocks, in rounds when they do not fit at once.
     const cpu::DispatchSource source{static_cast<const uint8_t*>(a.x.data_ptr()),
                                      a.x.stride(0) * a.x.element_size(),
-                                     x_row_bytes,
+                                     format.x_bytes,
                                      a.x_scales ? static_cast<const uint8_t*>(a.x_scales->data_ptr()) : nullptr,
                                      a.x_scales ? a.x_scales->stride(0) : 0,
                                      a.x_scales ? a.x_scales->stride(1) : 0,
                                      num_scales,
                                      scale_element_bytes,
                                      a.topk_idx ? a.topk_idx->data_ptr<int64_t>() : nullptr,
-                                     with_weights ? a.topk_weights->data_ptr<float>() : nullptr,
+                                     format.with_weights ? a.topk_weights->data_ptr<float>() : nullptr,
                                      num_topk};
     const cpu::RowArrays outputs{static_cast<uint8_t*>(a.recv_x.data_ptr()),
                                  a.recv_x_scales ? static_cast<uint8_t*>(a.recv_x_scales->data_ptr()) : nullptr,
                                  a.recv_topk_idx ? a.recv_topk_idx->data_ptr<int64_t>() : nullptr,
                                  a.recv_topk_weights ? a.recv_topk_weights->data_ptr<float>() : nullptr,
                                  a.recv_src_idx.data_ptr<int32_t>()};
-    const int64_t first_local_expert = static_cast<int64_t>(rank_) * experts_per_rank;
-    cpu::write_dispatch_rows(source, plan.tokens_per_rank[rank_].data(), 0, traffic.at(rank_, rank_), outputs,
-                             traffic.recv_offset(rank_, rank_), first_local_expert, experts_per_rank);
-
-    const int64_t capacity = static_cast<int64_t>(region.capacity);
-    const int64_t num_rounds = max_remote == 0 ? 0 : ceil_div(max_remote, capacity);
-    const cpu::RowArrays my_region = region.arrays(data_region(rank_));
+    int64_t num_rounds = 0, remote_rows = 0;
+    for (int j = 0; j < num_ranks_; ++j) {
+        const int64_t first_local_expert = static_cast<int64_t>(j) * experts_per_rank;
+        remote_rows += traffic.remote_received(j);
+        if (j == rank_) {
+            cpu::write_dispatch_rows(source, plan.tokens_per_rank[j].data(), 0, traffic.at(j, j), outputs,
+                                     traffic.recv_offset(j, j), first_local_expert, experts_per_rank);
+        } else if (direct[j]) {
+            cpu::write_dispatch_rows(source, plan.tokens_per_rank[j].data(), 0, traffic.at(rank_, j),
+                                     output_layout[j].arrays(block_base[j]), traffic.recv_offset(rank_, j),
+                                     first_local_expert, experts_per_rank);
+        }
+        // Every rank must count the same rounds: include every staged receiver, this one too.
+        if (!direct[j] && traffic.remote_received(j) > 0)
+            num_rounds =
+                std::max(num_rounds, ceil_div(traffic.remote_received(j), int64_t(staging_layout[j].capacity)));
+    }
+    if (num_rounds == 0) {
+        if (remote_rows > 0) peers_->barrier("dispatch: rows written");
+        return;
+    }
     for (int64_t round = 0; round < num_rounds; ++round) {
-        const int64_t lo = round * capacity, hi = lo + capacity;
         for (int j = 0; j < num_ranks_; ++j) {
-            if (j == rank_) continue;
+            if (j == rank_ || direct[j]) continue;
+            const int64_t capacity = staging_layout[j].capacity, lo = round * capacity;
             const int64_t begin = traffic.remote_offset(rank_, j);
-            const Overlap part = overlap(begin, traffic.at(rank_, j), lo, hi);
+            const Overlap part = overlap(begin, traffic.at(rank_, j), lo, lo + capacity);
             if (part.empty()) continue;
             cpu::write_dispatch_rows(source, plan.tokens_per_rank[j].data(), part.begin - begin, part.end - begin,
-                                     region.arrays(data_region(j)), part.begin - lo,
+                                     staging_layout[j].arrays(block_base[j]), part.begin - lo,
                                      static_cast<int64_t>(j) * experts_per_rank, experts_per_rank);
         }
         peers_->barrier("dispatch: rows written");
-        for (int i = 0; i < num_ranks_; ++i) {
-            if (i == rank_) continue;
-            const int64_t begin = traffic.remote_offset(i, rank_);
-            const Overlap part = overlap(begin, traffic.at(i, rank_), lo, hi);
-            if (part.empty()) continue;
-            cpu::copy_rows(my_region, part.begin - lo, outputs, traffic.recv_offset(i, rank_) + (part.begin - begin),
-                           part.end - part.begin, x_row_bytes, scale_row_bytes, num_topk);
+        if (!direct[rank_]) {
+            const int64_t capacity = staging_layout[rank_].capacity, lo = round * capacity;
+            for (int i = 0; i < num_ranks_; ++i) {
+                if (i == rank_) continue;
+                const int64_t begin = traffic.remote_offset(i, rank_);
+                const Overlap part = overlap(begin, traffic.at(i, rank_), lo, lo + capacity);
+                if (part.empty()) continue;
+                cpu::copy_rows(staging_layout[rank_].arrays(block_base[rank_]), part.begin - lo, outputs,
+                               traffic.recv_offset(i, rank_) + (part.begin - begin), part.end - part.begin,
+                               format.x_bytes, format.scale_bytes, num_topk);
+            }
         }
         if (round + 1 < num_rounds) peers_->barrier("dispatch: round consumed");
     }
+}
+
+void Runtime::fill_dispatch_metadata(DispatchArgs& a, const TrafficMatrix& traffic, const cpu::SendPlan& plan,
+                                     int experts_per_rank) {
+    if (a.cached_rank_prefix_matrix) {
+        a.rank_prefix_matrix = *a.cached_rank_prefix_matrix;
+        a.channel_prefix_matrix = at::empty({0}, at::kInt);
+        a.recv_channel_prefix_matrix = at::empty({0}, at::kInt);
+        return;
+    }
+    const int num_channels = a.num_channels;
+    a.rank_prefix_matrix = at::empty({num_ranks_, num_ranks_}, at::kInt);
+    a.channel_prefix_matrix = at::empty({num_ranks_, num_channels}, at::kInt);
+    a.recv_channel_prefix_matrix = at::empty({num_ranks_, num_channels}, at::kInt);
+    auto prefix = a.rank_prefix_matrix.accessor<int32_t, 2>();
+    auto channel_prefix = a.channel_prefix_matrix.accessor<int32_t, 2>();
+    auto recv_channel_prefix = a.recv_channel_prefix_matrix.accessor<int32_t, 2>();
+    for (int i = 0; i < num_ranks_; ++i) {
+        const int32_t* their_channels = mailbox(i, layout_.channel_counts_offset) + rank_ * shm::kMaxChannels;
+        int64_t mine = 0, theirs = traffic.recv_offset(i, rank_);
+        for (int c = 0; c < num_channels; ++c) {
+            recv_channel_prefix[i][c] = static_cast<int32_t>(theirs);  // where source i's channel c starts
+            theirs += their_channels[c];
+            mine += plan.channel_counts[i * num_channels + c];
+            channel_prefix[i][c] = static_cast<int32_t>(mine);  // tokens to rank i from channels <= c
+        }
+        for (int j = 0; j < num_ranks_; ++j) prefix[i][j] = static_cast<int32_t>(traffic.recv_offset(i + 1, j));
+    }
+    if (a.num_worst_tokens > 0) return;  // no host-visible counts in worst-case mode, as upstream
+    a.num_recv_tokens_per_expert.assign(experts_per_rank, 0);
+    for (int i = 0; i < num_ranks_; ++i) {
+        const int32_t* expert_counts = mailbox(i, layout_.expert_counts_offset);
+        for (int e = 0; e < experts_per_rank; ++e)
+            a.num_recv_tokens_per_expert[e] += expert_counts[rank_ * experts_per_rank + e];
+    }
+    for (int& count : a.num_recv_tokens_per_expert)
+        count = static_cast<int>(ceil_div(count, a.expert_alignment) * a.expert_alignment);
+}
+
+void Runtime::publish_reservation(const RegionArena::Block& block) {
+    const int64_t values[2] = {static_cast<int64_t>(block.offset), static_cast<int64_t>(block.size)};
+    std::memcpy(mailbox(rank_, layout_.reservation_offset), values, sizeof(values));
+}
+
+RegionArena::Block Runtime::read_reservation(int rank) {
+    int64_t values[2];
+    std::memcpy(values, mailbox(rank, layout_.reservation_offset), sizeof(values));
+    return {static_cast<size_t>(values[0]), static_cast<size_t>(values[1])};
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -554,7 +641,7 @@ CombineResult Runtime::intranode_combine(const at::Tensor& x, const OptTensor& t
     args->send_head = send_head;
     args->num_channels = std::clamp(num_channels, 1, shm::kMaxChannels);
     const int64_t num_tokens = send_head.size(0);
-    args->combined_x = at::empty({num_tokens, x.size(1)}, x.options());
+    args->combined_x = pool_->empty({num_tokens, x.size(1)}, x.scalar_type());
     if (topk_weights) args->combined_topk_weights = at::empty({num_tokens, topk_weights->size(1)}, at::kFloat);
     auto event = submit(previous_event, [this, args] { run_combine(*args); });
     if (!async_finish) event->wait();
@@ -565,76 +652,80 @@ void Runtime::run_combine(CombineArgs& a) {
     ++operation_;
     const int num_tokens = static_cast<int>(a.send_head.size(0));
     const int hidden = static_cast<int>(a.x.size(1));
-    const size_t x_row_bytes = hidden * a.x.element_size();
     const int num_topk = a.topk_weights ? static_cast<int>(a.topk_weights->size(1)) : 0;
     const bool with_weights = a.topk_weights.has_value();
+    RowFormat format;
+    format.x_bytes = hidden * a.x.element_size();
+    format.num_topk = num_topk;
+    format.with_weights = with_weights;
     const cpu::FloatKind kind = float_kind(a.x.scalar_type());
     const TrafficMatrix traffic = TrafficMatrix::from_prefix(a.rank_prefix_matrix);
 
-    exchange_signature({kCombineOp, static_cast<int32_t>(x_row_bytes), 0, num_topk, with_weights, 0}, "combine: begin");
+    ReservationGuard reservation{*arena_, arena_->reserve_largest()};
+    publish_reservation(reservation.block);
+    exchange_signature({kCombineOp, static_cast<int32_t>(format.x_bytes), 0, num_topk, with_weights, 0, 0},
+                       "combine: begin");
 
-    // Rank i's region receives the rows of the tokens it sent, from every other rank j, ordered by j.
-    const RegionLayout region =
-        RegionLayout::make(num_nvl_bytes_, x_row_bytes, 0, num_topk, false, with_weights, false);
-    int64_t max_remote = 0;
+    // Rank i stages the rows of the tokens it sent, from every other rank j (ordered by j), in the block it lent.
+    std::vector<RegionLayout> staging(num_ranks_);
+    std::vector<uint8_t*> block_base(num_ranks_);
+    int64_t num_rounds = 0;
     for (int i = 0; i < num_ranks_; ++i) {
+        const RegionArena::Block block = read_reservation(i);
+        staging[i] = RegionLayout::fitting(format, block.size);
+        block_base[i] = data_region(i) + block.offset;
         int64_t incoming = 0;
         for (int j = 0; j < num_ranks_; ++j)
             if (j != i) incoming += traffic.at(i, j);
-        max_remote = std::max(max_remote, incoming);
+        if (incoming == 0) continue;
+        if (staging[i].capacity == 0)
+            throw GroupMismatch(concat(
+                "mtdeepep: rank ", i, " has ", block.size, " free bytes of num_nvl_bytes=", num_nvl_bytes_,
+                ", which cannot hold one token row; combine needs at least ", format.min_block_bytes(), " bytes"));
+        num_rounds = std::max(num_rounds, ceil_div(incoming, int64_t(staging[i].capacity)));
     }
-    if (max_remote > 0 && region.capacity == 0)
-        throw GroupMismatch(concat(
-            "mtdeepep: num_nvl_bytes=", num_nvl_bytes_,
-            " cannot hold one token row; combine "
-            "needs at least ",
-            RegionLayout::bytes_needed_for_one_row(x_row_bytes, 0, num_topk, false, with_weights, false), " bytes"));
-    // Offset of sender j's rows in receiver i's region: the transpose of dispatch's traffic.
+    // Offset of sender j's rows among receiver i's staged rows: the transpose of dispatch's traffic.
     auto combine_offset = [&](int j, int i) {
         int64_t sum = 0;
         for (int s = 0; s < j; ++s)
             if (s != i) sum += traffic.at(i, s);
         return sum;
     };
-    const int64_t capacity = static_cast<int64_t>(region.capacity);
-    const int64_t num_rounds = max_remote == 0 ? 0 : ceil_div(max_remote, capacity);
     const uint8_t* x_rows = static_cast<const uint8_t*>(a.x.data_ptr());
     const float* weight_rows = with_weights ? a.topk_weights->data_ptr<float>() : nullptr;
     const cpu::RowArrays my_rows{const_cast<uint8_t*>(x_rows), nullptr, nullptr, const_cast<float*>(weight_rows),
                                  nullptr};
-    const cpu::RowArrays my_region = region.arrays(data_region(rank_));
+    const cpu::RowArrays my_staging = staging[rank_].arrays(block_base[rank_]);
     const uint8_t* bias0 = a.bias0 ? static_cast<const uint8_t*>(a.bias0->data_ptr()) : nullptr;
     const uint8_t* bias1 = a.bias1 ? static_cast<const uint8_t*>(a.bias1->data_ptr()) : nullptr;
     uint8_t* out = static_cast<uint8_t*>(a.combined_x.data_ptr());
     float* out_weights = with_weights ? a.combined_topk_weights->data_ptr<float>() : nullptr;
 
-    auto send_round = [&](int64_t lo, int64_t hi) {
+    auto send_round = [&](int64_t round) {
         for (int i = 0; i < num_ranks_; ++i) {
-            if (i == rank_) continue;
+            if (i == rank_ || staging[i].capacity == 0) continue;
+            const int64_t capacity = staging[i].capacity, lo = round * capacity;
             const int64_t begin = combine_offset(rank_, i);
-            const Overlap part = overlap(begin, traffic.at(i, rank_), lo, hi);
+            const Overlap part = overlap(begin, traffic.at(i, rank_), lo, lo + capacity);
             if (part.empty()) continue;
-            cpu::copy_rows(my_rows, traffic.recv_offset(i, rank_) + (part.begin - begin), region.arrays(data_region(i)),
-                           part.begin - lo, part.end - part.begin, x_row_bytes, 0, 0);
-            if (with_weights)
-                std::memcpy(region.arrays(data_region(i)).topk_weights + (part.begin - lo) * num_topk,
-                            weight_rows + (traffic.recv_offset(i, rank_) + (part.begin - begin)) * num_topk,
-                            (part.end - part.begin) * num_topk * sizeof(float));
+            cpu::copy_rows(my_rows, traffic.recv_offset(i, rank_) + (part.begin - begin),
+                           staging[i].arrays(block_base[i]), part.begin - lo, part.end - part.begin, format.x_bytes, 0,
+                           num_topk);
         }
     };
 
     if (num_rounds <= 1) {
         // Everything fits: one pass per token over its contributions, straight into the output.
         if (num_rounds == 1) {
-            send_round(0, capacity);
+            send_round(0);
             peers_->barrier("combine: rows written");
         }
         cpu::CombineSources sources{a.send_head.data_ptr<int32_t>(), num_ranks_, {}, {}, {}};
         for (int j = 0; j < num_ranks_; ++j) {
             const bool local = j == rank_;
-            sources.rows.push_back(local ? x_rows : my_region.x);
+            sources.rows.push_back(local ? x_rows : my_staging.x);
             sources.row_offset.push_back(local ? traffic.recv_offset(rank_, rank_) : combine_offset(j, rank_));
-            sources.weight_rows.push_back(local ? weight_rows : my_region.topk_weights);
+            sources.weight_rows.push_back(local ? weight_rows : my_staging.topk_weights);
         }
         cpu::combine_reduce(kind, sources, num_tokens, hidden, num_topk, bias0, bias1, out, out_weights);
         return;
@@ -644,21 +735,21 @@ void Runtime::run_combine(CombineArgs& a) {
     const cpu::SendPlan plan = cpu::send_plan_from_head(a.send_head.data_ptr<int32_t>(), num_tokens, num_ranks_, 1);
     auto acc = at::zeros({num_tokens, hidden}, at::kFloat);
     if (with_weights) a.combined_topk_weights->zero_();
-    cpu::accumulate_rows(kind, x_rows + traffic.recv_offset(rank_, rank_) * x_row_bytes,
+    cpu::accumulate_rows(kind, x_rows + traffic.recv_offset(rank_, rank_) * format.x_bytes,
                          with_weights ? weight_rows + traffic.recv_offset(rank_, rank_) * num_topk : nullptr,
                          plan.tokens_per_rank[rank_].data(), traffic.at(rank_, rank_), hidden, num_topk,
                          acc.data_ptr<float>(), out_weights);
     for (int64_t round = 0; round < num_rounds; ++round) {
-        const int64_t lo = round * capacity, hi = lo + capacity;
-        send_round(lo, hi);
+        send_round(round);
         peers_->barrier("combine: rows written");
-        for (int j = 0; j < num_ranks_; ++j) {
+        const int64_t capacity = staging[rank_].capacity, lo = round * capacity;
+        for (int j = 0; j < num_ranks_ && capacity > 0; ++j) {
             if (j == rank_) continue;
             const int64_t begin = combine_offset(j, rank_);
-            const Overlap part = overlap(begin, traffic.at(rank_, j), lo, hi);
+            const Overlap part = overlap(begin, traffic.at(rank_, j), lo, lo + capacity);
             if (part.empty()) continue;
-            cpu::accumulate_rows(kind, my_region.x + (part.begin - lo) * x_row_bytes,
-                                 with_weights ? my_region.topk_weights + (part.begin - lo) * num_topk : nullptr,
+            cpu::accumulate_rows(kind, my_staging.x + (part.begin - lo) * format.x_bytes,
+                                 with_weights ? my_staging.topk_weights + (part.begin - lo) * num_topk : nullptr,
                                  plan.tokens_per_rank[j].data() + (part.begin - begin), part.end - part.begin, hidden,
                                  num_topk, acc.data_ptr<float>(), out_weights);
         }

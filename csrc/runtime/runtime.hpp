@@ -10,13 +10,16 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/cpu/api.hpp"
 #include "runtime/event.hpp"
+#include "runtime/memory.hpp"
 #include "shm/peer_group.hpp"
 #include "shm/segment.hpp"
 
 namespace mtdeepep {
 
 using OptTensor = std::optional<at::Tensor>;
+struct TrafficMatrix;
 
 using LayoutResult = std::tuple<at::Tensor, OptTensor, at::Tensor, at::Tensor, EventPtr>;
 
@@ -64,6 +67,10 @@ class Runtime {
     struct DispatchArgs;
     struct CombineArgs;
     void run_dispatch(DispatchArgs& args);
+    void fill_dispatch_metadata(DispatchArgs& args, const TrafficMatrix& traffic, const cpu::SendPlan& plan,
+                                int experts_per_rank);
+    void publish_reservation(const RegionArena::Block& block);
+    RegionArena::Block read_reservation(int rank);
     void run_combine(CombineArgs& args);
 
     // Runs `body` on the comm thread after `previous_event`; returns the completion event. Failures that leave
@@ -88,7 +95,9 @@ class Runtime {
     std::vector<std::shared_ptr<shm::SharedSegment>> segments_;
     std::unique_ptr<shm::PeerGroup> peers_;
     std::unique_ptr<CommStream> stream_;
-    uint64_t operation_ = 0;  // operations that used the mailbox, on the comm thread
+    std::shared_ptr<RegionArena> arena_;  // blocks of this rank's region: outputs and staging
+    std::shared_ptr<HostPool> pool_;      // recycled heap blocks for outputs that do not live in the region
+    uint64_t operation_ = 0;              // operations that used the mailbox, on the comm thread
     bool available_ = false;
     bool destroyed_ = false;
     std::string failure_;  // set by the comm thread; read by callers after waiting on an event

@@ -39,6 +39,8 @@ MailboxLayout::MailboxLayout(int num_ranks) : num_ranks(num_ranks) {
     size_t offset = round_up(sizeof(ControlHeader), 64);
     signature_offset = offset;
     offset = round_up(offset + kOpSignatureInts * sizeof(int32_t), 64);
+    reservation_offset = offset;
+    offset = round_up(offset + 2 * sizeof(int64_t), 64);
     rank_counts_offset = offset;
     offset = round_up(offset + num_ranks * sizeof(int32_t), 64);
     channel_counts_offset = offset;
