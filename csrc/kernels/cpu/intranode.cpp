@@ -24,12 +24,13 @@ inline float load_float(const uint16_t* p, int h, FloatKind kind) {
     return c10::detail::fp16_ieee_to_fp32_value(p[h]);
 }
 
+// Round to nearest even, NaN kept quiet; branch-free so that the store loop vectorises.
 inline uint16_t to_bfloat16(float value) {
     uint32_t bits;
     std::memcpy(&bits, &value, sizeof(bits));
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // quiet NaN
-    bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
-    return static_cast<uint16_t>(bits >> 16);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+    return static_cast<uint16_t>((bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 // The reductions are compute-bound (a widen and an add per element), so they are built for AVX-512 and AVX2 as
@@ -56,6 +57,22 @@ MTDEEPEP_VECTOR_CLONES void add_row(FloatKind kind, const uint8_t* row, int n, f
     } else {
         const uint16_t* values = reinterpret_cast<const uint16_t*>(row);
         for (int h = 0; h < n; ++h) acc[h] += load_float(values, h, kind);
+    }
+}
+
+// acc[0:n) = row[0:n), widened to FP32.
+MTDEEPEP_VECTOR_CLONES void load_row(FloatKind kind, const uint8_t* row, int n, float* __restrict__ acc) {
+    if (kind == FloatKind::kFloat32) {
+        std::memcpy(acc, row, sizeof(float) * n);
+    } else if (kind == FloatKind::kBFloat16) {
+        const uint16_t* values = reinterpret_cast<const uint16_t*>(row);
+        for (int h = 0; h < n; ++h) {
+            uint32_t bits = static_cast<uint32_t>(values[h]) << 16;
+            std::memcpy(acc + h, &bits, sizeof(float));
+        }
+    } else {
+        const uint16_t* values = reinterpret_cast<const uint16_t*>(row);
+        for (int h = 0; h < n; ++h) acc[h] = load_float(values, h, kind);
     }
 }
 
@@ -87,11 +104,17 @@ void write_dispatch_rows(const DispatchSource& src, const int32_t* tokens, size_
             std::memcpy(dst.x + row * src.x_row_bytes, src.x + t * src.x_token_stride, src.x_row_bytes);
             if (dst.scales != nullptr) {
                 uint8_t* out = dst.scales + row * scale_row_bytes;
-                for (int s = 0; s < src.num_scales; ++s)
-                    std::memcpy(out + s * src.scale_element_bytes,
-                                src.scales + (t * src.scale_token_stride + s * src.scale_column_stride) *
-                                                 static_cast<int64_t>(src.scale_element_bytes),
-                                src.scale_element_bytes);
+                const int64_t element = static_cast<int64_t>(src.scale_element_bytes);
+                const uint8_t* first = src.scales + t * src.scale_token_stride * element;
+                if (src.scale_column_stride == 1) {
+                    std::memcpy(out, first, scale_row_bytes);  // row-major scales: one copy per row
+                } else if (element == 4) {                     // column-major (upstream's layout): a strided gather
+                    for (int s = 0; s < src.num_scales; ++s)
+                        std::memcpy(out + 4 * s, first + s * src.scale_column_stride * 4, 4);
+                } else {
+                    for (int s = 0; s < src.num_scales; ++s)
+                        std::memcpy(out + s * element, first + s * src.scale_column_stride * element, element);
+                }
             }
             if (dst.topk_idx != nullptr) {
                 for (int k = 0; k < src.num_topk; ++k) {
@@ -151,8 +174,12 @@ void combine_reduce(FloatKind kind, const CombineSources& sources, int num_token
             if (bias1 != nullptr) rows.push_back(bias1 + t * row_bytes);
             for (int h0 = 0; h0 < hidden; h0 += kChunk) {
                 const int n = std::min(kChunk, hidden - h0);
-                std::fill(acc, acc + n, 0.0f);
-                for (const uint8_t* row : rows) add_row(kind, row + h0 * element, n, acc);
+                if (rows.empty()) {
+                    std::fill(acc, acc + n, 0.0f);
+                } else {
+                    load_row(kind, rows[0] + h0 * element, n, acc);
+                    for (size_t i = 1; i < rows.size(); ++i) add_row(kind, rows[i] + h0 * element, n, acc);
+                }
                 store_row(kind, acc, n, out + t * row_bytes + h0 * element);
             }
             if (out_weights == nullptr) continue;

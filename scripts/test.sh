@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The test command: set-up (scripts/env.sh), lint, then the whole suite. Extra arguments go to pytest.
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+
+echo "[test] ruff"
+ruff check .
+ruff format --check .
+echo "[test] clang-format"
+clang-format --dry-run --Werror $(find csrc -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh')
+echo "[test] pytest"
+python -m pytest -q "$@"
