@@ -3,6 +3,10 @@
 
 #include <algorithm>
 #include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <vector>
 
 #include "kernels/cpu/api.hpp"
@@ -88,6 +92,34 @@ MTDEEPEP_VECTOR_CLONES void store_row(FloatKind kind, const float* __restrict__ 
     }
 }
 
+// Large copies into memory another core reads next: non-temporal stores skip reading the destination lines
+// first (a third of a plain copy's memory traffic).
+void stream_copy(uint8_t* dst, const uint8_t* src, size_t bytes) {
+#if defined(__x86_64__)
+    constexpr size_t kMinimum = 64 << 10;
+    if (bytes >= kMinimum) {
+        const size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+        std::memcpy(dst, src, head);
+        dst += head, src += head, bytes -= head;
+        const size_t body = bytes / 64 * 64;
+        for (size_t i = 0; i < body; i += 64) {
+            const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+            const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+            const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+            _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+            _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+            _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+            _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+        }
+        std::memcpy(dst + body, src + body, bytes - body);
+        _mm_sfence();  // order the streamed stores before the barrier that publishes them
+        return;
+    }
+#endif
+    std::memcpy(dst, src, bytes);
+}
+
 inline size_t element_bytes(FloatKind kind) {
     return kind == FloatKind::kFloat32 ? 4 : 2;
 }
@@ -140,7 +172,7 @@ void copy_rows(const RowArrays& src, size_t src_row, const RowArrays& dst, size_
     const int64_t chunk = 1 << 20;
     at::parallel_for(0, (x_bytes + chunk - 1) / chunk, 1, [&](int64_t lo, int64_t hi) {
         const int64_t first = lo * chunk, last = std::min(x_bytes, hi * chunk);
-        std::memcpy(dst.x + dst_row * x_row_bytes + first, src.x + src_row * x_row_bytes + first, last - first);
+        stream_copy(dst.x + dst_row * x_row_bytes + first, src.x + src_row * x_row_bytes + first, last - first);
     });
     if (dst.scales != nullptr && scale_row_bytes > 0)
         std::memcpy(dst.scales + dst_row * scale_row_bytes, src.scales + src_row * scale_row_bytes,
