@@ -573,3 +573,26 @@ def single_rank_group(ctx):
         assert torch.equal(combined[sent], x[sent])
     finally:
         buffer.destroy()
+
+
+def buffer_released_by_python_or_autograd(ctx):
+    """A Buffer dropped without destroy() right after async work, or whose last reference is an autograd graph
+    (so it dies on its own comm thread), must neither hang nor abort the process."""
+    import gc
+
+    for _ in range(2):
+        buffer = deep_ep.Buffer(ctx.group, 1 << 22)
+        x = torch.randn(64, 32, requires_grad=True)
+        topk_idx = torch.randint(0, 2 * ctx.world_size, (64, 2))
+        recv_x, _, _, _, handle = deep_ep.dispatch(buffer, x, topk_idx, torch.rand(64, 2), 2 * ctx.world_size)
+        out, _ = deep_ep.combine(buffer, recv_x * 2, handle)
+        del buffer, recv_x, handle  # the graph now holds the only reference
+        out.sum().backward()
+        ranks_reached = (topk_idx // 2).sort(dim=1).values.diff(dim=1).ne(0).sum(dim=1, keepdim=True) + 1
+        assert torch.equal(x.grad, (2.0 * ranks_reached).expand_as(x))  # d(sum over ranks of 2x)/dx
+        del out
+        gc.collect()
+        buffer = deep_ep.Buffer(ctx.group, 1 << 22)
+        *_, event = buffer.get_dispatch_layout(topk_idx, 2 * ctx.world_size, async_finish=True)
+        del buffer, event
+        gc.collect()

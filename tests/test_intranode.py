@@ -41,6 +41,7 @@ def pool(request):
         cases.combine_bias_gradients,
         cases.bad_inputs_raise_value_error_before_communicating,
         cases.single_rank_group,
+        cases.buffer_released_by_python_or_autograd,
     ],
     ids=lambda case: case.__name__,
 )

@@ -47,48 +47,61 @@ inline EventPtr completed_event() {
 }
 
 // One worker thread running tasks in submission order: the CPU counterpart of a comm stream.
+//
+// The worker owns its queue state through a shared_ptr, so the stream may be destroyed from the worker itself
+// (the last reference to a buffer can be dropped by a finishing task): it then detaches instead of joining.
 class CommStream {
   public:
-    CommStream() : worker_([this] { run(); }) {}
+    CommStream() : state_(std::make_shared<State>()) {
+        worker_ = std::thread([state = state_] { run(*state); });
+    }
     ~CommStream() { shutdown(); }
 
     void submit(std::function<void()> task) {
         {
-            std::lock_guard<std::mutex> lock(mutex_);
-            tasks_.push_back(std::move(task));
+            std::lock_guard<std::mutex> lock(state_->mutex);
+            state_->tasks.push_back(std::move(task));
         }
-        ready_cv_.notify_one();
+        state_->ready.notify_one();
     }
 
-    // Finishes the queued tasks, then joins the worker.
+    // Finishes the queued tasks, then joins the worker (or detaches it, when called from the worker).
     void shutdown() {
         {
-            std::lock_guard<std::mutex> lock(mutex_);
-            stopping_ = true;
+            std::lock_guard<std::mutex> lock(state_->mutex);
+            state_->stopping = true;
         }
-        ready_cv_.notify_one();
-        if (worker_.joinable()) worker_.join();
+        state_->ready.notify_one();
+        if (!worker_.joinable()) return;
+        if (worker_.get_id() == std::this_thread::get_id())
+            worker_.detach();
+        else
+            worker_.join();
     }
 
   private:
-    void run() {
+    struct State {
+        std::mutex mutex;
+        std::condition_variable ready;
+        std::deque<std::function<void()>> tasks;
+        bool stopping = false;
+    };
+
+    static void run(State& state) {
         for (;;) {
             std::function<void()> task;
             {
-                std::unique_lock<std::mutex> lock(mutex_);
-                ready_cv_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
-                if (tasks_.empty()) return;
-                task = std::move(tasks_.front());
-                tasks_.pop_front();
+                std::unique_lock<std::mutex> lock(state.mutex);
+                state.ready.wait(lock, [&] { return state.stopping || !state.tasks.empty(); });
+                if (state.tasks.empty()) return;
+                task = std::move(state.tasks.front());
+                state.tasks.pop_front();
             }
             task();
         }
     }
 
-    std::mutex mutex_;
-    std::condition_variable ready_cv_;
-    std::deque<std::function<void()>> tasks_;
-    bool stopping_ = false;
+    std::shared_ptr<State> state_;
     std::thread worker_;
 };
 

@@ -259,9 +259,10 @@ at::Tensor Runtime::get_local_buffer_tensor(at::ScalarType dtype, int64_t offset
 EventPtr Runtime::submit(const EventPtr& previous_event, std::function<void()> body) {
     auto done = std::make_shared<Event>();
     const int num_threads = num_threads_;
-    stream_->submit([this, previous_event, body = std::move(body), done, num_threads] {
+    stream_->submit([this, previous = previous_event, body = std::move(body), done, num_threads]() mutable {
+        std::exception_ptr error;
         try {
-            if (previous_event) previous_event->wait();
+            if (previous) previous->wait();
             if (at::get_num_threads() != num_threads) at::set_num_threads(num_threads);
             {
                 std::lock_guard<std::mutex> lock(failure_mutex_);
@@ -269,19 +270,22 @@ EventPtr Runtime::submit(const EventPtr& previous_event, std::function<void()> b
                     throw CommError(concat("mtdeepep: the buffer is unusable after an earlier failure: ", failure_));
             }
             body();
-            done->complete();
         } catch (const GroupMismatch&) {
-            done->complete(std::current_exception());
-        } catch (const std::exception& error) {
-            {
-                std::lock_guard<std::mutex> lock(failure_mutex_);
-                if (failure_.empty()) {
-                    failure_ = error.what();
-                    if (peers_) peers_->mark_failed(concat("rank ", rank_, ": ", error.what()));
-                }
+            error = std::current_exception();
+        } catch (const std::exception& failure) {
+            error = std::current_exception();
+            std::lock_guard<std::mutex> lock(failure_mutex_);
+            if (failure_.empty()) {
+                failure_ = failure.what();
+                if (peers_) peers_->mark_failed(concat("rank ", rank_, ": ", failure.what()));
             }
-            done->complete(std::current_exception());
         }
+        // Drop the operation's tensors before the waiter resumes: freeing a tensor that Python once owned takes
+        // the GIL, which the waiter may hold again once it stops waiting. This may also drop the last reference
+        // to this runtime, so nothing below touches `this`.
+        body = nullptr;
+        previous.reset();
+        done->complete(error);
     });
     return done;
 }
