@@ -4,6 +4,8 @@
 #include <torch/python.h>
 
 #include "common/exception.hpp"
+#include "common/gil.hpp"
+#include "low_latency/bindings.hpp"
 #include "runtime/runtime.hpp"
 #include "shm/segment.hpp"
 
@@ -51,7 +53,7 @@ void register_runtime(py::module_& m) {
         .def("wait", &Event::wait, py::call_guard<py::gil_scoped_release>())
         .def("query", &Event::query);
 
-    py::class_<Runtime>(m, "Runtime")
+    py::class_<Runtime, std::unique_ptr<Runtime, mtdeepep::ReleaseGilDelete<Runtime>>>(m, "Runtime")
         .def(py::init<int, int, int64_t, double, int>(), py::arg("rank"), py::arg("num_ranks"),
              py::arg("num_nvl_bytes"), py::arg("timeout_s"), py::arg("num_threads"))
         .def("segment_name", &Runtime::segment_name)
@@ -79,4 +81,5 @@ PYBIND11_MODULE(_C, m) {
     m.doc() = "mtdeepep C++ runtime";
     register_exceptions(m);
     register_runtime(m);
+    register_low_latency(m);
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -20,6 +21,8 @@ from . import _C
 from ._checks import COMBINE_DTYPES, check_num_experts, check_tensor, check_topk_idx, split_x
 from .config import Config
 from .event import EventOverlap
+from .internode import InternodeBuffer, check_nodes_share_hosts, resolve_num_ranks_per_node
+from .low_latency import LowLatencyBuffer
 
 DEFAULT_TIMEOUT_S = 100.0
 _NAME_BYTES = 512
@@ -63,6 +66,10 @@ class Buffer:
 
     Keyword-only extras: `timeout_s` bounds every wait (default 100 s, or `MTDEEPEP_TIMEOUT_S`); a wait that
     runs out raises `mtdeepep.CommTimeoutError` naming the ranks and the phase that did not arrive.
+    `num_ranks_per_node` groups consecutive ranks into nodes of that size (default: the `LOCAL_WORLD_SIZE`
+    environment variable, else one node); the ranks of a node must share a host. When the group spans several
+    nodes, dispatch and combine run in two stages (network, then node-local; see `mtdeepep.internode`) and
+    low-latency mode uses the collective transport (torch.distributed all-to-all).
 
     Attributes: `rank`, `group_size`, `group`, `num_nvl_bytes`, `num_rdma_bytes`, `low_latency_mode`;
     class attribute `num_sms` (default 20).
@@ -85,6 +92,7 @@ class Buffer:
         comm=None,
         *,
         timeout_s: float | None = None,
+        num_ranks_per_node: int | None = None,
     ) -> None:
         if group is None:
             group = dist.group.WORLD
@@ -106,21 +114,32 @@ class Buffer:
         # Handles this buffer issued, keyed by their rank prefix matrix: a handle from elsewhere is refused.
         self._issued_handles: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
-        self.runtime = _C.Runtime(
+        self.num_ranks_per_node = resolve_num_ranks_per_node(num_ranks_per_node, self.group_size)
+        self._low_latency: LowLatencyBuffer | None = None
+        self._internode: InternodeBuffer | None = None
+        internode = self.num_ranks_per_node < self.group_size
+
+        # Several nodes: the node-local stage's intranode Buffer owns the shared region and becomes self.runtime.
+        self.runtime = None if internode else _C.Runtime(
             self.rank, self.group_size, self.num_nvl_bytes, self.timeout_s, torch.get_num_threads()
-        )
+        )  # fmt: skip
         try:
-            me = f"{socket.gethostname()}\n{self.runtime.segment_name()}\n{self.runtime.pid()}"
+            segment = "-" if internode else self.runtime.segment_name()
+            me = f"{socket.gethostname()}\n{segment}\n{os.getpid()}"
             peers = [entry.split("\n") for entry in _gather_strings(group, me, self.timeout_s)]
-            hosts = sorted({host for host, _, _ in peers})
-            if len(hosts) > 1:
-                raise ValueError(
-                    f"mtdeepep: the group spans {len(hosts)} hosts ({', '.join(hosts)}); this build's Buffer "
-                    "moves data between ranks of one host only"
-                )
-            self.runtime.sync([name for _, name, _ in peers], [int(pid) for _, _, pid in peers])
+            check_nodes_share_hosts([host for host, _, _ in peers], self.num_ranks_per_node)
+            if internode:
+                self._internode = InternodeBuffer(self, self.num_ranks_per_node)
+                self.runtime = self._internode.node_buffer.runtime
+            else:
+                self.runtime.sync([name for _, name, _ in peers], [int(pid) for _, _, pid in peers])
+            if low_latency_mode:
+                self._low_latency = self._set_up_low_latency()
         except BaseException:
-            self.runtime.destroy()
+            if self._internode is not None:
+                self._internode.destroy()
+            elif self.runtime is not None:
+                self.runtime.destroy()
             raise
 
     # ---------------------------------------------------------------------------------------------------------
@@ -170,13 +189,16 @@ class Buffer:
         return -1
 
     def get_num_rdma_ranks(self) -> int:
-        return 1
+        """The number of nodes (1 within one node)."""
+        return self.group_size // self.num_ranks_per_node
 
     def get_rdma_rank(self) -> int:
-        return 0
+        """This rank's node."""
+        return self.rank // self.num_ranks_per_node
 
     def get_root_rdma_rank(self, global_: bool) -> int:
-        return 0
+        """The first rank of this rank's node: its group rank if `global_`, else its index in the node (0)."""
+        return self.get_rdma_rank() * self.num_ranks_per_node if global_ else 0
 
     def get_local_buffer_tensor(
         self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0, use_rdma_buffer: bool = False
@@ -201,12 +223,18 @@ class Buffer:
             raise ValueError(f"mtdeepep: timeout_s must be positive, got {timeout_s}")
         self.timeout_s = float(timeout_s)
         self.runtime.set_timeout(self.timeout_s)
+        if self._low_latency is not None:
+            self._low_latency.set_timeout(self.timeout_s)
 
     def destroy(self) -> None:
         """Release the shared regions and the comm thread. Needs `explicitly_destroy=True`, as upstream."""
         if not self.explicitly_destroy:
             raise RuntimeError("mtdeepep: `explicitly_destroy` must be set to call destroy()")
         self.runtime.destroy()
+        if self._internode is not None:
+            self._internode.destroy()
+        if self._low_latency is not None:
+            self._low_latency.destroy()
 
     # ---------------------------------------------------------------------------------------------------------
     # Layout, dispatch, combine
@@ -236,11 +264,16 @@ class Buffer:
         Returns:
             num_tokens_per_rank: `[num_ranks]` int32, tokens sent to each rank (once per rank, however many of its
                 experts there).
-            num_tokens_per_rdma_rank: None within one node.
+            num_tokens_per_rdma_rank: None within one node; with several nodes `[num_nodes]` int32, tokens sent to
+                each node (once per node, however many of its ranks).
             num_tokens_per_expert: `[num_experts]` int32.
             is_token_in_rank: `[num_tokens, num_ranks]` bool.
             event: completion (meaningful with `async_finish`).
         """
+        if self._internode is not None:
+            return self._internode.get_dispatch_layout(
+                topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream
+            )
         check_num_experts(num_experts, self.group_size)
         check_topk_idx(topk_idx, num_experts, self.device)
         event = self._prepare(previous_event, async_finish, allocate_on_comm_stream)
@@ -289,7 +322,17 @@ class Buffer:
                 recv_src_idx [num_recv_tokens], is_token_in_rank [num_tokens, R], send_head [num_tokens, R])`,
                 int32 but `is_token_in_rank`; `send_head[t, r]` is token t's position among the tokens sent to r.
             event: completion of the data movement.
+
+        Several nodes: the same results and row order; `num_tokens_per_rdma_rank` (optional) is checked; the handle
+        is an `mtdeepep.internode.InternodeHandle` (8-tuple) and the work runs synchronously (see
+        `InternodeBuffer.dispatch`).
         """
+        if self._internode is not None:
+            return self._internode.dispatch(
+                x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
+                topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
+                allocate_on_comm_stream,
+            )  # fmt: skip
         config = self.get_dispatch_config(self.group_size) if config is None else config
         data, scales = split_x(x, self.device)
         num_tokens = data.size(0)
@@ -375,7 +418,14 @@ class Buffer:
             combined_x: `[num_tokens, hidden]` in x's dtype.
             combined_topk_weights: `[num_tokens, num_topk]` float32 or None.
             event: completion.
+
+        Several nodes: node partial sums (FP32, rounded once to x's dtype) are summed in FP32 at the source and
+        rounded again; synchronous (see `InternodeBuffer.combine`).
         """
+        if self._internode is not None:
+            return self._internode.combine(
+                x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream
+            )
         config = self.get_combine_config(self.group_size) if config is None else config
         rank_prefix_matrix, _, _, recv_src_idx, is_token_in_rank, send_head = self._check_handle(handle)
         num_tokens = is_token_in_rank.size(0)
@@ -419,6 +469,155 @@ class Buffer:
             raise ValueError(f"mtdeepep: x has {num_tokens} tokens but the handle was made for "
                              f"{is_token_in_rank.size(0)}")  # fmt: skip
         return handle
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Low-latency mode (Buffer(..., low_latency_mode=True)); the work is done by mtdeepep/low_latency.py.
+
+    def _set_up_low_latency(self) -> LowLatencyBuffer:
+        """Second bootstrap gather: every rank's low-latency region. Ranks on several nodes (`num_ranks_per_node`)
+        use the collective transport, ranks of one node the shared-memory one."""
+        low_latency = LowLatencyBuffer(self.group, self.num_rdma_bytes, self.timeout_s)
+        try:
+            entries = _gather_strings(self.group, low_latency.setup_string(), self.timeout_s)
+            low_latency.sync(entries, [r // self.num_ranks_per_node for r in range(self.group_size)])
+        except BaseException:
+            low_latency.destroy()
+            raise
+        return low_latency
+
+    def _require_low_latency(self) -> LowLatencyBuffer:
+        if self._low_latency is None:
+            raise ValueError("mtdeepep: low-latency calls need Buffer(..., low_latency_mode=True)")
+        return self._low_latency
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """Bytes of `num_rdma_bytes` that low-latency calls with these arguments need (use them for every rank).
+
+        The region holds a control area (per-source signals and per-expert slot counters) and two halves (double
+        buffering), each with the dispatch receive slots (`[num_experts / num_ranks, num_ranks *
+        num_max_dispatch_tokens_per_rank]` rows of `hidden` bfloat16, FP8 scales, source indices, per-source
+        ranges) and the combine receive area (`[num_experts, num_max_dispatch_tokens_per_rank, hidden]` bfloat16).
+        """
+        return LowLatencyBuffer.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Zero the low-latency signalling state (signals, slot counters, ranges) and restart the call numbering.
+
+        Collective: every rank must call it, with the same arguments as the low-latency calls that follow, and with
+        no low-latency call in flight (it first finishes this rank's queued calls, then waits for every rank). Use it
+        to recover after a failed or timed-out low-latency call; unlike upstream it is not needed after normal-mode
+        calls, which use a separate region.
+        """
+        self._require_low_latency().clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> tuple[XLike, torch.Tensor, tuple, EventOverlap, Callable[[], None] | None]:
+        """Send each token to every expert of its top-k, packed per local expert on the receiving rank.
+
+        Every rank must call it (a collective), with the same `num_max_dispatch_tokens_per_rank`, `num_experts`,
+        hidden size and FP8 options. At most two low-latency results can be alive at once: `recv_x` (and scales) are
+        views into one half of this rank's region, which the call after next overwrites.
+
+        Arguments:
+            x: `[num_tokens, hidden]` bfloat16, `num_tokens <= num_max_dispatch_tokens_per_rank` (else ValueError);
+                any hidden size, a multiple of 128 with `use_fp8`.
+            topk_idx: `[num_tokens, num_topk]` int64 expert ids in `[-1, num_experts)`, -1 for an unused slot, no
+                expert twice in a row; any `num_topk <= num_experts`.
+            num_max_dispatch_tokens_per_rank: the most tokens any rank dispatches (same on every rank).
+            num_experts: total experts, divisible by the group size.
+            cumulative_local_expert_recv_stats: `[num_local_experts]` int32; the received counts are added to it.
+            dispatch_wait_recv_cost_stats: `[num_ranks]` int64; the nanoseconds spent waiting for each source rank's
+                rows are added to it (shared-memory transport; left untouched by the collective transport).
+            use_fp8: the sender casts each token to E4M3 per 128 channels with float32 scales
+                (`scale = max(amax, 1e-4) / 448`, as `mtdeepep.utils.refs.per_token_cast_to_fp8`).
+            round_scale: round each scale up to a power of two.
+            use_ue8m0: return the (power-of-two) scales as their 8-bit exponents, 4 per int32; needs `round_scale`.
+            async_finish: run on the comm thread; the returned event completes when the data has arrived.
+            return_recv_hook: only issue the sends (on the comm thread) and return; calling `hook()` waits for every
+                source rank and completes the receive, so computation can run in between. Not with `async_finish`.
+                Leave `x` and `topk_idx` unchanged until the hook (or event) has completed.
+
+        Returns:
+            recv_x: `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` bfloat16, or with
+                `use_fp8` the pair `(float8_e4m3fn data, scales)`, scales `[num_local_experts, num_ranks *
+                num_max_dispatch_tokens_per_rank, hidden / 128]` float32 (or int32 `[..., ceil(hidden / 512)]` with
+                `use_ue8m0`, unused exponent bytes 0), column-major in the last two dimensions as upstream. Only the
+                first `recv_count[e]` rows of expert e are valid.
+            recv_count: `[num_local_experts]` int32 rows received per local expert.
+            handle: `(src_info [num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank] int32 token index on
+                its source rank, layout_range [num_local_experts, num_ranks] int64 (begin << 32) | count of the rows
+                from each source rank, num_max_dispatch_tokens_per_rank, hidden, num_experts)`.
+            event: completion (meaningful with `async_finish`).
+            hook: the receive hook with `return_recv_hook`, else None.
+        """
+        return self._require_low_latency().dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
+        )  # fmt: skip
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: tuple,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+        combine_wait_recv_cost_stats: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, EventOverlap, Callable[[], None] | None]:
+        """Send expert outputs back and reduce them per token **with** the top-k weights, accumulating in FP32.
+
+        Arguments:
+            x: `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` bfloat16 expert outputs, in
+                the rows of the dispatch that made `handle`.
+            topk_idx: `[num_tokens, num_topk]` int64, the ids this rank dispatched (-1 slots are skipped).
+            topk_weights: `[num_tokens, num_topk]` float32.
+            handle: from `low_latency_dispatch`.
+            use_logfmt: must be False (LogFMT compression is not supported: ValueError).
+            zero_copy: the outputs were already written into `get_next_low_latency_combine_buffer(handle)`; that area
+                is read instead of `x` (no copy of `x` is made either way on this executor).
+            async_finish, return_recv_hook: as in `low_latency_dispatch`.
+            out: `[num_tokens, hidden]` bfloat16 contiguous, written in place and returned.
+            combine_wait_recv_cost_stats: `[num_ranks]` int64, nanoseconds waited per source rank (shared-memory
+                transport only).
+
+        Returns:
+            combined_x: `[num_tokens, hidden]` bfloat16, `sum_k topk_weights[t, k] * expert_output(topk_idx[t, k], t)`
+                over the non-masked slots in slot order, in FP32, rounded once.
+            event: completion (meaningful with `async_finish`).
+            hook: the receive hook with `return_recv_hook`, else None.
+        """
+        return self._require_low_latency().combine(
+            x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+            combine_wait_recv_cost_stats,
+        )  # fmt: skip
+
+    def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
+        """The `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` bfloat16 area the next
+        `low_latency_combine(..., zero_copy=True)` reads: write the expert outputs into it. Two areas alternate between
+        zero-copy combines, so one can be filled while the previous combine is still sending."""
+        return self._require_low_latency().next_combine_buffer(handle)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # End of low-latency mode
 
     def __repr__(self) -> str:
         return (
