@@ -14,7 +14,7 @@ from moe import balancing
 from moe.balancing import AuxLossScale, MoEMetrics, attach_aux_loss
 from moe.capacity import apply_capacity, expert_capacity, pad_rows, plan_padding, unpad_rows
 from moe.config import MoEConfig
-from moe.dispatcher import DispatchResult, build_dispatcher
+from moe.dispatcher import DispatchResult, TokenDispatcher, build_dispatcher
 from moe.experts import SwiGLUExperts, SwiGLUMLP
 from moe.fp8 import Fp8SwiGLUExperts
 from moe.router import RouterOutput, TopKRouter
@@ -33,6 +33,8 @@ class MoELayer(nn.Module):
         aux_loss_scale: shared `AuxLossScale` (see `balancing.attach_aux_loss`); a private one if None.
         aux_loss_group: group over which 'global_aux_loss' sums the routed counts (None = this rank only).
         dtype: dtype of the expert and shared-expert weights (the router weight is always float32).
+        dispatcher: a ready `TokenDispatcher` over `ep_group` (e.g. a `DeepEPDispatcher` on a shared
+            `mtdeepep.Buffer`); it replaces the one `config.moe_token_dispatcher_type` would build.
     """
 
     def __init__(
@@ -44,13 +46,20 @@ class MoELayer(nn.Module):
         aux_loss_group: dist.ProcessGroup | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        dispatcher: TokenDispatcher | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.aux_loss_group = aux_loss_group
         self.aux_loss_scale = aux_loss_scale if aux_loss_scale is not None else AuxLossScale()
         self.router = TopKRouter(config).to(device)
-        self.dispatcher = build_dispatcher(config, ep_group)
+        if dispatcher is None:
+            dispatcher = build_dispatcher(config, ep_group)
+        elif dispatcher.num_experts != config.num_moe_experts or (
+            ep_group is not None and dispatcher.ep_group is not ep_group
+        ):
+            raise ValueError("the dispatcher must serve config.num_moe_experts experts over ep_group")
+        self.dispatcher = dispatcher
         self.ep_size = self.dispatcher.ep_size
         self.num_local_experts = self.dispatcher.num_local_experts
         self.local_expert_start = self.dispatcher.local_expert_start

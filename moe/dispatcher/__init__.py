@@ -1,4 +1,8 @@
-"""Token dispatchers behind one interface (`TokenDispatcher`), built by name from `MoEConfig`."""
+"""Token dispatchers behind one interface (`TokenDispatcher`), built by name from `MoEConfig`.
+
+'flex' (`moe.dispatcher.deepep.DeepEPDispatcher`, on mtdeepep) is imported on first use, so the other dispatchers
+work without the compiled extension.
+"""
 
 from moe.dispatcher.allgather import AllGatherDispatcher, build_allgather
 from moe.dispatcher.alltoall import AllToAllDispatcher, build_alltoall
@@ -7,6 +11,15 @@ from moe.dispatcher.registry import available_dispatchers, build_dispatcher, reg
 
 register_dispatcher("alltoall", build_alltoall, overwrite=True)
 register_dispatcher("allgather", build_allgather, overwrite=True)
+
+
+def _build_flex(config, ep_group) -> TokenDispatcher:
+    from moe.dispatcher.deepep import build_deepep
+
+    return build_deepep(config, ep_group)
+
+
+register_dispatcher("flex", _build_flex, overwrite=True)
 
 __all__ = [
     "AllGatherDispatcher",

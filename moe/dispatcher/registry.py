@@ -1,12 +1,14 @@
 """Dispatcher factories keyed by `MoEConfig.moe_token_dispatcher_type`.
 
-Built in: 'alltoall' and 'allgather' (registered by `moe.dispatcher`). The mtdeepep-based dispatcher (DeepEP
-normal and low-latency kernels) plugs in here as 'flex':
+Built in (registered by `moe.dispatcher`): 'alltoall', 'allgather', and 'flex', the mtdeepep-based dispatcher
+(`moe.dispatcher.deepep.DeepEPDispatcher`, DeepEP normal-mode kernels). Other backends plug in the same way:
 
-    @register_dispatcher("flex")
+    @register_dispatcher("my_backend")
     def _build(config: MoEConfig, ep_group) -> TokenDispatcher: ...
 
-A factory takes `(config, ep_group)` and returns a `TokenDispatcher`.
+A factory takes `(config, ep_group)` and returns a `TokenDispatcher`. To pass an object the factory cannot build
+itself (e.g. one `mtdeepep.Buffer` shared by every layer), build the dispatcher and give it to
+`MoELayer(..., dispatcher=...)`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,22 @@
 """Multi-process cases: run inside every rank of a gloo world started by `test_moe_distributed.py`.
 
-Each case builds a single-process reference layer (EP 1) and an expert-parallel layer with the same weights. The
-reference processes every rank's chunk of tokens in turn (data parallel over the EP ranks), so for rank r:
-output(EP) == output(EP 1 on chunk r), expert grads == the reference's grads of this rank's experts, and the sum
-over ranks of the replicated (router, shared expert) grads == the reference's grads. All collectives of a case run
-before its assertions, so a failed check on one rank cannot leave the others blocked in a collective.
+Each case builds a single-process reference layer (EP 1, 'alltoall' dispatcher, whatever the case's dispatcher) and
+an expert-parallel layer with the same weights. The reference processes every rank's chunk of tokens in turn (data
+parallel over the EP ranks), so for rank r: output(EP) == output(EP 1 on chunk r), expert grads == the reference's
+grads of this rank's experts, and the sum over ranks of the replicated (router, shared expert) grads == the
+reference's grads. All collectives of a case run before its assertions, so a failed check on one rank cannot leave
+the others blocked in a collective.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from moe_testlib import assert_close
@@ -41,7 +44,7 @@ def case(name: str):
 def build_pair(cfg: MoEConfig, group, seed: int = 0, skew: bool = False) -> tuple[MoELayer, MoELayer]:
     """Reference (EP 1) and expert-parallel layers holding the same weights on every rank."""
     torch.manual_seed(seed)
-    ref = MoELayer(cfg)
+    ref = MoELayer(dataclasses.replace(cfg, moe_token_dispatcher_type="alltoall"))
     with torch.no_grad():
         if ref.router.expert_bias is not None:
             ref.router.expert_bias.bias.copy_(torch.randn(cfg.num_moe_experts) * 0.05)
@@ -172,8 +175,8 @@ SIGMOID_V3 = dict(
     moe_aux_loss_coeff=0.05,
 )
 
-for _disp in ("alltoall", "allgather"):
-    _p = "a2a" if _disp == "alltoall" else "ag"
+for _disp in ("alltoall", "allgather", "flex"):
+    _p = {"alltoall": "a2a", "allgather": "ag", "flex": "flex"}[_disp]
 
     def _mk(fn, **kw):
         return lambda rank, world, group: fn(rank, world, group, **kw)
@@ -233,18 +236,28 @@ case("a2a_loop_experts_pre_softmax_top3")(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@case("alltoall_equals_allgather")
-def _alltoall_equals_allgather(rank, world, group):
+def _same_as_alltoall(rank, world, group, other: str) -> None:
+    """The layer with dispatcher `other` gives the 'alltoall' layer's outputs, losses and gradients."""
     results = []
-    for disp in ("alltoall", "allgather"):
-        cfg = _cfg(moe_token_dispatcher_type=disp, moe_aux_loss_coeff=0.01, moe_shared_expert_intermediate_size=8)
+    for disp in ("alltoall", other):
+        cfg = _cfg(
+            moe_token_dispatcher_type=disp,
+            moe_router_topk=3,
+            moe_aux_loss_coeff=0.01,
+            moe_shared_expert_intermediate_size=8,
+        )
         _, ep = build_pair(cfg, group, seed=3)
         out, x_grad, losses = forward_backward(ep, *make_inputs(world, [7, 3, 11, 4], None)[rank])
-        results.append((out, x_grad, ep.experts.w13.grad, ep.experts.w2.grad, ep.router.weight.grad, losses))
+        grads = (ep.experts.w13.grad, ep.experts.w2.grad, ep.router.weight.grad, ep.shared_experts.w13.grad)
+        results.append((out, x_grad, *grads, losses))
     a, b = results
-    for name, u, v in zip(["out", "x grad", "w13 grad", "w2 grad", "router grad"], a, b):
+    for name, u, v in zip(["out", "x grad", "w13 grad", "w2 grad", "router grad", "shared w13 grad"], a, b):
         assert_close(u, v, msg=name)
-    assert_close(a[5]["aux_loss"], b[5]["aux_loss"], msg="aux loss")
+    assert_close(a[-1]["aux_loss"], b[-1]["aux_loss"], msg="aux loss")
+
+
+case("alltoall_equals_allgather")(lambda rank, world, group: _same_as_alltoall(rank, world, group, "allgather"))
+case("alltoall_equals_flex")(lambda rank, world, group: _same_as_alltoall(rank, world, group, "flex"))
 
 
 @case("global_aux_loss_over_group")
@@ -278,6 +291,164 @@ def _global_aux_loss(rank, world, group):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# 'flex' (mtdeepep) dispatcher against 'alltoall'
+# ---------------------------------------------------------------------------------------------------------------
+
+case("flex_shared_expert_overlap_top3")(
+    lambda rank, world, group: compare_with_ep1(
+        rank,
+        world,
+        group,
+        _cfg(
+            moe_token_dispatcher_type="flex",
+            moe_router_topk=3,
+            moe_shared_expert_intermediate_size=24,
+            moe_shared_expert_overlap=True,
+        ),
+    )
+)
+case("flex_padded_batch_gemm_dropless")(
+    lambda rank, world, group: compare_with_ep1(
+        rank,
+        world,
+        group,
+        _cfg(moe_token_dispatcher_type="flex", moe_padded_batch_gemm=True, moe_padded_batch_gemm_alignment=4),
+    )
+)
+case("flex_loop_experts_pad_to_capacity")(
+    lambda rank, world, group: compare_with_ep1(
+        rank,
+        world,
+        group,
+        _cfg(
+            moe_token_dispatcher_type="flex",
+            moe_grouped_gemm=False,
+            moe_expert_capacity_factor=1.0,
+            moe_token_drop_policy="position",
+            moe_pad_expert_input_to_capacity=True,
+        ),
+    )
+)
+
+
+@case("flex_dispatcher_matches_alltoall_rows_and_grads")
+def _flex_dispatcher_rows(rank, world, group):
+    """Dispatcher level: the experts get the same rows in the same order; x and routing-weight grads agree.
+
+    Top-6 of 8 experts: every token has several experts on most ranks (one row per (token, local expert) must come
+    out of one received row); some slots and one whole token are dropped (-1).
+    """
+    from moe.dispatcher.alltoall import AllToAllDispatcher
+    from moe.dispatcher.deepep import DeepEPDispatcher
+
+    T, K, H, E = 9 + 2 * rank, 6, 16, 8
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(T, H, generator=gen)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    idx[1, 2:] = -1
+    idx[3] = -1
+    probs = torch.rand(T, K, generator=gen)
+    scale_H = torch.linspace(0.5, 1.5, H)
+    grad_out = torch.randn(T, H, generator=gen)
+
+    results = []
+    for disp in (
+        AllToAllDispatcher(num_experts=E, ep_group=group),
+        DeepEPDispatcher(num_experts=E, hidden_size=H, ep_group=group),
+    ):
+        x_leaf, p_leaf = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        res = disp.dispatch(x_leaf, p_leaf, idx)
+        expert_in = res.expert_input_NH.detach().clone()
+        y = torch.tanh(res.expert_input_NH * scale_H)  # a non-linear "expert", the same for every expert
+        out = disp.combine(y, res.handle)
+        (out * grad_out).sum().backward()
+        results.append((expert_in, res.tokens_per_expert, out.detach(), x_leaf.grad, p_leaf.grad))
+
+    (in_a, counts_a, out_a, gx_a, gp_a), (in_f, counts_f, out_f, gx_f, gp_f) = results
+    assert counts_f == counts_a, f"tokens per expert {counts_f} != {counts_a}"
+    assert torch.equal(in_f, in_a), "expert input rows differ"
+    assert_close(out_f, out_a, msg="combined output")
+    assert torch.count_nonzero(out_f[3]) == 0, "a fully dropped token must combine to zero"
+    assert_close(gx_f, gx_a, msg="x grad")
+    assert_close(gp_f, gp_a, msg="routing weight grad")
+    assert torch.count_nonzero(gp_f[idx < 0]) == 0, "dropped slots get no weight gradient"
+
+
+@case("flex_async_dispatch_under_no_grad")
+def _flex_async(rank, world, group):
+    """Without autograd the dispatch runs asynchronously (an `EventOverlap` to wait on) and the shared expert runs
+    while it is in flight; with autograd it is synchronous. Results are the same either way, and as 'alltoall'."""
+    import mtdeepep as deep_ep
+
+    outs, events = {}, {}
+    x = make_inputs(world, [7, 3, 11, 4], None, seed=5)[rank][0]
+    for disp, overlap in (("alltoall", False), ("flex", False), ("flex", True)):
+        cfg = _cfg(
+            moe_token_dispatcher_type=disp,
+            moe_router_topk=3,
+            moe_shared_expert_intermediate_size=24,
+            moe_shared_expert_overlap=overlap,
+        )
+        _, ep = build_pair(cfg, group, seed=4)
+        with torch.no_grad():
+            outs[disp, overlap, "no_grad"] = ep(x)
+        outs[disp, overlap, "grad"] = ep(x.clone().requires_grad_()).detach()
+        if disp == "flex":
+            route = ep.router(x)
+            for mode in ("no_grad", "grad"):
+                with torch.set_grad_enabled(mode == "grad"):
+                    x_in = x.clone().requires_grad_(mode == "grad")
+                    pending = ep.dispatcher.dispatch_begin(x_in, route.probs_TK, route.topk_idx_TK)
+                    events[overlap, mode] = (pending.event, pending.recv_x_UH.requires_grad)
+                    ep.dispatcher.dispatch_end(pending)
+
+    for overlap in (False, True):
+        event, _ = events[overlap, "no_grad"]
+        assert isinstance(event, deep_ep.EventOverlap), "a no-grad dispatch must be asynchronous"
+        event, recv_requires_grad = events[overlap, "grad"]
+        assert event is None and recv_requires_grad, "an autograd dispatch goes through deep_ep.dispatch"
+    ref = outs["alltoall", False, "grad"]
+    for key, out in outs.items():
+        assert_close(out, ref, msg=f"output of {key}")
+    assert torch.equal(outs["flex", True, "no_grad"], outs["flex", False, "no_grad"]), "overlap changed the output"
+
+
+@case("flex_layers_share_one_buffer")
+def _flex_shared_buffer(rank, world, group):
+    """Two layers on one passed-in Buffer, through `MoELayer(dispatcher=...)`, match 'alltoall'; a 'flex' layer
+    built from the config creates its own buffer lazily, sized by `nvl_bytes_hint`."""
+    import mtdeepep as deep_ep
+    from moe.dispatcher.deepep import DeepEPDispatcher, nvl_bytes_hint
+
+    H, E = BASE["hidden_size"], BASE["num_moe_experts"]
+    buffer = deep_ep.Buffer(group, num_nvl_bytes=nvl_bytes_hint(H, world), explicitly_destroy=True)
+    cfg = _cfg(moe_router_topk=3)
+    x, g = make_inputs(world, None, None, seed=9)[rank]
+    pairs = []
+    for seed in (1, 2):
+        ref, a2a = build_pair(cfg, group, seed=seed)
+        flex = MoELayer(cfg, dispatcher=DeepEPDispatcher(num_experts=E, hidden_size=H, buffer=buffer))
+        load_ep_from_ref(flex, ref)  # the same weights as `a2a`
+        pairs.append((a2a, flex, forward_backward(a2a, x, g), forward_backward(flex, x, g)))
+    lazy = MoELayer(_cfg(moe_token_dispatcher_type="flex"), ep_group=group)
+    created_lazily = lazy.dispatcher._buffer is None
+    lazy(x)
+    owned = lazy.dispatcher.buffer
+    del lazy  # the dispatcher destroys the buffer it created
+    buffer.destroy()  # the caller destroys the one it passed in
+
+    for layer, (a2a, flex, (out_a, gx_a, _), (out_f, gx_f, _)) in enumerate(pairs):
+        assert flex.dispatcher.ep_group is group and flex.dispatcher.buffer is buffer
+        assert_close(out_f, out_a, msg=f"layer {layer} output")
+        assert_close(gx_f, gx_a, msg=f"layer {layer} x grad")
+        assert_close(flex.experts.w13.grad, a2a.experts.w13.grad, msg=f"layer {layer} w13 grad")
+    assert created_lazily, "the buffer is created on first use"
+    assert owned is not buffer and owned.num_nvl_bytes == nvl_bytes_hint(H, world)
+    with pytest.raises(deep_ep.CommError, match="destroyed"):
+        owned.get_dispatch_layout(torch.zeros(1, 1, dtype=torch.int64), E)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Worker
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -286,6 +457,7 @@ def worker(rank: int, world: int, port: int, tasks, results) -> None:
     """Join the gloo world, then run the case names received on `tasks` until None; report each outcome."""
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("MTDEEPEP_TIMEOUT_S", "30")  # like the process group: stuck ranks report before the case
     try:
         dist.init_process_group(
             "gloo",

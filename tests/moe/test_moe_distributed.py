@@ -1,4 +1,5 @@
-"""Expert parallelism over gloo: EP 2 and EP 4 against EP 1, both dispatchers, the global aux loss.
+"""Expert parallelism over gloo: EP 2 and EP 4 against EP 1, every dispatcher, the global aux loss; the 'flex'
+(mtdeepep) cases also on a one-rank group (a real `mtdeepep.Buffer` with a single rank).
 
 The rank processes start once per world size (a module-scoped fixture, `torch.multiprocessing` spawn, gloo on
 127.0.0.1) and run every case of `moe_dist_cases.CASES`; each case is its own pytest test and reports every
@@ -124,3 +125,15 @@ def world(request):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_expert_parallel_case(world, case):
     world.run(case)
+
+
+@pytest.fixture(scope="module")
+def world1():
+    w = World(1)
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("case", sorted(name for name in CASES if "flex" in name))
+def test_flex_on_one_rank_group(world1, case):
+    world1.run(case)

@@ -1,0 +1,228 @@
+"""DeepEP token dispatcher ('flex', Megatron's name for the DeepEP path), on an `mtdeepep.Buffer`.
+
+dispatch: `deep_ep.dispatch` (layout + dispatch, differentiable w.r.t. the hidden states and the routing weights)
+sends every token *once* to each rank that owns at least one of its experts. The rows received here come with their
+local expert ids (-1 where the expert lives elsewhere) and routing weights; they are expanded to one row per
+(received token, local expert) and stably sorted by local expert for the experts.
+combine: every expert output row is weighted by its routing weight in float32 and summed per received token, then
+`deep_ep.combine` sends the float32 partial sums back and adds them per source token in FP32 (cast to the hidden
+dtype once at the end, as the 'alltoall' dispatcher does). For bfloat16 hidden states this moves twice the bytes
+of a bfloat16 combine, the price of results identical to 'alltoall'.
+
+Compared with 'alltoall', a token with several experts on one rank crosses the wire once per rank, not once per
+slot, in both directions; the weighting moves to the expert's rank. Row order within an expert is the same (source
+rank, then token order), so the two dispatchers feed the experts identical inputs.
+
+Asynchrony: when autograd does not record the dispatch (`torch.no_grad()`, inference, or inputs that need no
+gradient), `dispatch_begin` launches layout + dispatch with `async_finish=True` on the buffer's comm thread and
+`dispatch_end` waits on the `EventOverlap`, so the shared expert computes while the rows are in flight. When
+autograd records it, the dispatch goes through the differentiable `deep_ep.dispatch`, which has no asynchronous form:
+it completes inside `dispatch_begin` and the shared expert runs after it (same results, no overlap).
+
+Legend: T tokens on this rank, K top-k slots, H hidden, E experts, L local experts, U tokens received here (each
+once, however many of its experts are local), N rows for the experts (one per (received token, local expert)).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import mtdeepep as deep_ep
+from moe.dispatcher.base import DispatchResult, TokenDispatcher, sort_slots_by_expert, weighted_scatter_sum
+from moe.dispatcher.comm import group_rank, group_size
+
+# Combine sends float32 partial sums (exact FP32 reduction across ranks); size the buffer for float32 rows.
+_COMBINE_DTYPE = torch.float32
+
+
+@dataclass
+class FlexHandle:
+    """State kept between dispatch and combine.
+
+    num_tokens: T, tokens this rank dispatched. dtype: the dispatched hidden dtype (the combine's output dtype).
+    num_recv: U, tokens received here. recv_row_N: `[N] int64` received token of every expert row.
+    weights_N: `[N] float32` routing weight of every expert row (differentiable).
+    comm_handle: the `mtdeepep.Buffer.dispatch` handle for the combine; None without communication (one process).
+    """
+
+    num_tokens: int
+    dtype: torch.dtype
+    num_recv: int
+    recv_row_N: torch.Tensor
+    weights_N: torch.Tensor
+    comm_handle: tuple | None
+
+
+@dataclass
+class _PendingFlexDispatch:
+    """A dispatch in flight: the received tensors are valid once `event` (None = already complete) finished."""
+
+    num_tokens: int
+    dtype: torch.dtype
+    recv_x_UH: torch.Tensor
+    recv_idx_UK: torch.Tensor  # int64 local expert ids, -1 = elsewhere
+    recv_weights_UK: torch.Tensor  # float32, 0 in the -1 slots
+    tokens_per_expert: list[int]
+    comm_handle: tuple | None
+    event: deep_ep.EventOverlap | None
+
+
+def expand_by_local_expert(
+    recv_idx_UK: torch.Tensor, recv_weights_UK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row per (received token, local expert), sorted by local expert, then by received position.
+
+    Args:
+        recv_idx_UK: `[U, K] int64` local expert ids, -1 where the slot's expert is elsewhere (or dropped).
+        recv_weights_UK: `[U, K] float32` routing weights (differentiable).
+    Returns `(recv_row_N [N] int64, expert_N [N] int64, weights_N [N] float32)`.
+    """
+    slots_N, expert_N = sort_slots_by_expert(recv_idx_UK)
+    recv_row_N = slots_N // recv_idx_UK.size(1)
+    weights_N = recv_weights_UK.float().reshape(-1).index_select(0, slots_N)
+    return recv_row_N, expert_N, weights_N
+
+
+def nvl_bytes_hint(hidden_size: int, num_ranks: int) -> int:
+    """`num_nvl_bytes` for one round of the default dispatch and combine configs with float32 rows of `hidden_size`
+    (the larger of `Config.get_nvl_buffer_size_hint` for the two; smaller regions still work, in several rounds)."""
+    hidden_bytes = hidden_size * _COMBINE_DTYPE.itemsize
+    return max(
+        deep_ep.Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+        deep_ep.Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+    )
+
+
+def _destroy_owned_buffer(buffer: deep_ep.Buffer) -> None:
+    """Finalizer of a buffer a dispatcher created: destroy it explicitly when the dispatcher goes.
+
+    An explicit `Buffer.destroy()` joins the comm thread with the GIL released. Left to garbage collection, the
+    Buffer's runtime is destroyed holding the GIL, which can deadlock: with torch >= 2.9 the comm thread takes the
+    GIL to drop the last C++ reference to a Python-visible tensor its finished task captured, and that happens just
+    after the task's event completed. Errors are ignored (a buffer that failed earlier may refuse).
+    """
+    with contextlib.suppress(Exception):
+        buffer.destroy()
+
+
+class DeepEPDispatcher(TokenDispatcher):
+    """Token dispatcher on `mtdeepep`'s normal-mode kernels (`Buffer.get_dispatch_layout/dispatch/combine`).
+
+    Args:
+        num_experts: E, divisible by the expert-parallel size.
+        hidden_size: H; sizes the lazily created buffer.
+        ep_group: expert-parallel group. None with no `buffer`: one process, no communication (the rows are
+            regrouped locally). None with a `buffer`: the buffer's group.
+        buffer: an `mtdeepep.Buffer` over the EP group to use (e.g. one shared by every MoE layer); its owner
+            destroys it (with `explicitly_destroy=True` and `destroy()` once no rank uses it any more). If None, the
+            first dispatch creates one (collective: every rank of the group dispatches together) with
+            `num_nvl_bytes = nvl_bytes_hint(hidden_size, ep_size)`, owned by this dispatcher and destroyed when the
+            dispatcher is garbage-collected (run the backward of its last forward before dropping it).
+        timeout_s: bound on every wait of a created buffer (None: mtdeepep's default).
+    """
+
+    supports_async = True
+
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        hidden_size: int,
+        ep_group: dist.ProcessGroup | None = None,
+        buffer: deep_ep.Buffer | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        if buffer is not None:
+            if ep_group is None:
+                ep_group = buffer.group
+            elif (buffer.group_size, buffer.rank) != (group_size(ep_group), group_rank(ep_group)):
+                raise ValueError(
+                    f"the buffer spans {buffer.group_size} ranks (this one {buffer.rank}) but ep_group has "
+                    f"{group_size(ep_group)} (this one {group_rank(ep_group)})"
+                )
+        super().__init__(num_experts=num_experts, ep_group=ep_group)
+        self.hidden_size = hidden_size
+        self.timeout_s = timeout_s
+        self._buffer = buffer
+
+    @property
+    def buffer(self) -> deep_ep.Buffer | None:
+        """The `mtdeepep.Buffer` (created on first use; collective). None when there is no EP group."""
+        if self._buffer is None and self.ep_group is not None:
+            self._buffer = deep_ep.Buffer(
+                self.ep_group,
+                num_nvl_bytes=nvl_bytes_hint(self.hidden_size, self.ep_size),
+                explicitly_destroy=True,
+                timeout_s=self.timeout_s,
+            )
+            weakref.finalize(self, _destroy_owned_buffer, self._buffer)
+        return self._buffer
+
+    def dispatch_begin(self, hidden_TH, probs_TK, topk_idx_TK) -> _PendingFlexDispatch:
+        T = hidden_TH.size(0)
+        x_TH = hidden_TH.contiguous()
+        weights_TK = probs_TK.float().contiguous()
+        topk_idx_TK = topk_idx_TK.to(deep_ep.topk_idx_t).contiguous()
+        buffer = self.buffer
+        if buffer is None:  # one process: every token is "received" as is
+            counts = torch.bincount(topk_idx_TK[topk_idx_TK >= 0], minlength=self.num_experts).tolist()
+            return _PendingFlexDispatch(T, x_TH.dtype, x_TH, topk_idx_TK, weights_TK, counts, None, None)
+
+        records_grad = torch.is_grad_enabled() and (x_TH.requires_grad or weights_TK.requires_grad)
+        if records_grad:
+            recv_x, recv_idx, recv_weights, counts, comm_handle = deep_ep.dispatch(
+                buffer, x_TH, topk_idx_TK, weights_TK, self.num_experts
+            )
+            return _PendingFlexDispatch(T, x_TH.dtype, recv_x, recv_idx, recv_weights, counts, comm_handle, None)
+
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx_TK, self.num_experts)
+        recv_x, recv_idx, recv_weights, counts, comm_handle, event = buffer.dispatch(
+            x_TH,
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx_TK,
+            topk_weights=weights_TK,
+            async_finish=True,
+        )
+        return _PendingFlexDispatch(T, x_TH.dtype, recv_x, recv_idx, recv_weights, counts, comm_handle, event)
+
+    def dispatch_end(self, pending: _PendingFlexDispatch) -> DispatchResult:
+        if pending.event is not None:
+            pending.event.current_stream_wait()
+        recv_row_N, _, weights_N = expand_by_local_expert(pending.recv_idx_UK, pending.recv_weights_UK)
+        tokens_per_expert = [int(c) for c in pending.tokens_per_expert]
+        if len(tokens_per_expert) != self.num_local_experts or sum(tokens_per_expert) != recv_row_N.numel():
+            raise RuntimeError(
+                f"dispatch counted {tokens_per_expert} rows per local expert but received {recv_row_N.numel()} "
+                f"(token, local expert) pairs for {self.num_local_experts} local experts"
+            )
+        handle = FlexHandle(
+            num_tokens=pending.num_tokens,
+            dtype=pending.dtype,
+            num_recv=pending.recv_x_UH.size(0),
+            recv_row_N=recv_row_N,
+            weights_N=weights_N,
+            comm_handle=pending.comm_handle,
+        )
+        return DispatchResult(pending.recv_x_UH.index_select(0, recv_row_N), tokens_per_expert, handle)
+
+    def combine(self, expert_output_NH: torch.Tensor, handle: FlexHandle) -> torch.Tensor:
+        """Weight `[N, H]` expert outputs in float32, sum per received token (`[U, H]` float32), send back with
+        `deep_ep.combine` (FP32 sum over ranks); returns `[T, H]` in the dispatched hidden dtype."""
+        partial_UH = weighted_scatter_sum(expert_output_NH, handle.weights_N, handle.recv_row_N, handle.num_recv)
+        if handle.comm_handle is None:
+            return partial_UH.to(handle.dtype)
+        out_TH, _ = deep_ep.combine(self.buffer, partial_UH, handle.comm_handle)
+        return out_TH.to(handle.dtype)
+
+
+def build_deepep(config, ep_group: dist.ProcessGroup | None) -> DeepEPDispatcher:
+    """Registry factory for 'flex': a `DeepEPDispatcher` that creates its buffer on first use."""
+    return DeepEPDispatcher(num_experts=config.num_moe_experts, hidden_size=config.hidden_size, ep_group=ep_group)
