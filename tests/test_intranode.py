@@ -42,6 +42,7 @@ def pool(request):
         cases.bad_inputs_raise_value_error_before_communicating,
         cases.single_rank_group,
         cases.buffer_released_by_python_or_autograd,
+        cases.async_finish_overlaps_the_transfer,
     ],
     ids=lambda case: case.__name__,
 )
