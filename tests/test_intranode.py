@@ -3,6 +3,8 @@
 The rank processes start once per world size; every test below runs one case of intranode_cases.py in them.
 """
 
+import os
+
 import intranode_cases as cases
 import pytest
 from ranks import RankPool
@@ -42,7 +44,6 @@ def pool(request):
         cases.bad_inputs_raise_value_error_before_communicating,
         cases.single_rank_group,
         cases.buffer_released_by_python_or_autograd,
-        cases.async_finish_overlaps_the_transfer,
     ],
     ids=lambda case: case.__name__,
 )
@@ -58,3 +59,11 @@ def test_bad_input_on_one_rank_times_out_the_others(pool):
 def test_missing_rank_in_combine_times_out(pool):
     outcomes = pool.run(cases.missing_rank_in_combine_times_out, 1.5)
     assert outcomes == ["skipped"] + ["timeout"] * (pool.world_size - 1)
+
+
+def test_async_finish_overlaps_the_transfer(pool):
+    if pool.world_size > (os.cpu_count() or 1):
+        # Each rank's comm thread needs a core of its own to overlap the caller's work; with more ranks than cores
+        # the transfers already compete for every core and the measurement says nothing.
+        pytest.skip(f"{pool.world_size} ranks on {os.cpu_count()} cores")
+    pool.run(cases.async_finish_overlaps_the_transfer)

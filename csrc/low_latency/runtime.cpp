@@ -21,14 +21,6 @@ namespace {
 constexpr int kFlagFP8 = 1, kFlagRoundScale = 2, kFlagUE8M0 = 4;
 constexpr int kCollectiveInfoColumns = 6;  // message bytes, then the CallSignature fields
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    asm volatile("yield");
-#endif
-}
-
 int64_t pack_range(int64_t begin, int64_t count) {
     return (begin << 32) | count;
 }
@@ -363,52 +355,10 @@ std::optional<Hook> LowLatencyRuntime::make_hook(const std::shared_ptr<Op>& op, 
 
 void LowLatencyRuntime::wait_for(std::vector<int> peers, const std::function<bool(int)>& ready,
                                  const std::string& phase, uint64_t seq, int64_t* wait_ns) const {
-    using clock = std::chrono::steady_clock;
-    const auto start = clock::now();
-    auto next_check = start + std::chrono::milliseconds(20);
-    for (uint64_t iteration = 0; !peers.empty(); ++iteration) {
-        for (size_t i = 0; i < peers.size();) {
-            if (ready(peers[i])) {
-                if (wait_ns != nullptr)
-                    wait_ns[peers[i]] +=
-                        std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - start).count();
-                peers[i] = peers.back();
-                peers.pop_back();
-                continue;
-            }
-            if (peers_ && peers_->header(peers[i])->failed.load(std::memory_order_acquire) != 0)
-                throw CommError(concat("mtdeepep: rank ", rank_, " stopped waiting in phase '", phase,
-                                       "' (low-latency op #", seq, "): rank ", peers[i],
-                                       " failed: ", std::string(peers_->header(peers[i])->failure)));
-            ++i;
-        }
-        if (peers.empty()) break;
-        // Spin briefly (peers usually arrive within microseconds), then yield the core: with more ranks than cores
-        // a spinning waiter would starve the rank it waits for.
-        if (iteration < 2000) {
-            cpu_relax();
-        } else if (iteration < 20000) {
-            sched_yield();
-        } else {
-            std::this_thread::sleep_for(std::chrono::microseconds(50));
-        }
-        if ((iteration & 255) != 0) continue;
-        const auto now = clock::now();
-        if (now < next_check) continue;
-        next_check = now + std::chrono::milliseconds(20);
-        for (int peer : peers)
-            if (!pids_.empty() && !shm::process_alive(pids_[peer]))
-                throw CommError(concat("mtdeepep: rank ", rank_, " stopped waiting in phase '", phase,
-                                       "' (low-latency op #", seq, "): rank ", peer, " (pid ", pids_[peer],
-                                       ") exited without arriving"));
-        if (std::chrono::duration<double>(now - start).count() > timeout_s_) {
-            std::sort(peers.begin(), peers.end());
-            std::string missing;
-            for (int peer : peers) missing += concat(missing.empty() ? "" : ", ", peer);
-            throw CommTimeout(concat("mtdeepep: rank ", rank_, " timed out after ", timeout_s_, " s in phase '", phase,
-                                     "' (low-latency op #", seq, "): rank(s) [", missing, "] did not arrive"));
-        }
-    }
+    MTDEEPEP_HOST_ASSERT(peers_ != nullptr);  // only the shared-memory transport waits on flags
+    std::function<void(int, int64_t)> record;
+    if (wait_ns != nullptr) record = [wait_ns](int peer, int64_t waited) { wait_ns[peer] += waited; };
+    peers_->wait_for(std::move(peers), ready, concat("phase '", phase, "' (low-latency op #", seq, ")"), record);
 }
 
 void LowLatencyRuntime::wait_half_free(int peer, uint64_t seq, const char* what) const {

@@ -79,34 +79,40 @@ void PeerGroup::mark_failed(const std::string& reason) {
 }
 
 void PeerGroup::barrier(const char* phase) {
-    using clock = std::chrono::steady_clock;
     const uint64_t target = ++arrived_;
     ControlHeader* self = header(rank_);
     copy_label(self->phase, sizeof(self->phase), phase);
     self->arrived.store(target, std::memory_order_release);
-
-    std::vector<int> waiting;
+    std::vector<int> others;
     for (int peer = 0; peer < num_ranks_; ++peer)
-        if (peer != rank_) waiting.push_back(peer);
+        if (peer != rank_) others.push_back(peer);
+    wait_for(
+        others, [&](int peer) { return header(peer)->arrived.load(std::memory_order_acquire) >= target; },
+        concat("phase '", phase, "' (barrier #", target, ")"));
+}
 
+void PeerGroup::wait_for(std::vector<int> peers, const std::function<bool(int)>& ready, const std::string& where,
+                         const std::function<void(int, int64_t)>& arrived) const {
+    using clock = std::chrono::steady_clock;
     const auto start = clock::now();
     auto next_check = start + std::chrono::milliseconds(20);
-    for (uint64_t iteration = 0; !waiting.empty(); ++iteration) {
-        for (size_t i = 0; i < waiting.size();) {
-            ControlHeader* peer = header(waiting[i]);
-            if (peer->arrived.load(std::memory_order_acquire) >= target) {
-                waiting[i] = waiting.back();
-                waiting.pop_back();
+    for (uint64_t iteration = 0; !peers.empty(); ++iteration) {
+        for (size_t i = 0; i < peers.size();) {
+            if (ready(peers[i])) {
+                if (arrived)
+                    arrived(peers[i],
+                            std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - start).count());
+                peers[i] = peers.back();
+                peers.pop_back();
                 continue;
             }
-            if (peer->failed.load(std::memory_order_acquire) != 0) {
-                std::string reason(peer->failure);
-                throw CommError(concat("mtdeepep: rank ", rank_, " stopped waiting in phase '", phase, "' (barrier #",
-                                       target, "): rank ", waiting[i], " failed: ", reason));
-            }
+            const ControlHeader* peer = header(peers[i]);
+            if (peer->failed.load(std::memory_order_acquire) != 0)
+                throw CommError(concat("mtdeepep: rank ", rank_, " stopped waiting in ", where, ": rank ", peers[i],
+                                       " failed: ", std::string(peer->failure)));
             ++i;
         }
-        if (waiting.empty()) break;
+        if (peers.empty()) break;
 
         // Spin briefly (peers usually arrive within microseconds), then yield the core: with more ranks than
         // cores a spinning waiter would starve the rank it waits for.
@@ -122,23 +128,22 @@ void PeerGroup::barrier(const char* phase) {
         const auto now = clock::now();
         if (now < next_check) continue;
         next_check = now + std::chrono::milliseconds(20);
-        for (int peer : waiting) {
+        for (int peer : peers) {
             if (!process_alive(pids_[peer]))
-                throw CommError(concat("mtdeepep: rank ", rank_, " stopped waiting in phase '", phase, "' (barrier #",
-                                       target, "): rank ", peer, " (pid ", pids_[peer], ") exited without arriving"));
+                throw CommError(concat("mtdeepep: rank ", rank_, " stopped waiting in ", where, ": rank ", peer,
+                                       " (pid ", pids_[peer], ") exited without arriving"));
         }
-        const double elapsed = std::chrono::duration<double>(now - start).count();
-        if (elapsed > timeout_s_) {
+        if (std::chrono::duration<double>(now - start).count() > timeout_s_) {
             std::string missing, detail;
-            std::sort(waiting.begin(), waiting.end());
-            for (int peer : waiting) {
+            std::sort(peers.begin(), peers.end());
+            for (int peer : peers) {
                 missing += concat(missing.empty() ? "" : ", ", peer);
-                ControlHeader* p = header(peer);
+                const ControlHeader* p = header(peer);
                 detail += concat("; rank ", peer, " last arrived at '", std::string(p->phase), "' (barrier #",
                                  p->arrived.load(), ")");
             }
-            throw CommTimeout(concat("mtdeepep: rank ", rank_, " timed out after ", timeout_s_, " s in phase '", phase,
-                                     "' (barrier #", target, "): rank(s) [", missing, "] did not arrive", detail));
+            throw CommTimeout(concat("mtdeepep: rank ", rank_, " timed out after ", timeout_s_, " s in ", where,
+                                     ": rank(s) [", missing, "] did not arrive", detail));
         }
     }
 }

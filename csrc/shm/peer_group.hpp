@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -56,6 +57,12 @@ class PeerGroup {
 
     // Arrive at the next barrier and wait for every peer. Throws CommTimeout / CommError.
     void barrier(const char* phase);
+
+    // Waits until ready(peer) holds for every rank in `peers`, calling arrived(peer, waited_ns) as each one does.
+    // A peer that failed or exited ends the wait at once, and the timeout ends it with an error naming the ranks
+    // that did not arrive and the last barrier each reached; `where` says what was being waited for.
+    void wait_for(std::vector<int> peers, const std::function<bool(int)>& ready, const std::string& where,
+                  const std::function<void(int, int64_t)>& arrived = nullptr) const;
 
     // Publishes a failure so peers stop waiting for this rank.
     void mark_failed(const std::string& reason);
