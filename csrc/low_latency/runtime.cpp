@@ -189,33 +189,10 @@ int64_t LowLatencyRuntime::pid() const {
 }
 
 void LowLatencyRuntime::sync(const std::vector<std::string>& names, const std::vector<int64_t>& pids) {
-    require(static_cast<int>(names.size()) == num_ranks_ && static_cast<int>(pids.size()) == num_ranks_,
-            "low-latency sync needs one segment name and pid per rank");
-    try {
-        segments_.assign(num_ranks_, nullptr);
-        pids_.assign(num_ranks_, 0);
-        std::vector<uint8_t*> control_areas(num_ranks_);
-        for (int r = 0; r < num_ranks_; ++r) {
-            segments_[r] = r == rank_ ? own_segment_ : shm::SharedSegment::open(names[r], num_rdma_bytes_);
-            control_areas[r] = static_cast<uint8_t*>(segments_[r]->data());
-            pids_[r] = static_cast<pid_t>(pids[r]);
-            auto* header = reinterpret_cast<shm::ControlHeader*>(control_areas[r]);
-            if (header->magic != shm::kControlMagic || header->rank != r || header->num_ranks != num_ranks_ ||
-                header->pid != pids[r] || header->data_bytes != static_cast<uint64_t>(num_rdma_bytes_))
-                throw CommError(concat("mtdeepep: low-latency segment ", names[r], " does not belong to rank ", r,
-                                       " of ", num_ranks_, " (pid ", pids[r], ") with num_rdma_bytes=", num_rdma_bytes_,
-                                       " (ranks disagree on num_rdma_bytes?)"));
-        }
-        peers_ = std::make_unique<shm::PeerGroup>(rank_, num_ranks_, control_areas, pids_, timeout_s_);
-        peers_->barrier("low-latency setup: all regions mapped");
-    } catch (...) {
-        segments_.clear();
-        peers_.reset();
-        own_segment_->unlink();
-        shm::cleanup_stale_segments();
-        throw;
-    }
-    own_segment_->unlink();  // every peer holds a mapping: nothing is left in /dev/shm even on SIGKILL
+    auto mapped = shm::map_peer_segments(rank_, own_segment_, names, pids, static_cast<size_t>(num_rdma_bytes_),
+                                         timeout_s_, "low-latency setup: all regions mapped");
+    segments_ = std::move(mapped.segments);
+    peers_ = std::move(mapped.peers);
     stream_ = std::make_unique<CommStream>();
     available_ = true;
 }

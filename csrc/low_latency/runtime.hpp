@@ -163,7 +163,6 @@ class LowLatencyRuntime : public std::enable_shared_from_this<LowLatencyRuntime>
     ControlLayout control_;
     std::shared_ptr<shm::SharedSegment> own_segment_;
     std::vector<std::shared_ptr<shm::SharedSegment>> segments_;  // empty for the collective transport
-    std::vector<pid_t> pids_;
     std::unique_ptr<shm::PeerGroup> peers_;
     std::unique_ptr<CommStream> stream_;
     std::atomic<int> queued_{0};  // tasks submitted to the comm thread and not finished

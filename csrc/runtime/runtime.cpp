@@ -181,34 +181,10 @@ int64_t Runtime::pid() const {
 }
 
 void Runtime::sync(const std::vector<std::string>& names, const std::vector<int64_t>& pids) {
-    if (static_cast<int>(names.size()) != num_ranks_ || static_cast<int>(pids.size()) != num_ranks_)
-        throw std::invalid_argument("mtdeepep: sync needs one segment name and pid per rank");
-    try {
-        segments_.assign(num_ranks_, nullptr);
-        std::vector<uint8_t*> control_areas(num_ranks_);
-        std::vector<pid_t> peer_pids(num_ranks_);
-        const size_t bytes = layout_.control_bytes + num_nvl_bytes_;
-        for (int r = 0; r < num_ranks_; ++r) {
-            segments_[r] = r == rank_ ? own_segment_ : shm::SharedSegment::open(names[r], bytes);
-            control_areas[r] = static_cast<uint8_t*>(segments_[r]->data());
-            peer_pids[r] = static_cast<pid_t>(pids[r]);
-            auto* header = reinterpret_cast<shm::ControlHeader*>(control_areas[r]);
-            if (header->magic != shm::kControlMagic || header->rank != r || header->num_ranks != num_ranks_ ||
-                header->pid != pids[r])
-                throw CommError(concat("mtdeepep: segment ", names[r], " does not belong to rank ", r, " of ",
-                                       num_ranks_, " (pid ", pids[r], ")"));
-        }
-        peers_ = std::make_unique<shm::PeerGroup>(rank_, num_ranks_, control_areas, peer_pids, timeout_s_);
-        peers_->barrier("setup: all segments mapped");
-    } catch (...) {
-        segments_.clear();
-        peers_.reset();
-        own_segment_->unlink();
-        shm::cleanup_stale_segments();
-        throw;
-    }
-    // Every peer holds a mapping now: the name is no longer needed, and nothing is left behind even on SIGKILL.
-    own_segment_->unlink();
+    auto mapped = shm::map_peer_segments(rank_, own_segment_, names, pids, num_nvl_bytes_, timeout_s_,
+                                         "setup: all segments mapped");
+    segments_ = std::move(mapped.segments);
+    peers_ = std::move(mapped.peers);
     stream_ = std::make_unique<CommStream>();
     available_ = true;
 }

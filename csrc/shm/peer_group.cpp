@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <stdexcept>
 #include <thread>
 
 #include "common/exception.hpp"
@@ -146,6 +147,38 @@ void PeerGroup::wait_for(std::vector<int> peers, const std::function<bool(int)>&
                                      ": rank(s) [", missing, "] did not arrive", detail));
         }
     }
+}
+
+PeerSegments map_peer_segments(int rank, const std::shared_ptr<SharedSegment>& own,
+                               const std::vector<std::string>& names, const std::vector<int64_t>& pids,
+                               size_t data_bytes, double timeout_s, const char* phase) {
+    const int num_ranks = static_cast<int>(names.size());
+    if (static_cast<int>(pids.size()) != num_ranks || rank < 0 || rank >= num_ranks)
+        throw std::invalid_argument("mtdeepep: set-up needs one segment name and pid per rank");
+    PeerSegments result;
+    try {
+        std::vector<uint8_t*> control_areas(num_ranks);
+        std::vector<pid_t> peer_pids(num_ranks);
+        for (int r = 0; r < num_ranks; ++r) {
+            result.segments.push_back(r == rank ? own : SharedSegment::open(names[r], own->size()));
+            control_areas[r] = static_cast<uint8_t*>(result.segments[r]->data());
+            peer_pids[r] = static_cast<pid_t>(pids[r]);
+            const auto* header = reinterpret_cast<const ControlHeader*>(control_areas[r]);
+            if (header->magic != kControlMagic || header->rank != r || header->num_ranks != num_ranks ||
+                header->pid != pids[r] || header->data_bytes != data_bytes)
+                throw CommError(concat("mtdeepep: segment ", names[r], " does not belong to rank ", r, " of ",
+                                       num_ranks, " (pid ", pids[r], ") with ", data_bytes,
+                                       " data bytes (ranks disagree on the buffer size?)"));
+        }
+        result.peers = std::make_unique<PeerGroup>(rank, num_ranks, control_areas, peer_pids, timeout_s);
+        result.peers->barrier(phase);
+    } catch (...) {
+        own->unlink();
+        cleanup_stale_segments();
+        throw;
+    }
+    own->unlink();
+    return result;
 }
 
 }  // namespace mtdeepep::shm

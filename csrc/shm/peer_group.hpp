@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "shm/segment.hpp"
+
 namespace mtdeepep::shm {
 
 constexpr uint64_t kControlMagic = 0x6d74646565706570ull;  // "mtdeepep"
@@ -85,5 +87,17 @@ class PeerGroup {
 };
 
 void init_control_header(uint8_t* control_area, int rank, int num_ranks, size_t data_bytes);
+
+// The set-up every runtime shares: map each peer's segment (`names`/`pids` per rank, `own` for this rank), check
+// that its header belongs to that rank with `data_bytes` of data, wait at `phase` until every rank has mapped
+// everything, then unlink this rank's name, so nothing is left in /dev/shm even on SIGKILL. On failure the own
+// name and stale ones are unlinked and the error is rethrown.
+struct PeerSegments {
+    std::vector<std::shared_ptr<SharedSegment>> segments;
+    std::unique_ptr<PeerGroup> peers;
+};
+PeerSegments map_peer_segments(int rank, const std::shared_ptr<SharedSegment>& own,
+                               const std::vector<std::string>& names, const std::vector<int64_t>& pids,
+                               size_t data_bytes, double timeout_s, const char* phase);
 
 }  // namespace mtdeepep::shm
