@@ -324,8 +324,8 @@ class Buffer:
             event: completion of the data movement.
 
         Several nodes: the same results and row order; `num_tokens_per_rdma_rank` (optional) is checked; the handle
-        is an `mtdeepep.internode.InternodeHandle` (8-tuple) and the work runs synchronously (see
-        `InternodeBuffer.dispatch`).
+        is an `mtdeepep.internode.InternodeHandle` (8-tuple); the caller waits for the count and metadata
+        exchanges, the token bytes move in the background (see `InternodeBuffer.dispatch`).
         """
         if self._internode is not None:
             return self._internode.dispatch(
@@ -420,7 +420,7 @@ class Buffer:
             event: completion.
 
         Several nodes: node partial sums (FP32, rounded once to x's dtype) are summed in FP32 at the source and
-        rounded again; synchronous (see `InternodeBuffer.combine`).
+        rounded again; all of it in the background with `async_finish` (see `InternodeBuffer.combine`).
         """
         if self._internode is not None:
             return self._internode.combine(

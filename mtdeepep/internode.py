@@ -14,8 +14,13 @@ Combine runs the stages backwards: an intranode combine sums, per forwarded toke
 in FP32 (one partial sum per token and node, rounded once to x's dtype), the network stage returns the partials,
 and the source rank sums them per token in FP32, adds the bias and rounds once more.
 
-Both stages run synchronously in the calling thread: `async_finish=True` returns an already-completed event,
-and `previous_event` is waited for before anything starts.
+Every operation runs on the buffer's worker thread (the CPU counterpart of upstream's comm stream), one at a time
+in submission order, so every rank issues its collectives in the same order. The caller waits only for the
+*notify* part, as upstream's CPU does for its receive counts: the count and routing-metadata exchanges and the
+node-local dispatch of the metadata, after which every output's size is known and the outputs are allocated. The
+token bytes (network stage, node-local stage, reordering) then move in the background: with `async_finish=True`
+the call returns at once with an event that completes when they have arrived; `previous_event` is waited for on
+the worker before the operation starts.
 
 Network rows are raw bytes, one row per (token, destination node); see `_RowFormat` for the layout. Temporaries
 (network rows, x in the node stage's order, the FP32 accumulator) live in grow-only scratch buffers kept between
@@ -31,6 +36,8 @@ from __future__ import annotations
 import math
 import os
 import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -167,6 +174,20 @@ def _columns(rows: torch.Tensor, offset: int, num_bytes: int, dtype: torch.dtype
     return rows[:, offset : offset + num_bytes].view(dtype)
 
 
+class _WorkerEvent:
+    """The completion of an operation queued on the internode worker (what `EventOverlap` wraps)."""
+
+    def __init__(self, finished: Future) -> None:
+        self._finished = finished
+
+    def wait(self) -> None:
+        """Blocks until the operation finished; re-raises its error."""
+        self._finished.result()
+
+    def query(self) -> bool:
+        return self._finished.done()
+
+
 class _Scratch:
     """Grow-only byte buffers reused across calls for temporaries (never for returned tensors).
 
@@ -223,7 +244,8 @@ class InternodeBuffer:
             num_ranks_per_node=num_ranks_per_node,
         )  # fmt: skip
         self._issued: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-        self._scratch = _Scratch()
+        self._scratch = _Scratch()  # used by the worker only
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mtdeepep-internode-{self.rank}")
 
     def _new_groups(self, group: dist.ProcessGroup) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
         global_ranks = dist.get_process_group_ranks(group)
@@ -248,7 +270,9 @@ class InternodeBuffer:
         return self.node_buffer.timeout_s if outer is None else outer.timeout_s
 
     def destroy(self) -> None:
-        """Release the node-local buffer, the scratch buffers and the two process groups."""
+        """Finish the queued operations, then release the worker, the node-local buffer, the scratch buffers and
+        the two process groups."""
+        self._worker.shutdown(wait=True)
         self._scratch.clear()
         self.node_buffer.destroy()
         for group in (self.node_group, self.rdma_group):
@@ -259,17 +283,41 @@ class InternodeBuffer:
 
     @staticmethod
     def _prepare(previous_event: EventOverlap | None, async_finish: bool, allocate_on_comm_stream: bool) -> None:
-        """Checks the asynchrony arguments as the intranode path does (ValueError); `_start` waits later."""
+        """Checks the asynchrony arguments as the intranode path does (ValueError)."""
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             raise ValueError("mtdeepep: allocate_on_comm_stream needs previous_event and async_finish")
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise ValueError(f"mtdeepep: previous_event must be an EventOverlap, got {type(previous_event).__name__}")
 
-    @staticmethod
-    def _start(previous_event: EventOverlap | None) -> None:
-        """Waits for `previous_event` (after every argument check, before any communication)."""
-        if previous_event is not None:
-            previous_event.current_stream_wait()
+    def _run(self, operation: Callable[[Callable[[tuple], None]], None], previous_event: EventOverlap | None,
+             async_finish: bool) -> tuple[tuple, EventOverlap]:  # fmt: skip
+        """Queues `operation(notify)` on the worker (after `previous_event`) and waits until it calls `notify(outputs)`.
+
+        Returns `(outputs, event)`: without `async_finish` the caller also waits for the rest of the operation and
+        the event is a completed one. An error before `notify` is raised here, one after it by the event's wait.
+        """
+        notified: Future = Future()
+
+        def task() -> None:
+            try:
+                if previous_event is not None:
+                    previous_event.current_stream_wait()
+                with torch.no_grad():  # communication is not differentiable (see mtdeepep.autograd)
+                    operation(notified.set_result)
+            except BaseException as error:
+                if notified.done():
+                    raise
+                notified.set_exception(error)
+                return
+            if not notified.done():
+                notified.set_exception(RuntimeError("mtdeepep: internal error: the operation never notified"))
+
+        finished = self._worker.submit(task)
+        outputs = notified.result()
+        if not async_finish:
+            finished.result()
+            return outputs, EventOverlap(_C.EventHandle())
+        return outputs, EventOverlap(_WorkerEvent(finished))
 
     def _exchange(self, output: torch.Tensor, input_: torch.Tensor, output_splits: list[int],
                   input_splits: list[int], phase: str) -> None:  # fmt: skip
@@ -333,7 +381,8 @@ class InternodeBuffer:
         check_num_experts(num_experts, self.num_ranks)
         check_topk_idx(topk_idx, num_experts, torch.device("cpu"))
         self._prepare(previous_event, async_finish, allocate_on_comm_stream)
-        self._start(previous_event)
+        if previous_event is not None:  # a local computation: done by the caller, as upstream's is on its stream
+            previous_event.current_stream_wait()
         num_tokens = topk_idx.size(0)
         valid_TK = topk_idx >= 0
         owner_TK = torch.where(valid_TK, topk_idx // (num_experts // self.num_ranks), self.num_ranks)
@@ -367,18 +416,19 @@ class InternodeBuffer:
     ) -> tuple[XLike, torch.Tensor | None, torch.Tensor | None, list[int] | None, tuple, EventOverlap]:
         """`Buffer.dispatch` for several nodes; same arguments, results and row order as the intranode path.
 
-        Stages: (1) count exchange and (2) token exchange over the RDMA group (each token once per destination
-        node, with its global top-k ids and weights, source rank and index, and its destination ranks in that
-        node); (3) the forwarders' intranode dispatch, with node-local expert ids (-1 for other nodes' experts);
-        (4) reordering: the node stage delivers rows grouped by forwarder, then by source node; the outputs are
-        grouped by global source rank, so each receiver gathers its rows once more (a stable sort of the source
-        ranks plus one copy of the received bytes, which also unpacks them). Cached dispatch (`handle`) skips the
-        count exchange and sends only x (and scales).
+        Notify (the caller waits for it): (1) count exchange and (2) metadata exchange over the RDMA group (each
+        token once per destination node, with its global top-k ids and weights, source rank and index, and its
+        destination ranks in that node); (3) the forwarders' intranode dispatch of that metadata, with node-local
+        expert ids (-1 for other nodes' experts); (4) the order of the outputs: the node stage delivers rows grouped
+        by forwarder, then by source node; the outputs are grouped by global source rank (a stable sort of the
+        source ranks). Data (in the background with `async_finish`): the token bytes (and scales) take the same two
+        stages as the metadata, then are gathered into output order (one copy of the received bytes). Cached
+        dispatch (`handle`) is the data part alone.
 
         Returns `(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)` as the
-        intranode path; `handle` is an `InternodeHandle` (an 8-tuple); `event` is already complete. A rank that
-        receives more rows than `num_worst_tokens` raises `GroupMismatchError` after the exchange, so its peers are
-        not left waiting (unlike the intranode path, the other ranks do not raise).
+        intranode path; `handle` is an `InternodeHandle` (an 8-tuple). A rank that receives more rows than
+        `num_worst_tokens` raises `GroupMismatchError` after the metadata exchange, so its peers are not left
+        waiting (unlike the intranode path, the other ranks do not raise).
         """
         data, scales = split_x(x, torch.device("cpu"))
         _check_counts_args(expert_alignment, num_worst_tokens)
@@ -387,9 +437,14 @@ class InternodeBuffer:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("mtdeepep: cached dispatch (with a handle) takes no topk_idx / topk_weights")
             cached = self._check_handle(handle, data.size(0))
-            self._start(previous_event)
-            recv_x = self._cached_dispatch(data, scales, cached, num_worst_tokens, config)
-            return recv_x, None, None, None, handle, EventOverlap(_C.EventHandle())
+
+            def cached_dispatch(notify: Callable[[tuple], None]) -> None:
+                recv_x = self._new_recv_x(data, scales, self._output_rows(cached.recv_perm.numel(), num_worst_tokens))
+                notify((recv_x,))
+                self._move_tokens(data, scales, cached, recv_x, config, "cached dispatch")
+
+            (recv_x,), event = self._run(cached_dispatch, previous_event, async_finish)
+            return recv_x, None, None, None, handle, event
         num_experts = self._check_layout_args(
             data.size(0), num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
             previous_event,
@@ -401,11 +456,16 @@ class InternodeBuffer:
                 raise ValueError("mtdeepep: topk_weights needs topk_idx")
             check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=tuple(topk_idx.shape),
                          device=torch.device("cpu"))  # fmt: skip
-        self._start(previous_event)
-        return self._full_dispatch(
-            data, scales, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-            num_worst_tokens, config,
-        )  # fmt: skip
+
+        def full_dispatch(notify: Callable[[tuple], None]) -> None:
+            outputs = self._notify_dispatch(data, scales, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                                            topk_weights, expert_alignment, num_worst_tokens, config)  # fmt: skip
+            notify(outputs)
+            recv_x, handle = outputs[0], outputs[4]
+            self._move_tokens(data, scales, InternodeHandle(*handle), recv_x, config, "dispatch")
+
+        outputs, event = self._run(full_dispatch, previous_event, async_finish)
+        return (*outputs, event)
 
     def _check_layout_args(self, num_tokens, per_rank, per_node, in_rank, per_expert, previous_event) -> int:
         """The layout tensors' checks (ValueError); returns the number of experts."""
@@ -439,13 +499,13 @@ class InternodeBuffer:
         node_S, token_S = self._node_of_rank(is_token_in_rank).t().nonzero(as_tuple=True)
         return token_S, node_S
 
-    def _full_dispatch(self, data, scales, is_token_in_rank, per_expert, topk_idx, topk_weights, expert_alignment,
-                       num_worst_tokens, config):  # fmt: skip
+    def _notify_dispatch(self, data, scales, is_token_in_rank, per_expert, topk_idx, topk_weights, expert_alignment,
+                         num_worst_tokens, config) -> tuple:  # fmt: skip
+        """Stages (1)-(4) of `dispatch` and the outputs' allocation: `(recv_x (not yet written), recv_topk_idx,
+        recv_topk_weights, num_recv_tokens_per_expert_list, handle)`."""
         L, N = self.num_local_ranks, self.num_nodes
-        fmt = _RowFormat(
-            num_topk=0 if topk_idx is None else topk_idx.size(1), has_weights=topk_weights is not None,
-            meta_ranks=L, scale_bytes=_row_bytes(scales), x_bytes=_row_bytes(data),
-        )  # fmt: skip
+        fmt = _RowFormat(num_topk=0 if topk_idx is None else topk_idx.size(1), has_weights=topk_weights is not None,
+                         meta_ranks=L, scale_bytes=0, x_bytes=0)  # fmt: skip
         token_S, node_S = self._send_plan(is_token_in_rank)
         send_counts = torch.bincount(node_S, minlength=N)
 
@@ -455,10 +515,10 @@ class InternodeBuffer:
         self._exchange(recv_info, send_info, [1] * N, [1] * N, "dispatch: count exchange")
         recv_counts = recv_info[:, 0]
 
-        # Stage 2: tokens.
-        rows_S = self._pack(fmt, data, scales, topk_idx, topk_weights, is_token_in_rank, token_S, node_S)
+        # Stage 2: metadata.
+        rows_S = self._pack(fmt, None, None, topk_idx, topk_weights, is_token_in_rank, token_S, node_S)
         rows_M = self._scratch.get(1, (int(recv_counts.sum()), fmt.row_bytes), torch.uint8)
-        self._exchange(rows_M, rows_S, recv_counts.tolist(), send_counts.tolist(), "dispatch: token exchange")
+        self._exchange(rows_M, rows_S, recv_counts.tolist(), send_counts.tolist(), "dispatch: metadata exchange")
 
         # Stage 3: the node-local stage, with node-local expert ids.
         node_in_rank = _columns(rows_M, fmt.routing_offset, L, torch.bool)
@@ -474,14 +534,11 @@ class InternodeBuffer:
                 topk_idx=node_topk_idx, topk_weights=node_weights, expert_alignment=expert_alignment, config=config,
             )  # fmt: skip
 
-        # Stage 4: group the rows by global source rank.
-        recv_rows = recv_rows.view(torch.uint8)
-        src_rank_token = _columns(recv_rows, fmt.src_offset, 8, torch.int32)
+        # Stage 4: the output order, grouped by global source rank.
+        src_rank_token = _columns(recv_rows.view(torch.uint8), fmt.src_offset, 8, torch.int32)
         src_rank = src_rank_token[:, 0]
         perm = torch.sort(src_rank, stable=True).indices
-        num_recv = perm.numel()
-        num_out = self._output_rows(num_recv, num_worst_tokens)
-        recv_x = self._unpack(fmt, recv_rows, perm, num_out, data, scales)
+        num_out = self._output_rows(perm.numel(), num_worst_tokens)
         handle = InternodeHandle(
             is_token_in_rank=is_token_in_rank,
             send_node_prefix=send_counts.cumsum(dim=0).int(),
@@ -496,7 +553,31 @@ class InternodeBuffer:
         out_idx = None if recv_idx is None else _gather_rows(recv_idx, perm, num_out, -1)
         out_weights = None if recv_weights is None else _gather_rows(recv_weights, perm, num_out, 0)
         counts = [] if num_worst_tokens > 0 else counts
-        return recv_x, out_idx, out_weights, counts, handle, EventOverlap(_C.EventHandle())
+        return self._new_recv_x(data, scales, num_out), out_idx, out_weights, counts, handle
+
+    @staticmethod
+    def _new_recv_x(data: torch.Tensor, scales: torch.Tensor | None, num_rows: int) -> XLike:
+        recv_data = data.new_empty(num_rows, data.size(1))
+        return recv_data if scales is None else (recv_data, scales.new_empty(num_rows, scales.size(1)))
+
+    def _move_tokens(self, data, scales, handle: InternodeHandle, recv_x: XLike, config, phase: str) -> None:
+        """The data part of a dispatch: x (and scales) through both stages, gathered into `recv_x` in output order."""
+        fmt = _RowFormat(0, False, 0, _row_bytes(scales), _row_bytes(data))
+        send_counts = _counts(handle.send_node_prefix)
+        recv_counts = _counts(handle.fwd_recv_node_prefix)
+        rows_S = self._pack(fmt, data, scales, None, None, None, handle.send_token_idx, None)
+        rows_M = self._scratch.get(1, (sum(recv_counts), fmt.row_bytes), torch.uint8)
+        self._exchange(rows_M, rows_S, recv_counts, send_counts, f"{phase}: token exchange")
+        with self._node_stage(phase):
+            recv_rows, *_ = self.node_buffer.dispatch(rows_M.view(torch.float32), handle=handle.node_handle,
+                                                      config=config)  # fmt: skip
+        recv_rows = recv_rows.view(torch.uint8)
+        recv_data, recv_scales = (recv_x, None) if scales is None else recv_x
+        x_cols = recv_rows[:, fmt.x_offset : fmt.x_offset + fmt.x_bytes]
+        _gather_rows_into(recv_data.view(torch.uint8), x_cols, handle.recv_perm, 0)
+        if recv_scales is not None:
+            scale_cols = recv_rows[:, fmt.scales_offset : fmt.scales_offset + fmt.scale_bytes]
+            _gather_rows_into(recv_scales.view(torch.uint8), scale_cols, handle.recv_perm, 0)
 
     def _node_local_ids(self, topk_idx_MK: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
         """Global expert ids -> ids among this node's `L * E_r` experts, -1 for experts of other nodes."""
@@ -525,36 +606,17 @@ class InternodeBuffer:
             src[:, 1] = token_S
             L = self.num_local_ranks
             routing_TNL = is_token_in_rank.reshape(-1, self.num_nodes, L)
-            _columns(rows_S, fmt.routing_offset, L, torch.bool).copy_(routing_TNL[token_S, node_S])
+            routing = _columns(rows_S, fmt.routing_offset, L, torch.bool)
+            routing.copy_(routing_TNL[token_S, node_S])
+            rows_S[:, fmt.routing_offset + L : fmt.scales_offset] = 0
         if scales is not None:
             scale_cols = _columns(rows_S, fmt.scales_offset, fmt.scale_bytes, scales.dtype)
             torch.index_select(scales, 0, token_S, out=scale_cols)
-        torch.index_select(data.view(torch.uint8), 0, token_S, out=rows_S[:, fmt.x_offset : fmt.x_offset + fmt.x_bytes])
+        if data is not None:
+            x_cols = rows_S[:, fmt.x_offset : fmt.x_offset + fmt.x_bytes]
+            torch.index_select(data.view(torch.uint8), 0, token_S, out=x_cols)
         rows_S[:, fmt.x_offset + fmt.x_bytes :] = 0  # padding: keeps the bytes that travel deterministic
         return rows_S
-
-    @staticmethod
-    def _unpack(fmt: _RowFormat, rows: torch.Tensor, perm: torch.Tensor, num_out: int, data, scales) -> XLike:
-        """x (and scales) of the node stage's rows, in output order: one gather of the bytes."""
-        recv_data = _gather_rows(rows[:, fmt.x_offset : fmt.x_offset + fmt.x_bytes], perm, num_out, 0)
-        recv_data = recv_data.view(data.dtype)
-        if scales is None:
-            return recv_data
-        scale_cols = rows[:, fmt.scales_offset : fmt.scales_offset + fmt.scale_bytes]
-        return recv_data, _gather_rows(scale_cols, perm, num_out, 0).view(scales.dtype)
-
-    def _cached_dispatch(self, data, scales, handle: InternodeHandle, num_worst_tokens: int, config) -> XLike:
-        fmt = _RowFormat(0, False, 0, _row_bytes(scales), _row_bytes(data))
-        send_counts = _counts(handle.send_node_prefix)
-        recv_counts = _counts(handle.fwd_recv_node_prefix)
-        rows_S = self._pack(fmt, data, scales, None, None, None, handle.send_token_idx, None)
-        rows_M = self._scratch.get(1, (sum(recv_counts), fmt.row_bytes), torch.uint8)
-        self._exchange(rows_M, rows_S, recv_counts, send_counts, "cached dispatch: token exchange")
-        with self._node_stage("cached dispatch"):
-            recv_rows, *_ = self.node_buffer.dispatch(rows_M.view(torch.float32), handle=handle.node_handle,
-                                                      config=config)  # fmt: skip
-        num_out = self._output_rows(handle.recv_perm.numel(), num_worst_tokens)
-        return self._unpack(fmt, recv_rows.view(torch.uint8), handle.recv_perm, num_out, data, scales)
 
     # -----------------------------------------------------------------------------------------------------------
     # Combine
@@ -575,7 +637,8 @@ class InternodeBuffer:
         Stages: (1) undo the dispatch's reordering (one copy of x); (2) intranode combine to the forwarders, FP32
         sums rounded once to x's dtype (one partial per token and node); (3) the partials (and the slot-wise
         weight sums, float32) go back over the RDMA group; (4) the source sums each token's node partials in
-        FP32, adds the bias and rounds once to x's dtype. Returns a completed event.
+        FP32, adds the bias and rounds once to x's dtype. The outputs' sizes are known from the handle, so with
+        `async_finish` all four stages run in the background.
         """
         h = self._check_handle(handle)
         num_tokens = h.is_token_in_rank.size(0)
@@ -590,8 +653,19 @@ class InternodeBuffer:
                 raise ValueError(f"mtdeepep: topk_weights has {topk_weights.size(0)} rows, x has {x.size(0)}")
         biases = _check_biases(bias, num_tokens, x)
         self._prepare(previous_event, async_finish, allocate_on_comm_stream)
-        self._start(previous_event)
 
+        def combine(notify: Callable[[tuple], None]) -> None:
+            combined = x.new_empty(num_tokens, x.size(1))
+            combined_w = None if topk_weights is None else torch.empty(num_tokens, topk_weights.size(1))
+            notify((combined, combined_w))
+            self._combine(x, h, topk_weights, biases, config, combined, combined_w)
+
+        (combined, combined_w), event = self._run(combine, previous_event, async_finish)
+        return combined, combined_w, event
+
+    def _combine(self, x, h: InternodeHandle, topk_weights, biases, config, combined, combined_w) -> None:
+        """The four stages of `combine`, writing `combined` `[T, H]` and `combined_w` `[T, K]` (or None)."""
+        num_tokens = combined.size(0)
         # Stage 1: back to the node stage's row order.
         num_recv = h.recv_perm.numel()
         node_order = torch.empty_like(h.recv_perm)
@@ -620,10 +694,9 @@ class InternodeBuffer:
         for b in biases:
             if b is not None:
                 acc += b
-        out_w = None
-        if partial_w_S is not None:
-            out_w = _sum_rows(torch.empty(num_tokens, partial_w_S.size(1)), partial_w_S, h.send_token_idx, recv_counts)
-        return acc.to(x.dtype, copy=True), out_w, EventOverlap(_C.EventHandle())  # never the scratch itself
+        combined.copy_(acc)
+        if combined_w is not None:
+            _sum_rows(combined_w, partial_w_S, h.send_token_idx, recv_counts)
 
     def _send_back(self, rows_S: torch.Tensor, rows_M: torch.Tensor, output_splits: list[int],
                    input_splits: list[int], phase: str) -> None:  # fmt: skip
@@ -666,7 +739,11 @@ def _counts(prefix: torch.Tensor) -> list[int]:
 
 def _gather_rows(rows: torch.Tensor, perm: torch.Tensor, num_out: int, fill: float) -> torch.Tensor:
     """`rows[perm]` (rows may be a strided view), padded with `fill` up to `num_out` rows."""
-    out = rows.new_empty((num_out, *rows.shape[1:]))
+    return _gather_rows_into(rows.new_empty((num_out, *rows.shape[1:])), rows, perm, fill)
+
+
+def _gather_rows_into(out: torch.Tensor, rows: torch.Tensor, perm: torch.Tensor, fill: float) -> torch.Tensor:
+    """Writes `rows[perm]` into the first rows of `out` and `fill` into the others; returns `out`."""
     torch.index_select(rows, 0, perm, out=out[: perm.numel()])
     out[perm.numel() :] = fill
     return out

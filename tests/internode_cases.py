@@ -19,7 +19,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from intranode_cases import gather, make_inputs
+from intranode_cases import assert_async_overlaps, gather, make_inputs
 
 import mtdeepep as deep_ep
 from mtdeepep.internode import check_nodes_share_hosts
@@ -316,7 +316,7 @@ def combine_adds_bias(ctx, per_node):
 
 
 def async_and_previous_event(ctx, per_node):
-    """The work runs synchronously: async_finish returns a completed event; previous_event is honoured."""
+    """async_finish returns events that complete; previous_event orders the calls; results as without them."""
     buffer = buffer_for(ctx, per_node)
     x, topk_idx, topk_weights = make_inputs(ctx, 256, 128, 16, 4, seed=80)
     previous = deep_ep.Buffer.capture()
@@ -331,9 +331,9 @@ def async_and_previous_event(ctx, per_node):
     combined, _, combine_event = buffer.combine(
         recv_x, handle, previous_event=dispatch_event, async_finish=True, allocate_on_comm_stream=True
     )
-    assert layout_event.query() and dispatch_event.query() and combine_event.query()
     with combine_event:
         pass
+    assert layout_event.query() and dispatch_event.query() and combine_event.query()
     single = layout_and_dispatch(intranode_buffer(ctx), x, topk_idx, topk_weights, 16)
     assert torch.equal(recv_x, single[0]) and torch.equal(recv_idx, single[1])
     assert_two_roundings(combined, x.double().unsqueeze(0) * in_rank.view(256, -1, per_node).sum(2).T.unsqueeze(2),
@@ -344,6 +344,18 @@ def async_and_previous_event(ctx, per_node):
         pass
     else:
         raise AssertionError("allocate_on_comm_stream without previous_event and async_finish was accepted")
+
+
+def async_finish_overlaps_the_transfer(ctx, per_node):
+    """Work between an `async_finish=True` dispatch/combine and its wait overlaps the two stages (the caller waits
+    only for the count and metadata exchanges)."""
+    buffer = buffer_for(ctx, per_node, num_nvl_bytes=256 << 20)
+    x, topk_idx, _ = make_inputs(ctx, 2048, 2048, 32, 4, seed=175)
+    per_rank, per_node_count, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, 32)
+    return assert_async_overlaps(ctx, buffer, x, dict(
+        num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node_count, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+    ))  # fmt: skip
 
 
 def edge_cases(ctx, per_node):
@@ -531,8 +543,9 @@ def bad_input_on_one_rank_times_out_the_others(ctx, per_node, timeout_s):
         _destroy_at(buffer, release)
 
 
-def missing_rank_in_combine_times_out(ctx, per_node, timeout_s):
-    """Rank 0 never joins the combine; the others time out naming the stage they were waiting in."""
+def missing_rank_in_combine_times_out(ctx, per_node, timeout_s, async_finish=False):
+    """Rank 0 never joins the combine; the others time out naming the stage they were waiting in. With
+    `async_finish` the call returns at once and the event's wait raises the timeout."""
     buffer = _timeout_buffer(ctx, per_node, timeout_s)
     release = time.perf_counter() + 2 * timeout_s + 1.0  # the dispatch before the combine takes a few ms
     try:
@@ -541,7 +554,10 @@ def missing_rank_in_combine_times_out(ctx, per_node, timeout_s):
         if ctx.rank == 0:
             return "skipped"
         try:
-            buffer.combine(recv_x, handle)
+            start = time.perf_counter()
+            _, _, event = buffer.combine(recv_x, handle, async_finish=async_finish)
+            assert async_finish and time.perf_counter() - start < timeout_s / 2, "combine returned without rank 0"
+            event.current_stream_wait()
         except deep_ep.CommTimeoutError as error:
             message = str(error)
             assert "internode combine" in message, message

@@ -599,24 +599,30 @@ def buffer_released_by_python_or_autograd(ctx):
 
 
 def async_finish_overlaps_the_transfer(ctx):
-    """Work between an `async_finish=True` dispatch/combine and its wait overlaps the transfer.
+    """Work between an `async_finish=True` dispatch/combine and its wait overlaps the transfer (see
+    `assert_async_overlaps`)."""
+    buffer = buffer_for(ctx, num_nvl_bytes=256 << 20)
+    x, topk_idx, _ = make_inputs(ctx, 2048, 2048, 8 * ctx.world_size, 4, seed=170)
+    layout = buffer.get_dispatch_layout(topk_idx, 8 * ctx.world_size)
+    return assert_async_overlaps(ctx, buffer, x, dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
+                                                      num_tokens_per_expert=layout[2]))  # fmt: skip
+
+
+def assert_async_overlaps(ctx, buffer, x, dispatch_kwargs) -> tuple[float, float, float]:
+    """Asserts that work between an `async_finish=True` dispatch/combine and its wait overlaps the transfer.
 
     The rows move on the buffer's comm thread; the caller's work is `time.sleep`, a stand-in for accelerator work
     that frees the core (a CPU-bound computation cannot overlap a CPU copy on a 2-core machine: both need the same
     cores). With work time S ~ t = t(dispatch + combine), serial execution takes t + S; overlapped, it must save at
     least half of the ideal min(t, S). Medians of interleaved repetitions, up to three attempts agreed by all ranks.
+    Returns `(t, S, overlapped time)` in seconds.
     """
     import statistics
-
-    buffer = buffer_for(ctx, num_nvl_bytes=256 << 20)
-    x, topk_idx, topk_weights = make_inputs(ctx, 2048, 2048, 8 * ctx.world_size, 4, seed=170)
-    layout = buffer.get_dispatch_layout(topk_idx, 8 * ctx.world_size)
-    kwargs = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
 
     def run(work_s: float) -> float:
         dist.barrier(group=ctx.group)
         start = time.perf_counter()
-        recv_x, _, _, _, handle, event = buffer.dispatch(x, async_finish=True, **kwargs)
+        recv_x, _, _, _, handle, event = buffer.dispatch(x, async_finish=True, **dispatch_kwargs)
         if work_s:
             time.sleep(work_s / 2)
         event.current_stream_wait()

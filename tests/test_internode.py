@@ -39,6 +39,7 @@ def pool():
         cases.combine_accumulates_in_fp32,
         cases.combine_adds_bias,
         cases.async_and_previous_event,
+        cases.async_finish_overlaps_the_transfer,
         cases.edge_cases,
         cases.gradients_match_reference,
         cases.combine_bias_gradients,
@@ -72,5 +73,6 @@ def test_bad_input_on_one_rank_times_out_the_others(pool, per_node, expected):
     ],
     ids=["2x2", "4x1"],
 )
-def test_missing_rank_in_combine_times_out(pool, per_node, expected):
-    assert pool.run(cases.missing_rank_in_combine_times_out, per_node, TIMEOUT_S) == expected
+@pytest.mark.parametrize("async_finish", [False, True], ids=["sync", "async"])
+def test_missing_rank_in_combine_times_out(pool, per_node, expected, async_finish):
+    assert pool.run(cases.missing_rank_in_combine_times_out, per_node, TIMEOUT_S, async_finish) == expected
