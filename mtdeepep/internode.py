@@ -325,10 +325,15 @@ class InternodeBuffer:
         work = dist.all_to_all_single(output, input_, output_splits, input_splits, group=self.rdma_group, async_op=True)
         self._wait(work, phase)
 
-    def _wait(self, work: dist.Work, phase: str) -> None:
+    def _wait(self, work: dist.Work, phase: str, node_stage: bool = False) -> None:
+        """Waits for a collective of the RDMA group (or of the node group) at most `timeout_s`."""
         timeout_s = self.timeout_s
-        peers = [n * self.num_local_ranks + self.local_rank for n in range(self.num_nodes)]
-        where = f"mtdeepep: rank {self.rank}: internode {phase} (network stage, with group ranks {peers})"
+        if node_stage:
+            first = self.node * self.num_local_ranks
+            stage, peers = "node-local stage", list(range(first, first + self.num_local_ranks))
+        else:
+            stage, peers = "network stage", [n * self.num_local_ranks + self.local_rank for n in range(self.num_nodes)]
+        where = f"mtdeepep: rank {self.rank}: internode {phase} ({stage}, with group ranks {peers})"
         try:
             finished = work.wait(timeout=timedelta(seconds=timeout_s))
         except RuntimeError as error:
@@ -426,9 +431,8 @@ class InternodeBuffer:
         dispatch (`handle`) is the data part alone.
 
         Returns `(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event)` as the
-        intranode path; `handle` is an `InternodeHandle` (an 8-tuple). A rank that receives more rows than
-        `num_worst_tokens` raises `GroupMismatchError` after the metadata exchange, so its peers are not left
-        waiting (unlike the intranode path, the other ranks do not raise).
+        intranode path; `handle` is an `InternodeHandle` (an 8-tuple). If a rank receives more rows than
+        `num_worst_tokens`, every rank raises `GroupMismatchError` after the metadata exchange.
         """
         data, scales = split_x(x, torch.device("cpu"))
         _check_counts_args(expert_alignment, num_worst_tokens)
@@ -439,7 +443,8 @@ class InternodeBuffer:
             cached = self._check_handle(handle, data.size(0))
 
             def cached_dispatch(notify: Callable[[tuple], None]) -> None:
-                recv_x = self._new_recv_x(data, scales, self._output_rows(cached.recv_perm.numel(), num_worst_tokens))
+                num_out = self._output_rows(cached.recv_perm.numel(), num_worst_tokens, "cached dispatch")
+                recv_x = self._new_recv_x(data, scales, num_out)
                 notify((recv_x,))
                 self._move_tokens(data, scales, cached, recv_x, config, "cached dispatch")
 
@@ -538,7 +543,7 @@ class InternodeBuffer:
         src_rank_token = _columns(recv_rows.view(torch.uint8), fmt.src_offset, 8, torch.int32)
         src_rank = src_rank_token[:, 0]
         perm = torch.sort(src_rank, stable=True).indices
-        num_out = self._output_rows(perm.numel(), num_worst_tokens)
+        num_out = self._output_rows(perm.numel(), num_worst_tokens, "dispatch")
         handle = InternodeHandle(
             is_token_in_rank=is_token_in_rank,
             send_node_prefix=send_counts.cumsum(dim=0).int(),
@@ -585,12 +590,26 @@ class InternodeBuffer:
         local_MK = topk_idx_MK - self.node * experts_per_node
         return torch.where((topk_idx_MK >= 0) & (local_MK >= 0) & (local_MK < experts_per_node), local_MK, -1)
 
-    def _output_rows(self, num_recv: int, num_worst_tokens: int) -> int:
-        if num_worst_tokens > 0 and num_recv > num_worst_tokens:
+    def _output_rows(self, num_recv: int, num_worst_tokens: int, phase: str) -> int:
+        """Output rows: `num_recv`, or `num_worst_tokens` when set. Then every rank learns (two small all-reduces,
+        node group then RDMA group) whether some rank receives more rows than its `num_worst_tokens`, and all raise
+        `GroupMismatchError` together, before any token bytes move, so no peer is left waiting and the buffer stays
+        usable."""
+        if num_worst_tokens == 0:
+            return num_recv
+        excess = torch.zeros(self.num_ranks, dtype=torch.int64)
+        excess[self.rank] = num_recv if num_recv > num_worst_tokens else 0
+        self._wait(dist.all_reduce(excess, group=self.node_group, async_op=True), f"{phase}: num_worst_tokens check",
+                   node_stage=True)  # fmt: skip
+        self._wait(dist.all_reduce(excess, group=self.rdma_group, async_op=True), f"{phase}: num_worst_tokens check")
+        over = excess.nonzero().flatten().tolist()
+        if over:
+            received = ", ".join(f"rank {r}: {excess[r].item()}" for r in over)
             raise _C.GroupMismatchError(
-                f"mtdeepep: rank {self.rank} receives {num_recv} tokens, more than num_worst_tokens={num_worst_tokens}"
+                f"mtdeepep: rank {self.rank}: internode {phase}: some ranks receive more tokens than "
+                f"num_worst_tokens={num_worst_tokens} ({received})"
             )
-        return max(num_recv, num_worst_tokens)
+        return num_worst_tokens
 
     def _pack(self, fmt: _RowFormat, data, scales, topk_idx, topk_weights, is_token_in_rank, token_S, node_S):
         """`[S, row_bytes]` uint8 network rows (see `_RowFormat`)."""

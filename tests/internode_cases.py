@@ -249,14 +249,26 @@ def num_worst_tokens_pads_outputs(ctx, per_node):
     out, _, _ = buffer.combine(recv_x, handle)  # only the valid rows count
     expected = x.double().unsqueeze(0) * handle[0].view(100, -1, per_node).sum(2).T.unsqueeze(2)
     assert_two_roundings(out, expected, torch.bfloat16)
-    # Too small a bound: the ranks that receive more rows say so; the buffer stays usable.
-    x, topk_idx, topk_weights = make_inputs(ctx, 100, 16, 8, 4, seed=51, masked=0.0)
-    try:
-        layout_and_dispatch(buffer, x, topk_idx, topk_weights, 8, num_worst_tokens=10)
-    except deep_ep.GroupMismatchError as error:
-        assert "num_worst_tokens=10" in str(error)
-    else:
-        raise AssertionError("expected GroupMismatchError")
+    # Too small a bound for some ranks only: every rank raises, naming them, and the buffer stays usable (also for
+    # a cached dispatch of that handle).
+    x, topk_idx, topk_weights = make_inputs(ctx, 100, 16, 8, 2, seed=51, masked=0.0)
+    num_recv = buffer.get_dispatch_layout(topk_idx, 8)[0]
+    dist.all_reduce(num_recv, group=ctx.group)
+    worst = int(num_recv.median())
+    over = [r for r in range(ctx.world_size) if num_recv[r] > worst]
+    assert over and len(over) < ctx.world_size, num_recv
+    for cached in (None, handle):
+        try:
+            if cached is None:
+                layout_and_dispatch(buffer, x, topk_idx, topk_weights, 8, num_worst_tokens=worst)
+            else:  # the first dispatch's handle: every rank receives far more than 10 rows
+                buffer.dispatch(x[:, :64].repeat(1, 4), handle=cached, num_worst_tokens=10)
+        except deep_ep.GroupMismatchError as error:
+            if cached is None:
+                assert f"num_worst_tokens={worst}" in str(error), error
+                assert all(f"rank {r}: {num_recv[r].item()}" in str(error) for r in over), error
+        else:
+            raise AssertionError("expected GroupMismatchError")
     check_dispatch(ctx, buffer, per_node, 64, 16, 8, 2, seed=52)
 
 
