@@ -216,11 +216,15 @@ class MoEMetrics:
     tokens_per_expert: `[E] float32` slots routed by this rank's router (before capacity dropping).
     num_dropped_tokens: slots dropped by the capacity limit and by padded-GEMM truncation on this rank.
     losses: name -> 0-d float32 value of each auxiliary loss, coefficient included.
+    num_replicated_slots: slots computed on this rank with hot-expert copies (not dispatched).
+    expert_recompute: what the local experts rebuild in backward (None, 'act' or 'fc1'; see moe/recompute.py).
     """
 
     tokens_per_expert: torch.Tensor
     num_dropped_tokens: int
     losses: dict[str, torch.Tensor]
+    num_replicated_slots: int = 0  # slots computed here on hot-expert copies instead of being dispatched
+    expert_recompute: str | None = None  # what the experts recompute in backward this step (None, 'act', 'fc1')
 
     @property
     def imbalance(self) -> float:

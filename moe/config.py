@@ -14,6 +14,7 @@ TOKEN_DROP_POLICIES = ("probs", "position")
 # 'flex' is the seam for the mtdeepep-based dispatcher (normal and low-latency mode); see moe/dispatcher/registry.py.
 TOKEN_DISPATCHER_TYPES = ("alltoall", "allgather", "flex")
 FP8_FORMATS = (None, "e4m3")
+RECOMPUTE_LEVELS = (None, "light", "medium", "full")
 
 
 @dataclass(kw_only=True)
@@ -59,6 +60,18 @@ class MoEConfig:
     moe_shared_expert_overlap: bool = False
     fp8: str | None = None  # None or 'e4m3' (DeepSeek-V3 block-wise recipe for the expert GEMMs)
 
+    # Recompute (see moe/recompute.py).
+    moe_layer_recompute: bool = False  # checkpoint the whole MoE layer (the same as moe_recompute_level='full')
+    moe_recompute_level: str | None = None  # (ours) None, 'light', 'medium' or 'full'
+    moe_adaptive_recompute_tokens: int | None = None  # (ours) rows this rank's experts compute above which it
+    # recomputes their activations (FC1 and SwiGLU) in backward; None = off
+
+    # Hot-expert replication (ours; see moe/replication.py).
+    moe_hot_expert_replication: bool = False
+    moe_hot_expert_threshold: float = 2.0  # load / mean load from which an expert is replicated
+    moe_hot_expert_release: float = 1.5  # load / mean load under which a replicated expert stops being so
+    moe_hot_expert_max_replicas: int = 2  # experts replicated at once
+
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk"):
             _require_positive_int(name, getattr(self, name))
@@ -68,6 +81,7 @@ class MoEConfig:
         self._validate_balancing()
         self._validate_capacity()
         self._validate_experts()
+        self._validate_recompute_and_replication()
 
     def _validate_router(self) -> None:
         _require_choice("moe_router_score_function", self.moe_router_score_function, SCORE_FUNCTIONS)
@@ -144,6 +158,31 @@ class MoEConfig:
         _require_choice("fp8", self.fp8, FP8_FORMATS)
         if self.fp8 is not None and self.moe_padded_batch_gemm:
             raise ValueError("fp8 experts use grouped GEMMs; moe_padded_batch_gemm is not supported with fp8")
+
+    def _validate_recompute_and_replication(self) -> None:
+        _require_choice("moe_recompute_level", self.moe_recompute_level, RECOMPUTE_LEVELS)
+        if self.moe_layer_recompute and self.moe_recompute_level not in (None, "full"):
+            raise ValueError(
+                f"moe_layer_recompute=True recomputes the whole layer; it contradicts "
+                f"moe_recompute_level={self.moe_recompute_level!r}"
+            )
+        if self.moe_adaptive_recompute_tokens is not None:
+            _require_positive_int("moe_adaptive_recompute_tokens", self.moe_adaptive_recompute_tokens)
+        if not self.moe_hot_expert_replication:
+            return
+        if not self.moe_hot_expert_threshold > 1:
+            raise ValueError(f"moe_hot_expert_threshold must be > 1, got {self.moe_hot_expert_threshold}")
+        if not 0 < self.moe_hot_expert_release <= self.moe_hot_expert_threshold:
+            raise ValueError(
+                f"moe_hot_expert_release must be in (0, moe_hot_expert_threshold={self.moe_hot_expert_threshold}], "
+                f"got {self.moe_hot_expert_release}"
+            )
+        _require_positive_int("moe_hot_expert_max_replicas", self.moe_hot_expert_max_replicas)
+        if self.moe_pad_expert_input_to_capacity or self.moe_padded_batch_gemm_factor is not None:
+            raise ValueError(
+                "moe_hot_expert_replication computes hot experts' tokens where they are, outside the per-expert "
+                "row limit of moe_pad_expert_input_to_capacity / moe_padded_batch_gemm_factor; use one or the other"
+            )
 
 
 def _require_positive_int(name: str, value: object) -> None:

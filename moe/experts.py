@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moe.capacity import align_up, pad_rows, plan_padding, unpad_rows
+from moe.recompute import DropSaved
+
+# What an expert forward may recompute in backward instead of keeping: None, the activation ('act': the SwiGLU
+# outputs are rebuilt from the FC1 output), or 'fc1' (the FC1 output too, with one more FC1 GEMM).
+EXPERT_RECOMPUTE = (None, "act", "fc1")
 
 EXPERT_IMPLS = ("grouped", "padded", "loop")
 
@@ -104,6 +109,30 @@ def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def swiglu_mlp(x: torch.Tensor, fc1: Callable[[torch.Tensor], torch.Tensor],
+               fc2: Callable[[torch.Tensor], torch.Tensor], recompute: str | None = None) -> torch.Tensor:  # fmt: skip
+    """`fc2(swiglu(fc1(x)))`, keeping less for backward when asked (see `EXPERT_RECOMPUTE`).
+
+    'act' drops the SwiGLU's two outputs (`silu(gate)` and the product; FC2's input) and rebuilds them from the FC1
+    output when the backward needs them; 'fc1' also drops the FC1 output and rebuilds it from `x` (one more FC1
+    GEMM). The values are rebuilt by the same operations, so gradients are unchanged.
+    """
+    if recompute not in EXPERT_RECOMPUTE:
+        raise ValueError(f"recompute must be one of {EXPERT_RECOMPUTE}, got {recompute!r}")
+    if recompute is None or not torch.is_grad_enabled():
+        return fc2(swiglu(fc1(x)))
+    dropped = DropSaved()
+    with dropped:
+        h = fc1(x)
+        get_h = dropped.drop(h, lambda: fc1(x)) if recompute == "fc1" else (lambda: h)
+        gate, up = h.chunk(2, dim=-1)
+        silu_gate = F.silu(gate)
+        get_silu_gate = dropped.drop(silu_gate, lambda: F.silu(get_h().chunk(2, dim=-1)[0]))
+        act = silu_gate * up
+        dropped.drop(act, lambda: get_silu_gate() * get_h().chunk(2, dim=-1)[1])
+        return fc2(act)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Modules
 # ---------------------------------------------------------------------------------------------------------------
@@ -166,10 +195,13 @@ class SwiGLUExperts(nn.Module):
             length = math.ceil(sum(counts) / max(len(counts), 1) * self.padded_factor)
         return align_up(max(length, 1), self.padded_alignment)
 
-    def forward(self, x_NH: torch.Tensor, tokens_per_expert: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    def forward(
+        self, x_NH: torch.Tensor, tokens_per_expert: torch.Tensor | Sequence[int], *, recompute: str | None = None
+    ) -> torch.Tensor:
         """Args:
             x_NH: `[N, H]` rows sorted by local expert (in the weights' dtype).
             tokens_per_expert: `[L]` row counts (ints or an int tensor) summing to N.
+            recompute: None, 'act' or 'fc1': what the backward rebuilds instead of keeping (`swiglu_mlp`).
         Returns `[N, H]` in the input dtype.
         """
         counts = counts_to_list(tokens_per_expert)
@@ -177,18 +209,24 @@ class SwiGLUExperts(nn.Module):
             raise ValueError(
                 f"tokens_per_expert {counts} must have {self.num_local_experts} entries summing to {x_NH.size(0)}"
             )
-        x_NH = x_NH.to(self.w13.dtype)
         if self.impl == "padded":
-            return self._forward_padded(x_NH, counts)
+            return self._forward_padded(x_NH.to(self.w13.dtype), counts, recompute)
         self.last_num_dropped = 0
-        h_N2F = self.linear(x_NH, self.w13, counts)
-        return self.linear(swiglu(h_N2F), self.w2, counts)
+        return self.compute(x_NH, counts, self.w13, self.w2, recompute=recompute)
 
-    def _forward_padded(self, x_NH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def compute(self, x_NH: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor, *,
+                recompute: str | None = None) -> torch.Tensor:  # fmt: skip
+        """SwiGLU experts with the given weights `w13 [G, H, 2F]`, `w2 [G, F, H]` (this module's, or copies of some
+        experts', e.g. hot-expert replicas) on `[N, H]` rows sorted by group (`counts`, G entries), with this
+        module's grouped GEMM (`linear`). Returns `[N, H]` in the input dtype."""
+        x_NH = x_NH.to(w13.dtype)
+        return swiglu_mlp(x_NH, lambda x: self.linear(x, w13, counts), lambda a: self.linear(a, w2, counts), recompute)
+
+    def _forward_padded(self, x_NH: torch.Tensor, counts: list[int], recompute: str | None) -> torch.Tensor:
         plan = plan_padding(counts, self.padded_length(counts), device=x_NH.device)
         self.last_num_dropped = plan.num_dropped
         x_LPH = pad_rows(x_NH, plan).view(self.num_local_experts, plan.length, -1)
-        y_LPH = torch.bmm(swiglu(torch.bmm(x_LPH, self.w13)), self.w2)
+        y_LPH = swiglu_mlp(x_LPH, lambda x: torch.bmm(x, self.w13), lambda a: torch.bmm(a, self.w2), recompute)
         return unpad_rows(y_LPH.flatten(0, 1), plan)
 
 

@@ -17,6 +17,8 @@ from moe.config import MoEConfig
 from moe.dispatcher import DispatchResult, TokenDispatcher, build_dispatcher
 from moe.experts import SwiGLUExperts, SwiGLUMLP
 from moe.fp8 import Fp8SwiGLUExperts
+from moe.recompute import checkpointed
+from moe.replication import HotExpertReplicas
 from moe.router import RouterOutput, TopKRouter
 
 
@@ -88,20 +90,34 @@ class MoELayer(nn.Module):
                 dtype=dtype,
                 device=device,
             )
+        self.replicas = None
+        if config.moe_hot_expert_replication:
+            self.replicas = HotExpertReplicas(
+                config.num_moe_experts, self.num_local_experts, self.dispatcher.ep_group,
+                threshold=config.moe_hot_expert_threshold, release=config.moe_hot_expert_release,
+                max_replicas=config.moe_hot_expert_max_replicas,
+            )  # fmt: skip
+        self.recompute_level = "full" if config.moe_layer_recompute else config.moe_recompute_level
         self.metrics: MoEMetrics | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Args:
             hidden: `[B, S, H]` (sequences, for 'seq_aux_loss') or `[T, H]` (one sequence).
         Returns the same shape and dtype. Auxiliary losses are attached to the output (see `attach_aux_loss`)
-        and their values, with load statistics, are stored in `self.metrics`.
+        and their values, with load statistics, are stored in `self.metrics`. With recompute level 'full' the
+        whole layer runs under `torch.utils.checkpoint` (its backward runs the forward again, communication
+        included).
         """
+        return checkpointed(self.recompute_level == "full", self._forward, hidden)
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         x_TH = hidden.reshape(-1, cfg.hidden_size)
         num_tokens = x_TH.size(0)
+        light = self.recompute_level in ("light", "medium")
 
         # Step 1: route (float32), then enforce the capacity limit.
-        route = self.router(x_TH)
+        route = checkpointed(light, self.router, x_TH)
         probs_TK, topk_idx_TK, num_dropped = route.probs_TK, route.topk_idx_TK, 0
         capacity = None
         if cfg.moe_expert_capacity_factor is not None:
@@ -111,20 +127,35 @@ class MoELayer(nn.Module):
             kept = apply_capacity(probs_TK, topk_idx_TK, cfg.num_moe_experts, capacity, cfg.moe_token_drop_policy)
             probs_TK, topk_idx_TK, num_dropped = kept.probs_TK, kept.topk_idx_TK, kept.num_dropped
 
-        # Step 2: dispatch; the shared expert runs while the tokens are in flight (if the dispatcher allows it).
-        pending = self.dispatcher.dispatch_begin(x_TH, probs_TK, topk_idx_TK)
+        # Step 2: dispatch, except the slots of hot experts (computed here with copies); the shared expert runs
+        # while the tokens are in flight (if the dispatcher allows it).
+        hot_TK = None
+        if self.replicas is not None:
+            self.replicas.record(topk_idx_TK)
+            if self.replicas.active:
+                hot_TK = self.replicas.hot_slots(topk_idx_TK)
+        dispatch_idx_TK = topk_idx_TK if hot_TK is None else topk_idx_TK.masked_fill(hot_TK, -1)
+        pending = self.dispatcher.dispatch_begin(x_TH, probs_TK, dispatch_idx_TK)
         shared_TH = None
         if self.shared_experts is not None and cfg.moe_shared_expert_overlap and self.dispatcher.supports_async:
-            shared_TH = self.shared_experts(x_TH)
+            shared_TH = self._shared(x_TH)
         dispatched = self.dispatcher.dispatch_end(pending)
 
-        # Step 3: local experts, then combine (weights applied in float32).
-        expert_out_NH = self._run_experts(dispatched, capacity)
+        # Step 3: local experts (recomputing their activations in backward if the level or the row count says so),
+        # the hot slots on the copies, then combine (weights applied in float32).
+        num_replicated = 0 if hot_TK is None else int(hot_TK.sum())
+        expert_recompute = self._expert_recompute(sum(dispatched.tokens_per_expert) + num_replicated)
+        expert_out_NH = self._run_experts(dispatched, capacity, expert_recompute)
         num_dropped += self.experts.last_num_dropped
+        hot_out_TH = None
+        if hot_TK is not None:
+            hot_out_TH = self.replicas(self.experts, x_TH, probs_TK, topk_idx_TK, hot_TK, expert_recompute)
         out_TH = self.dispatcher.combine(expert_out_NH, dispatched.handle)
+        if hot_out_TH is not None:
+            out_TH = (out_TH.float() + hot_out_TH).to(out_TH.dtype)
         if self.shared_experts is not None:
             if shared_TH is None:
-                shared_TH = self.shared_experts(x_TH)
+                shared_TH = self._shared(x_TH)
             out_TH = out_TH + shared_TH.to(out_TH.dtype)
 
         # Step 4: balancing losses reach the gradient through the output.
@@ -135,13 +166,26 @@ class MoELayer(nn.Module):
             tokens_per_expert=balancing.tokens_per_expert(route.topk_idx_TK, cfg.num_moe_experts),
             num_dropped_tokens=num_dropped,
             losses={name: loss.detach() for name, loss in losses.items()},
+            num_replicated_slots=num_replicated,
+            expert_recompute=expert_recompute,
         )
         return out_TH.view(hidden.shape)
 
-    def _run_experts(self, dispatched: DispatchResult, capacity: int | None) -> torch.Tensor:
+    def _expert_recompute(self, num_rows: int) -> str | None:
+        """What the experts rebuild in backward: 'fc1' at level 'medium' or when this rank computes more than
+        `moe_adaptive_recompute_tokens` rows, 'act' at level 'light', else nothing."""
+        threshold = self.config.moe_adaptive_recompute_tokens
+        if self.recompute_level == "medium" or (threshold is not None and num_rows > threshold):
+            return "fc1"
+        return "act" if self.recompute_level == "light" else None
+
+    def _shared(self, x_TH: torch.Tensor) -> torch.Tensor:
+        return checkpointed(self.recompute_level == "medium", self.shared_experts, x_TH)
+
+    def _run_experts(self, dispatched: DispatchResult, capacity: int | None, recompute: str | None) -> torch.Tensor:
         counts = dispatched.tokens_per_expert
         if not self.config.moe_pad_expert_input_to_capacity:
-            return self.experts(dispatched.expert_input_NH, counts)
+            return self.experts(dispatched.expert_input_NH, counts, recompute=recompute)
         # Every local expert gets exactly `capacity` rows from each source rank (zero rows as padding).
         length = capacity * self.ep_size
         if max(counts, default=0) > length:
@@ -150,7 +194,7 @@ class MoELayer(nn.Module):
                 "needs the same number of tokens on every expert-parallel rank"
             )
         plan = plan_padding(counts, length, device=dispatched.expert_input_NH.device)
-        y_padded = self.experts(pad_rows(dispatched.expert_input_NH, plan), [length] * len(counts))
+        y_padded = self.experts(pad_rows(dispatched.expert_input_NH, plan), [length] * len(counts), recompute=recompute)
         return unpad_rows(y_padded, plan)
 
     def _aux_losses(self, route: RouterOutput, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
