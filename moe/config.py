@@ -11,8 +11,9 @@ from dataclasses import dataclass
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 TOKEN_DROP_POLICIES = ("probs", "position")
-# 'flex' is the seam for the mtdeepep-based dispatcher (normal and low-latency mode); see moe/dispatcher/registry.py.
-TOKEN_DISPATCHER_TYPES = ("alltoall", "allgather", "flex")
+# 'flex': mtdeepep normal mode (training); 'flex_ll' (ours): mtdeepep low-latency mode (inference and decoding).
+# See moe/dispatcher/registry.py.
+TOKEN_DISPATCHER_TYPES = ("alltoall", "allgather", "flex", "flex_ll")
 FP8_FORMATS = (None, "e4m3")
 RECOMPUTE_LEVELS = (None, "light", "medium", "full")
 
@@ -58,6 +59,8 @@ class MoEConfig:
     moe_padded_batch_gemm_alignment: int = 16  # (ours) the padded length is a multiple of this
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_overlap: bool = False
+    moe_flex_ll_num_max_dispatch_tokens_per_rank: int = 128  # (ours) 'flex_ll': the most tokens a rank may send
+    moe_flex_ll_use_fp8: bool = False  # (ours) 'flex_ll': FP8 dispatch payloads (hidden_size a multiple of 128)
     fp8: str | None = None  # None or 'e4m3' (DeepSeek-V3 block-wise recipe for the expert GEMMs)
 
     # Recompute (see moe/recompute.py).
@@ -155,6 +158,11 @@ class MoEConfig:
             _require_positive_int("moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
         if self.moe_shared_expert_overlap and self.moe_shared_expert_intermediate_size is None:
             raise ValueError("moe_shared_expert_overlap requires moe_shared_expert_intermediate_size")
+        _require_positive_int(
+            "moe_flex_ll_num_max_dispatch_tokens_per_rank", self.moe_flex_ll_num_max_dispatch_tokens_per_rank
+        )
+        if self.moe_flex_ll_use_fp8 and self.hidden_size % 128:
+            raise ValueError(f"moe_flex_ll_use_fp8 needs hidden_size a multiple of 128, got {self.hidden_size}")
         _require_choice("fp8", self.fp8, FP8_FORMATS)
         if self.fp8 is not None and self.moe_padded_batch_gemm:
             raise ValueError("fp8 experts use grouped GEMMs; moe_padded_batch_gemm is not supported with fp8")

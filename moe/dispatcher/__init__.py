@@ -1,7 +1,8 @@
 """Token dispatchers behind one interface (`TokenDispatcher`), built by name from `MoEConfig`.
 
-'flex' (`moe.dispatcher.deepep.DeepEPDispatcher`, on mtdeepep) is imported on first use, so the other dispatchers
-work without the compiled extension.
+'flex' (`moe.dispatcher.deepep.DeepEPDispatcher`, mtdeepep normal mode, training and inference) and 'flex_ll'
+(`moe.dispatcher.deepep_ll.DeepEPLowLatencyDispatcher`, mtdeepep low-latency mode, inference/decoding only) are
+imported on first use, so the other dispatchers work without the compiled extension.
 """
 
 from moe.dispatcher.allgather import AllGatherDispatcher, build_allgather
@@ -19,7 +20,14 @@ def _build_flex(config, ep_group) -> TokenDispatcher:
     return build_deepep(config, ep_group)
 
 
+def _build_flex_ll(config, ep_group) -> TokenDispatcher:
+    from moe.dispatcher.deepep_ll import build_deepep_ll
+
+    return build_deepep_ll(config, ep_group)
+
+
 register_dispatcher("flex", _build_flex, overwrite=True)
+register_dispatcher("flex_ll", _build_flex_ll, overwrite=True)
 
 __all__ = [
     "AllGatherDispatcher",

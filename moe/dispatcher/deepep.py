@@ -13,11 +13,12 @@ Compared with 'alltoall', a token with several experts on one rank crosses the w
 slot, in both directions; the weighting moves to the expert's rank. Row order within an expert is the same (source
 rank, then token order), so the two dispatchers feed the experts identical inputs.
 
-Asynchrony: when autograd does not record the dispatch (`torch.no_grad()`, inference, or inputs that need no
-gradient), `dispatch_begin` launches layout + dispatch with `async_finish=True` on the buffer's comm thread and
-`dispatch_end` waits on the `EventOverlap`, so the shared expert computes while the rows are in flight. When
-autograd records it, the dispatch goes through the differentiable `deep_ep.dispatch`, which has no asynchronous form:
-it completes inside `dispatch_begin` and the shared expert runs after it (same results, no overlap).
+Asynchrony, in training and inference alike: `dispatch_begin` calls the differentiable
+`deep_ep.dispatch(..., async_finish=True)`, which returns once the receive counts are known (the CPU sync upstream
+has too) while the rows move on the buffer's comm thread; `dispatch_end` waits on its `EventOverlap`. So with
+`moe_shared_expert_overlap=True` the shared expert computes while the rows are in flight, whether or not autograd
+records the dispatch (under autograd its backward is a combine of the gradients, as without overlap). Results do not
+depend on the overlap: nothing reads the received rows before the wait.
 
 Legend: T tokens on this rank, K top-k slots, H hidden, E experts, L local experts, U tokens received here (each
 once, however many of its experts are local), N rows for the experts (one per (received token, local expert)).
@@ -173,23 +174,10 @@ class DeepEPDispatcher(TokenDispatcher):
             counts = torch.bincount(topk_idx_TK[topk_idx_TK >= 0], minlength=self.num_experts).tolist()
             return _PendingFlexDispatch(T, x_TH.dtype, x_TH, topk_idx_TK, weights_TK, counts, None, None)
 
-        records_grad = torch.is_grad_enabled() and (x_TH.requires_grad or weights_TK.requires_grad)
-        if records_grad:
-            recv_x, recv_idx, recv_weights, counts, comm_handle = deep_ep.dispatch(
-                buffer, x_TH, topk_idx_TK, weights_TK, self.num_experts
-            )
-            return _PendingFlexDispatch(T, x_TH.dtype, recv_x, recv_idx, recv_weights, counts, comm_handle, None)
-
-        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx_TK, self.num_experts)
-        recv_x, recv_idx, recv_weights, counts, comm_handle, event = buffer.dispatch(
-            x_TH,
-            num_tokens_per_rank=per_rank,
-            num_tokens_per_rdma_rank=per_rdma_rank,
-            is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert,
-            topk_idx=topk_idx_TK,
-            topk_weights=weights_TK,
-            async_finish=True,
+        # One path for training and inference: without autograd recording, the Function only runs its forward.
+        # The received tensors are not read before `dispatch_end` waits on the event.
+        recv_x, recv_idx, recv_weights, counts, comm_handle, event = deep_ep.dispatch(
+            buffer, x_TH, topk_idx_TK, weights_TK, self.num_experts, async_finish=True
         )
         return _PendingFlexDispatch(T, x_TH.dtype, recv_x, recv_idx, recv_weights, counts, comm_handle, event)
 

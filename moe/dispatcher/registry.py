@@ -1,7 +1,15 @@
 """Dispatcher factories keyed by `MoEConfig.moe_token_dispatcher_type`.
 
-Built in (registered by `moe.dispatcher`): 'alltoall', 'allgather', and 'flex', the mtdeepep-based dispatcher
-(`moe.dispatcher.deepep.DeepEPDispatcher`, DeepEP normal-mode kernels). Other backends plug in the same way:
+Built in (registered by `moe.dispatcher`):
+- 'alltoall': all-to-all of one row per (token, expert) slot (`moe.dispatcher.alltoall`), the baseline;
+- 'allgather': every rank gathers all tokens and keeps its experts' rows (`moe.dispatcher.allgather`);
+- 'flex': mtdeepep normal mode (`moe.dispatcher.deepep.DeepEPDispatcher`, DeepEP's normal kernels), the default
+  for training: differentiable, any dtype, shared expert overlapped with the dispatch;
+- 'flex_ll' (ours; Megatron has no name for it): mtdeepep low-latency mode
+  (`moe.dispatcher.deepep_ll.DeepEPLowLatencyDispatcher`), for inference/decoding only: bfloat16 (or FP8) rows,
+  at most `num_max_dispatch_tokens_per_rank` tokens per rank, shared expert overlapped through the receive hook.
+
+Other backends plug in the same way:
 
     @register_dispatcher("my_backend")
     def _build(config: MoEConfig, ep_group) -> TokenDispatcher: ...

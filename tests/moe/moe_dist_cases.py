@@ -376,8 +376,9 @@ def _flex_dispatcher_rows(rank, world, group):
 
 @case("flex_async_dispatch_under_no_grad")
 def _flex_async(rank, world, group):
-    """Without autograd the dispatch runs asynchronously (an `EventOverlap` to wait on) and the shared expert runs
-    while it is in flight; with autograd it is synchronous. Results are the same either way, and as 'alltoall'."""
+    """With or without autograd the dispatch runs asynchronously (an `EventOverlap` to wait on) and the shared
+    expert runs while it is in flight; under autograd the received rows are differentiable. Results are the same
+    either way, and as 'alltoall'."""
     import mtdeepep as deep_ep
 
     outs, events = {}, {}
@@ -403,14 +404,121 @@ def _flex_async(rank, world, group):
                     ep.dispatcher.dispatch_end(pending)
 
     for overlap in (False, True):
-        event, _ = events[overlap, "no_grad"]
+        event, recv_requires_grad = events[overlap, "no_grad"]
         assert isinstance(event, deep_ep.EventOverlap), "a no-grad dispatch must be asynchronous"
+        assert not recv_requires_grad, "a no-grad dispatch records nothing"
         event, recv_requires_grad = events[overlap, "grad"]
-        assert event is None and recv_requires_grad, "an autograd dispatch goes through deep_ep.dispatch"
+        assert isinstance(event, deep_ep.EventOverlap), "an autograd dispatch must be asynchronous too"
+        assert recv_requires_grad, "an autograd dispatch goes through the differentiable deep_ep.dispatch"
     ref = outs["alltoall", False, "grad"]
     for key, out in outs.items():
         assert_close(out, ref, msg=f"output of {key}")
     assert torch.equal(outs["flex", True, "no_grad"], outs["flex", False, "no_grad"]), "overlap changed the output"
+
+
+@case("flex_shared_overlap_under_autograd_equals_no_overlap_and_alltoall")
+def _flex_overlap_autograd(rank, world, group):
+    """Training with `moe_shared_expert_overlap`: the shared expert runs while the differentiable dispatch is in
+    flight. Outputs, losses and every gradient are bitwise those without overlap, and match 'alltoall'."""
+    results = {}
+    chunks = make_inputs(world, [9, 4, 13, 6], None, seed=21)
+    for disp, overlap in (("alltoall", False), ("flex", False), ("flex", True)):
+        cfg = _cfg(
+            moe_token_dispatcher_type=disp,
+            moe_router_topk=3,
+            moe_aux_loss_coeff=0.01,
+            moe_shared_expert_intermediate_size=24,
+            moe_shared_expert_overlap=overlap,
+        )
+        _, ep = build_pair(cfg, group, seed=6)
+        out, x_grad, losses = forward_backward(ep, *chunks[rank])
+        results[disp, overlap] = {
+            "out": out,
+            "x grad": x_grad,
+            "aux loss": losses["aux_loss"],
+            "w13 grad": ep.experts.w13.grad,
+            "w2 grad": ep.experts.w2.grad,
+            "router grad": ep.router.weight.grad,
+            "shared w13 grad": ep.shared_experts.w13.grad,
+            "shared w2 grad": ep.shared_experts.w2.grad,
+        }
+    on, off, a2a = results["flex", True], results["flex", False], results["alltoall", False]
+    for name in a2a:
+        assert on[name] is not None, f"{name} missing with overlap"
+        assert torch.equal(on[name], off[name]), f"overlap changed {name}"
+        assert_close(on[name], a2a[name], msg=f"{name} vs alltoall")
+
+
+@case("flex_shared_expert_runs_while_autograd_dispatch_in_flight")
+def _flex_overlap_is_real_under_autograd(rank, world, group):
+    """Under autograd, the shared expert starts before the dispatch's rows have all arrived.
+
+    Instrumented forward passes: `dispatch_begin` is wrapped to keep its pending dispatch, and a forward pre-hook on
+    the shared expert records whether that dispatch's `EventOverlap` is still incomplete (`query()` False) and
+    whether `dispatch_end` already ran. Every attempt must show the order begin -> shared expert -> end with an
+    asynchronous, autograd-recorded dispatch. The "still in flight" observation is timing-dependent (the rows, 4 MB
+    per rank, take milliseconds to move on the comm thread; the hook runs some 100 us after `dispatch_begin`
+    returns), so it must hold in at least one of up to 10 attempts on every rank; the ranks agree on stopping, so
+    they run the same collectives. A synchronous dispatch (the old autograd path) fails every attempt.
+    """
+    import mtdeepep as deep_ep
+
+    T, H = 1024, 1024
+    cfg = MoEConfig(
+        hidden_size=H,
+        num_moe_experts=8,
+        moe_ffn_hidden_size=8,
+        moe_router_topk=2,
+        moe_token_dispatcher_type="flex",
+        moe_shared_expert_intermediate_size=8,
+        moe_shared_expert_overlap=True,
+    )
+    torch.manual_seed(0)
+    layer = MoELayer(cfg, ep_group=group)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+
+    disp = layer.dispatcher
+    log: list = []
+    begin, end = disp.dispatch_begin, disp.dispatch_end
+
+    def dispatch_begin(*args):
+        pending = begin(*args)
+        log.append(("begin", pending))
+        return pending
+
+    def dispatch_end(pending):
+        log.append(("end", pending))
+        return end(pending)
+
+    def shared_pre_hook(module, inputs):
+        pending = log[-1][1]
+        event = pending.event
+        in_flight = isinstance(event, deep_ep.EventOverlap) and not event.query()
+        log.append(("shared", (isinstance(event, deep_ep.EventOverlap), in_flight, pending.recv_x_UH.requires_grad)))
+
+    disp.dispatch_begin, disp.dispatch_end = dispatch_begin, dispatch_end
+    layer.shared_experts.register_forward_pre_hook(shared_pre_hook)
+
+    attempts, seen_in_flight = [], False
+    try:
+        for _ in range(10):
+            log.clear()
+            out = layer(x)
+            kinds = [kind for kind, _ in log]
+            observed = log[1][1] if kinds == ["begin", "shared", "end"] else (False, False, False)
+            attempts.append((kinds, observed, out.requires_grad))
+            seen_in_flight |= observed[1]
+            everyone = torch.tensor([int(seen_in_flight)])
+            dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
+            if everyone.item():
+                break
+    finally:
+        del disp.dispatch_begin, disp.dispatch_end  # no reference cycle: the buffer goes with the layer
+
+    for kinds, (is_async, _, recorded), out_requires_grad in attempts:
+        assert kinds == ["begin", "shared", "end"], f"order of calls: {kinds}"
+        assert is_async and recorded and out_requires_grad, "the dispatch must be asynchronous and autograd-recorded"
+    assert seen_in_flight, f"the dispatch had always completed before the shared expert ({len(attempts)} attempts)"
 
 
 @case("flex_layers_share_one_buffer")
