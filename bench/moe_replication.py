@@ -1,6 +1,6 @@
 """Hot-expert replication on a skewed router: bytes and time of a training step with and without it.
 
-Setting (every size is a flag): hidden 1024, expert FFN 512, 16 experts, top-4 softmax routing, 2048 tokens per
+Setting (every size is a flag): hidden 1024, expert FFN 256, 16 experts, top-4 softmax routing, 2048 tokens per
 rank, float32, dropless. The router is skewed: experts 0 and 1 (both on rank 0) share a direction that 70% of
 the tokens carry, so they take about a third of all slots and rank 0 computes most rows. For each dispatcher
 ('alltoall', 'flex') two layers with the same weights run: plain, and with `moe_hot_expert_replication` (after one
@@ -50,7 +50,7 @@ from moe.replication import update_hot_experts
 class BenchConfig:
     tokens: int = 2048
     hidden: int = 1024
-    ffn: int = 512
+    ffn: int = 256  # fine-grained experts (F = H / 4; DeepSeek-V3: 2048 / 7168)
     experts: int = 16
     topk: int = 4
     skewed_share: float = 0.7  # fraction of tokens that prefer experts 0 and 1

@@ -277,6 +277,7 @@ class InternodeBuffer:
         self.node_buffer.destroy()
         for group in (self.node_group, self.rdma_group):
             dist.destroy_process_group(group)
+        del self.node_group, self.rdma_group  # tear the groups down now, on every rank alike
 
     # -----------------------------------------------------------------------------------------------------------
     # Shared pieces
@@ -322,8 +323,10 @@ class InternodeBuffer:
     def _exchange(self, output: torch.Tensor, input_: torch.Tensor, output_splits: list[int],
                   input_splits: list[int], phase: str) -> None:  # fmt: skip
         """One `all_to_all_single` over the RDMA group, waited for at most `timeout_s`."""
-        work = dist.all_to_all_single(output, input_, output_splits, input_splits, group=self.rdma_group, async_op=True)
-        self._wait(work, phase)
+        self._wait(
+            dist.all_to_all_single(output, input_, output_splits, input_splits, group=self.rdma_group, async_op=True),
+            phase,
+        )
 
     def _wait(self, work: dist.Work, phase: str, node_stage: bool = False) -> None:
         """Waits for a collective of the RDMA group (or of the node group) at most `timeout_s`."""
@@ -334,14 +337,20 @@ class InternodeBuffer:
         else:
             stage, peers = "network stage", [n * self.num_local_ranks + self.local_rank for n in range(self.num_nodes)]
         where = f"mtdeepep: rank {self.rank}: internode {phase} ({stage}, with group ranks {peers})"
+        failure = None
         try:
             finished = work.wait(timeout=timedelta(seconds=timeout_s))
         except RuntimeError as error:
-            if "timed out" in str(error).lower():
-                raise _C.CommTimeoutError(f"{where} did not finish within {timeout_s} s: {error}") from error
-            raise _C.CommError(f"{where} failed: {error}") from error
-        if finished is False:
-            raise _C.CommTimeoutError(f"{where} did not finish within {timeout_s} s")
+            failure, finished = str(error), False
+        # A failed operation must not outlive this call in the frames of the exception raised below: its process
+        # group cannot be torn down while it is pending, and a garbage collection that frees it later would block
+        # one rank at a random point.
+        del work
+        if failure is not None and "timed out" not in failure.lower():
+            raise _C.CommError(f"{where} failed: {failure}")
+        if not finished:
+            detail = f": {failure}" if failure else ""
+            raise _C.CommTimeoutError(f"{where} did not finish within {timeout_s} s{detail}")
 
     @contextmanager
     def _node_stage(self, phase: str):
