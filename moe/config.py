@@ -23,7 +23,7 @@ class MoEConfig:
     """Settings of one MoE layer (router, balancing, capacity, dispatcher, experts).
 
     Required: `hidden_size`, `num_moe_experts`, `moe_ffn_hidden_size`. Everything else has a default that gives
-    a dropless top-2 softmax MoE with an all-to-all dispatcher and no auxiliary loss.
+    a dropless top-2 softmax MoE on the mtdeepep (`flex`) dispatcher and no auxiliary loss.
     """
 
     hidden_size: int
@@ -52,7 +52,7 @@ class MoEConfig:
     moe_token_drop_policy: str = "probs"
 
     # Dispatcher and experts.
-    moe_token_dispatcher_type: str = "alltoall"
+    moe_token_dispatcher_type: str = "flex"  # mtdeepep normal mode (Megatron defaults to allgather)
     moe_grouped_gemm: bool = True
     moe_padded_batch_gemm: bool = False  # (ours) one torch.bmm over experts padded/truncated to one length
     moe_padded_batch_gemm_factor: float | None = None  # (ours) length = mean rows per expert * factor; None = max
