@@ -128,26 +128,28 @@ class HotExpertReplicas(nn.Module):
         out = torch.zeros(x_TH.size(0), x_TH.size(1), dtype=torch.float32, device=x_TH.device)
         return out.index_add(0, token_M, y_MH.float() * weights_M.unsqueeze(1))
 
+    def _owned(self) -> list[tuple[int, int]]:
+        """`(position in hot, local expert index)` of the hot experts this rank owns."""
+        first = self.rank * self.num_local_experts
+        return [(j, e - first) for j, e in enumerate(self.hot) if first <= e < first + self.num_local_experts]
+
     @torch.no_grad()
-    def refresh(self, experts: SwiGLUExperts) -> None:
+    def refresh(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Makes the copies current if the hot set or any owner's weights changed since the last copy (one flag
         all-reduce, then, if needed, one all-reduce of the hot experts' weights)."""
-        source = (experts.w13._version, experts.w2._version, experts.w13.data_ptr(), experts.w2.data_ptr())
+        source = (w13._version, w2._version, w13.data_ptr(), w2.data_ptr())
         stale = torch.tensor([int(self._w13 is None or source != self._source)])
         dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=self.group)
         if not stale.item():
             return
-        H, F2 = experts.w13.shape[1:]
-        rows = torch.zeros(len(self.hot), H * F2 + experts.w2[0].numel(), dtype=experts.w13.dtype,
-                           device=experts.w13.device)  # fmt: skip
-        first = self.rank * self.num_local_experts
-        for j, expert in enumerate(self.hot):
-            if first <= expert < first + self.num_local_experts:
-                rows[j, : H * F2] = experts.w13[expert - first].reshape(-1)
-                rows[j, H * F2 :] = experts.w2[expert - first].reshape(-1)
+        H, F2 = w13.shape[1:]
+        rows = torch.zeros(len(self.hot), H * F2 + w2[0].numel(), dtype=w13.dtype, device=w13.device)
+        for j, local in self._owned():
+            rows[j, : H * F2] = w13[local].reshape(-1)
+            rows[j, H * F2 :] = w2[local].reshape(-1)
         dist.all_reduce(rows, group=self.group)  # one owner per row, zeros elsewhere: exact in any dtype
         self._w13 = rows[:, : H * F2].reshape(len(self.hot), H, F2)
-        self._w2 = rows[:, H * F2 :].reshape(len(self.hot), *experts.w2.shape[1:])
+        self._w2 = rows[:, H * F2 :].reshape(len(self.hot), *w2.shape[1:])
         self._source = source
 
     def reduce_gradients(self, grad_w13: torch.Tensor, grad_w2: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
@@ -156,8 +158,7 @@ class HotExpertReplicas(nn.Module):
         G = len(self.hot)
         flat = torch.cat([grad_w13.reshape(G, -1), grad_w2.reshape(G, -1)], dim=1).float()
         dist.all_reduce(flat, group=self.group)
-        first = self.rank * self.num_local_experts
-        owned = [(j, e - first) for j, e in enumerate(self.hot) if first <= e < first + self.num_local_experts]
+        owned = self._owned()
         if not owned:
             return None, None
         g13, g2 = torch.zeros_like(w13), torch.zeros_like(w2)
@@ -174,7 +175,7 @@ class _CopiedWeights(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, replicas: HotExpertReplicas, w13: torch.Tensor, w2: torch.Tensor):
-        replicas.refresh(_Weights(w13, w2))
+        replicas.refresh(w13, w2)
         ctx.replicas = replicas
         ctx.save_for_backward(w13, w2)
         return replicas._w13.view_as(replicas._w13), replicas._w2.view_as(replicas._w2)
@@ -184,13 +185,6 @@ class _CopiedWeights(torch.autograd.Function):
         w13, w2 = ctx.saved_tensors
         g13, g2 = ctx.replicas.reduce_gradients(grad_w13, grad_w2, w13, w2)
         return None, g13, g2
-
-
-class _Weights:
-    """What `refresh` reads of an experts module (inside the autograd function the parameters arrive unwrapped)."""
-
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        self.w13, self.w2 = w13, w2
 
 
 @torch.no_grad()

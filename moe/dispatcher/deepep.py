@@ -99,6 +99,21 @@ def nvl_bytes_hint(hidden_size: int, num_ranks: int) -> int:
     )
 
 
+def buffer_group(buffer: deep_ep.Buffer | None, ep_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The EP group of a dispatcher given `buffer` and/or `ep_group`: the buffer's group when only the buffer is
+    given; ValueError if both are given and this rank's position or the size differ."""
+    if buffer is None:
+        return ep_group
+    if ep_group is None:
+        return buffer.group
+    if (buffer.group_size, buffer.rank) != (group_size(ep_group), group_rank(ep_group)):
+        raise ValueError(
+            f"the buffer spans {buffer.group_size} ranks (this one {buffer.rank}) but ep_group has "
+            f"{group_size(ep_group)} (this one {group_rank(ep_group)})"
+        )
+    return ep_group
+
+
 def _destroy_owned_buffer(buffer: deep_ep.Buffer) -> None:
     """Finalizer of a buffer a dispatcher created: destroy it explicitly when the dispatcher goes.
 
@@ -138,14 +153,7 @@ class DeepEPDispatcher(TokenDispatcher):
         buffer: deep_ep.Buffer | None = None,
         timeout_s: float | None = None,
     ) -> None:
-        if buffer is not None:
-            if ep_group is None:
-                ep_group = buffer.group
-            elif (buffer.group_size, buffer.rank) != (group_size(ep_group), group_rank(ep_group)):
-                raise ValueError(
-                    f"the buffer spans {buffer.group_size} ranks (this one {buffer.rank}) but ep_group has "
-                    f"{group_size(ep_group)} (this one {group_rank(ep_group)})"
-                )
+        ep_group = buffer_group(buffer, ep_group)
         super().__init__(num_experts=num_experts, ep_group=ep_group)
         self.hidden_size = hidden_size
         self.timeout_s = timeout_s

@@ -37,8 +37,7 @@ import torch.distributed as dist
 import mtdeepep as deep_ep
 from moe.dispatcher.alltoall import AllToAllDispatcher
 from moe.dispatcher.base import DispatchResult, TokenDispatcher
-from moe.dispatcher.comm import group_rank, group_size
-from moe.dispatcher.deepep import _destroy_owned_buffer
+from moe.dispatcher.deepep import _destroy_owned_buffer, buffer_group
 from mtdeepep.utils.refs import per_token_cast_back, per_token_cast_to_fp8
 
 DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK = 128
@@ -133,14 +132,7 @@ class DeepEPLowLatencyDispatcher(TokenDispatcher):
         use_fp8: bool = False,
         timeout_s: float | None = None,
     ) -> None:
-        if buffer is not None:
-            if ep_group is None:
-                ep_group = buffer.group
-            elif (buffer.group_size, buffer.rank) != (group_size(ep_group), group_rank(ep_group)):
-                raise ValueError(
-                    f"the buffer spans {buffer.group_size} ranks (this one {buffer.rank}) but ep_group has "
-                    f"{group_size(ep_group)} (this one {group_rank(ep_group)})"
-                )
+        ep_group = buffer_group(buffer, ep_group)
         super().__init__(num_experts=num_experts, ep_group=ep_group)
         T_max = num_max_dispatch_tokens_per_rank
         if isinstance(T_max, bool) or not isinstance(T_max, int) or T_max <= 0:
