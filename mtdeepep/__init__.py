@@ -1,14 +1,31 @@
 """mtdeepep: DeepEP-compatible expert-parallel communication (`import mtdeepep as deep_ep`)."""
 
+import atexit
+import threading
+
 import torch
 
 from ._C import CommError, CommTimeoutError, EventHandle, GroupMismatchError, cleanup_stale_segments
+from ._internode import InternodeHandle
 from .autograd import combine, dispatch
 from .buffer import Buffer
 from .config import Config
 from .event import EventOverlap
 
 topk_idx_t = torch.int64
+
+
+def _release_at_exit() -> None:
+    # Abort the waits of every live runtime and join its comm thread while the interpreter can still run it: a comm
+    # thread that needed the GIL during finalisation would abort the process.
+    from ._C import shutdown_all_runtimes
+
+    shutdown_all_runtimes()
+
+
+# Before threading joins the non-daemon threads (an internode worker waiting for a peer would hold the exit up to the
+# timeout), else at exit.
+getattr(threading, "_register_atexit", atexit.register)(_release_at_exit)
 
 __all__ = [
     "Buffer",
@@ -18,6 +35,7 @@ __all__ = [
     "EventHandle",
     "EventOverlap",
     "GroupMismatchError",
+    "InternodeHandle",
     "cleanup_stale_segments",
     "combine",
     "dispatch",

@@ -1,78 +1,69 @@
-"""`Buffer`: DeepEP's classic interface over mtdeepep's executors.
+"""`Buffer`: DeepEP's classic (V1) interface, a thin facade over an engine (see `mtdeepep._engine`).
 
-The CPU executor keeps one shared-memory region of `num_nvl_bytes` per rank, mapped by every rank of the host
-(the CPU analog of DeepEP's NVLink IPC buffer). Dispatch writes each token straight into the regions of the
-ranks that own its experts; combine writes expert outputs back into the senders' regions, where they are summed
-in FP32. Communication runs on the buffer's comm thread; `EventOverlap` waits for it.
+It keeps DeepEP's names, argument order, defaults, return tuples and handles, checks every argument before any
+communication (a bad one raises ValueError on the rank that got it), and calls the engine chosen at set-up: the CPU
+executor for the ranks of one host (shared memory), or the internode engine, which composes a node engine with a
+network stage when the group spans several nodes.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import weakref
+import contextlib
+import sys
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from . import _C
-from ._checks import COMBINE_DTYPES, check_num_experts, check_tensor, check_topk_idx, split_x
+from ._checks import (
+    COMBINE_DTYPES,
+    check_biases,
+    check_counts_args,
+    check_int,
+    check_layout_tensors,
+    check_ll_combine,
+    check_ll_dispatch,
+    check_ll_handle,
+    check_num_experts,
+    check_tensor,
+    check_timeout,
+    check_topk_idx,
+    check_weights,
+    default_timeout,
+    require,
+    split_x,
+)
+from ._engine import Engine, create_engine
+from ._handles import record_of
 from .config import Config
-from .event import EventOverlap
-from .internode import InternodeBuffer, check_nodes_share_hosts, resolve_num_ranks_per_node
-from .low_latency import LowLatencyBuffer
-
-DEFAULT_TIMEOUT_S = 100.0
-_NAME_BYTES = 512
+from .event import EventOverlap, as_event
 
 XLike = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-
-
-def _default_timeout() -> float:
-    return float(os.environ.get("MTDEEPEP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-
-
-def _gather_strings(group: dist.ProcessGroup, value: str, timeout_s: float) -> list[str]:
-    """All-gathers one short string per rank, failing after `timeout_s` with the ranks that did not arrive."""
-    backend = dist.get_backend(group)
-    timeout = timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        try:
-            dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
-        except RuntimeError as error:
-            raise _C.CommTimeoutError(f"mtdeepep: Buffer set-up: not every rank arrived: {error}") from error
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    payload = value.encode()
-    if len(payload) > _NAME_BYTES:
-        raise ValueError(f"mtdeepep: set-up string too long ({len(payload)} bytes)")
-    mine = torch.zeros(_NAME_BYTES, dtype=torch.uint8, device=device)
-    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    gathered = [torch.empty_like(mine) for _ in range(group.size())]
-    work = dist.all_gather(gathered, mine, group=group, async_op=True)
-    if not work.wait(timeout=timeout):
-        raise _C.CommTimeoutError(f"mtdeepep: Buffer set-up: the all-gather did not finish within {timeout_s} s")
-    return [bytes(t.cpu().tolist()).rstrip(b"\0").decode() for t in gathered]
 
 
 class Buffer:
     """The expert-parallel communication buffer, with DeepEP's constructor, methods and return tuples.
 
-    Arguments mirror `deep_ep.Buffer`. `num_nvl_bytes` is the per-rank region shared with the other ranks of
-    the host (shared memory on CPU). Payloads larger than the region move in several rounds. Arguments that
-    only concern GPU transports (`num_qps_per_rank`, `allow_nvlink_for_low_latency_mode`, `allow_mnnvl`,
-    `use_fabric`, `comm`) are accepted for compatibility.
+    Arguments mirror `deep_ep.Buffer`. `num_nvl_bytes` is the per-rank region shared with the other ranks of the host
+    (shared memory on CPU); payloads larger than the region move in several rounds. `num_rdma_bytes` sizes the
+    low-latency area (`low_latency_mode=True`; `get_low_latency_rdma_size_hint`). Arguments that only concern GPU
+    transports (`num_qps_per_rank`, `allow_nvlink_for_low_latency_mode`, `allow_mnnvl`, `use_fabric`, `comm`) are
+    accepted for compatibility.
 
-    Keyword-only extras: `timeout_s` bounds every wait (default 100 s, or `MTDEEPEP_TIMEOUT_S`); a wait that
-    runs out raises `mtdeepep.CommTimeoutError` naming the ranks and the phase that did not arrive.
-    `num_ranks_per_node` groups consecutive ranks into nodes of that size (default: the `LOCAL_WORLD_SIZE`
-    environment variable, else one node); the ranks of a node must share a host. When the group spans several
-    nodes, dispatch and combine run in two stages (network, then node-local; see `mtdeepep.internode`) and
-    low-latency mode uses the collective transport (torch.distributed all-to-all).
+    Keyword-only extras: `timeout_s` bounds every wait, set-up included (default 100 s, or `MTDEEPEP_TIMEOUT_S`; a
+    finite number > 0); a wait that runs out raises `mtdeepep.CommTimeoutError` naming the ranks and the phase that
+    did not arrive. `num_ranks_per_node` groups consecutive ranks into nodes of that size (default: the
+    `LOCAL_WORLD_SIZE` environment variable, else one node); the ranks of a node must share a host. When the group
+    spans several nodes, dispatch and combine run in two stages (network, then node-local) and low-latency mode uses
+    the collective transport (torch.distributed all-to-all).
 
-    Attributes: `rank`, `group_size`, `group`, `num_nvl_bytes`, `num_rdma_bytes`, `low_latency_mode`;
-    class attribute `num_sms` (default 20).
+    Lifetime: `destroy()` (with `explicitly_destroy=True`) finishes the queued work first; without it the buffer is
+    released when collected, or at exit. Received tensors that view the shared region stay valid for as long as they
+    are held, whatever happens to the buffer.
+
+    Attributes: `rank`, `group_size`, `group`, `num_nvl_bytes`, `num_rdma_bytes`, `low_latency_mode`; class
+    attribute `num_sms` (default 20).
     """
 
     num_sms: int = 20
@@ -94,53 +85,36 @@ class Buffer:
         timeout_s: float | None = None,
         num_ranks_per_node: int | None = None,
     ) -> None:
+        self._engine: Engine | None = None
         if group is None:
             group = dist.group.WORLD
-        if num_nvl_bytes < 0 or num_rdma_bytes < 0:
-            raise ValueError("mtdeepep: buffer sizes must be non-negative")
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                    f"{name} must be a non-negative int, got {value!r}")  # fmt: skip
         self.rank = group.rank()
         self.group_size = group.size()
         self.group = group
-        self.num_nvl_bytes = int(num_nvl_bytes)
-        self.num_rdma_bytes = int(num_rdma_bytes)
-        self.low_latency_mode = low_latency_mode
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = bool(low_latency_mode)
         self.num_qps_per_rank = num_qps_per_rank
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
-        self.timeout_s = _default_timeout() if timeout_s is None else float(timeout_s)
-        if self.timeout_s <= 0:
-            raise ValueError(f"mtdeepep: timeout_s must be positive, got {self.timeout_s}")
-        self.device = torch.device("cpu")
-        # Handles this buffer issued, keyed by their rank prefix matrix: a handle from elsewhere is refused.
-        self._issued_handles: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-
-        self.num_ranks_per_node = resolve_num_ranks_per_node(num_ranks_per_node, self.group_size)
-        self._low_latency: LowLatencyBuffer | None = None
-        self._internode: InternodeBuffer | None = None
-        internode = self.num_ranks_per_node < self.group_size
-
-        # Several nodes: the node-local stage's intranode Buffer owns the shared region and becomes self.runtime.
-        self.runtime = None if internode else _C.Runtime(
-            self.rank, self.group_size, self.num_nvl_bytes, self.timeout_s, torch.get_num_threads()
+        self.timeout_s = default_timeout(timeout_s)
+        self._engine = create_engine(
+            group, num_nvl_bytes=num_nvl_bytes, num_ll_bytes=num_rdma_bytes, low_latency=self.low_latency_mode,
+            num_ranks_per_node=num_ranks_per_node, timeout_s=self.timeout_s,
         )  # fmt: skip
-        try:
-            segment = "-" if internode else self.runtime.segment_name()
-            me = f"{socket.gethostname()}\n{segment}\n{os.getpid()}"
-            peers = [entry.split("\n") for entry in _gather_strings(group, me, self.timeout_s)]
-            check_nodes_share_hosts([host for host, _, _ in peers], self.num_ranks_per_node)
-            if internode:
-                self._internode = InternodeBuffer(self, self.num_ranks_per_node)
-                self.runtime = self._internode.node_buffer.runtime
-            else:
-                self.runtime.sync([name for _, name, _ in peers], [int(pid) for _, _, pid in peers])
-            if low_latency_mode:
-                self._low_latency = self._set_up_low_latency()
-        except BaseException:
-            if self._internode is not None:
-                self._internode.destroy()
-            elif self.runtime is not None:
-                self.runtime.destroy()
-            raise
+        self.device = self._engine.device
+        self.num_ranks_per_node = self._engine.num_ranks_per_node
+        self._destroyed = False
+
+    def __del__(self) -> None:
+        # Upstream releases a buffer that was not destroyed explicitly when it is collected. Nothing at interpreter
+        # shutdown: the exit hook (mtdeepep.__init__) has released every runtime already.
+        if self._engine is not None and not getattr(self, "_destroyed", True) and not sys.is_finalizing():
+            with contextlib.suppress(Exception):  # a destructor must not raise
+                self._engine.destroy()
 
     # ---------------------------------------------------------------------------------------------------------
     # Static helpers
@@ -148,8 +122,8 @@ class Buffer:
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
         """Set the SM count (CPU: twice the channel count) used by the default configs. Must be even."""
-        if new_num_sms <= 0 or new_num_sms % 2:
-            raise ValueError(f"mtdeepep: the SM count must be a positive even number, got {new_num_sms}")
+        require(isinstance(new_num_sms, int) and new_num_sms > 0 and new_num_sms % 2 == 0,
+                f"the SM count must be a positive even number, got {new_num_sms!r}")  # fmt: skip
         Buffer.num_sms = new_num_sms
 
     @staticmethod
@@ -173,13 +147,30 @@ class Buffer:
 
     @staticmethod
     def _config_for(num_ranks: int, table: dict[int, tuple[int, int, int, int]]) -> Config:
-        if num_ranks <= 0:
-            raise ValueError(f"mtdeepep: num_ranks must be positive, got {num_ranks}")
+        require(isinstance(num_ranks, int) and num_ranks > 0, f"num_ranks must be a positive int, got {num_ranks!r}")
         key = min((k for k in table if k >= num_ranks), default=max(table))
         return Config(Buffer.num_sms, *table[key])
 
+    @staticmethod
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        """Bytes of `num_rdma_bytes` that low-latency calls with these arguments need (use them for every rank).
+
+        The area holds a control part (per-source signals and per-expert slot counters) and two halves (double
+        buffering) of a fixed size, each with the dispatch receive slots (`[num_experts / num_ranks, num_ranks *
+        num_max_dispatch_tokens_per_rank]` rows of `hidden` bfloat16, FP8 scales, source indices, per-source ranges)
+        and the combine receive area (`[num_experts, num_max_dispatch_tokens_per_rank, hidden]` bfloat16).
+        """
+        return _C.LowLatencyProtocol.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
     # ---------------------------------------------------------------------------------------------------------
     # Buffer access and lifetime
+
+    def _live_engine(self) -> Engine:
+        if self._destroyed:
+            raise _C.CommError("mtdeepep: the buffer was destroyed")
+        return self._engine
 
     def get_comm_stream(self):
         """The CUDA stream of GPU executors; the CPU executor's comm thread has no stream object: None."""
@@ -203,49 +194,46 @@ class Buffer:
     def get_local_buffer_tensor(
         self, dtype: torch.dtype, size: torch.Size | None = None, offset: int = 0, use_rdma_buffer: bool = False
     ) -> torch.Tensor:
-        """A tensor view of this rank's shared region (the part after the control block).
+        """A tensor view of this rank's shared region (`use_rdma_buffer`: of its low-latency area). It keeps the
+        mapping alive while held, even after `destroy()`.
 
         `size`: element shape of the slice (default: all of it); `offset`: first element.
         """
-        if use_rdma_buffer:
-            raise ValueError("mtdeepep: this buffer has no RDMA region (num_rdma_bytes is used by internode mode)")
-        tensor = self.runtime.get_local_buffer_tensor(dtype, offset)
+        require(isinstance(offset, int) and offset >= 0, f"offset must be a non-negative int, got {offset!r}")
+        tensor = self._live_engine().local_buffer_tensor(dtype, offset, use_rdma_buffer)
         if size is None:
             return tensor
         size = torch.Size(size)
-        if tensor.numel() < size.numel():
-            raise ValueError(f"mtdeepep: {size} needs {size.numel()} elements, the buffer holds {tensor.numel()}")
+        require(tensor.numel() >= size.numel(),
+                f"{size} needs {size.numel()} elements, the buffer holds {tensor.numel()}")  # fmt: skip
         return tensor[: size.numel()].view(size)
 
     def set_timeout(self, timeout_s: float) -> None:
-        """Change the bound on every wait (seconds)."""
-        if timeout_s <= 0:
-            raise ValueError(f"mtdeepep: timeout_s must be positive, got {timeout_s}")
-        self.timeout_s = float(timeout_s)
-        self.runtime.set_timeout(self.timeout_s)
-        if self._low_latency is not None:
-            self._low_latency.set_timeout(self.timeout_s)
+        """Change the bound on every wait (a finite number of seconds > 0)."""
+        self.timeout_s = check_timeout(timeout_s)
+        self._live_engine().set_timeout(self.timeout_s)
 
     def destroy(self) -> None:
-        """Release the shared regions and the comm thread. Needs `explicitly_destroy=True`, as upstream."""
-        if not self.explicitly_destroy:
-            raise RuntimeError("mtdeepep: `explicitly_destroy` must be set to call destroy()")
-        self.runtime.destroy()
-        if self._internode is not None:
-            self._internode.destroy()
-        if self._low_latency is not None:
-            self._low_latency.destroy()
+        """Finish the queued work, then release the shared regions and the comm thread. Needs
+        `explicitly_destroy=True`, as upstream. Tensors that view the regions stay valid while held."""
+        require(self.explicitly_destroy, "`explicitly_destroy` must be set to call destroy()")
+        if not self._destroyed:
+            self._destroyed = True
+            self._engine.destroy()
 
     # ---------------------------------------------------------------------------------------------------------
     # Layout, dispatch, combine
 
-    def _prepare(self, previous_event: EventOverlap | None, async_finish: bool, allocate_on_comm_stream: bool):
-        if allocate_on_comm_stream and (previous_event is None or not async_finish):
-            raise ValueError("mtdeepep: allocate_on_comm_stream needs previous_event and async_finish")
-        if previous_event is not None and not isinstance(previous_event, EventOverlap):
-            raise ValueError(f"mtdeepep: previous_event must be an EventOverlap, got {type(previous_event).__name__}")
-        self.runtime.set_num_threads(torch.get_num_threads())
-        return None if previous_event is None else previous_event.event
+    @staticmethod
+    def _previous(previous_event, async_finish: bool, allocate_on_comm_stream: bool):
+        require(not allocate_on_comm_stream or (previous_event is not None and async_finish),
+                "allocate_on_comm_stream needs previous_event and async_finish")  # fmt: skip
+        return as_event(previous_event)
+
+    def _num_channels(self, config: Config | None, default: Callable[[int], Config]) -> int:
+        config = default(self.group_size) if config is None else config
+        require(isinstance(config, Config), f"config must be an mtdeepep.Config, got {type(config).__name__}")
+        return config.num_channels
 
     def get_dispatch_layout(
         self,
@@ -270,17 +258,13 @@ class Buffer:
             is_token_in_rank: `[num_tokens, num_ranks]` bool.
             event: completion (meaningful with `async_finish`).
         """
-        if self._internode is not None:
-            return self._internode.get_dispatch_layout(
-                topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream
-            )
+        engine = self._live_engine()
         check_num_experts(num_experts, self.group_size)
         check_topk_idx(topk_idx, num_experts, self.device)
-        event = self._prepare(previous_event, async_finish, allocate_on_comm_stream)
-        per_rank, per_rdma_rank, per_expert, in_rank, done = self.runtime.get_dispatch_layout(
-            topk_idx.contiguous(), num_experts, event, async_finish
-        )
-        return per_rank, per_rdma_rank, per_expert, in_rank, EventOverlap(done, (topk_idx,) if async_finish else None)
+        previous = self._previous(previous_event, async_finish, allocate_on_comm_stream)
+        topk_idx = topk_idx.contiguous()
+        per_rank, per_node, per_expert, in_rank, event = engine.layout(topk_idx, num_experts, previous, async_finish)
+        return per_rank, per_node, per_expert, in_rank, EventOverlap(event, (topk_idx,) if async_finish else None)
 
     def dispatch(
         self,
@@ -321,79 +305,53 @@ class Buffer:
             handle: `(rank_prefix_matrix [R, R], channel_prefix_matrix [R, C], recv_channel_prefix_matrix [R, C],
                 recv_src_idx [num_recv_tokens], is_token_in_rank [num_tokens, R], send_head [num_tokens, R])`,
                 int32 but `is_token_in_rank`; `send_head[t, r]` is token t's position among the tokens sent to r.
+                The dispatch's identity is attached to it (see `mtdeepep._handles`): any live buffer of the same group
+                accepts it; ranks that combine handles of different dispatches all raise `GroupMismatchError`.
             event: completion of the data movement.
 
         Several nodes: the same results and row order; `num_tokens_per_rdma_rank` (optional) is checked; the handle
-        is an `mtdeepep.internode.InternodeHandle` (8-tuple); the caller waits for the count and metadata
-        exchanges, the token bytes move in the background (see `InternodeBuffer.dispatch`).
+        is an `mtdeepep.InternodeHandle` (8-tuple); the caller waits for the count and metadata exchanges, the
+        token bytes move in the background (see `mtdeepep._internode`).
         """
-        if self._internode is not None:
-            return self._internode.dispatch(
-                x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
-                topk_idx, topk_weights, expert_alignment, num_worst_tokens, config, previous_event, async_finish,
-                allocate_on_comm_stream,
-            )  # fmt: skip
-        config = self.get_dispatch_config(self.group_size) if config is None else config
+        engine = self._live_engine()
+        num_channels = self._num_channels(config, self.get_dispatch_config)
         data, scales = split_x(x, self.device)
         num_tokens = data.size(0)
-        _check_alignment(expert_alignment, num_worst_tokens)
+        check_counts_args(expert_alignment, num_worst_tokens)
+        previous = self._previous(previous_event, async_finish, allocate_on_comm_stream)
         if handle is not None:
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError("mtdeepep: cached dispatch (with a handle) takes no topk_idx / topk_weights")
-            rank_prefix_matrix, _, _, _, is_token_in_rank, _ = self._check_handle(handle, num_tokens)
-            event = self._prepare(previous_event, async_finish, allocate_on_comm_stream)
-            recv = self.runtime.intranode_dispatch(
-                data, scales, None, None, None, is_token_in_rank, None, rank_prefix_matrix,
-                expert_alignment, num_worst_tokens, config.num_channels, event, async_finish,
-            )  # fmt: skip
-            recv_x = recv[0] if scales is None else (recv[0], recv[1])
-            done = EventOverlap(recv[10], (data,) if async_finish else None)
-            return recv_x, None, None, None, handle, done
-
-        if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
-            raise ValueError(
-                "mtdeepep: dispatch without a handle needs num_tokens_per_rank, is_token_in_rank and "
-                "num_tokens_per_expert (from get_dispatch_layout)"
+            require(topk_idx is None and topk_weights is None,
+                    "cached dispatch (with a handle) takes no topk_idx / topk_weights")  # fmt: skip
+            record = record_of(handle, engine.handle_kind, engine.group, "cached dispatch")
+            require(record.num_tokens == num_tokens,
+                    f"x has {num_tokens} tokens but the handle was made for {record.num_tokens}")  # fmt: skip
+            recv_data, recv_scales, event = engine.cached_dispatch(
+                data, scales, record, num_worst_tokens, num_channels, previous, async_finish
             )
-        check_tensor("num_tokens_per_expert", num_tokens_per_expert, dim=1, dtypes=(torch.int32,), device=self.device)
+            recv_x = recv_data if scales is None else (recv_data, recv_scales)
+            return recv_x, None, None, None, handle, EventOverlap(event, (data,) if async_finish else None)
+
+        layout_ready = previous is None or previous.query()
+        check_layout_tensors(num_tokens, self.group_size, engine.num_nodes, num_tokens_per_rank,
+                             num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert, self.device,
+                             layout_ready)  # fmt: skip
         num_experts = num_tokens_per_expert.size(0)
-        check_num_experts(num_experts, self.group_size)
-        check_tensor(
-            "num_tokens_per_rank", num_tokens_per_rank, dtypes=(torch.int32,), shape=(self.group_size,),
-            device=self.device,
-        )  # fmt: skip
-        check_tensor(
-            "is_token_in_rank", is_token_in_rank, dtypes=(torch.bool,), shape=(num_tokens, self.group_size),
-            device=self.device,
-        )  # fmt: skip
-        # The layout may still be in flight (async get_dispatch_layout); then there is nothing to compare yet.
-        if (previous_event is None or previous_event.query()) and not torch.equal(
-            is_token_in_rank.sum(dim=0, dtype=torch.int32), num_tokens_per_rank
-        ):
-            raise ValueError("mtdeepep: num_tokens_per_rank does not match is_token_in_rank's column sums")
         if topk_idx is not None:
             check_topk_idx(topk_idx, num_experts, self.device, num_tokens)
             topk_idx = topk_idx.contiguous()
         if topk_weights is not None:
-            if topk_idx is None:
-                raise ValueError("mtdeepep: topk_weights needs topk_idx")
-            check_tensor(
-                "topk_weights", topk_weights, dtypes=(torch.float32,), shape=tuple(topk_idx.shape), device=self.device
-            )
+            require(topk_idx is not None, "topk_weights needs topk_idx")
+            check_tensor("topk_weights", topk_weights, dtypes=(torch.float32,), shape=tuple(topk_idx.shape),
+                         device=self.device)  # fmt: skip
             topk_weights = topk_weights.contiguous()
-        event = self._prepare(previous_event, async_finish, allocate_on_comm_stream)
-        (recv_data, recv_scales, recv_topk_idx, recv_topk_weights, counts, rank_prefix_matrix, channel_prefix_matrix,
-         recv_channel_prefix_matrix, recv_src_idx, send_head, done) = self.runtime.intranode_dispatch(
-            data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank.contiguous(),
-            num_tokens_per_expert.contiguous(), None, expert_alignment, num_worst_tokens, config.num_channels, event,
-            async_finish,
+        out = engine.dispatch(
+            data, scales, topk_idx, topk_weights, is_token_in_rank.contiguous(), num_tokens_per_expert.contiguous(),
+            expert_alignment, num_worst_tokens, num_channels, previous, async_finish,
         )  # fmt: skip
-        handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
-                  is_token_in_rank, send_head)  # fmt: skip
-        self._issued_handles[id(rank_prefix_matrix)] = rank_prefix_matrix
-        recv_x = recv_data if scales is None else (recv_data, recv_scales)
+        recv_x = out.recv_x if scales is None else (out.recv_x, out.recv_scales)
         keep = (data, topk_idx, topk_weights) if async_finish else None
-        return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, EventOverlap(done, keep)
+        return (recv_x, out.recv_topk_idx, out.recv_topk_weights, out.num_recv_tokens_per_expert, out.handle,
+                EventOverlap(out.event, keep))  # fmt: skip
 
     def combine(
         self,
@@ -420,88 +378,33 @@ class Buffer:
             event: completion.
 
         Several nodes: node partial sums (FP32, rounded once to x's dtype) are summed in FP32 at the source and
-        rounded again; all of it in the background with `async_finish` (see `InternodeBuffer.combine`).
+        rounded again; all of it in the background with `async_finish` (see `mtdeepep._internode`).
         """
-        if self._internode is not None:
-            return self._internode.combine(
-                x, handle, topk_weights, bias, config, previous_event, async_finish, allocate_on_comm_stream
-            )
-        config = self.get_combine_config(self.group_size) if config is None else config
-        rank_prefix_matrix, _, _, recv_src_idx, is_token_in_rank, send_head = self._check_handle(handle)
-        num_tokens = is_token_in_rank.size(0)
+        engine = self._live_engine()
+        num_channels = self._num_channels(config, self.get_combine_config)
+        record = record_of(handle, engine.handle_kind, engine.group, "combine")
         check_tensor("x", x, dim=2, dtypes=COMBINE_DTYPES, device=self.device)
-        if x.size(0) != recv_src_idx.size(0):
-            raise ValueError(f"mtdeepep: x has {x.size(0)} rows but the handle's dispatch received "
-                             f"{recv_src_idx.size(0)}")  # fmt: skip
+        require(x.size(0) == record.num_recv,
+                f"x has {x.size(0)} rows but the handle's dispatch received {record.num_recv}")  # fmt: skip
         x = x.contiguous()
         if topk_weights is not None:
-            check_tensor("topk_weights", topk_weights, dim=2, dtypes=(torch.float32,), device=self.device)
-            if topk_weights.size(0) != x.size(0):
-                raise ValueError(f"mtdeepep: topk_weights has {topk_weights.size(0)} rows, x has {x.size(0)}")
+            check_weights(topk_weights, x.size(0), self.device)
             topk_weights = topk_weights.contiguous()
-        biases = bias if isinstance(bias, tuple) else (bias, None)
-        if len(biases) != 2:
-            raise ValueError(f"mtdeepep: bias must be a tensor or a pair of tensors, got {len(biases)} items")
-        biases = tuple(
-            None if b is None else check_tensor(
-                "bias", b, dtypes=(x.dtype,), shape=(num_tokens, x.size(1)), device=self.device
-            ).contiguous()
-            for b in biases
-        )  # fmt: skip
-        event = self._prepare(previous_event, async_finish, allocate_on_comm_stream)
-        combined_x, combined_weights, done = self.runtime.intranode_combine(
-            x, topk_weights, biases[0], biases[1], rank_prefix_matrix, send_head, config.num_channels, event,
-            async_finish,
-        )  # fmt: skip
-        keep = (x, topk_weights, *[b for b in biases if b is not None]) if async_finish else None
-        return combined_x, combined_weights, EventOverlap(done, keep)
-
-    def _check_handle(self, handle: tuple, num_tokens: int | None = None) -> tuple:
-        if not isinstance(handle, tuple) or len(handle) != 6:
-            raise ValueError("mtdeepep: handle must be the 6-tuple returned by this buffer's dispatch")
-        rank_prefix_matrix, _, _, recv_src_idx, is_token_in_rank, send_head = handle
-        if (
-            not isinstance(rank_prefix_matrix, torch.Tensor)
-            or self._issued_handles.get(id(rank_prefix_matrix)) is not rank_prefix_matrix
-        ):
-            raise ValueError("mtdeepep: the handle was not issued by this buffer (or by a dispatch of it)")
-        if num_tokens is not None and is_token_in_rank.size(0) != num_tokens:
-            raise ValueError(f"mtdeepep: x has {num_tokens} tokens but the handle was made for "
-                             f"{is_token_in_rank.size(0)}")  # fmt: skip
-        return handle
+        bias0, bias1 = check_biases(bias, record.num_tokens, x, self.device)
+        previous = self._previous(previous_event, async_finish, allocate_on_comm_stream)
+        combined_x, combined_weights, event = engine.combine(
+            x, topk_weights, bias0, bias1, record, num_channels, previous, async_finish
+        )
+        keep = tuple(t for t in (x, topk_weights, bias0, bias1) if t is not None) if async_finish else None
+        return combined_x, combined_weights, EventOverlap(event, keep)
 
     # ---------------------------------------------------------------------------------------------------------
-    # Low-latency mode (Buffer(..., low_latency_mode=True)); the work is done by mtdeepep/low_latency.py.
+    # Low-latency mode (Buffer(..., low_latency_mode=True))
 
-    def _set_up_low_latency(self) -> LowLatencyBuffer:
-        """Second bootstrap gather: every rank's low-latency region. Ranks on several nodes (`num_ranks_per_node`)
-        use the collective transport, ranks of one node the shared-memory one."""
-        low_latency = LowLatencyBuffer(self.group, self.num_rdma_bytes, self.timeout_s)
-        try:
-            entries = _gather_strings(self.group, low_latency.setup_string(), self.timeout_s)
-            low_latency.sync(entries, [r // self.num_ranks_per_node for r in range(self.group_size)])
-        except BaseException:
-            low_latency.destroy()
-            raise
-        return low_latency
-
-    def _require_low_latency(self) -> LowLatencyBuffer:
-        if self._low_latency is None:
-            raise ValueError("mtdeepep: low-latency calls need Buffer(..., low_latency_mode=True)")
-        return self._low_latency
-
-    @staticmethod
-    def get_low_latency_rdma_size_hint(
-        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
-    ) -> int:
-        """Bytes of `num_rdma_bytes` that low-latency calls with these arguments need (use them for every rank).
-
-        The region holds a control area (per-source signals and per-expert slot counters) and two halves (double
-        buffering), each with the dispatch receive slots (`[num_experts / num_ranks, num_ranks *
-        num_max_dispatch_tokens_per_rank]` rows of `hidden` bfloat16, FP8 scales, source indices, per-source
-        ranges) and the combine receive area (`[num_experts, num_max_dispatch_tokens_per_rank, hidden]` bfloat16).
-        """
-        return LowLatencyBuffer.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+    def _low_latency_engine(self) -> Engine:
+        engine = self._live_engine()
+        require(self.low_latency_mode, "low-latency calls need Buffer(..., low_latency_mode=True)")
+        return engine
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Zero the low-latency signalling state (signals, slot counters, ranges) and restart the call numbering.
@@ -511,7 +414,11 @@ class Buffer:
         to recover after a failed or timed-out low-latency call; unlike upstream it is not needed after normal-mode
         calls, which use a separate region.
         """
-        self._require_low_latency().clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        engine = self._low_latency_engine()
+        check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+        check_int("hidden", hidden)
+        check_num_experts(num_experts, self.group_size)
+        engine.ll_clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def low_latency_dispatch(
         self,
@@ -565,10 +472,22 @@ class Buffer:
             event: completion (meaningful with `async_finish`).
             hook: the receive hook with `return_recv_hook`, else None.
         """
-        return self._require_low_latency().dispatch(
+        engine = self._low_latency_engine()
+        x, topk_idx = check_ll_dispatch(
+            self.group_size, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+            cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0,
+            async_finish, return_recv_hook, self.device,
+        )  # fmt: skip
+        recv_x, recv_scales, recv_count, handle, event, hook = engine.ll_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
         )  # fmt: skip
+        keep = None
+        if async_finish:
+            keep = (x, topk_idx, recv_x, recv_count, *handle[:2])
+            keep += tuple(t for t in (recv_scales, cumulative_local_expert_recv_stats) if t is not None)
+        recv = (recv_x, recv_scales) if use_fp8 else recv_x
+        return recv, recv_count, handle, EventOverlap(event, keep), hook
 
     def low_latency_combine(
         self,
@@ -605,32 +524,36 @@ class Buffer:
             event: completion (meaningful with `async_finish`).
             hook: the receive hook with `return_recv_hook`, else None.
         """
-        return self._require_low_latency().combine(
-            x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish, return_recv_hook, out,
+        engine = self._low_latency_engine()
+        record = record_of(handle, "low_latency", engine.group, "low_latency_combine")
+        handle = check_ll_handle(handle, self.group_size)
+        x, topk_idx, topk_weights = check_ll_combine(
+            self.group_size, handle, x, topk_idx, topk_weights, use_logfmt, async_finish, return_recv_hook, out,
+            combine_wait_recv_cost_stats, self.device,
+        )  # fmt: skip
+        combined, event, hook = engine.ll_combine(
+            x, topk_idx, topk_weights, record, handle, zero_copy, async_finish, return_recv_hook, out,
             combine_wait_recv_cost_stats,
         )  # fmt: skip
+        keep = (x, topk_idx, topk_weights, *handle[:2], combined) if async_finish else None
+        return combined, EventOverlap(event, keep), hook
 
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
         """The `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` bfloat16 area the next
         `low_latency_combine(..., zero_copy=True)` reads: write the expert outputs into it. Two areas alternate between
         zero-copy combines, so one can be filled while the previous combine is still sending."""
-        return self._require_low_latency().next_combine_buffer(handle)
+        engine = self._low_latency_engine()
+        record_of(handle, "low_latency", engine.group, "get_next_low_latency_combine_buffer")
+        _, _, num_max_dispatch_tokens_per_rank, hidden, num_experts = check_ll_handle(handle, self.group_size)
+        return engine.ll_next_combine_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     # ---------------------------------------------------------------------------------------------------------
-    # End of low-latency mode
 
     def __repr__(self) -> str:
         return (
             f"mtdeepep.Buffer(rank={self.rank}, group_size={self.group_size}, num_nvl_bytes={self.num_nvl_bytes}, "
-            f"executor=cpu-shm, timeout_s={self.timeout_s})"
+            f"engine={type(self._engine).__name__}, timeout_s={self.timeout_s})"
         )
-
-
-def _check_alignment(expert_alignment: int, num_worst_tokens: int) -> None:
-    if not isinstance(expert_alignment, int) or expert_alignment < 1:
-        raise ValueError(f"mtdeepep: expert_alignment must be a positive int, got {expert_alignment}")
-    if not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
-        raise ValueError(f"mtdeepep: num_worst_tokens must be a non-negative int, got {num_worst_tokens}")
 
 
 # Upstream's tuned tables (num_max_nvl_chunked_send/recv_tokens, num_max_rdma_chunked_send/recv_tokens).

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from intranode_cases import assert_async_overlaps, gather, make_inputs
 
 import mtdeepep as deep_ep
-from mtdeepep.internode import check_nodes_share_hosts
+from mtdeepep._setup import check_nodes_share_hosts
 from mtdeepep.utils import refs
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
@@ -461,8 +461,8 @@ def bad_inputs_raise_value_error_before_communicating(ctx, per_node):
     per_rank, per_node_count, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     *_, single_handle, _ = layout_and_dispatch(intranode_buffer(ctx), x, topk_idx, topk_weights, E)
-    other = buffer_for(ctx, per_node, num_nvl_bytes=1 << 20)
-    *_, foreign_handle, _ = layout_and_dispatch(other, x, topk_idx, topk_weights, E)
+    *_, real_handle, _ = layout_and_dispatch(buffer, x, topk_idx, topk_weights, E)
+    copied_handle = tuple(t.clone() if isinstance(t, torch.Tensor) else t for t in real_handle)
     bad_fp8 = (torch.zeros(32, 96, dtype=torch.float8_e4m3fn), torch.ones(32, 1))
     cases = {
         "expert id >= num_experts": lambda: buffer.get_dispatch_layout(topk_idx.clamp(min=0) + E, E),
@@ -486,9 +486,9 @@ def bad_inputs_raise_value_error_before_communicating(ctx, per_node):
             x, num_tokens_per_rdma_rank=torch.zeros(ctx.world_size // per_node + 1, dtype=torch.int32), **layout
         ),  # fmt: skip
         "missing layout": lambda: buffer.dispatch(x, topk_idx=topk_idx),
-        "cached with top-k": lambda: buffer.dispatch(x, handle=foreign_handle, topk_idx=topk_idx),
-        "handle from another buffer (dispatch)": lambda: buffer.dispatch(x, handle=foreign_handle),
-        "handle from another buffer (combine)": lambda: buffer.combine(x, foreign_handle),
+        "cached with top-k": lambda: buffer.dispatch(x, handle=real_handle, topk_idx=topk_idx),
+        "hand-made handle (dispatch)": lambda: buffer.dispatch(x, handle=copied_handle),
+        "hand-made handle (combine)": lambda: buffer.combine(x, copied_handle),
         "intranode handle": lambda: buffer.combine(x, single_handle),
         "not a handle": lambda: buffer.combine(x, (1, 2, 3)),
         "expert_alignment": lambda: buffer.dispatch(x, topk_idx=topk_idx, expert_alignment=0, **layout),
@@ -546,7 +546,7 @@ def bad_input_on_one_rank_times_out_the_others(ctx, per_node, timeout_s):
             assert ctx.rank != 1 and "internode dispatch" in str(error), error
             assert timeout_s <= elapsed < 2 * timeout_s, elapsed
             if "network stage" in str(error):
-                assert "count exchange" in str(error), error
+                assert "count exchange" in str(error) and "rank(s) 1 (at operation" in str(error), error
                 return "network"
             assert "node-local stage" in str(error) and "did not arrive" in str(error), error
             return "node-local"
@@ -576,7 +576,8 @@ def missing_rank_in_combine_times_out(ctx, per_node, timeout_s, async_finish=Fal
             if "node-local stage" in message:
                 assert "rank(s) [0] did not arrive" in message and "node 0" in message, message
                 return "node-local"
-            assert "network stage" in message and "partial-sum return" in message, message
+            # The combine starts with the handle identity check over the whole group: it names the missing rank.
+            assert "network stage" in message and "rank(s) 0 (at operation" in message, message
             return "network"
         raise AssertionError("combine succeeded without rank 0")
     finally:

@@ -478,8 +478,8 @@ def bad_inputs_raise_value_error_before_communicating(ctx):
     x, topk_idx, topk_weights = make_inputs(ctx, 32, 128, E, 2, seed=130)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
-    other_buffer = buffer_for(ctx, num_nvl_bytes=1 << 20)
-    *_, foreign_handle, _ = layout_and_dispatch(other_buffer, x, topk_idx, topk_weights, E)
+    *_, real_handle, _ = layout_and_dispatch(buffer, x, topk_idx, topk_weights, E)
+    copied_handle = tuple(t.clone() for t in real_handle)  # same values, but not a handle a dispatch issued
     bad_fp8 = (torch.zeros(32, 96, dtype=torch.float8_e4m3fn), torch.ones(32, 1))
     cases = {
         "expert id >= num_experts": lambda: buffer.get_dispatch_layout(topk_idx.clamp(min=0) + E, E),
@@ -503,8 +503,8 @@ def bad_inputs_raise_value_error_before_communicating(ctx):
             x, num_tokens_per_rank=per_rank + 1, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert
         ),  # fmt: skip
         "missing layout": lambda: buffer.dispatch(x, topk_idx=topk_idx),
-        "handle from another buffer (dispatch)": lambda: buffer.dispatch(x, handle=foreign_handle),
-        "handle from another buffer (combine)": lambda: buffer.combine(x, foreign_handle),
+        "hand-made handle (dispatch)": lambda: buffer.dispatch(x, handle=copied_handle),
+        "hand-made handle (combine)": lambda: buffer.combine(x, copied_handle),
         "not a handle": lambda: buffer.combine(x, (1, 2, 3)),
         "expert_alignment": lambda: buffer.dispatch(x, topk_idx=topk_idx, expert_alignment=0, **layout),
     }

@@ -471,7 +471,8 @@ def collective_transport_equals_shared_memory(ctx):
     count, scale and the combine are bitwise those of the shared-memory transport, in every mode."""
     shm = ll_buffer(ctx)
     collective = ll_buffer(ctx, "collective", num_ranks_per_node=1)
-    assert shm._low_latency.transport == "shared-memory" and collective._low_latency.transport == "collective"
+    # One node (shared-memory transport) and one node per rank (collective transport).
+    assert shm.get_num_rdma_ranks() == 1 and collective.get_num_rdma_ranks() == ctx.world_size
     num_experts = 8 * ctx.world_size
     x = make_x(ctx, 45, 1024, seed=12)
     topk_idx, topk_weights = make_routing(ctx, 45, num_experts, 7, seed=12)

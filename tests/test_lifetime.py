@@ -25,26 +25,26 @@ def segments_of(pid: int) -> list[str]:
 def test_segment_is_private_and_unlinked_once_mapped():
     old_umask = os.umask(0)  # even with a permissive umask the segment must be 0600
     try:
-        runtime = _C.Runtime(0, 1, 1 << 20, 10.0, 1)
+        runtime = _C.Runtime(0, 1, 1 << 20, 0, 10.0, 1)
     finally:
         os.umask(old_umask)
     path = "/dev/shm" + runtime.segment_name()
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    runtime.sync([runtime.segment_name()], [runtime.pid()])
+    runtime.connect([runtime.segment_name()], [runtime.pid()], 1)
     assert not os.path.exists(path)
     assert segments_of(os.getpid()) == []
     runtime.destroy()
 
 
 def test_failed_setup_leaves_nothing():
-    runtime = _C.Runtime(0, 1, 1 << 20, 10.0, 1)
+    runtime = _C.Runtime(0, 1, 1 << 20, 0, 10.0, 1)
     with pytest.raises(deep_ep.CommError, match="does not belong to rank 0"):
-        runtime.sync([runtime.segment_name()], [runtime.pid() + 1])
+        runtime.connect([runtime.segment_name()], [runtime.pid() + 1], 1)
     assert segments_of(os.getpid()) == []
 
 
 def _create_then_die(names):
-    runtime = _C.Runtime(0, 2, 1 << 20, 10.0, 1)  # a rank killed between creating and mapping
+    runtime = _C.Runtime(0, 2, 1 << 20, 0, 10.0, 1)  # a rank killed between creating and mapping
     names.put(runtime.segment_name())
     time.sleep(0.2)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -59,7 +59,7 @@ def test_segment_of_a_rank_killed_during_setup_is_removed_at_next_start():
     process.join(timeout=60)
     assert process.exitcode == -signal.SIGKILL
     assert os.path.exists("/dev/shm" + name), "the killed rank's segment should still be there"
-    runtime = _C.Runtime(0, 1, 1 << 20, 10.0, 1)  # the next start cleans up after dead creators
+    runtime = _C.Runtime(0, 1, 1 << 20, 0, 10.0, 1)  # the next start cleans up after dead creators
     assert not os.path.exists("/dev/shm" + name)
     runtime.destroy()
     assert deep_ep.cleanup_stale_segments() == 0

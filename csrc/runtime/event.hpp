@@ -1,6 +1,7 @@
-// Completion of work queued on a Runtime's comm thread: the CPU counterpart of a CUDA event.
+// Completion of work queued on a runtime's comm thread (the CPU counterpart of a CUDA event), and the comm thread.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -9,14 +10,40 @@
 #include <mutex>
 #include <thread>
 
+#include "common/exception.hpp"
+#include "common/hooks.hpp"
+
 namespace mtdeepep {
+
+// True on the worker thread of a CommStream.
+inline bool& comm_thread_flag() {
+    static thread_local bool flag = false;
+    return flag;
+}
+inline bool on_comm_thread() {
+    return comm_thread_flag();
+}
 
 class Event {
   public:
-    // Blocks until the work finished; rethrows its error, if any.
+    // What to do when a wait on this event is interrupted (Ctrl-C): the runtime aborts the operation on every rank.
+    explicit Event(std::function<void(const std::string&)> on_interrupt = nullptr)
+        : on_interrupt_(std::move(on_interrupt)) {}
+
+    // Blocks until the work finished; rethrows its error, if any. Interruptible: a pending Ctrl-C on the Python
+    // main thread stops the wait (and the operation, through `on_interrupt`) with Interrupted.
     void wait() {
         std::unique_lock<std::mutex> lock(mutex_);
-        done_cv_.wait(lock, [&] { return done_; });
+        while (!done_cv_.wait_for(lock, std::chrono::milliseconds(20), [&] { return done_; })) {
+            lock.unlock();
+            try {
+                poll_interrupt();
+            } catch (const Interrupted& interrupted) {
+                if (on_interrupt_) on_interrupt_(interrupted.what());
+                throw;
+            }
+            lock.lock();
+        }
         if (error_) std::rethrow_exception(error_);
     }
     bool query() {
@@ -37,6 +64,7 @@ class Event {
     std::condition_variable done_cv_;
     bool done_ = false;
     std::exception_ptr error_;
+    std::function<void(const std::string&)> on_interrupt_;
 };
 using EventPtr = std::shared_ptr<Event>;
 
@@ -53,16 +81,28 @@ inline EventPtr completed_event() {
 class CommStream {
   public:
     CommStream() : state_(std::make_shared<State>()) {
-        worker_ = std::thread([state = state_] { run(*state); });
+        worker_ = std::thread([state = state_] {
+            comm_thread_flag() = true;
+            run(*state);
+        });
     }
     ~CommStream() { shutdown(); }
+    CommStream(const CommStream&) = delete;
+    CommStream& operator=(const CommStream&) = delete;
 
     void submit(std::function<void()> task) {
         {
             std::lock_guard<std::mutex> lock(state_->mutex);
+            ++state_->pending;
             state_->tasks.push_back(std::move(task));
         }
         state_->ready.notify_one();
+    }
+
+    // Tasks submitted and not finished yet.
+    int pending() const {
+        std::lock_guard<std::mutex> lock(state_->mutex);
+        return state_->pending;
     }
 
     // Finishes the queued tasks, then joins the worker (or detaches it, when called from the worker).
@@ -81,9 +121,10 @@ class CommStream {
 
   private:
     struct State {
-        std::mutex mutex;
+        mutable std::mutex mutex;
         std::condition_variable ready;
         std::deque<std::function<void()>> tasks;
+        int pending = 0;
         bool stopping = false;
     };
 
@@ -98,6 +139,8 @@ class CommStream {
                 state.tasks.pop_front();
             }
             task();
+            std::lock_guard<std::mutex> lock(state.mutex);
+            --state.pending;
         }
     }
 

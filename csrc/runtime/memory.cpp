@@ -18,6 +18,13 @@ RegionArena::Block RegionArena::reserve_largest() {
     return block;
 }
 
+size_t RegionArena::largest_free() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t best = 0;
+    for (const auto& [offset, size] : free_) best = std::max(best, size);
+    return best;
+}
+
 void RegionArena::release(Block block, size_t keep) {
     if (block.size > keep) {
         std::lock_guard<std::mutex> lock(mutex_);

@@ -2,8 +2,8 @@
 //
 // RegionArena hands out blocks of a rank's shared region. Dispatch outputs placed there are written by the
 // senders directly (one copy), and stay valid while any tensor viewing them lives: each tensor's deleter holds
-// the block. HostPool recycles large heap blocks on 2 MiB pages so that outputs allocated every step do not pay
-// a page fault per 4 KiB each time.
+// the block, and the arena holds the mapping, so a view outlives `destroy()` and the Buffer itself. HostPool recycles
+// large heap blocks on 2 MiB pages so that outputs allocated every step do not pay a page fault per 4 KiB each time.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,13 +18,18 @@ namespace mtdeepep {
 
 class RegionArena : public std::enable_shared_from_this<RegionArena> {
   public:
-    explicit RegionArena(size_t num_bytes) { free_[0] = num_bytes; }
+    // `mapping` keeps the region mapped for as long as the arena (and so any block held from it) lives.
+    RegionArena(size_t num_bytes, std::shared_ptr<void> mapping) : mapping_(std::move(mapping)) {
+        free_[0] = num_bytes;
+    }
 
     struct Block {
         size_t offset = 0, size = 0;
     };
     // Takes the largest free block (possibly empty) for the duration of one operation.
     Block reserve_largest();
+    // The largest free block's size.
+    size_t largest_free() const;
     // Gives back [offset + keep, offset + size) of a reservation, or all of it with keep = 0.
     void release(Block block, size_t keep = 0);
     // A reference-counted hold on [offset, offset + size): the bytes return to the arena when the last holder goes.
@@ -32,7 +37,8 @@ class RegionArena : public std::enable_shared_from_this<RegionArena> {
 
   private:
     void free_range(size_t offset, size_t size);
-    std::mutex mutex_;
+    std::shared_ptr<void> mapping_;
+    mutable std::mutex mutex_;
     std::map<size_t, size_t> free_;  // offset -> size, coalesced
 };
 

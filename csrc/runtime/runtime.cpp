@@ -4,169 +4,71 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstring>
-#include <future>
 
 #include "common/exception.hpp"
-#include "kernels/cpu/api.hpp"
-#include "runtime/memory.hpp"
+#include "common/hooks.hpp"
 
 namespace mtdeepep {
 
 namespace {
 
-constexpr size_t kFieldAlignment = 64;
-constexpr size_t kMaxCachedHostBytes = size_t(2) << 30;  // freed outputs kept for reuse, per buffer
+constexpr size_t kPage = 4096;
 
-size_t align_up(size_t value, size_t alignment) {
+size_t round_up(size_t value, size_t alignment) {
     return (value + alignment - 1) / alignment * alignment;
 }
 
-int64_t ceil_div(int64_t a, int64_t b) {
-    return (a + b - 1) / b;
+// Every runtime of this process that was not destroyed, for shutdown_all_runtimes().
+std::mutex& registry_mutex() {
+    static std::mutex mutex;
+    return mutex;
 }
-
-enum OpKind : int32_t { kDispatchOp = 1, kCachedDispatchOp = 2, kCombineOp = 3 };
-
-// What one dispatched or combined row carries besides its hidden bytes.
-struct RowFormat {
-    size_t x_bytes = 0, scale_bytes = 0;
-    int num_topk = 0;
-    bool with_topk = false, with_weights = false, with_src = false;
-
-    size_t row_bytes() const {
-        return x_bytes + scale_bytes + (with_topk ? num_topk * sizeof(int64_t) : 0) +
-               (with_weights ? num_topk * sizeof(float) : 0) + (with_src ? sizeof(int32_t) : 0);
-    }
-    // The smallest block that holds one row with every field aligned.
-    size_t min_block_bytes() const { return 5 * kFieldAlignment + row_bytes(); }
-};
-
-// Struct-of-arrays placement of `capacity` rows inside a block; every rank computes the same one.
-struct RegionLayout {
-    size_t capacity = 0;
-    size_t total_bytes = 0;
-    size_t x_offset = 0, scale_offset = 0, idx_offset = 0, weight_offset = 0, src_offset = 0;
-    RowFormat format;
-
-    static RegionLayout for_rows(const RowFormat& format, size_t rows) {
-        RegionLayout layout;
-        layout.format = format;
-        layout.capacity = rows;
-        size_t offset = 0;
-        auto place = [&](size_t& field, size_t bytes_per_row, bool used) {
-            field = offset;
-            if (used) offset = align_up(offset + rows * bytes_per_row, kFieldAlignment);
-        };
-        place(layout.x_offset, format.x_bytes, true);
-        place(layout.scale_offset, format.scale_bytes, format.scale_bytes > 0);
-        place(layout.idx_offset, format.num_topk * sizeof(int64_t), format.with_topk);
-        place(layout.weight_offset, format.num_topk * sizeof(float), format.with_weights);
-        place(layout.src_offset, sizeof(int32_t), format.with_src);
-        layout.total_bytes = offset;
-        return layout;
-    }
-
-    // As many rows as fit in `block_bytes` (a staging area for rounds).
-    static RegionLayout fitting(const RowFormat& format, size_t block_bytes) {
-        const size_t slack = 5 * kFieldAlignment;
-        return for_rows(format, block_bytes > slack ? (block_bytes - slack) / format.row_bytes() : 0);
-    }
-
-    cpu::RowArrays arrays(uint8_t* base) const {
-        return {base + x_offset, format.scale_bytes > 0 ? base + scale_offset : nullptr,
-                format.with_topk ? reinterpret_cast<int64_t*>(base + idx_offset) : nullptr,
-                format.with_weights ? reinterpret_cast<float*>(base + weight_offset) : nullptr,
-                format.with_src ? reinterpret_cast<int32_t*>(base + src_offset) : nullptr};
-    }
-};
-
-// Gives a reservation's unused part back to the arena when the operation ends, however it ends.
-struct ReservationGuard {
-    RegionArena& arena;
-    RegionArena::Block block;
-    size_t keep = 0;
-    ~ReservationGuard() { arena.release(block, keep); }
-};
-
-}  // namespace
-
-// counts[i][j]: tokens rank i sends to rank j. Every rank derives the same plan from it.
-struct TrafficMatrix {
-    int num_ranks;
-    std::vector<int64_t> counts;
-
-    int64_t at(int i, int j) const { return counts[static_cast<size_t>(i) * num_ranks + j]; }
-    // Rows of receiver j that come from sources before i (j's recv_x segment of source i starts here).
-    int64_t recv_offset(int i, int j) const {
-        int64_t sum = 0;
-        for (int s = 0; s < i; ++s) sum += at(s, j);
-        return sum;
-    }
-    int64_t total_received(int j) const { return recv_offset(num_ranks, j); }
-    // Where source i's rows start among the rows receiver j gets from *other* ranks (the region's order).
-    int64_t remote_offset(int i, int j) const {
-        int64_t sum = 0;
-        for (int s = 0; s < i; ++s)
-            if (s != j) sum += at(s, j);
-        return sum;
-    }
-    int64_t remote_received(int j) const { return total_received(j) - at(j, j); }
-
-    static TrafficMatrix from_prefix(const at::Tensor& rank_prefix_matrix) {
-        TrafficMatrix m{static_cast<int>(rank_prefix_matrix.size(0)), {}};
-        auto prefix = rank_prefix_matrix.accessor<int32_t, 2>();
-        m.counts.resize(static_cast<size_t>(m.num_ranks) * m.num_ranks);
-        for (int i = 0; i < m.num_ranks; ++i)
-            for (int j = 0; j < m.num_ranks; ++j)
-                m.counts[i * m.num_ranks + j] = prefix[i][j] - (i > 0 ? prefix[i - 1][j] : 0);
-        return m;
-    }
-};
-
-namespace {
-
-// The rows [lo, hi) of a round that fall inside a sender's block [begin, begin + count).
-struct Overlap {
-    int64_t begin, end;
-    bool empty() const { return end <= begin; }
-};
-Overlap overlap(int64_t block_begin, int64_t block_count, int64_t lo, int64_t hi) {
-    return {std::max(block_begin, lo), std::min(block_begin + block_count, hi)};
-}
-
-cpu::FloatKind float_kind(at::ScalarType dtype) {
-    switch (dtype) {
-        case at::kBFloat16:
-            return cpu::FloatKind::kBFloat16;
-        case at::kHalf:
-            return cpu::FloatKind::kFloat16;
-        case at::kFloat:
-            return cpu::FloatKind::kFloat32;
-        default:
-            throw std::invalid_argument("mtdeepep: combine supports bfloat16, float16 and float32");
-    }
+std::vector<std::weak_ptr<Runtime>>& registry() {
+    static auto* runtimes = new std::vector<std::weak_ptr<Runtime>>();  // never destroyed: used at exit
+    return *runtimes;
 }
 
 }  // namespace
+
+size_t segment_prefix_bytes(int num_ranks, int64_t num_nvl_bytes) {
+    return shm::MailboxLayout(num_ranks).control_bytes + round_up(static_cast<size_t>(num_nvl_bytes), kPage);
+}
 
 // ---------------------------------------------------------------------------------------------------------------
-// Set-up and lifetime
+// Set-up
 
-Runtime::Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, double timeout_s, int num_threads)
+std::shared_ptr<Runtime> Runtime::create(int rank, int num_ranks, int64_t num_nvl_bytes, int64_t num_ll_bytes,
+                                         double timeout_s, int num_threads) {
+    // Deleting a runtime joins its comm thread, which may need the GIL to free its last task's tensors.
+    std::shared_ptr<Runtime> runtime(new Runtime(rank, num_ranks, num_nvl_bytes, num_ll_bytes, timeout_s, num_threads),
+                                     [](Runtime* r) { without_gil([r] { delete r; }); });
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    auto& live = registry();
+    live.erase(std::remove_if(live.begin(), live.end(), [](const auto& weak) { return weak.expired(); }), live.end());
+    live.push_back(runtime);
+    return runtime;
+}
+
+Runtime::Runtime(int rank, int num_ranks, int64_t num_nvl_bytes, int64_t num_ll_bytes, double timeout_s,
+                 int num_threads)
     : rank_(rank),
       num_ranks_(num_ranks),
       num_nvl_bytes_(num_nvl_bytes),
-      timeout_s_(timeout_s),
+      num_ll_bytes_(num_ll_bytes),
+      nvl_span_(round_up(static_cast<size_t>(std::max<int64_t>(num_nvl_bytes, 0)), kPage)),
+      timeout_s_(checked_timeout(timeout_s)),
       num_threads_(num_threads),
-      layout_(num_ranks) {
+      creator_pid_(getpid()),
+      mailbox_(num_ranks) {
     if (num_ranks < 1 || rank < 0 || rank >= num_ranks)
         throw std::invalid_argument(concat("mtdeepep: invalid rank ", rank, " of ", num_ranks));
+    if (num_nvl_bytes < 0 || num_ll_bytes < 0)
+        throw std::invalid_argument("mtdeepep: buffer sizes must be non-negative");
     shm::cleanup_stale_segments();
-    own_segment_ = shm::SharedSegment::create(shm::make_segment_name(), layout_.control_bytes + num_nvl_bytes);
-    shm::init_control_header(static_cast<uint8_t*>(own_segment_->data()), rank, num_ranks, num_nvl_bytes);
-    arena_ = std::make_shared<RegionArena>(num_nvl_bytes);
-    pool_ = std::make_shared<HostPool>(kMaxCachedHostBytes);
+    const size_t total = mailbox_.control_bytes + nvl_span_ + static_cast<size_t>(num_ll_bytes);
+    own_segment_ = shm::SharedSegment::create(shm::make_segment_name(), total);
+    shm::init_control_header(static_cast<uint8_t*>(own_segment_->data()), rank, num_ranks,
+                             static_cast<size_t>(num_nvl_bytes), static_cast<size_t>(num_ll_bytes));
 }
 
 Runtime::~Runtime() {
@@ -176,23 +78,52 @@ Runtime::~Runtime() {
     }
 }
 
-int64_t Runtime::pid() const {
-    return getpid();
+std::string Runtime::segment_name() const {
+    if (!own_segment_) throw CommError("mtdeepep: the buffer was destroyed");
+    return own_segment_->name();
 }
 
-void Runtime::sync(const std::vector<std::string>& names, const std::vector<int64_t>& pids) {
-    auto mapped = shm::map_peer_segments(rank_, own_segment_, names, pids, num_nvl_bytes_, timeout_s_,
-                                         "setup: all segments mapped");
+void Runtime::connect(const std::vector<std::string>& names, const std::vector<int64_t>& pids, uint64_t uid) {
+    if (destroyed_) throw CommError("mtdeepep: the buffer was destroyed");
+    if (available_) throw std::logic_error("mtdeepep: the runtime is already connected");
+    auto mapped = shm::map_peer_segments(rank_, own_segment_, names, pids, static_cast<size_t>(num_nvl_bytes_),
+                                         static_cast<size_t>(num_ll_bytes_), timeout_s_, "setup: all segments mapped");
     segments_ = std::move(mapped.segments);
     peers_ = std::move(mapped.peers);
+    uid_ = uid;
     stream_ = std::make_unique<CommStream>();
     available_ = true;
+}
+
+uint8_t* Runtime::base(int rank) const {
+    return static_cast<uint8_t*>((rank == rank_ ? own_segment_ : segments_[rank])->data());
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Lifecycle
+
+bool Runtime::in_creator_process() const {
+    return getpid() == creator_pid_;
+}
+
+void Runtime::abandon() {
+    // The comm thread does not exist in a forked child and its locks may be in any state: never touch it (releasing
+    // the object would join or detach a thread of another process). The shared state belongs to the parent.
+    (void)stream_.release();
+    peers_.reset();
+    segments_.clear();
+    own_segment_.reset();  // the child's own mapping only; the parent still owns the name
+    available_ = false;
 }
 
 void Runtime::destroy() {
     if (destroyed_) return;
     destroyed_ = true;
-    if (stream_) stream_->shutdown();
+    if (!in_creator_process()) {
+        abandon();
+        return;
+    }
+    if (stream_) stream_->shutdown();  // finish the queued operations first
     if (peers_) {
         std::lock_guard<std::mutex> lock(failure_mutex_);
         peers_->mark_failed(failure_.empty() ? concat("rank ", rank_, " destroyed its buffer") : failure_);
@@ -201,541 +132,134 @@ void Runtime::destroy() {
     peers_.reset();
     segments_.clear();
     if (own_segment_) own_segment_->unlink();
-    own_segment_.reset();
+    own_segment_.reset();  // tensor views hold their own reference to the mapping
+}
+
+void Runtime::fail(const std::string& reason) {
+    if (!in_creator_process()) return;
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    if (!failure_.empty()) return;
+    failure_ = reason;
+    if (peers_) peers_->mark_failed(concat("rank ", rank_, ": ", reason));
+}
+
+void Runtime::interrupt(const std::string& reason) {
+    if (!in_creator_process()) return;
+    fail(reason);
+    if (peers_) peers_->abort(reason);
 }
 
 void Runtime::set_timeout(double timeout_s) {
-    timeout_s_ = timeout_s;
-    if (peers_) peers_->set_timeout(timeout_s);
+    timeout_s_ = checked_timeout(timeout_s);
+    if (peers_) peers_->set_timeout(timeout_s_);
 }
 
 void Runtime::check_usable() const {
     if (destroyed_) throw CommError("mtdeepep: the buffer was destroyed");
-    if (!available_) throw CommError("mtdeepep: the buffer is not set up (sync was not called or failed)");
+    if (!available_) throw CommError("mtdeepep: the buffer is not set up (set-up was not run or failed)");
     std::lock_guard<std::mutex> lock(failure_mutex_);
     if (!failure_.empty())
         throw CommError(concat("mtdeepep: the buffer is unusable after an earlier failure: ", failure_));
 }
 
-uint8_t* Runtime::data_region(int rank) const {
-    return static_cast<uint8_t*>(segments_[rank]->data()) + layout_.control_bytes;
+// ---------------------------------------------------------------------------------------------------------------
+// Memory
+
+at::Tensor Runtime::view(uint8_t* ptr, at::IntArrayRef sizes, at::IntArrayRef strides, at::ScalarType dtype) const {
+    auto mapping = own_segment_;
+    return at::from_blob(ptr, sizes, strides, [mapping](void*) {}, at::TensorOptions().dtype(dtype));
 }
 
-at::Tensor Runtime::get_local_buffer_tensor(at::ScalarType dtype, int64_t offset) const {
-    const int64_t element = c10::elementSize(dtype);
-    const int64_t available_bytes = num_nvl_bytes_ - offset * element;
-    if (offset < 0 || available_bytes < 0)
+at::Tensor Runtime::get_local_buffer_tensor(at::ScalarType dtype, int64_t offset, bool low_latency_area) const {
+    check_usable();
+    const int64_t region_bytes = low_latency_area ? num_ll_bytes_ : num_nvl_bytes_;
+    const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
+    if (offset < 0 || offset * element > region_bytes)
         throw std::invalid_argument(
-            concat("mtdeepep: offset ", offset, " is outside the ", num_nvl_bytes_, "-byte buffer"));
-    auto keep_alive = own_segment_;
-    uint8_t* base = static_cast<uint8_t*>(own_segment_->data()) + layout_.control_bytes + offset * element;
-    return at::from_blob(base, {available_bytes / element}, [keep_alive](void*) {}, at::TensorOptions().dtype(dtype));
+            concat("mtdeepep: offset ", offset, " is outside the ", region_bytes, "-byte buffer"));
+    uint8_t* region = low_latency_area ? ll_region(rank_) : nvl_region(rank_);
+    const int64_t numel = (region_bytes - offset * element) / element;
+    return view(region + offset * element, {numel}, {1}, dtype);
 }
 
-EventPtr Runtime::submit(const EventPtr& previous_event, std::function<void()> body) {
-    auto done = std::make_shared<Event>();
-    const int num_threads = num_threads_;
-    stream_->submit([this, previous = previous_event, body = std::move(body), done, num_threads]() mutable {
-        std::exception_ptr error;
-        try {
-            if (previous) previous->wait();
-            if (at::get_num_threads() != num_threads) at::set_num_threads(num_threads);
-            {
-                std::lock_guard<std::mutex> lock(failure_mutex_);
-                if (!failure_.empty())
-                    throw CommError(concat("mtdeepep: the buffer is unusable after an earlier failure: ", failure_));
-            }
-            body();
-        } catch (const GroupMismatch&) {
-            error = std::current_exception();
-        } catch (const std::exception& failure) {
-            error = std::current_exception();
-            std::lock_guard<std::mutex> lock(failure_mutex_);
-            if (failure_.empty()) {
-                failure_ = failure.what();
-                if (peers_) peers_->mark_failed(concat("rank ", rank_, ": ", failure.what()));
-            }
-        }
-        // Drop the operation's tensors before the waiter resumes: freeing a tensor that Python once owned takes
-        // the GIL, which the waiter may hold again once it stops waiting. This may also drop the last reference
-        // to this runtime, so nothing below touches `this`.
-        body = nullptr;
-        previous.reset();
-        done->complete(error);
+// ---------------------------------------------------------------------------------------------------------------
+// Execution
+
+EventPtr Runtime::new_event() {
+    std::weak_ptr<Runtime> weak = weak_from_this();
+    return std::make_shared<Event>([weak](const std::string& reason) {
+        if (auto self = weak.lock()) self->interrupt(concat("rank ", self->rank_, " was interrupted: ", reason));
     });
+}
+
+EventPtr Runtime::submit(const EventPtr& previous_event, std::function<void()> body, bool poison_on_failure) {
+    check_usable();
+    auto done = new_event();
+    const int num_threads = num_threads_.load();
+    auto self = shared_from_this();
+    stream_->submit(
+        [self, previous = previous_event, body = std::move(body), done, num_threads, poison_on_failure]() mutable {
+            std::exception_ptr error;
+            try {
+                if (previous) previous->wait();
+                if (at::get_num_threads() != num_threads) at::set_num_threads(num_threads);
+                self->check_usable();
+                body();
+            } catch (const GroupMismatch&) {
+                error = std::current_exception();  // every rank raises it; the ranks stay in step
+            } catch (const std::invalid_argument&) {
+                error = std::current_exception();
+            } catch (const std::exception& failure) {
+                error = std::current_exception();
+                if (poison_on_failure) self->fail(failure.what());
+            }
+            // Drop the operation's tensors before the waiter resumes: freeing a tensor that Python once owned takes the
+            // GIL, which the waiter may hold again once it stops waiting. This may also drop the last reference to the
+            // runtime (`self`), so nothing below touches it.
+            body = nullptr;
+            previous.reset();
+            self.reset();
+            done->complete(error);
+        });
     return done;
 }
 
-void Runtime::exchange_signature(const std::vector<int32_t>& signature, const char* phase) {
-    int32_t* mine = mailbox(rank_, layout_.signature_offset);
-    std::fill(mine, mine + shm::kOpSignatureInts, 0);
-    std::copy(signature.begin(), signature.end(), mine);
-    peers_->barrier(phase);
-    for (int r = 0; r < num_ranks_; ++r) {
-        const int32_t* theirs = mailbox(r, layout_.signature_offset);
-        if (!std::equal(signature.begin(), signature.end(), theirs)) {
-            std::string a, b;
-            for (size_t i = 0; i < signature.size(); ++i) {
-                a += concat(i ? "," : "", signature[i]);
-                b += concat(i ? "," : "", theirs[i]);
-            }
-            throw GroupMismatch(concat("mtdeepep: ranks disagree on the operation in phase '", phase, "': rank ", rank_,
-                                       " has (", a, ") but rank ", r, " has (", b,
-                                       ") [kind, row bytes, scale bytes, top-k, weights, experts]"));
-        }
-    }
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// Layout
-
-LayoutResult Runtime::get_dispatch_layout(const at::Tensor& topk_idx, int num_experts, const EventPtr& previous_event,
-                                          bool async_finish) {
+EventPtr Runtime::launch(bool async, std::function<void()> body) {
     check_usable();
-    const int num_tokens = static_cast<int>(topk_idx.size(0));
-    const int num_topk = static_cast<int>(topk_idx.size(1));
-    auto num_tokens_per_rank = at::empty({num_ranks_}, at::kInt);
-    auto num_tokens_per_expert = at::empty({num_experts}, at::kInt);
-    auto is_token_in_rank = at::empty({num_tokens, num_ranks_}, at::kBool);
-    const int num_ranks = num_ranks_;
-    auto event = submit(previous_event, [=]() mutable {
-        cpu::get_dispatch_layout(topk_idx.data_ptr<int64_t>(), num_tokens, num_topk, num_ranks, num_experts,
-                                 num_tokens_per_rank.data_ptr<int32_t>(), num_tokens_per_expert.data_ptr<int32_t>(),
-                                 is_token_in_rank.data_ptr<bool>());
-    });
-    if (!async_finish) event->wait();
-    return {num_tokens_per_rank, std::nullopt, num_tokens_per_expert, is_token_in_rank, event};
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// Dispatch
-
-struct Runtime::DispatchArgs {
-    at::Tensor x;
-    OptTensor x_scales, topk_idx, topk_weights, num_tokens_per_expert;
-    at::Tensor is_token_in_rank;
-    OptTensor cached_rank_prefix_matrix;
-    int expert_alignment, num_worst_tokens, num_channels;
-    // Outputs, published through `allocated` before the data moves.
-    at::Tensor recv_x, send_head, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx;
-    OptTensor recv_x_scales, recv_topk_idx, recv_topk_weights;
-    std::vector<int> num_recv_tokens_per_expert;
-    std::promise<void> allocated;
-};
-
-DispatchResult Runtime::intranode_dispatch(const at::Tensor& x, const OptTensor& x_scales, const OptTensor& topk_idx,
-                                           const OptTensor& topk_weights, const OptTensor& num_tokens_per_rank,
-                                           const at::Tensor& is_token_in_rank, const OptTensor& num_tokens_per_expert,
-                                           const OptTensor& cached_rank_prefix_matrix, int expert_alignment,
-                                           int num_worst_tokens, int num_channels, const EventPtr& previous_event,
-                                           bool async_finish) {
-    check_usable();
-    (void)num_tokens_per_rank;  // recomputed from is_token_in_rank, which Python checked against it
-    auto args = std::make_shared<DispatchArgs>();
-    args->x = x;
-    args->x_scales = x_scales;
-    args->topk_idx = topk_idx;
-    args->topk_weights = topk_weights;
-    args->num_tokens_per_expert = num_tokens_per_expert;
-    args->is_token_in_rank = is_token_in_rank;
-    args->cached_rank_prefix_matrix = cached_rank_prefix_matrix;
-    args->expert_alignment = expert_alignment;
-    args->num_worst_tokens = num_worst_tokens;
-    args->num_channels = std::clamp(num_channels, 1, shm::kMaxChannels);
-    auto allocated = args->allocated.get_future();
-    auto event = submit(previous_event, [this, args] {
+    if (!async && !has_queued_work()) {
         try {
-            run_dispatch(*args);
-        } catch (...) {
-            try {
-                args->allocated.set_exception(std::current_exception());
-            } catch (const std::future_error&) {
-                // outputs were already published; the error reaches the caller through the event
-            }
+            if (at::get_num_threads() != num_threads_.load()) at::set_num_threads(num_threads_.load());
+            body();
+        } catch (const Interrupted& interrupted) {
+            interrupt(concat("rank ", rank_, " was interrupted: ", interrupted.what()));
             throw;
         }
-    });
-    allocated.get();  // the host needs the receive counts to return sized tensors, as upstream's CPU sync
-    if (!async_finish) event->wait();
-    auto& a = *args;
-    return {a.recv_x,
-            a.recv_x_scales,
-            a.recv_topk_idx,
-            a.recv_topk_weights,
-            a.num_recv_tokens_per_expert,
-            a.rank_prefix_matrix,
-            a.channel_prefix_matrix,
-            a.recv_channel_prefix_matrix,
-            a.recv_src_idx,
-            a.send_head,
-            event};
-}
-
-void Runtime::run_dispatch(DispatchArgs& a) {
-    ++operation_;  // switch mailbox slots before publishing anything
-    const bool cached = a.cached_rank_prefix_matrix.has_value();
-    const int num_tokens = static_cast<int>(a.x.size(0));
-    const int num_channels = a.num_channels;
-    const int num_topk = a.topk_idx ? static_cast<int>(a.topk_idx->size(1)) : 0;
-    const int num_experts = a.num_tokens_per_expert ? static_cast<int>(a.num_tokens_per_expert->size(0)) : 0;
-    const int experts_per_rank = num_experts / num_ranks_;
-    const int num_scales = a.x_scales ? static_cast<int>(a.x_scales->size(1)) : 0;
-    const size_t scale_element_bytes = a.x_scales ? a.x_scales->element_size() : 0;
-    RowFormat format;
-    format.x_bytes = a.x.size(1) * a.x.element_size();
-    format.scale_bytes = num_scales * scale_element_bytes;
-    format.num_topk = num_topk;
-    format.with_topk = num_topk > 0;
-    format.with_weights = a.topk_weights.has_value();
-    format.with_src = true;
-
-    a.send_head = at::empty({num_tokens, num_ranks_}, at::kInt);
-    const cpu::SendPlan plan = cpu::make_send_plan(a.is_token_in_rank.data_ptr<bool>(), num_tokens, num_ranks_,
-                                                   num_channels, a.send_head.data_ptr<int32_t>());
-
-    // Phase 1: publish this rank's counts (non-cached) and the block of its region it lends to this operation,
-    // then agree. The block will hold its outputs if they fit (senders write them directly), else it stages rounds.
-    ReservationGuard reservation{*arena_, arena_->reserve_largest()};
-    publish_reservation(reservation.block);
-    TrafficMatrix traffic{num_ranks_, {}};
-    const std::vector<int32_t> signature = {cached ? kCachedDispatchOp : kDispatchOp,
-                                            static_cast<int32_t>(format.x_bytes),
-                                            static_cast<int32_t>(format.scale_bytes),
-                                            num_topk,
-                                            format.with_weights,
-                                            num_experts,
-                                            a.num_worst_tokens};
-    if (cached) {
-        traffic = TrafficMatrix::from_prefix(*a.cached_rank_prefix_matrix);
-        exchange_signature(signature, "dispatch (cached): begin");
-    } else {
-        int32_t* rank_counts = mailbox(rank_, layout_.rank_counts_offset);
-        int32_t* channel_counts = mailbox(rank_, layout_.channel_counts_offset);
-        for (int r = 0; r < num_ranks_; ++r) {
-            rank_counts[r] = static_cast<int32_t>(plan.tokens_per_rank[r].size());
-            std::copy_n(plan.channel_counts.data() + r * num_channels, num_channels,
-                        channel_counts + r * shm::kMaxChannels);
-        }
-        std::copy_n(a.num_tokens_per_expert->data_ptr<int32_t>(), num_experts,
-                    mailbox(rank_, layout_.expert_counts_offset));
-        exchange_signature(signature, "dispatch: counts published");
-        traffic.counts.resize(static_cast<size_t>(num_ranks_) * num_ranks_);
-        for (int i = 0; i < num_ranks_; ++i)
-            for (int j = 0; j < num_ranks_; ++j)
-                traffic.counts[i * num_ranks_ + j] = mailbox(i, layout_.rank_counts_offset)[j];
+        return nullptr;
     }
-    if (a.num_worst_tokens > 0) {
-        for (int j = 0; j < num_ranks_; ++j)
-            if (traffic.total_received(j) > a.num_worst_tokens)
-                throw GroupMismatch(concat("mtdeepep: rank ", j, " receives ", traffic.total_received(j),
-                                           " tokens, more than num_worst_tokens=", a.num_worst_tokens));
-    }
-
-    // Every rank derives, for every receiver, where its rows go: straight into its outputs, or via staging.
-    std::vector<RegionLayout> output_layout(num_ranks_), staging_layout(num_ranks_);
-    std::vector<bool> direct(num_ranks_);
-    std::vector<uint8_t*> block_base(num_ranks_);
-    for (int j = 0; j < num_ranks_; ++j) {
-        const RegionArena::Block block = read_reservation(j);
-        const int64_t rows = a.num_worst_tokens > 0 ? a.num_worst_tokens : traffic.total_received(j);
-        output_layout[j] = RegionLayout::for_rows(format, rows);
-        direct[j] = output_layout[j].total_bytes <= block.size;
-        staging_layout[j] = RegionLayout::fitting(format, block.size);
-        block_base[j] = data_region(j) + block.offset;
-        if (!direct[j] && traffic.remote_received(j) > 0 && staging_layout[j].capacity == 0)
-            throw GroupMismatch(concat(
-                "mtdeepep: rank ", j, " has ", block.size, " free bytes of num_nvl_bytes=", num_nvl_bytes_,
-                ", which cannot hold one token row; dispatch needs at least ", format.min_block_bytes(), " bytes"));
-    }
-
-    // Phase 2: outputs, published to the caller before the data moves.
-    const int64_t num_recv = traffic.total_received(rank_);
-    const int64_t num_rows = output_layout[rank_].capacity;
-    const int64_t hidden = a.x.size(1);
-    if (direct[rank_]) {
-        // The outputs are views of this rank's region; the block returns to the arena with the last of them.
-        reservation.keep = output_layout[rank_].total_bytes;
-        auto owner = arena_->hold({reservation.block.offset, reservation.keep});
-        const cpu::RowArrays views = output_layout[rank_].arrays(block_base[rank_]);
-        auto view = [&](void* ptr, at::IntArrayRef sizes, at::ScalarType dtype) {
-            return at::from_blob(ptr, sizes, [owner](void*) {}, at::TensorOptions().dtype(dtype));
-        };
-        a.recv_x = view(views.x, {num_rows, hidden}, a.x.scalar_type());
-        if (a.x_scales) a.recv_x_scales = view(views.scales, {num_rows, num_scales}, a.x_scales->scalar_type());
-        a.recv_src_idx = view(views.src_idx, {num_rows}, at::kInt);
-        if (num_topk > 0) a.recv_topk_idx = view(views.topk_idx, {num_rows, num_topk}, at::kLong);
-        if (format.with_weights) a.recv_topk_weights = view(views.topk_weights, {num_rows, num_topk}, at::kFloat);
-    } else {
-        a.recv_x = pool_->empty({num_rows, hidden}, a.x.scalar_type());
-        if (a.x_scales) a.recv_x_scales = pool_->empty({num_rows, num_scales}, a.x_scales->scalar_type());
-        a.recv_src_idx = at::empty({num_rows}, at::kInt);
-        if (num_topk > 0) a.recv_topk_idx = at::empty({num_rows, num_topk}, at::kLong);
-        if (format.with_weights) a.recv_topk_weights = at::empty({num_rows, num_topk}, at::kFloat);
-    }
-    if (num_rows > num_recv) {
-        a.recv_src_idx.narrow(0, num_recv, num_rows - num_recv).fill_(-1);
-        if (a.recv_topk_idx) a.recv_topk_idx->narrow(0, num_recv, num_rows - num_recv).fill_(-1);
-        if (a.recv_topk_weights) a.recv_topk_weights->narrow(0, num_recv, num_rows - num_recv).zero_();
-    }
-    fill_dispatch_metadata(a, traffic, plan, experts_per_rank);
-    a.allocated.set_value();
-
-    // Phase 3: move the rows. Own rows and rows for receivers with room go straight into their outputs (one
-    // copy); the others are staged in the receivers' blocks, in rounds when they do not fit at once.
-    const cpu::DispatchSource source{static_cast<const uint8_t*>(a.x.data_ptr()),
-                                     a.x.stride(0) * a.x.element_size(),
-                                     format.x_bytes,
-                                     a.x_scales ? static_cast<const uint8_t*>(a.x_scales->data_ptr()) : nullptr,
-                                     a.x_scales ? a.x_scales->stride(0) : 0,
-                                     a.x_scales ? a.x_scales->stride(1) : 0,
-                                     num_scales,
-                                     scale_element_bytes,
-                                     a.topk_idx ? a.topk_idx->data_ptr<int64_t>() : nullptr,
-                                     format.with_weights ? a.topk_weights->data_ptr<float>() : nullptr,
-                                     num_topk};
-    const cpu::RowArrays outputs{static_cast<uint8_t*>(a.recv_x.data_ptr()),
-                                 a.recv_x_scales ? static_cast<uint8_t*>(a.recv_x_scales->data_ptr()) : nullptr,
-                                 a.recv_topk_idx ? a.recv_topk_idx->data_ptr<int64_t>() : nullptr,
-                                 a.recv_topk_weights ? a.recv_topk_weights->data_ptr<float>() : nullptr,
-                                 a.recv_src_idx.data_ptr<int32_t>()};
-    int64_t num_rounds = 0, remote_rows = 0;
-    for (int j = 0; j < num_ranks_; ++j) {
-        const int64_t first_local_expert = static_cast<int64_t>(j) * experts_per_rank;
-        remote_rows += traffic.remote_received(j);
-        if (j == rank_) {
-            cpu::write_dispatch_rows(source, plan.tokens_per_rank[j].data(), 0, traffic.at(j, j), outputs,
-                                     traffic.recv_offset(j, j), first_local_expert, experts_per_rank);
-        } else if (direct[j]) {
-            cpu::write_dispatch_rows(source, plan.tokens_per_rank[j].data(), 0, traffic.at(rank_, j),
-                                     output_layout[j].arrays(block_base[j]), traffic.recv_offset(rank_, j),
-                                     first_local_expert, experts_per_rank);
-        }
-        // Every rank must count the same rounds: include every staged receiver, this one too.
-        if (!direct[j] && traffic.remote_received(j) > 0)
-            num_rounds =
-                std::max(num_rounds, ceil_div(traffic.remote_received(j), int64_t(staging_layout[j].capacity)));
-    }
-    if (num_rounds == 0) {
-        if (remote_rows > 0) peers_->barrier("dispatch: rows written");
-        return;
-    }
-    for (int64_t round = 0; round < num_rounds; ++round) {
-        for (int j = 0; j < num_ranks_; ++j) {
-            if (j == rank_ || direct[j]) continue;
-            const int64_t capacity = staging_layout[j].capacity, lo = round * capacity;
-            const int64_t begin = traffic.remote_offset(rank_, j);
-            const Overlap part = overlap(begin, traffic.at(rank_, j), lo, lo + capacity);
-            if (part.empty()) continue;
-            cpu::write_dispatch_rows(source, plan.tokens_per_rank[j].data(), part.begin - begin, part.end - begin,
-                                     staging_layout[j].arrays(block_base[j]), part.begin - lo,
-                                     static_cast<int64_t>(j) * experts_per_rank, experts_per_rank);
-        }
-        peers_->barrier("dispatch: rows written");
-        if (!direct[rank_]) {
-            const int64_t capacity = staging_layout[rank_].capacity, lo = round * capacity;
-            for (int i = 0; i < num_ranks_; ++i) {
-                if (i == rank_) continue;
-                const int64_t begin = traffic.remote_offset(i, rank_);
-                const Overlap part = overlap(begin, traffic.at(i, rank_), lo, lo + capacity);
-                if (part.empty()) continue;
-                cpu::copy_rows(staging_layout[rank_].arrays(block_base[rank_]), part.begin - lo, outputs,
-                               traffic.recv_offset(i, rank_) + (part.begin - begin), part.end - part.begin,
-                               format.x_bytes, format.scale_bytes, num_topk);
-            }
-        }
-        if (round + 1 < num_rounds) peers_->barrier("dispatch: round consumed");
-    }
-}
-
-void Runtime::fill_dispatch_metadata(DispatchArgs& a, const TrafficMatrix& traffic, const cpu::SendPlan& plan,
-                                     int experts_per_rank) {
-    if (a.cached_rank_prefix_matrix) {
-        a.rank_prefix_matrix = *a.cached_rank_prefix_matrix;
-        a.channel_prefix_matrix = at::empty({0}, at::kInt);
-        a.recv_channel_prefix_matrix = at::empty({0}, at::kInt);
-        return;
-    }
-    const int num_channels = a.num_channels;
-    a.rank_prefix_matrix = at::empty({num_ranks_, num_ranks_}, at::kInt);
-    a.channel_prefix_matrix = at::empty({num_ranks_, num_channels}, at::kInt);
-    a.recv_channel_prefix_matrix = at::empty({num_ranks_, num_channels}, at::kInt);
-    auto prefix = a.rank_prefix_matrix.accessor<int32_t, 2>();
-    auto channel_prefix = a.channel_prefix_matrix.accessor<int32_t, 2>();
-    auto recv_channel_prefix = a.recv_channel_prefix_matrix.accessor<int32_t, 2>();
-    for (int i = 0; i < num_ranks_; ++i) {
-        const int32_t* their_channels = mailbox(i, layout_.channel_counts_offset) + rank_ * shm::kMaxChannels;
-        int64_t mine = 0, theirs = traffic.recv_offset(i, rank_);
-        for (int c = 0; c < num_channels; ++c) {
-            recv_channel_prefix[i][c] = static_cast<int32_t>(theirs);  // where source i's channel c starts
-            theirs += their_channels[c];
-            mine += plan.channel_counts[i * num_channels + c];
-            channel_prefix[i][c] = static_cast<int32_t>(mine);  // tokens to rank i from channels <= c
-        }
-        for (int j = 0; j < num_ranks_; ++j) prefix[i][j] = static_cast<int32_t>(traffic.recv_offset(i + 1, j));
-    }
-    if (a.num_worst_tokens > 0) return;  // no host-visible counts in worst-case mode, as upstream
-    a.num_recv_tokens_per_expert.assign(experts_per_rank, 0);
-    for (int i = 0; i < num_ranks_; ++i) {
-        const int32_t* expert_counts = mailbox(i, layout_.expert_counts_offset);
-        for (int e = 0; e < experts_per_rank; ++e)
-            a.num_recv_tokens_per_expert[e] += expert_counts[rank_ * experts_per_rank + e];
-    }
-    for (int& count : a.num_recv_tokens_per_expert)
-        count = static_cast<int>(ceil_div(count, a.expert_alignment) * a.expert_alignment);
-}
-
-void Runtime::publish_reservation(const RegionArena::Block& block) {
-    const int64_t values[2] = {static_cast<int64_t>(block.offset), static_cast<int64_t>(block.size)};
-    std::memcpy(mailbox(rank_, layout_.reservation_offset), values, sizeof(values));
-}
-
-RegionArena::Block Runtime::read_reservation(int rank) {
-    int64_t values[2];
-    std::memcpy(values, mailbox(rank, layout_.reservation_offset), sizeof(values));
-    return {static_cast<size_t>(values[0]), static_cast<size_t>(values[1])};
+    auto done = submit(nullptr, std::move(body), /*poison_on_failure=*/false);
+    if (!async) done->wait();
+    return done;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Combine
+// Process exit
 
-struct Runtime::CombineArgs {
-    at::Tensor x;
-    OptTensor topk_weights, bias0, bias1;
-    at::Tensor rank_prefix_matrix, send_head;
-    int num_channels;
-    at::Tensor combined_x;
-    OptTensor combined_topk_weights;
-};
-
-CombineResult Runtime::intranode_combine(const at::Tensor& x, const OptTensor& topk_weights, const OptTensor& bias0,
-                                         const OptTensor& bias1, const at::Tensor& rank_prefix_matrix,
-                                         const at::Tensor& send_head, int num_channels, const EventPtr& previous_event,
-                                         bool async_finish) {
-    check_usable();
-    auto args = std::make_shared<CombineArgs>();
-    args->x = x;
-    args->topk_weights = topk_weights;
-    args->bias0 = bias0;
-    args->bias1 = bias1;
-    args->rank_prefix_matrix = rank_prefix_matrix;
-    args->send_head = send_head;
-    args->num_channels = std::clamp(num_channels, 1, shm::kMaxChannels);
-    const int64_t num_tokens = send_head.size(0);
-    args->combined_x = pool_->empty({num_tokens, x.size(1)}, x.scalar_type());
-    if (topk_weights) args->combined_topk_weights = at::empty({num_tokens, topk_weights->size(1)}, at::kFloat);
-    auto event = submit(previous_event, [this, args] { run_combine(*args); });
-    if (!async_finish) event->wait();
-    return {args->combined_x, args->combined_topk_weights, event};
-}
-
-void Runtime::run_combine(CombineArgs& a) {
-    ++operation_;
-    const int num_tokens = static_cast<int>(a.send_head.size(0));
-    const int hidden = static_cast<int>(a.x.size(1));
-    const int num_topk = a.topk_weights ? static_cast<int>(a.topk_weights->size(1)) : 0;
-    const bool with_weights = a.topk_weights.has_value();
-    RowFormat format;
-    format.x_bytes = hidden * a.x.element_size();
-    format.num_topk = num_topk;
-    format.with_weights = with_weights;
-    const cpu::FloatKind kind = float_kind(a.x.scalar_type());
-    const TrafficMatrix traffic = TrafficMatrix::from_prefix(a.rank_prefix_matrix);
-
-    ReservationGuard reservation{*arena_, arena_->reserve_largest()};
-    publish_reservation(reservation.block);
-    exchange_signature({kCombineOp, static_cast<int32_t>(format.x_bytes), 0, num_topk, with_weights, 0, 0},
-                       "combine: begin");
-
-    // Rank i stages the rows of the tokens it sent, from every other rank j (ordered by j), in the block it lent.
-    std::vector<RegionLayout> staging(num_ranks_);
-    std::vector<uint8_t*> block_base(num_ranks_);
-    int64_t num_rounds = 0;
-    for (int i = 0; i < num_ranks_; ++i) {
-        const RegionArena::Block block = read_reservation(i);
-        staging[i] = RegionLayout::fitting(format, block.size);
-        block_base[i] = data_region(i) + block.offset;
-        int64_t incoming = 0;
-        for (int j = 0; j < num_ranks_; ++j)
-            if (j != i) incoming += traffic.at(i, j);
-        if (incoming == 0) continue;
-        if (staging[i].capacity == 0)
-            throw GroupMismatch(concat(
-                "mtdeepep: rank ", i, " has ", block.size, " free bytes of num_nvl_bytes=", num_nvl_bytes_,
-                ", which cannot hold one token row; combine needs at least ", format.min_block_bytes(), " bytes"));
-        num_rounds = std::max(num_rounds, ceil_div(incoming, int64_t(staging[i].capacity)));
+void shutdown_all_runtimes() {
+    std::vector<std::shared_ptr<Runtime>> live;
+    {
+        std::lock_guard<std::mutex> lock(registry_mutex());
+        for (auto& weak : registry())
+            if (auto runtime = weak.lock()) live.push_back(runtime);
+        registry().clear();
     }
-    // Offset of sender j's rows among receiver i's staged rows: the transpose of dispatch's traffic.
-    auto combine_offset = [&](int j, int i) {
-        int64_t sum = 0;
-        for (int s = 0; s < j; ++s)
-            if (s != i) sum += traffic.at(i, s);
-        return sum;
-    };
-    const uint8_t* x_rows = static_cast<const uint8_t*>(a.x.data_ptr());
-    const float* weight_rows = with_weights ? a.topk_weights->data_ptr<float>() : nullptr;
-    const cpu::RowArrays my_rows{const_cast<uint8_t*>(x_rows), nullptr, nullptr, const_cast<float*>(weight_rows),
-                                 nullptr};
-    const cpu::RowArrays my_staging = staging[rank_].arrays(block_base[rank_]);
-    const uint8_t* bias0 = a.bias0 ? static_cast<const uint8_t*>(a.bias0->data_ptr()) : nullptr;
-    const uint8_t* bias1 = a.bias1 ? static_cast<const uint8_t*>(a.bias1->data_ptr()) : nullptr;
-    uint8_t* out = static_cast<uint8_t*>(a.combined_x.data_ptr());
-    float* out_weights = with_weights ? a.combined_topk_weights->data_ptr<float>() : nullptr;
-
-    auto send_round = [&](int64_t round) {
-        for (int i = 0; i < num_ranks_; ++i) {
-            if (i == rank_ || staging[i].capacity == 0) continue;
-            const int64_t capacity = staging[i].capacity, lo = round * capacity;
-            const int64_t begin = combine_offset(rank_, i);
-            const Overlap part = overlap(begin, traffic.at(i, rank_), lo, lo + capacity);
-            if (part.empty()) continue;
-            cpu::copy_rows(my_rows, traffic.recv_offset(i, rank_) + (part.begin - begin),
-                           staging[i].arrays(block_base[i]), part.begin - lo, part.end - part.begin, format.x_bytes, 0,
-                           num_topk);
+    for (auto& runtime : live) {
+        try {
+            if (runtime->has_queued_work())
+                runtime->interrupt(concat("rank ", runtime->rank(), " is exiting with operations in flight"));
+            runtime->destroy();
+        } catch (...) {
         }
-    };
-
-    if (num_rounds <= 1) {
-        // Everything fits: one pass per token over its contributions, straight into the output.
-        if (num_rounds == 1) {
-            send_round(0);
-            peers_->barrier("combine: rows written");
-        }
-        cpu::CombineSources sources{a.send_head.data_ptr<int32_t>(), num_ranks_, {}, {}, {}};
-        for (int j = 0; j < num_ranks_; ++j) {
-            const bool local = j == rank_;
-            sources.rows.push_back(local ? x_rows : my_staging.x);
-            sources.row_offset.push_back(local ? traffic.recv_offset(rank_, rank_) : combine_offset(j, rank_));
-            sources.weight_rows.push_back(local ? weight_rows : my_staging.topk_weights);
-        }
-        cpu::combine_reduce(kind, sources, num_tokens, hidden, num_topk, bias0, bias1, out, out_weights);
-        return;
     }
-
-    // Several rounds: accumulate each round's rows into an FP32 buffer, then cast once.
-    const cpu::SendPlan plan = cpu::send_plan_from_head(a.send_head.data_ptr<int32_t>(), num_tokens, num_ranks_, 1);
-    auto acc = at::zeros({num_tokens, hidden}, at::kFloat);
-    if (with_weights) a.combined_topk_weights->zero_();
-    cpu::accumulate_rows(kind, x_rows + traffic.recv_offset(rank_, rank_) * format.x_bytes,
-                         with_weights ? weight_rows + traffic.recv_offset(rank_, rank_) * num_topk : nullptr,
-                         plan.tokens_per_rank[rank_].data(), traffic.at(rank_, rank_), hidden, num_topk,
-                         acc.data_ptr<float>(), out_weights);
-    for (int64_t round = 0; round < num_rounds; ++round) {
-        send_round(round);
-        peers_->barrier("combine: rows written");
-        const int64_t capacity = staging[rank_].capacity, lo = round * capacity;
-        for (int j = 0; j < num_ranks_ && capacity > 0; ++j) {
-            if (j == rank_) continue;
-            const int64_t begin = combine_offset(j, rank_);
-            const Overlap part = overlap(begin, traffic.at(rank_, j), lo, lo + capacity);
-            if (part.empty()) continue;
-            cpu::accumulate_rows(kind, my_staging.x + (part.begin - lo) * format.x_bytes,
-                                 with_weights ? my_staging.topk_weights + (part.begin - lo) * num_topk : nullptr,
-                                 plan.tokens_per_rank[j].data() + (part.begin - begin), part.end - part.begin, hidden,
-                                 num_topk, acc.data_ptr<float>(), out_weights);
-        }
-        if (round + 1 < num_rounds) peers_->barrier("combine: round consumed");
-    }
-    cpu::finish_accumulation(kind, acc.data_ptr<float>(), num_tokens, hidden, bias0, bias1, out);
 }
 
 }  // namespace mtdeepep

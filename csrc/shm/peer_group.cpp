@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "common/exception.hpp"
+#include "common/hooks.hpp"
 #include "shm/segment.hpp"
 
 namespace mtdeepep::shm {
@@ -52,12 +53,13 @@ MailboxLayout::MailboxLayout(int num_ranks) : num_ranks(num_ranks) {
     control_bytes = round_up(signature_offset + 2 * slot_bytes, 4096);
 }
 
-void init_control_header(uint8_t* control_area, int rank, int num_ranks, size_t data_bytes) {
+void init_control_header(uint8_t* control_area, int rank, int num_ranks, size_t data_bytes, size_t ll_bytes) {
     auto* header = new (control_area) ControlHeader();
     header->rank = rank;
     header->num_ranks = num_ranks;
     header->pid = getpid();
     header->data_bytes = data_bytes;
+    header->ll_bytes = ll_bytes;
     header->arrived.store(0, std::memory_order_relaxed);
     header->failed.store(0, std::memory_order_relaxed);
     copy_label(header->phase, sizeof(header->phase), "created");
@@ -77,6 +79,14 @@ void PeerGroup::mark_failed(const std::string& reason) {
     ControlHeader* self = header(rank_);
     copy_label(self->failure, sizeof(self->failure), reason);
     self->failed.store(1, std::memory_order_release);
+}
+
+void PeerGroup::abort(const std::string& reason) {
+    {
+        std::lock_guard<std::mutex> lock(abort_mutex_);
+        if (abort_reason_.empty()) abort_reason_ = reason;
+    }
+    aborted_.store(true, std::memory_order_release);
 }
 
 void PeerGroup::barrier(const char* phase) {
@@ -114,6 +124,10 @@ void PeerGroup::wait_for(std::vector<int> peers, const std::function<bool(int)>&
             ++i;
         }
         if (peers.empty()) break;
+        if (aborted_.load(std::memory_order_acquire)) {
+            std::lock_guard<std::mutex> lock(abort_mutex_);
+            throw CommError(concat("mtdeepep: rank ", rank_, " stopped waiting in ", where, ": ", abort_reason_));
+        }
 
         // Spin briefly (peers usually arrive within microseconds), then yield the core: with more ranks than
         // cores a spinning waiter would starve the rank it waits for.
@@ -129,6 +143,7 @@ void PeerGroup::wait_for(std::vector<int> peers, const std::function<bool(int)>&
         const auto now = clock::now();
         if (now < next_check) continue;
         next_check = now + std::chrono::milliseconds(20);
+        poll_interrupt();
         for (int peer : peers) {
             if (!process_alive(pids_[peer]))
                 throw CommError(concat("mtdeepep: rank ", rank_, " stopped waiting in ", where, ": rank ", peer,
@@ -151,7 +166,7 @@ void PeerGroup::wait_for(std::vector<int> peers, const std::function<bool(int)>&
 
 PeerSegments map_peer_segments(int rank, const std::shared_ptr<SharedSegment>& own,
                                const std::vector<std::string>& names, const std::vector<int64_t>& pids,
-                               size_t data_bytes, double timeout_s, const char* phase) {
+                               size_t data_bytes, size_t ll_bytes, double timeout_s, const char* phase) {
     const int num_ranks = static_cast<int>(names.size());
     if (static_cast<int>(pids.size()) != num_ranks || rank < 0 || rank >= num_ranks)
         throw std::invalid_argument("mtdeepep: set-up needs one segment name and pid per rank");
@@ -165,10 +180,10 @@ PeerSegments map_peer_segments(int rank, const std::shared_ptr<SharedSegment>& o
             peer_pids[r] = static_cast<pid_t>(pids[r]);
             const auto* header = reinterpret_cast<const ControlHeader*>(control_areas[r]);
             if (header->magic != kControlMagic || header->rank != r || header->num_ranks != num_ranks ||
-                header->pid != pids[r] || header->data_bytes != data_bytes)
+                header->pid != pids[r] || header->data_bytes != data_bytes || header->ll_bytes != ll_bytes)
                 throw CommError(concat("mtdeepep: segment ", names[r], " does not belong to rank ", r, " of ",
-                                       num_ranks, " (pid ", pids[r], ") with ", data_bytes,
-                                       " data bytes (ranks disagree on the buffer size?)"));
+                                       num_ranks, " (pid ", pids[r], ") with ", data_bytes, " + ", ll_bytes,
+                                       " data bytes (ranks disagree on num_nvl_bytes / num_rdma_bytes?)"));
         }
         result.peers = std::make_unique<PeerGroup>(rank, num_ranks, control_areas, peer_pids, timeout_s);
         result.peers->barrier(phase);

@@ -3,7 +3,8 @@
 // Every rank runs the same sequence of barriers, so one monotonically increasing counter per rank is enough:
 // barrier #n passes once every peer's counter reaches n. A wait that does not finish names the ranks that did not
 // arrive and the last phase each of them reached; a peer that failed, exited or destroyed its buffer ends the wait
-// at once with that cause.
+// at once with that cause, and so does `abort` (the owner was interrupted or is exiting) and a Ctrl-C on the Python
+// main thread (poll_interrupt).
 #pragma once
 
 #include <sys/types.h>
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -29,7 +31,8 @@ struct alignas(64) ControlHeader {
     int32_t rank;
     int32_t num_ranks;
     int64_t pid;
-    uint64_t data_bytes;
+    uint64_t data_bytes;                        // the normal-mode region
+    uint64_t ll_bytes;                          // the low-latency area
     alignas(64) std::atomic<uint64_t> arrived;  // barriers this rank has arrived at
     alignas(64) std::atomic<int32_t> failed;    // non-zero once the owner failed or destroyed its buffer
     char failure[480];
@@ -68,13 +71,15 @@ class PeerGroup {
 
     // Publishes a failure so peers stop waiting for this rank.
     void mark_failed(const std::string& reason);
+    // Ends this rank's current and future waits at once with CommError(reason) (thread-safe).
+    void abort(const std::string& reason);
 
     int32_t* mailbox(int rank, size_t offset) const {
         return reinterpret_cast<int32_t*>(control_areas_[rank] + offset);
     }
     ControlHeader* header(int rank) const { return reinterpret_cast<ControlHeader*>(control_areas_[rank]); }
     uint64_t barriers_passed() const { return arrived_; }
-    void set_timeout(double timeout_s) { timeout_s_ = timeout_s; }
+    void set_timeout(double timeout_s) { timeout_s_ = timeout_s; }  // already checked (checked_timeout)
     double timeout() const { return timeout_s_; }
 
   private:
@@ -84,13 +89,16 @@ class PeerGroup {
     std::vector<pid_t> pids_;
     double timeout_s_;
     uint64_t arrived_ = 0;
+    std::atomic<bool> aborted_{false};
+    mutable std::mutex abort_mutex_;
+    std::string abort_reason_;
 };
 
-void init_control_header(uint8_t* control_area, int rank, int num_ranks, size_t data_bytes);
+void init_control_header(uint8_t* control_area, int rank, int num_ranks, size_t data_bytes, size_t ll_bytes);
 
 // The set-up every runtime shares: map each peer's segment (`names`/`pids` per rank, `own` for this rank), check
-// that its header belongs to that rank with `data_bytes` of data, wait at `phase` until every rank has mapped
-// everything, then unlink this rank's name, so nothing is left in /dev/shm even on SIGKILL. On failure the own
+// that its header belongs to that rank with `data_bytes` + `ll_bytes` of data, wait at `phase` until every rank has
+// mapped everything, then unlink this rank's name, so nothing is left in /dev/shm even on SIGKILL. On failure the own
 // name and stale ones are unlinked and the error is rethrown.
 struct PeerSegments {
     std::vector<std::shared_ptr<SharedSegment>> segments;
@@ -98,6 +106,6 @@ struct PeerSegments {
 };
 PeerSegments map_peer_segments(int rank, const std::shared_ptr<SharedSegment>& own,
                                const std::vector<std::string>& names, const std::vector<int64_t>& pids,
-                               size_t data_bytes, double timeout_s, const char* phase);
+                               size_t data_bytes, size_t ll_bytes, double timeout_s, const char* phase);
 
 }  // namespace mtdeepep::shm

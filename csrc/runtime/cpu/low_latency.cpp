@@ -1,25 +1,24 @@
-#include "low_latency/runtime.hpp"
+#include "runtime/cpu/low_latency.hpp"
 
 #include <ATen/Parallel.h>
 #include <pthread.h>
 #include <sched.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <stdexcept>
-#include <thread>
 
 #include "common/exception.hpp"
-#include "low_latency/kernels.hpp"
+#include "kernels/cpu/low_latency.hpp"
 
-namespace mtdeepep::low_latency {
+namespace mtdeepep::cpu {
+
+using namespace ll;
 
 namespace {
 
 constexpr int kFlagFP8 = 1, kFlagRoundScale = 2, kFlagUE8M0 = 4;
-constexpr int kCollectiveInfoColumns = 6;  // message bytes, then the CallSignature fields
+constexpr int kCollectiveInfoColumns = 8;  // message bytes, then the CallSignature fields
 
 int64_t pack_range(int64_t begin, int64_t count) {
     return (begin << 32) | count;
@@ -77,10 +76,13 @@ std::vector<int> send_order(int rank, int num_ranks) {
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------------
-// Ops: arguments, outputs and where in the regions they live
+// Ops: arguments, outputs and where in the areas they live
+
+namespace ll {
 
 struct DispatchOp {
     uint64_t seq = 0, epoch = 0;
+    int64_t uid = 0;  // the runtime's uid: (uid, seq) names this dispatch
     HalfLayout layout;
     at::Tensor x, topk_idx;
     OptTensor cumulative_stats, wait_stats;
@@ -98,12 +100,15 @@ struct DispatchOp {
         s.num_experts = layout.num_experts;
         s.flags = (use_fp8 ? kFlagFP8 : 0) | (use_fp8 && round_scale ? kFlagRoundScale : 0) |
                   (use_fp8 && use_ue8m0 ? kFlagUE8M0 : 0);
+        s.dispatch_uid = uid;
+        s.dispatch_seq = static_cast<int64_t>(seq);
         return s;
     }
 };
 
 struct CombineOp {
     uint64_t seq = 0, epoch = 0;
+    int64_t dispatch_uid = 0, dispatch_seq = 0;  // the dispatch whose handle was passed
     HalfLayout layout;
     at::Tensor x;  // the expert outputs: the caller's x or the zero-copy area
     at::Tensor topk_idx, topk_weights, src_info, layout_range;
@@ -117,9 +122,15 @@ struct CombineOp {
         s.hidden = layout.hidden;
         s.num_max_dispatch_tokens_per_rank = layout.num_max_tokens;
         s.num_experts = layout.num_experts;
+        s.dispatch_uid = dispatch_uid;
+        s.dispatch_seq = dispatch_seq;
         return s;
     }
 };
+
+}  // namespace ll
+
+namespace {
 
 // The sender's rows: bfloat16 x, or its FP8 cast, grouped by destination expert.
 struct Payload {
@@ -127,8 +138,6 @@ struct Payload {
     DispatchPayload rows{};
     std::vector<int32_t> expert_offsets, tokens;  // tokens of expert g: tokens[expert_offsets[g]:expert_offsets[g+1]]
 };
-
-namespace {
 
 Payload prepare_payload(const DispatchOp& op) {
     Payload p;
@@ -155,107 +164,75 @@ Payload prepare_payload(const DispatchOp& op) {
     return p;
 }
 
+std::string describe(const CallSignature& s) {
+    return concat("(kind ", s.kind, ", hidden ", s.hidden, ", num_max_dispatch_tokens_per_rank ",
+                  s.num_max_dispatch_tokens_per_rank, ", num_experts ", s.num_experts, ", flags ", s.flags,
+                  ", dispatch ", s.dispatch_uid, "#", s.dispatch_seq, ")");
+}
+
+void write_info_row(int64_t* row, int64_t bytes, const CallSignature& s) {
+    row[0] = bytes;
+    row[1] = s.kind;
+    row[2] = s.hidden;
+    row[3] = s.num_max_dispatch_tokens_per_rank;
+    row[4] = s.num_experts;
+    row[5] = s.flags;
+    row[6] = s.dispatch_uid;
+    row[7] = s.dispatch_seq;
+}
+
+CallSignature read_info_row(const int64_t* row) {
+    return {static_cast<int32_t>(row[1]),
+            static_cast<int32_t>(row[2]),
+            static_cast<int32_t>(row[3]),
+            static_cast<int32_t>(row[4]),
+            static_cast<int32_t>(row[5]),
+            row[6],
+            row[7]};
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------------
-// Set-up and lifetime
+// Set-up
 
-LowLatencyRuntime::LowLatencyRuntime(int rank, int num_ranks, int64_t num_rdma_bytes, double timeout_s, int num_threads)
-    : rank_(rank),
+LowLatencyProtocol::LowLatencyProtocol(RuntimePtr runtime, int rank, int num_ranks, bool shared_memory)
+    : runtime_(std::move(runtime)),
+      rank_(rank),
       num_ranks_(num_ranks),
-      num_rdma_bytes_(num_rdma_bytes),
-      timeout_s_(timeout_s),
-      num_threads_(num_threads),
-      control_(num_ranks) {
+      shared_memory_(shared_memory),
+      control_(num_ranks),
+      half_bytes_(half_bytes(static_cast<size_t>(runtime_->num_ll_bytes()), num_ranks)) {
     require(num_ranks >= 1 && rank >= 0 && rank < num_ranks, "invalid rank ", rank, " of ", num_ranks);
-    require(num_rdma_bytes >= static_cast<int64_t>(control_.bytes),
-            "low-latency mode needs num_rdma_bytes >= ", control_.bytes, " (got ", num_rdma_bytes,
+    require(!shared_memory || (rank == runtime_->rank() && num_ranks == runtime_->num_ranks()),
+            "the shared-memory transport needs the runtime's own rank numbering");
+    require(runtime_->num_ll_bytes() >= static_cast<int64_t>(control_.bytes),
+            "low-latency mode needs num_rdma_bytes >= ", control_.bytes, " (got ", runtime_->num_ll_bytes(),
             "); use Buffer.get_low_latency_rdma_size_hint");
-    shm::cleanup_stale_segments();
-    own_segment_ = shm::SharedSegment::create(shm::make_segment_name(), static_cast<size_t>(num_rdma_bytes));
-    shm::init_control_header(static_cast<uint8_t*>(own_segment_->data()), rank, num_ranks,
-                             static_cast<size_t>(num_rdma_bytes));
+    // The area is zero-filled at creation: every progress counter and signal starts at 0.
 }
 
-LowLatencyRuntime::~LowLatencyRuntime() {
-    try {
-        destroy();
-    } catch (...) {
-    }
-}
-
-int64_t LowLatencyRuntime::pid() const {
-    return getpid();
-}
-
-void LowLatencyRuntime::sync(const std::vector<std::string>& names, const std::vector<int64_t>& pids) {
-    auto mapped = shm::map_peer_segments(rank_, own_segment_, names, pids, static_cast<size_t>(num_rdma_bytes_),
-                                         timeout_s_, "low-latency setup: all regions mapped");
-    segments_ = std::move(mapped.segments);
-    peers_ = std::move(mapped.peers);
-    stream_ = std::make_unique<CommStream>();
-    available_ = true;
-}
-
-void LowLatencyRuntime::sync_local() {
-    own_segment_->unlink();
-    stream_ = std::make_unique<CommStream>();
-    available_ = true;
-}
-
-void LowLatencyRuntime::destroy() {
-    if (destroyed_) return;
-    destroyed_ = true;
-    if (stream_) stream_->shutdown();
-    if (peers_) peers_->mark_failed(concat("rank ", rank_, " destroyed its buffer"));
-    available_ = false;
-    peers_.reset();
-    segments_.clear();
-    combine_send_ = {};
-    if (own_segment_) own_segment_->unlink();
-    own_segment_.reset();
-}
-
-void LowLatencyRuntime::set_timeout(double timeout_s) {
-    timeout_s_ = timeout_s;
-    if (peers_) peers_->set_timeout(timeout_s);
-}
-
-void LowLatencyRuntime::check_usable() const {
-    if (destroyed_) throw CommError("mtdeepep: the buffer was destroyed");
-    if (!available_) throw CommError("mtdeepep: the low-latency buffer is not set up (sync was not called or failed)");
-}
-
-int64_t LowLatencyRuntime::size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks, int num_experts) {
+int64_t LowLatencyProtocol::size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks,
+                                      int num_experts) {
     require(num_max_dispatch_tokens_per_rank > 0 && hidden > 0 && num_ranks > 0 && num_experts > 0 &&
                 num_experts % num_ranks == 0,
             "invalid size-hint arguments (num_max_dispatch_tokens_per_rank=", num_max_dispatch_tokens_per_rank,
             ", hidden=", hidden, ", num_ranks=", num_ranks, ", num_experts=", num_experts, ")");
-    return static_cast<int64_t>(region_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts));
+    return static_cast<int64_t>(area_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts));
 }
 
-void LowLatencyRuntime::check_fits(const HalfLayout& layout) const {
+void LowLatencyProtocol::check_fits(const HalfLayout& layout) const {
     const size_t needed = control_.bytes + 2 * layout.bytes;
-    require(needed <= static_cast<size_t>(num_rdma_bytes_), "num_rdma_bytes=", num_rdma_bytes_,
+    require(layout.bytes <= half_bytes_, "num_rdma_bytes=", runtime_->num_ll_bytes(),
             " is too small for num_max_dispatch_tokens_per_rank=", layout.num_max_tokens, ", hidden=", layout.hidden,
             ", num_experts=", layout.num_experts, " on ", num_ranks_, " ranks: it needs ", needed,
             " (Buffer.get_low_latency_rdma_size_hint)");
 }
 
-uint8_t* LowLatencyRuntime::region(int rank) const {
-    return static_cast<uint8_t*>((rank == rank_ ? own_segment_ : segments_[rank])->data());
-}
-
-at::Tensor LowLatencyRuntime::region_view(uint8_t* ptr, at::IntArrayRef sizes, at::IntArrayRef strides,
-                                          at::ScalarType dtype) const {
-    auto keep_alive = own_segment_;
-    return at::from_blob(ptr, sizes, strides, [keep_alive](void*) {}, at::TensorOptions().dtype(dtype));
-}
-
 // ---------------------------------------------------------------------------------------------------------------
-// Op numbering, execution, waiting
+// Op numbering, waiting
 
-uint64_t LowLatencyRuntime::begin_op(bool hook_mode) {
+uint64_t LowLatencyProtocol::begin_op(bool hook_mode) {
     const uint64_t seq = seq_ + 1;
     if (hook_pending_[seq & 1].load())
         throw std::invalid_argument(
@@ -267,42 +244,18 @@ uint64_t LowLatencyRuntime::begin_op(bool hook_mode) {
     return seq;
 }
 
-void LowLatencyRuntime::end_receive(uint64_t seq) {
+void LowLatencyProtocol::enter(uint64_t seq) {
+    if (shared_memory_) progress(rank_)->entered.store(seq, std::memory_order_release);
+}
+
+void LowLatencyProtocol::end_receive(uint64_t seq) {
     progress(rank_)->done[seq & 1].store(seq, std::memory_order_release);
     hook_pending_[seq & 1].store(false);
 }
 
-EventPtr LowLatencyRuntime::launch(bool async, std::function<void()> body) {
-    if (!async && queued_.load(std::memory_order_acquire) == 0) {
-        body();
-        return nullptr;
-    }
-    auto done = std::make_shared<Event>();
-    queued_.fetch_add(1, std::memory_order_acq_rel);
-    const int num_threads = num_threads_;
-    stream_->submit([this, body = std::move(body), done, num_threads]() mutable {
-        std::exception_ptr error;
-        try {
-            make_background_thread();
-            if (at::get_num_threads() != num_threads) at::set_num_threads(num_threads);
-            body();
-        } catch (...) {
-            error = std::current_exception();
-        }
-        queued_.fetch_sub(1, std::memory_order_acq_rel);
-        // Free the call's tensors before the waiter resumes (it may hold the GIL that freeing them takes); this
-        // may drop the last reference to the runtime, so `this` is not used below.
-        body = nullptr;
-        done->complete(error);
-    });
-    if (async) return done;
-    done->wait();
-    return nullptr;
-}
-
 template <typename Op>
-std::optional<Hook> LowLatencyRuntime::make_hook(const std::shared_ptr<Op>& op, EventPtr sent,
-                                                 void (LowLatencyRuntime::*receive)(Op&)) {
+std::optional<Hook> LowLatencyProtocol::make_hook(const std::shared_ptr<Op>& op, EventPtr sent,
+                                                  void (LowLatencyProtocol::*receive)(Op&)) {
     struct State {
         std::mutex mutex;
         bool ran = false;
@@ -315,47 +268,52 @@ std::optional<Hook> LowLatencyRuntime::make_hook(const std::shared_ptr<Op>& op, 
         if (!state->ran) {
             state->ran = true;
             try {
-                self->check_usable();
+                self->runtime_->check_usable();
                 if (op->epoch != self->epoch_.load())
                     throw CommError(
                         "mtdeepep: this receive hook belongs to a call made before clean_low_latency_buffer");
                 if (sent) sent->wait();
                 ((*self).*receive)(*op);
+            } catch (const Interrupted& interrupted) {
+                self->runtime_->interrupt(
+                    concat("rank ", self->runtime_->rank(), " was interrupted: ", interrupted.what()));
+                state->error = std::current_exception();
             } catch (...) {
                 state->error = std::current_exception();
-                if (op->epoch == self->epoch_.load()) self->hook_pending_[op->seq & 1].store(false);
             }
+            if (state->error && op->epoch == self->epoch_.load()) self->hook_pending_[op->seq & 1].store(false);
         }
         if (state->error) std::rethrow_exception(state->error);
     });
 }
 
-void LowLatencyRuntime::wait_for(std::vector<int> peers, const std::function<bool(int)>& ready,
-                                 const std::string& phase, uint64_t seq, int64_t* wait_ns) const {
-    MTDEEPEP_HOST_ASSERT(peers_ != nullptr);  // only the shared-memory transport waits on flags
+void LowLatencyProtocol::wait_for(std::vector<int> peers, const std::function<bool(int)>& ready,
+                                  const std::string& phase, uint64_t seq, int64_t* wait_ns) const {
+    MTDEEPEP_HOST_ASSERT(shared_memory_);  // only the shared-memory transport waits on flags
     std::function<void(int, int64_t)> record;
     if (wait_ns != nullptr) record = [wait_ns](int peer, int64_t waited) { wait_ns[peer] += waited; };
-    peers_->wait_for(std::move(peers), ready, concat("phase '", phase, "' (low-latency op #", seq, ")"), record);
+    runtime_->peers().wait_for(std::move(peers), ready, concat("phase '", phase, "' (low-latency op #", seq, ")"),
+                               record);
 }
 
-void LowLatencyRuntime::wait_half_free(int peer, uint64_t seq, const char* what) const {
-    if (seq <= 2) return;
-    const uint64_t previous = seq - 2;
-    std::atomic<uint64_t>& done = progress(peer)->done[seq & 1];
-    if (done.load(std::memory_order_acquire) >= previous) return;
+void LowLatencyProtocol::wait_peer_entered(int peer, uint64_t seq, const char* what, int64_t* wait_ns) const {
+    if (peer == rank_ || seq <= 2) return;  // this rank entered op seq already; ops 1 and 2 find empty halves
+    std::atomic<uint64_t>& entered = progress(peer)->entered;
+    if (entered.load(std::memory_order_acquire) >= seq) return;
     wait_for(
-        {peer}, [&](int) { return done.load(std::memory_order_acquire) >= previous; },
-        concat(what, ": waiting for the peer to finish receiving op #", previous), seq, nullptr);
+        {peer}, [&](int) { return entered.load(std::memory_order_acquire) >= seq; },
+        concat(what, ": waiting for the peer to make call #", seq, " (it still uses the half of call #", seq - 2, ")"),
+        seq, wait_ns);
 }
 
-void LowLatencyRuntime::publish(int receiver, uint64_t seq, const CallSignature& signature) const {
+void LowLatencyProtocol::publish(int receiver, uint64_t seq, const CallSignature& signature) const {
     Signal* signal = signal_of(receiver, seq, rank_);
     signal->call = signature;
     signal->seq.store(seq, std::memory_order_release);
 }
 
-std::string LowLatencyRuntime::wait_signals(uint64_t seq, const CallSignature& expected, const char* phase,
-                                            int64_t* wait_ns) const {
+std::string LowLatencyProtocol::wait_signals(uint64_t seq, const CallSignature& expected, const char* phase,
+                                             int64_t* wait_ns) const {
     std::vector<int> sources(num_ranks_);
     for (int r = 0; r < num_ranks_; ++r) sources[r] = r;
     wait_for(
@@ -365,12 +323,9 @@ std::string LowLatencyRuntime::wait_signals(uint64_t seq, const CallSignature& e
         const CallSignature& theirs = signal_of(rank_, seq, source)->call;
         if (theirs != expected)
             return concat("mtdeepep: ranks disagree on low-latency op #", seq, " in phase '", phase, "': rank ", rank_,
-                          " has (kind ", expected.kind, ", hidden ", expected.hidden,
-                          ", num_max_dispatch_tokens_per_rank ", expected.num_max_dispatch_tokens_per_rank,
-                          ", num_experts ", expected.num_experts, ", flags ", expected.flags, ") but rank ", source,
-                          " has (kind ", theirs.kind, ", hidden ", theirs.hidden, ", num_max_dispatch_tokens_per_rank ",
-                          theirs.num_max_dispatch_tokens_per_rank, ", num_experts ", theirs.num_experts, ", flags ",
-                          theirs.flags, "); kind 1 = dispatch, 2 = combine; flags: 1 FP8, 2 round_scale, 4 UE8M0");
+                          " has ", describe(expected), " but rank ", source, " has ", describe(theirs),
+                          "; kind 1 = dispatch, 2 = combine; flags: 1 FP8, 2 round_scale, 4 UE8M0; a combine carries "
+                          "the dispatch of its handle: every rank must combine the same dispatch");
     }
     return {};
 }
@@ -378,12 +333,12 @@ std::string LowLatencyRuntime::wait_signals(uint64_t seq, const CallSignature& e
 // ---------------------------------------------------------------------------------------------------------------
 // Dispatch
 
-std::shared_ptr<DispatchOp> LowLatencyRuntime::make_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
-                                                             const OptTensor& cumulative_stats,
-                                                             const OptTensor& wait_stats, int num_max_tokens,
-                                                             int num_experts, bool use_fp8, bool round_scale,
-                                                             bool use_ue8m0, bool hook_mode) {
-    check_usable();
+std::shared_ptr<DispatchOp> LowLatencyProtocol::make_dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
+                                                              const OptTensor& cumulative_stats,
+                                                              const OptTensor& wait_stats, int num_max_tokens,
+                                                              int num_experts, bool use_fp8, bool round_scale,
+                                                              bool use_ue8m0, bool hook_mode) {
+    runtime_->check_usable();
     require(num_max_tokens > 0 && num_experts > 0 && num_experts % num_ranks_ == 0 &&
                 num_experts / num_ranks_ <= shm::kMaxExperts,
             "invalid num_max_dispatch_tokens_per_rank=", num_max_tokens, " / num_experts=", num_experts);
@@ -408,17 +363,18 @@ std::shared_ptr<DispatchOp> LowLatencyRuntime::make_dispatch(const at::Tensor& x
     op->use_ue8m0 = use_fp8 && use_ue8m0;
     op->seq = begin_op(hook_mode);
     op->epoch = epoch_.load();
+    op->uid = static_cast<int64_t>(runtime_->uid());
 
     const HalfLayout& l = op->layout;
     const int64_t e_local = l.num_local_experts, rt = l.rows_per_expert(), h = l.hidden;
-    uint8_t* mine = half(rank_, l, op->seq);
+    uint8_t* mine = half(rank_, op->seq);
     op->recv_x =
-        region_view(mine + l.recv_x, {e_local, rt, h}, {rt * h, h, 1}, use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16);
+        runtime_->view(mine + l.recv_x, {e_local, rt, h}, {rt * h, h, 1}, use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16);
     if (use_fp8) {
         // Column-major per expert (the last two dimensions), as upstream returns them for TMA.
         const int64_t s = op->use_ue8m0 ? l.num_packed_scales : l.num_scales;
         op->recv_scales =
-            region_view(mine + l.scales, {e_local, rt, s}, {s * rt, 1, rt}, op->use_ue8m0 ? at::kInt : at::kFloat);
+            runtime_->view(mine + l.scales, {e_local, rt, s}, {s * rt, 1, rt}, op->use_ue8m0 ? at::kInt : at::kFloat);
     }
     op->recv_count = at::empty({e_local}, at::kInt);
     op->src_info = at::empty({e_local, rt}, at::kInt);
@@ -426,11 +382,13 @@ std::shared_ptr<DispatchOp> LowLatencyRuntime::make_dispatch(const at::Tensor& x
     return op;
 }
 
-DispatchResult LowLatencyRuntime::dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
-                                           const OptTensor& cumulative_stats, const OptTensor& wait_stats,
-                                           int num_max_dispatch_tokens_per_rank, int num_experts, bool use_fp8,
-                                           bool round_scale, bool use_ue8m0, bool async_finish, bool return_recv_hook) {
-    require(uses_shared_memory(), "this buffer uses the collective transport");
+LowLatencyDispatchResult LowLatencyProtocol::dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
+                                                      const OptTensor& cumulative_stats, const OptTensor& wait_stats,
+                                                      int num_max_dispatch_tokens_per_rank, int num_experts,
+                                                      bool use_fp8, bool round_scale, bool use_ue8m0, bool async_finish,
+                                                      bool return_recv_hook) {
+    runtime_->check_usable();
+    require(shared_memory_, "this buffer uses the collective transport");
     require(!(async_finish && return_recv_hook), "async_finish and return_recv_hook cannot both be set");
     auto op = make_dispatch(x, topk_idx, cumulative_stats, wait_stats, num_max_dispatch_tokens_per_rank, num_experts,
                             use_fp8, round_scale, use_ue8m0, return_recv_hook);
@@ -439,25 +397,38 @@ DispatchResult LowLatencyRuntime::dispatch(const at::Tensor& x, const at::Tensor
     std::optional<Hook> hook;
     if (return_recv_hook) {
         // Only the sends are issued, on the comm thread; the hook waits for them and receives.
-        EventPtr sent = launch(true, [self, op] { self->send_dispatch(*op); });
-        hook = make_hook(op, sent, &LowLatencyRuntime::receive_dispatch);
+        EventPtr sent = runtime_->launch(true, [self, op] {
+            make_background_thread();
+            self->send_dispatch(*op);
+        });
+        hook = make_hook(op, sent, &LowLatencyProtocol::receive_dispatch);
     } else {
-        event = launch(async_finish, [self, op] {
+        event = runtime_->launch(async_finish, [self, op] {
+            if (on_comm_thread()) make_background_thread();
             self->send_dispatch(*op);
             self->receive_dispatch(*op);
         });
     }
-    return {op->recv_x, op->recv_scales, op->recv_count, op->src_info, op->layout_range, event, hook};
+    return {op->recv_x,
+            op->recv_scales,
+            op->recv_count,
+            op->src_info,
+            op->layout_range,
+            static_cast<int64_t>(op->seq),
+            event,
+            hook};
 }
 
-void LowLatencyRuntime::send_dispatch(DispatchOp& op) {
+void LowLatencyProtocol::send_dispatch(DispatchOp& op) {
+    enter(op.seq);
     const HalfLayout& l = op.layout;
     const Payload payload = prepare_payload(op);
     const CallSignature signature = op.signature();
     std::vector<RowCopy> rows;
     for (int receiver : send_order(rank_, num_ranks_)) {
-        wait_half_free(receiver, op.seq, "low-latency dispatch: send");
-        uint8_t* dst = half(receiver, l, op.seq);
+        wait_peer_entered(receiver, op.seq, "low-latency dispatch: send",
+                          op.wait_stats ? op.wait_stats->data_ptr<int64_t>() : nullptr);
+        uint8_t* dst = half(receiver, op.seq);
         std::atomic<uint32_t>* counters = counters_of(receiver, op.seq);
         auto* ranges = reinterpret_cast<int64_t*>(dst + l.layout_range);
         rows.clear();
@@ -484,16 +455,16 @@ void LowLatencyRuntime::send_dispatch(DispatchOp& op) {
     }
 }
 
-void LowLatencyRuntime::receive_dispatch(DispatchOp& op) {
+void LowLatencyProtocol::receive_dispatch(DispatchOp& op) {
     const std::string mismatch = wait_signals(op.seq, op.signature(), "low-latency dispatch: receive",
                                               op.wait_stats ? op.wait_stats->data_ptr<int64_t>() : nullptr);
     finish_dispatch(op);  // also on a mismatch: every source is done with this half, so it can be reused
     if (!mismatch.empty()) throw GroupMismatch(mismatch);
 }
 
-void LowLatencyRuntime::finish_dispatch(DispatchOp& op) {
+void LowLatencyProtocol::finish_dispatch(DispatchOp& op) {
     const HalfLayout& l = op.layout;
-    uint8_t* mine = half(rank_, l, op.seq);
+    uint8_t* mine = half(rank_, op.seq);
     const auto* ranges = reinterpret_cast<const int64_t*>(mine + l.layout_range);
     std::memcpy(op.layout_range.data_ptr<int64_t>(), ranges, sizeof(int64_t) * l.num_local_experts * num_ranks_);
     std::memcpy(op.src_info.data_ptr<int32_t>(), mine + l.src_info,
@@ -516,12 +487,13 @@ void LowLatencyRuntime::finish_dispatch(DispatchOp& op) {
 // ---------------------------------------------------------------------------------------------------------------
 // Combine
 
-std::shared_ptr<CombineOp> LowLatencyRuntime::make_combine(const at::Tensor& x, const at::Tensor& topk_idx,
-                                                           const at::Tensor& topk_weights, const at::Tensor& src_info,
-                                                           const at::Tensor& layout_range, const OptTensor& wait_stats,
-                                                           int num_max_tokens, int num_experts, bool zero_copy,
-                                                           const OptTensor& out, bool hook_mode) {
-    check_usable();
+std::shared_ptr<CombineOp> LowLatencyProtocol::make_combine(const at::Tensor& x, const at::Tensor& topk_idx,
+                                                            const at::Tensor& topk_weights, const at::Tensor& src_info,
+                                                            const at::Tensor& layout_range, const OptTensor& wait_stats,
+                                                            int num_max_tokens, int num_experts, int64_t dispatch_uid,
+                                                            int64_t dispatch_seq, bool zero_copy, const OptTensor& out,
+                                                            bool hook_mode) {
+    runtime_->check_usable();
     require(num_max_tokens > 0 && num_experts > 0 && num_experts % num_ranks_ == 0,
             "invalid num_max_dispatch_tokens_per_rank=", num_max_tokens, " / num_experts=", num_experts);
     require(x.dim() == 3, "x must be 3-D");
@@ -576,29 +548,38 @@ std::shared_ptr<CombineOp> LowLatencyRuntime::make_combine(const at::Tensor& x, 
     op->src_info = src_info;
     op->layout_range = layout_range;
     op->wait_stats = wait_stats;
+    op->dispatch_uid = dispatch_uid;
+    op->dispatch_seq = dispatch_seq;
     op->seq = begin_op(hook_mode);
     op->epoch = epoch_.load();
     if (zero_copy) ++zero_copy_combines_;  // the next zero-copy combine fills the other area
     return op;
 }
 
-CombineResult LowLatencyRuntime::combine(const at::Tensor& x, const at::Tensor& topk_idx,
-                                         const at::Tensor& topk_weights, const at::Tensor& src_info,
-                                         const at::Tensor& layout_range, const OptTensor& wait_stats,
-                                         int num_max_dispatch_tokens_per_rank, int num_experts, bool zero_copy,
-                                         bool async_finish, bool return_recv_hook, const OptTensor& out) {
-    require(uses_shared_memory(), "this buffer uses the collective transport");
+LowLatencyCombineResult LowLatencyProtocol::combine(const at::Tensor& x, const at::Tensor& topk_idx,
+                                                    const at::Tensor& topk_weights, const at::Tensor& src_info,
+                                                    const at::Tensor& layout_range, const OptTensor& wait_stats,
+                                                    int num_max_dispatch_tokens_per_rank, int num_experts,
+                                                    int64_t dispatch_uid, int64_t dispatch_seq, bool zero_copy,
+                                                    bool async_finish, bool return_recv_hook, const OptTensor& out) {
+    runtime_->check_usable();
+    require(shared_memory_, "this buffer uses the collective transport");
     require(!(async_finish && return_recv_hook), "async_finish and return_recv_hook cannot both be set");
-    auto op = make_combine(x, topk_idx, topk_weights, src_info, layout_range, wait_stats,
-                           num_max_dispatch_tokens_per_rank, num_experts, zero_copy, out, return_recv_hook);
+    auto op =
+        make_combine(x, topk_idx, topk_weights, src_info, layout_range, wait_stats, num_max_dispatch_tokens_per_rank,
+                     num_experts, dispatch_uid, dispatch_seq, zero_copy, out, return_recv_hook);
     auto self = shared_from_this();
     EventPtr event;
     std::optional<Hook> hook;
     if (return_recv_hook) {
-        EventPtr sent = launch(true, [self, op] { self->send_combine(*op); });
-        hook = make_hook(op, sent, &LowLatencyRuntime::receive_combine);
+        EventPtr sent = runtime_->launch(true, [self, op] {
+            make_background_thread();
+            self->send_combine(*op);
+        });
+        hook = make_hook(op, sent, &LowLatencyProtocol::receive_combine);
     } else {
-        event = launch(async_finish, [self, op] {
+        event = runtime_->launch(async_finish, [self, op] {
+            if (on_comm_thread()) make_background_thread();
             self->send_combine(*op);
             self->receive_combine(*op);
         });
@@ -608,8 +589,8 @@ CombineResult LowLatencyRuntime::combine(const at::Tensor& x, const at::Tensor& 
 
 // The rows this rank sends back to `source` (expert side): rows of x and where they go in the source's
 // combine_recv [E, T, H].
-void LowLatencyRuntime::combine_rows(const CombineOp& op, int source, std::vector<int64_t>& src_rows,
-                                     std::vector<int64_t>& dst_rows) const {
+void LowLatencyProtocol::combine_rows(const CombineOp& op, int source, std::vector<int64_t>& src_rows,
+                                      std::vector<int64_t>& dst_rows) const {
     const HalfLayout& l = op.layout;
     const int64_t rt = l.rows_per_expert();
     const int64_t* ranges = op.layout_range.data_ptr<int64_t>();
@@ -626,31 +607,33 @@ void LowLatencyRuntime::combine_rows(const CombineOp& op, int source, std::vecto
     }
 }
 
-void LowLatencyRuntime::send_combine(CombineOp& op) {
+void LowLatencyProtocol::send_combine(CombineOp& op) {
+    enter(op.seq);
     const HalfLayout& l = op.layout;
     const size_t row_bytes = sizeof(uint16_t) * l.hidden;
     const auto* x = static_cast<const uint8_t*>(op.x.data_ptr());
     const CallSignature signature = op.signature();
     std::vector<int64_t> src_rows, dst_rows;
     for (int source : send_order(rank_, num_ranks_)) {
-        wait_half_free(source, op.seq, "low-latency combine: send");
+        wait_peer_entered(source, op.seq, "low-latency combine: send",
+                          op.wait_stats ? op.wait_stats->data_ptr<int64_t>() : nullptr);
         combine_rows(op, source, src_rows, dst_rows);
-        copy_rows(x, row_bytes, src_rows.data(), half(source, l, op.seq) + l.combine_recv, row_bytes, dst_rows.data(),
+        copy_rows(x, row_bytes, src_rows.data(), half(source, op.seq) + l.combine_recv, row_bytes, dst_rows.data(),
                   src_rows.size(), row_bytes);
         publish(source, op.seq, signature);
     }
 }
 
-void LowLatencyRuntime::receive_combine(CombineOp& op) {
+void LowLatencyProtocol::receive_combine(CombineOp& op) {
     const std::string mismatch = wait_signals(op.seq, op.signature(), "low-latency combine: receive",
                                               op.wait_stats ? op.wait_stats->data_ptr<int64_t>() : nullptr);
     finish_combine(op);
     if (!mismatch.empty()) throw GroupMismatch(mismatch);
 }
 
-void LowLatencyRuntime::finish_combine(CombineOp& op) {
+void LowLatencyProtocol::finish_combine(CombineOp& op) {
     const HalfLayout& l = op.layout;
-    const auto* rows = reinterpret_cast<const uint16_t*>(half(rank_, l, op.seq) + l.combine_recv);
+    const auto* rows = reinterpret_cast<const uint16_t*>(half(rank_, op.seq) + l.combine_recv);
     weighted_combine(op.topk_idx.data_ptr<int64_t>(), op.topk_weights.data_ptr<float>(),
                      static_cast<int>(op.topk_idx.size(0)), static_cast<int>(op.topk_idx.size(1)), l.hidden, rows,
                      l.num_max_tokens, reinterpret_cast<uint16_t*>(op.combined.data_ptr()));
@@ -660,10 +643,10 @@ void LowLatencyRuntime::finish_combine(CombineOp& op) {
 // ---------------------------------------------------------------------------------------------------------------
 // Collective transport
 
-CollectiveDispatchSend LowLatencyRuntime::collective_dispatch_send(const at::Tensor& x, const at::Tensor& topk_idx,
-                                                                   int num_max_dispatch_tokens_per_rank,
-                                                                   int num_experts, bool use_fp8, bool round_scale,
-                                                                   bool use_ue8m0) {
+CollectiveDispatchSend LowLatencyProtocol::collective_dispatch_send(const at::Tensor& x, const at::Tensor& topk_idx,
+                                                                    int num_max_dispatch_tokens_per_rank,
+                                                                    int num_experts, bool use_fp8, bool round_scale,
+                                                                    bool use_ue8m0) {
     auto op = make_dispatch(x, topk_idx, std::nullopt, std::nullopt, num_max_dispatch_tokens_per_rank, num_experts,
                             use_fp8, round_scale, use_ue8m0, /*hook_mode=*/true);
     const HalfLayout& l = op->layout;
@@ -681,13 +664,8 @@ CollectiveDispatchSend LowLatencyRuntime::collective_dispatch_send(const at::Ten
             for (int32_t i = payload.expert_offsets[g]; i < payload.expert_offsets[g + 1]; ++i)
                 rows.push_back({payload.tokens[i], payload.tokens[i], e, 0});
         }
-        int64_t* row = info.data_ptr<int64_t>() + receiver * kCollectiveInfoColumns;
-        row[0] = static_cast<int64_t>((rows.size() - before) * op->message_bytes);
-        row[1] = signature.kind;
-        row[2] = signature.hidden;
-        row[3] = signature.num_max_dispatch_tokens_per_rank;
-        row[4] = signature.num_experts;
-        row[5] = signature.flags;
+        write_info_row(info.data_ptr<int64_t>() + receiver * kCollectiveInfoColumns,
+                       static_cast<int64_t>((rows.size() - before) * op->message_bytes), signature);
     }
     auto messages = at::empty({static_cast<int64_t>(rows.size() * op->message_bytes)}, at::kByte);
     pack_dispatch_messages(payload.rows, rows.data(), rows.size(), messages.data_ptr<uint8_t>(), op->message_bytes);
@@ -705,8 +683,8 @@ CollectiveDispatchSend LowLatencyRuntime::collective_dispatch_send(const at::Ten
             op->layout_range};
 }
 
-void LowLatencyRuntime::collective_dispatch_recv(int64_t op_number, const at::Tensor& messages, const at::Tensor& info,
-                                                 const OptTensor& cumulative_stats) {
+void LowLatencyProtocol::collective_dispatch_recv(int64_t op_number, const at::Tensor& messages, const at::Tensor& info,
+                                                  const OptTensor& cumulative_stats) {
     std::shared_ptr<DispatchOp> op;
     {
         std::lock_guard<std::mutex> lock(collective_mutex_);
@@ -715,27 +693,21 @@ void LowLatencyRuntime::collective_dispatch_recv(int64_t op_number, const at::Te
         op = it->second;
         collective_dispatches_.erase(it);
     }
-    check_usable();
+    runtime_->check_usable();
     const HalfLayout& l = op->layout;
     const CallSignature expected = op->signature();
     for (int source = 0; source < num_ranks_; ++source) {
-        const int64_t* row = info.data_ptr<int64_t>() + source * kCollectiveInfoColumns;
-        const CallSignature theirs{static_cast<int32_t>(row[1]), static_cast<int32_t>(row[2]),
-                                   static_cast<int32_t>(row[3]), static_cast<int32_t>(row[4]),
-                                   static_cast<int32_t>(row[5])};
+        const CallSignature theirs = read_info_row(info.data_ptr<int64_t>() + source * kCollectiveInfoColumns);
         if (theirs != expected) {
             end_receive(op->seq);  // nothing was unpacked; the half is free again
-            throw GroupMismatch(
-                concat("mtdeepep: ranks disagree on low-latency op #", op->seq, " (collective dispatch): rank ", rank_,
-                       " has (hidden ", expected.hidden, ", num_max_dispatch_tokens_per_rank ",
-                       expected.num_max_dispatch_tokens_per_rank, ", num_experts ", expected.num_experts, ", flags ",
-                       expected.flags, ") but rank ", source, " has (hidden ", theirs.hidden,
-                       ", num_max_dispatch_tokens_per_rank ", theirs.num_max_dispatch_tokens_per_rank, ", num_experts ",
-                       theirs.num_experts, ", flags ", theirs.flags, "); flags: 1 FP8, 2 round_scale, 4 UE8M0"));
+            throw GroupMismatch(concat("mtdeepep: ranks disagree on low-latency op #", op->seq,
+                                       " (collective dispatch): rank ", rank_, " has ", describe(expected),
+                                       " but rank ", source, " has ", describe(theirs),
+                                       "; flags: 1 FP8, 2 round_scale, 4 UE8M0"));
         }
     }
     const uint8_t* data = messages.data_ptr<uint8_t>();
-    uint8_t* mine = half(rank_, l, op->seq);
+    uint8_t* mine = half(rank_, op->seq);
     auto* ranges = reinterpret_cast<int64_t*>(mine + l.layout_range);
     // Sources in rank order: source s's rows for expert e follow those of sources < s (deterministic layout).
     std::vector<int64_t> next_slot(l.num_local_experts, 0);
@@ -774,20 +746,20 @@ void LowLatencyRuntime::collective_dispatch_recv(int64_t op_number, const at::Te
     finish_dispatch(*op);
 }
 
-CollectiveCombineSend LowLatencyRuntime::collective_combine_send(const at::Tensor& x, const at::Tensor& topk_idx,
-                                                                 const at::Tensor& topk_weights,
-                                                                 const at::Tensor& src_info,
-                                                                 const at::Tensor& layout_range,
-                                                                 int num_max_dispatch_tokens_per_rank, int num_experts,
-                                                                 bool zero_copy, const OptTensor& out) {
+CollectiveCombineSend LowLatencyProtocol::collective_combine_send(
+    const at::Tensor& x, const at::Tensor& topk_idx, const at::Tensor& topk_weights, const at::Tensor& src_info,
+    const at::Tensor& layout_range, int num_max_dispatch_tokens_per_rank, int num_experts, int64_t dispatch_uid,
+    int64_t dispatch_seq, bool zero_copy, const OptTensor& out) {
     auto op = make_combine(x, topk_idx, topk_weights, src_info, layout_range, std::nullopt,
-                           num_max_dispatch_tokens_per_rank, num_experts, zero_copy, out, /*hook_mode=*/true);
+                           num_max_dispatch_tokens_per_rank, num_experts, dispatch_uid, dispatch_seq, zero_copy, out,
+                           /*hook_mode=*/true);
     const HalfLayout& l = op->layout;
     const size_t row_bytes = sizeof(uint16_t) * l.hidden;
     op->message_bytes = combine_message_bytes(l.hidden);
+    const CallSignature signature = op->signature();
     std::vector<int64_t> src_rows, dst_rows, all_src_rows;
     std::vector<MessageHeader> headers;
-    auto bytes_per_destination = at::zeros({num_ranks_}, at::kLong);
+    auto info = at::empty({num_ranks_, kCollectiveInfoColumns}, at::kLong);
     for (int source = 0; source < num_ranks_; ++source) {
         combine_rows(*op, source, src_rows, dst_rows);
         for (size_t i = 0; i < src_rows.size(); ++i) {
@@ -795,7 +767,8 @@ CollectiveCombineSend LowLatencyRuntime::collective_combine_send(const at::Tenso
             headers.push_back({static_cast<int32_t>(dst_rows[i] % l.num_max_tokens),
                                static_cast<int32_t>(dst_rows[i] / l.num_max_tokens)});
         }
-        bytes_per_destination.data_ptr<int64_t>()[source] = src_rows.size() * op->message_bytes;
+        write_info_row(info.data_ptr<int64_t>() + source * kCollectiveInfoColumns,
+                       static_cast<int64_t>(src_rows.size() * op->message_bytes), signature);
     }
     auto messages = at::empty({static_cast<int64_t>(headers.size() * op->message_bytes)}, at::kByte);
     uint8_t* data = messages.data_ptr<uint8_t>();
@@ -812,10 +785,11 @@ CollectiveCombineSend LowLatencyRuntime::collective_combine_send(const at::Tenso
         std::lock_guard<std::mutex> lock(collective_mutex_);
         collective_combines_[static_cast<int64_t>(op->seq)] = op;
     }
-    return {static_cast<int64_t>(op->seq), messages, bytes_per_destination, bytes_per_source, op->combined};
+    return {static_cast<int64_t>(op->seq), messages, info, bytes_per_source, op->combined};
 }
 
-void LowLatencyRuntime::collective_combine_recv(int64_t op_number, const at::Tensor& messages) {
+void LowLatencyProtocol::collective_combine_recv(int64_t op_number, const at::Tensor& messages,
+                                                 const at::Tensor& info) {
     std::shared_ptr<CombineOp> op;
     {
         std::lock_guard<std::mutex> lock(collective_mutex_);
@@ -824,8 +798,20 @@ void LowLatencyRuntime::collective_combine_recv(int64_t op_number, const at::Ten
         op = it->second;
         collective_combines_.erase(it);
     }
-    check_usable();
+    runtime_->check_usable();
     const HalfLayout& l = op->layout;
+    const CallSignature expected = op->signature();
+    for (int source = 0; source < num_ranks_; ++source) {
+        const CallSignature theirs = read_info_row(info.data_ptr<int64_t>() + source * kCollectiveInfoColumns);
+        if (theirs != expected) {
+            end_receive(op->seq);
+            throw GroupMismatch(concat("mtdeepep: ranks disagree on low-latency op #", op->seq,
+                                       " (collective combine): rank ", rank_, " has ", describe(expected), " but rank ",
+                                       source, " has ", describe(theirs),
+                                       "; a combine carries the dispatch of its handle: every rank must combine the "
+                                       "same dispatch"));
+        }
+    }
     const size_t row_bytes = sizeof(uint16_t) * l.hidden;
     const uint8_t* data = messages.data_ptr<uint8_t>();
     const int64_t num_messages = messages.numel() / static_cast<int64_t>(op->message_bytes);
@@ -839,7 +825,7 @@ void LowLatencyRuntime::collective_combine_recv(int64_t op_number, const at::Ten
                                    "); ranks disagree on the call?"));
         dst_rows[i] = static_cast<int64_t>(header.expert) * l.num_max_tokens + header.token;
     }
-    copy_rows(data + sizeof(MessageHeader), op->message_bytes, nullptr, half(rank_, l, op->seq) + l.combine_recv,
+    copy_rows(data + sizeof(MessageHeader), op->message_bytes, nullptr, half(rank_, op->seq) + l.combine_recv,
               row_bytes, dst_rows.data(), num_messages, row_bytes);
     finish_combine(*op);
 }
@@ -847,8 +833,8 @@ void LowLatencyRuntime::collective_combine_recv(int64_t op_number, const at::Ten
 // ---------------------------------------------------------------------------------------------------------------
 // Zero-copy area and clean
 
-at::Tensor LowLatencyRuntime::next_combine_buffer(int num_max_dispatch_tokens_per_rank, int hidden, int num_experts) {
-    check_usable();
+at::Tensor LowLatencyProtocol::next_combine_buffer(int num_max_dispatch_tokens_per_rank, int hidden, int num_experts) {
+    runtime_->check_usable();
     require(num_max_dispatch_tokens_per_rank > 0 && hidden > 0 && num_experts > 0 && num_experts % num_ranks_ == 0,
             "invalid handle values");
     const std::vector<int64_t> sizes{num_experts / num_ranks_,
@@ -858,17 +844,16 @@ at::Tensor LowLatencyRuntime::next_combine_buffer(int num_max_dispatch_tokens_pe
     return area;
 }
 
-void LowLatencyRuntime::clean(int num_max_dispatch_tokens_per_rank, int hidden, int num_experts) {
-    check_usable();
+void LowLatencyProtocol::clean(int num_max_dispatch_tokens_per_rank, int hidden, int num_experts) {
+    runtime_->check_usable();
     const HalfLayout layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks_, num_experts);
     check_fits(layout);
-    if (queued_.load(std::memory_order_acquire) > 0) launch(false, [] {});  // finish this rank's queued calls
-    if (peers_) peers_->barrier("low-latency clean: every rank stopped sending");
-    uint8_t* mine = region(rank_);
-    std::memset(mine + control_.progress, 0, control_.bytes - control_.progress);
+    if (runtime_->has_queued_work()) runtime_->launch(false, [] {});  // finish this rank's queued calls
+    if (shared_memory_) runtime_->peers().barrier("low-latency clean: every rank stopped sending");
+    uint8_t* mine = area(rank_);
+    std::memset(mine, 0, control_.bytes);  // progress, signals, counters
     for (uint64_t h = 0; h < 2; ++h)
-        std::memset(half(rank_, layout, h) + layout.layout_range, 0,
-                    sizeof(int64_t) * layout.num_local_experts * num_ranks_);
+        std::memset(half(rank_, h) + layout.layout_range, 0, sizeof(int64_t) * layout.num_local_experts * num_ranks_);
     {
         std::lock_guard<std::mutex> lock(collective_mutex_);
         collective_dispatches_.clear();
@@ -878,7 +863,7 @@ void LowLatencyRuntime::clean(int num_max_dispatch_tokens_per_rank, int hidden, 
     ++epoch_;
     hook_pending_[0].store(false);
     hook_pending_[1].store(false);
-    if (peers_) peers_->barrier("low-latency clean: every rank zeroed its state");
+    if (shared_memory_) runtime_->peers().barrier("low-latency clean: every rank zeroed its state");
 }
 
-}  // namespace mtdeepep::low_latency
+}  // namespace mtdeepep::cpu

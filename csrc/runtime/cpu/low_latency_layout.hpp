@@ -1,16 +1,19 @@
-// Where everything lives in a rank's low-latency region (the CPU analog of DeepEP's low-latency RDMA buffer).
+// Where everything lives in a rank's low-latency area (the CPU analog of DeepEP's low-latency RDMA buffer), the last
+// part of the rank's shared segment (see runtime/runtime.hpp):
 //
 //   [control area]  [half 0]  [half 1]
 //
-// Consecutive low-latency calls (dispatch or combine) alternate between the two halves, so the results of two
-// calls can be alive at once (DeepEP's double buffering).
+// Consecutive low-latency calls (dispatch or combine) alternate between the two halves, so the results of two calls
+// can be alive at once (DeepEP's double buffering). The halves have a fixed place and size, half of what follows the
+// control area: a call's layout depends on its shape (hidden size, experts, tokens), but where a half starts does
+// not, so a call of another shape never writes over the other half's results.
 //
 // The control area holds all signalling state, at offsets that depend only on the rank count, so that calls with
 // different shapes never mistake data for a signal:
 //
-//   ControlHeader                 PeerGroup's barrier state (set-up and clean_low_latency_buffer)
-//   RecvProgress                  per half, the last op whose receive phase finished on this rank
-//   signals   [2][R]              per half and source rank: "my writes for op #n are done"
+//   Progress                      the last op whose send phase started on this rank, and per half the last op whose
+//                                 receive phase finished
+//   signals   [2][R]              per half and source rank: "my writes for op #n are done" and the call's signature
 //   counters  [2][kMaxExperts]    per half and local expert: rows reserved so far (the receiver resets them)
 //
 // One half, for num_max_dispatch_tokens_per_rank T, hidden H, R ranks, E experts (E_local = E / R per rank,
@@ -22,19 +25,18 @@
 //   recv_x        [E_local, RT, H]    bfloat16 rows, or float8_e4m3fn rows in the first half of the same bytes
 //   combine_recv  [E, T, H]           bfloat16: the expert outputs for this rank's tokens, by (expert, token)
 //
-// Every rank computes the same offsets from the same arguments; the size hint is `region_bytes`.
+// Every rank computes the same offsets from the same arguments; the size hint is `area_bytes`.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/cpu/low_latency.hpp"
 #include "shm/peer_group.hpp"
 
-namespace mtdeepep::low_latency {
+namespace mtdeepep::cpu::ll {
 
-constexpr int kScaleBlock = 128;   // channels per FP8 scale
-constexpr int kScalesPerPack = 4;  // UE8M0 exponents per int32
 constexpr size_t kPageAlignment = 4096;
 constexpr size_t kLineAlignment = 64;
 
@@ -45,18 +47,23 @@ inline size_t align_up(size_t value, size_t alignment) {
 // What kind of call wrote a signal, so that a receiver can tell when ranks disagree about the call.
 enum class OpKind : int32_t { kDispatch = 1, kCombine = 2 };
 
-// What a call is, as every rank must agree: published next to each signal and checked by the receiver.
+// What a call is, as every rank must agree: published next to each signal and checked by the receiver. A dispatch
+// carries its own identity, a combine the identity of the dispatch whose handle it was given: ranks that combine
+// different dispatches (or a handle of another buffer on one rank only) disagree here.
 struct CallSignature {
     int32_t kind;
     int32_t hidden;
     int32_t num_max_dispatch_tokens_per_rank;
     int32_t num_experts;
     int32_t flags;  // dispatch: bit 0 FP8, bit 1 round_scale, bit 2 UE8M0
+    int64_t dispatch_uid;
+    int64_t dispatch_seq;
 
     bool operator==(const CallSignature& other) const {
         return kind == other.kind && hidden == other.hidden &&
                num_max_dispatch_tokens_per_rank == other.num_max_dispatch_tokens_per_rank &&
-               num_experts == other.num_experts && flags == other.flags;
+               num_experts == other.num_experts && flags == other.flags && dispatch_uid == other.dispatch_uid &&
+               dispatch_seq == other.dispatch_seq;
     }
     bool operator!=(const CallSignature& other) const { return !(*this == other); }
 };
@@ -67,9 +74,12 @@ struct alignas(64) Signal {
     CallSignature call;
 };
 
-// Per half, the last op whose receive phase finished on the owning rank. A sender writes op #n into a peer's half
-// only once the peer finished op #n-2 there.
-struct alignas(64) RecvProgress {
+// A sender writes op #n into a peer's half only once the peer has *entered* op #n (started its send phase): by then
+// the peer made call #n, so the results of call #n-2 in that half are given up, and its calls up to #n-1 have
+// finished reading them (a combine may send `recv_x` of the dispatch two calls back straight from the half). `done`:
+// per half, the last op whose receive phase finished on this rank (recovery after clean_low_latency_buffer).
+struct alignas(64) Progress {
+    std::atomic<uint64_t> entered;
     std::atomic<uint64_t> done[2];
 };
 
@@ -78,8 +88,8 @@ struct ControlLayout {
     size_t progress = 0, signals = 0, counters = 0, bytes = 0;
 
     explicit ControlLayout(int num_ranks) {
-        progress = align_up(sizeof(shm::ControlHeader), kLineAlignment);
-        signals = align_up(progress + sizeof(RecvProgress), kLineAlignment);
+        progress = 0;
+        signals = align_up(progress + sizeof(Progress), kLineAlignment);
         counters = align_up(signals + 2 * sizeof(Signal) * num_ranks, kLineAlignment);
         bytes = align_up(counters + 2 * sizeof(uint32_t) * shm::kMaxExperts, kPageAlignment);
     }
@@ -89,7 +99,7 @@ struct ControlLayout {
     size_t counter_block(int half) const { return counters + sizeof(uint32_t) * shm::kMaxExperts * half; }
 };
 
-// Offsets of one half, relative to the half's start.
+// Offsets of one call's data inside a half, relative to the half's start.
 struct HalfLayout {
     int num_ranks = 0, num_experts = 0, num_local_experts = 0;
     int num_max_tokens = 0, hidden = 0;
@@ -125,9 +135,15 @@ struct HalfLayout {
     int64_t rows_per_expert() const { return static_cast<int64_t>(num_ranks) * num_max_tokens; }
 };
 
-// The bytes a region needs for these arguments: the control area and two halves.
-inline size_t region_bytes(int num_max_tokens, int hidden, int num_ranks, int num_experts) {
+// The bytes an area needs for calls with these arguments: the control area and two halves.
+inline size_t area_bytes(int num_max_tokens, int hidden, int num_ranks, int num_experts) {
     return ControlLayout(num_ranks).bytes + 2 * HalfLayout(num_max_tokens, hidden, num_ranks, num_experts).bytes;
 }
 
-}  // namespace mtdeepep::low_latency
+// The fixed size of each half of an area of `num_bytes`.
+inline size_t half_bytes(size_t num_bytes, int num_ranks) {
+    const size_t control = ControlLayout(num_ranks).bytes;
+    return num_bytes > control ? (num_bytes - control) / 2 / kPageAlignment * kPageAlignment : 0;
+}
+
+}  // namespace mtdeepep::cpu::ll

@@ -9,7 +9,10 @@
 #include <cstdint>
 #include <vector>
 
-namespace mtdeepep::low_latency {
+namespace mtdeepep::cpu::ll {
+
+constexpr int kScaleBlock = 128;   // channels per FP8 scale
+constexpr int kScalesPerPack = 4;  // UE8M0 exponents per int32
 
 // ---- FP8 ----
 // Per-token, per-128-channel E4M3 cast of bfloat16 rows, the layout of `mtdeepep.utils.refs.per_token_cast_to_fp8`:
@@ -80,4 +83,4 @@ void copy_rows(const uint8_t* src, int64_t src_stride, const int64_t* src_row, u
 void weighted_combine(const int64_t* topk_idx, const float* weights, int num_tokens, int num_topk, int hidden,
                       const uint16_t* rows, int num_max_tokens, uint16_t* out);
 
-}  // namespace mtdeepep::low_latency
+}  // namespace mtdeepep::cpu::ll

@@ -1,12 +1,10 @@
-#include "low_latency/kernels.hpp"
+#include "kernels/cpu/low_latency.hpp"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-
-#include "low_latency/layout.hpp"
 
 // The extension is built for baseline x86-64 (SSE2); the hot loops are also compiled for AVX2 and picked at load
 // time (GCC/Clang function multi-versioning). Without FMA, so results are the same bits on every CPU.
@@ -19,7 +17,7 @@
 #define MTDEEPEP_INLINE inline
 #endif
 
-namespace mtdeepep::low_latency {
+namespace mtdeepep::cpu::ll {
 
 namespace {
 
@@ -168,6 +166,12 @@ void write_dispatch_rows(const DispatchPayload& payload, const RowCopy* rows, si
     });
 }
 
+namespace {
+size_t align_up(size_t value, size_t alignment) {
+    return (value + alignment - 1) / alignment * alignment;
+}
+}  // namespace
+
 size_t dispatch_message_bytes(size_t row_bytes, int num_scales) {
     return align_up(sizeof(MessageHeader) + row_bytes + sizeof(float) * num_scales, 8);
 }
@@ -223,4 +227,4 @@ void weighted_combine(const int64_t* topk_idx, const float* weights, int num_tok
     });
 }
 
-}  // namespace mtdeepep::low_latency
+}  // namespace mtdeepep::cpu::ll

@@ -1,0 +1,74 @@
+"""Dispatch identity: what a handle carries besides DeepEP's tuple.
+
+DeepEP's handles are plain tuples of tensors, and its clients keep them that way (Megatron stores them on an autograd
+context and may pass them to another buffer of the same group; torchtitan smuggles them through custom ops). mtdeepep
+keeps the tuple, and attaches to a tensor the dispatch created (never to a user's tensor) a `DispatchRecord`:
+
+- the dispatch's identity `(uid, seq)`: the buffer's id, agreed by the ranks at set-up, and the dispatch's number in
+  that buffer. Combine and cached dispatch publish it, so ranks that pass handles of different dispatches (interleaved
+  micro-batches in a pipeline) all raise `GroupMismatchError` instead of exchanging rows that do not match;
+- the group's identity (its global ranks and this rank), so a handle from a buffer of another group is refused, while
+  a handle from any live buffer of the same group is accepted, as upstream does;
+- private copies of the tensors the engine reads again later (layout, routing), so that changing the handle's tensors
+  in place cannot make the engine read outside its buffers; the engine also checks them.
+
+The record survives rebuilding the tuple (`tuple(handle)`, unpacking and repacking): it lives on the tensor object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_ATTRIBUTE = "_mtdeepep_dispatch"
+
+
+@dataclass(frozen=True)
+class DispatchRecord:
+    """What mtdeepep needs to combine (or re-dispatch) a dispatch.
+
+    kind: which engine layout the handle has ('intranode', 'internode', 'low_latency').
+    group: `(global ranks of the group, this rank)`. uid, seq: the dispatch's identity.
+    num_tokens: tokens this rank dispatched. num_recv: rows it received (the combine's input rows).
+    state: the engine's private copies (engine-specific, never handed to users).
+    """
+
+    kind: str
+    group: tuple[tuple[int, ...], int]
+    uid: int
+    seq: int
+    num_tokens: int
+    num_recv: int
+    state: Any = field(repr=False)
+
+
+def attach(carrier: torch.Tensor, record: DispatchRecord) -> None:
+    """Attaches `record` to `carrier`, a tensor the dispatch created and put in the handle."""
+    setattr(carrier, _ATTRIBUTE, record)
+
+
+def record_of(handle: Any, kind: str, group: tuple[tuple[int, ...], int], what: str) -> DispatchRecord:
+    """The record of `handle` (a tuple from an mtdeepep dispatch), checked against the expected kind and group.
+
+    ValueError, before any communication, if it is not such a handle, or comes from another group or mode.
+    """
+    elements = handle if isinstance(handle, tuple) else ()
+    record = next(
+        (r for r in (getattr(e, _ATTRIBUTE, None) for e in elements if isinstance(e, torch.Tensor)) if r is not None),
+        None,
+    )
+    if record is None:
+        raise ValueError(
+            f"mtdeepep: {what}: the handle must be the tuple returned by an mtdeepep dispatch (its tensors carry the "
+            f"dispatch's identity; a copied or hand-made tuple is refused), got {type(handle).__name__}"
+        )
+    if record.kind != kind:
+        raise ValueError(f"mtdeepep: {what}: the handle comes from a {record.kind} dispatch, this call needs {kind}")
+    if record.group != group:
+        raise ValueError(
+            f"mtdeepep: {what}: the handle was issued for group ranks {list(record.group[0])} (this rank "
+            f"{record.group[1]}), this buffer serves {list(group[0])} (this rank {group[1]})"
+        )
+    return record

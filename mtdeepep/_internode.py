@@ -1,0 +1,757 @@
+"""DeepEP's internode ("normal", two-stage) dispatch and combine: a node engine composed with a network stage.
+
+When a buffer's group spans several nodes (node = group rank // `num_ranks_per_node`), `InternodeEngine` moves tokens
+in two stages, as upstream's kernels do over RDMA and NVLink:
+
+- network stage, over the "RDMA" group (the ranks with this rank's local index on every node):
+  `torch.distributed.all_to_all_single`, counts first. A token crosses it at most once per destination node, to the
+  rank with the same local index there (the *forwarder*); a token for this rank's own node goes to this rank itself
+  (no bytes leave the process);
+- node-local stage, on the node engine (any executor; shared memory on CPU): each forwarded token goes to the ranks of
+  the node that own its experts. The node engine is called directly, with checked arguments: no facade, no host sync.
+
+Combine runs the stages backwards: the node engine sums, per forwarded token, the rows of the node's ranks in FP32
+(one partial sum per token and node, rounded once to x's dtype), the network stage returns the partials, and the
+source rank sums them per token in FP32, adds the bias and rounds once more.
+
+Every operation runs on this engine's worker thread (the counterpart of upstream's comm stream), one at a time in
+submission order, so every rank issues its collectives in the same order. The caller waits only for the *notify*
+part, as upstream's CPU does for its receive counts: the count and routing-metadata exchanges and the node-local
+dispatch of the metadata, after which every output's size is known. The token bytes then move in the background
+(`async_finish`), in chunks, so that the network transfer of one chunk overlaps the node-local stage of the previous
+one (as DeepEP overlaps its RDMA and NVLink stages). `previous_event` is waited for on the worker first.
+
+Identity: combine and cached dispatch first all-gather the (buffer uid, dispatch seq) of their handle over the whole
+group; if the ranks disagree (handles of different dispatches), every rank raises `GroupMismatchError` before any row
+moves. Waits: every network wait is bounded by the timeout; each operation records its number in the rendezvous store,
+so a timeout names the ranks that did not reach it.
+
+Legend: R ranks, N nodes, L ranks per node (R = N * L), E experts, E_r = E / R experts per rank, T tokens on this
+rank, K top-k slots, H hidden, S rows this rank sends over the network (one per token and destination node), M rows
+it receives there as a forwarder, N_recv rows it finally receives.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from ._cpu_engine import low_latency_handle
+from ._engine import DispatchOutputs, Engine, Event
+from ._handles import DispatchRecord, attach
+from ._setup import group_key, group_ranks, new_group
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_ROW_ALIGNMENT = 16  # network rows are padded to this many bytes (int64 views, float32 view for the node stage)
+_CHUNK_BYTES = 8 << 20  # token bytes per pipelined chunk of the network stage
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Handle and row format
+
+
+class InternodeHandle(NamedTuple):
+    """The handle of an internode dispatch: a tuple of 8 (pass it to `combine` and to cached `dispatch`).
+
+    Upstream's positions that its tests read are kept: `handle[0]` is `is_token_in_rank` and `handle[-4]` is
+    `recv_gbl_rank_prefix_sum`. Everything is on the engine's device.
+    """
+
+    is_token_in_rank: torch.Tensor  # [T, R] bool, as given to dispatch
+    send_node_prefix: torch.Tensor  # [N] int32, inclusive prefix over nodes of the rows this rank sends
+    send_token_idx: torch.Tensor  # [S] int64, token of each network row, grouped by node, token order within
+    fwd_recv_node_prefix: torch.Tensor  # [N] int32, inclusive prefix over nodes of the rows this rank forwards
+    recv_gbl_rank_prefix_sum: torch.Tensor  # [R] int32, inclusive prefix over source ranks of the received rows
+    recv_src_meta: torch.Tensor  # [N_out, 2] int32, (source rank, token index there) per output row; -1 padding
+    recv_perm: torch.Tensor  # [N_recv] int64, output row i is row recv_perm[i] of the node stage's output
+    node_handle: tuple  # the node-local stage's handle (forwarded rows -> ranks of this node)
+
+
+@dataclass(frozen=True)
+class _InternodeState:
+    """The private copies an internode record keeps (see mtdeepep._handles)."""
+
+    send_counts: list[int]  # rows this rank sends to each node
+    recv_counts: list[int]  # rows this rank forwards from each node
+    send_token_idx: torch.Tensor  # [S] int64
+    recv_perm: torch.Tensor  # [N_recv] int64
+    node_record: DispatchRecord  # the node stage's dispatch
+
+
+@dataclass(frozen=True)
+class _RowFormat:
+    """Byte layout of one network row, padded to 16 bytes:
+
+    `[topk_idx int64 x K][topk_weights float32 x K][source rank int32, source token int32][is_token_in_rank of
+    the destination node's L ranks, one byte each][scales][x]`. Cached dispatch sends only `[scales][x]`: the
+    handle knows the rest. Forwarders hand the rows unchanged (viewed as float32) to the node-local stage, so
+    the final receiver finds the source of every row in the row itself.
+    """
+
+    num_topk: int  # 0: no top-k ids
+    has_weights: bool
+    meta_ranks: int  # L when the source and routing bytes are present, 0 in cached mode
+    scale_bytes: int
+    x_bytes: int
+
+    @property
+    def weights_offset(self) -> int:
+        return 8 * self.num_topk
+
+    @property
+    def src_offset(self) -> int:
+        return self.weights_offset + (4 * self.num_topk if self.has_weights else 0)
+
+    @property
+    def routing_offset(self) -> int:
+        return self.src_offset + (8 if self.meta_ranks else 0)
+
+    @property
+    def scales_offset(self) -> int:
+        return _align(self.routing_offset + self.meta_ranks, 4)
+
+    @property
+    def x_offset(self) -> int:
+        return self.scales_offset + self.scale_bytes
+
+    @property
+    def row_bytes(self) -> int:
+        return _align(self.x_offset + self.x_bytes, _ROW_ALIGNMENT)
+
+
+def _align(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def _columns(rows: torch.Tensor, offset: int, num_bytes: int, dtype: torch.dtype) -> torch.Tensor:
+    """The byte columns `[offset, offset + num_bytes)` of `[n, row_bytes]` uint8 rows, viewed as `dtype`."""
+    return rows[:, offset : offset + num_bytes].view(dtype)
+
+
+class _Scratch:
+    """Grow-only byte buffers reused across calls for temporaries (never for returned tensors): fresh allocations of
+    that size cost more in page faults than the copies themselves. Slots: 0 the rows this rank sends over the network
+    (dispatch) or gets back (combine); 1 the rows it receives as a forwarder (dispatch) or the FP32 accumulator
+    (combine); 2 combine's x in the node stage's order."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = [None, None, None]
+
+    def get(self, slot: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        num_bytes = max(1, numel) * dtype.itemsize
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < num_bytes:
+            self._buffers[slot] = None  # free the old one first
+            buffer = self._buffers[slot] = torch.empty(num_bytes, dtype=torch.uint8)
+        return buffer[:num_bytes].view(dtype)[:numel].view(shape)
+
+    def clear(self) -> None:
+        self._buffers = [None, None, None]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The engine
+
+
+class InternodeEngine(Engine):
+    """Two-stage dispatch/combine for a group that spans several nodes (see the module docstring).
+
+    Set-up (collective over the group, after the node engine connected): a node group and an RDMA group per rank
+    (`dist.new_group`, gloo, in the same order on every rank, bounded by the timeout) and a private group over all
+    ranks for identity checks and the low-latency collective transport. Memory besides the node engine's: the scratch
+    buffers keep the largest call's network rows and combine's temporaries until `destroy()`.
+    """
+
+    handle_kind = "internode"
+
+    def __init__(self, group: dist.ProcessGroup, node: Engine, num_ranks_per_node: int, timeout_s: float, uid: int,
+                 *, low_latency: bool) -> None:  # fmt: skip
+        self.node = node
+        self.device = node.device
+        self.rank, self.num_ranks = group.rank(), group.size()
+        self.num_ranks_per_node = num_ranks_per_node
+        self.num_nodes = self.num_ranks // num_ranks_per_node
+        self.node_index, self.local_rank = divmod(self.rank, num_ranks_per_node)
+        self.group = group_key(group)
+        self.uid = uid
+        self.timeout_s = timeout_s
+        self._creator_pid = os.getpid()
+        self._dispatches = 0  # this engine's dispatch numbers (the caller's thread)
+        self._ops = 0  # operations started on the worker, recorded in the store for timeout reports
+        self._store = dist.distributed_c10d._get_default_store()
+        self._progress_prefix = f"mtdeepep/progress/{uid}"
+        self._scratch = _Scratch()  # used by the worker only
+        self.node_group, self.rdma_group, self.world_group = self._new_groups(group)
+        self.low_latency = None
+        if low_latency:
+            self.low_latency = _C.LowLatencyProtocol(node.runtime, self.rank, self.num_ranks, False)
+        self._ll_in_flight: deque[Event] = deque()  # low-latency calls whose exchange may still run on the worker
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mtdeepep-internode-{self.rank}")
+
+    def _new_groups(self, group: dist.ProcessGroup):
+        ranks = group_ranks(group)
+        all_ranks_call = len(ranks) == dist.get_world_size()
+        L, N = self.num_ranks_per_node, self.num_nodes
+        node_groups = [
+            new_group([ranks[n * L + i] for i in range(L)], self.timeout_s, all_ranks_call) for n in range(N)
+        ]
+        rdma_groups = [
+            new_group([ranks[n * L + i] for n in range(N)], self.timeout_s, all_ranks_call) for i in range(L)
+        ]
+        world_group = new_group(list(ranks), self.timeout_s, all_ranks_call)
+        node_group, rdma_group = node_groups[self.node_index], rdma_groups[self.local_rank]
+        if node_group.rank() != self.local_rank or rdma_group.rank() != self.node_index:
+            raise ValueError("mtdeepep: internode mode needs the group's ranks in ascending global order")
+        return node_group, rdma_group, world_group
+
+    def set_timeout(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.node.set_timeout(timeout_s)
+
+    def interrupt(self, reason: str) -> None:
+        self.node.interrupt(reason)
+
+    def destroy(self) -> None:
+        """Finishes the queued operations, then releases the worker, the node engine, the scratch buffers and the
+        process groups (nothing in a forked child)."""
+        if os.getpid() != self._creator_pid:
+            return
+        self._worker.shutdown(wait=True)
+        self._scratch.clear()
+        self.node.destroy()
+        for group in (self.node_group, self.rdma_group, self.world_group):
+            dist.destroy_process_group(group)
+        del self.node_group, self.rdma_group, self.world_group  # tear the groups down now, on every rank alike
+
+    def local_buffer_tensor(self, dtype: torch.dtype, offset: int, use_rdma_buffer: bool) -> torch.Tensor:
+        return self.node.local_buffer_tensor(dtype, offset, use_rdma_buffer)
+
+    # -----------------------------------------------------------------------------------------------------------
+    # Execution on the worker, waits, identity
+
+    def _run(self, operation: Callable[[Callable[[tuple], None]], None], previous: Event | None,
+             async_finish: bool) -> tuple[tuple, Event | None]:  # fmt: skip
+        """Queues `operation(notify)` on the worker (after `previous`) and waits until it calls `notify(outputs)`.
+
+        Returns `(outputs, event)`: without `async_finish` the caller also waits for the rest of the operation (the
+        event is then None). An error before `notify` is raised here, one after it by the event's wait.
+        """
+        notified: Future = Future()
+        done = _C.EventHandle.pending()
+
+        def task() -> None:
+            error = None
+            try:
+                self._ops += 1
+                self._store.set(f"{self._progress_prefix}/{self.rank}", str(self._ops))
+                if previous is not None:
+                    previous.wait()
+                with torch.no_grad():  # communication is not differentiable (see mtdeepep.autograd)
+                    operation(notified.set_result)
+                if not notified.done():
+                    raise RuntimeError("mtdeepep: internal error: the operation never notified")
+            except BaseException as failure:  # noqa: BLE001 - handed to the waiters
+                if notified.done():
+                    error = failure
+                else:
+                    notified.set_exception(failure)
+            done.complete(error)
+
+        self._worker.submit(task)
+        try:
+            outputs = notified.result()
+            if not async_finish:
+                done.wait()
+                return outputs, None
+        except KeyboardInterrupt:
+            self.interrupt(f"rank {self.rank} was interrupted (KeyboardInterrupt)")
+            raise
+        return outputs, done
+
+    def _exchange(self, output: torch.Tensor, input_: torch.Tensor, output_splits: list[int],
+                  input_splits: list[int], phase: str, group=None) -> None:  # fmt: skip
+        """One `all_to_all_single` over the RDMA group (or `group`), waited for at most the timeout."""
+        group = self.rdma_group if group is None else group
+        self._wait(dist.all_to_all_single(output, input_, output_splits, input_splits, group=group, async_op=True),
+                   phase)  # fmt: skip
+
+    def _wait(self, work: dist.Work, phase: str) -> None:
+        """Waits for a collective of one of this engine's groups at most the timeout; a timeout names the ranks that
+        did not reach the current operation (from the store), a failure the backend's error."""
+        timeout_s = self.timeout_s
+        where = f"mtdeepep: rank {self.rank}: internode {phase} (network stage, operation #{self._ops})"
+        failure = None
+        try:
+            finished = work.wait(timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as error:
+            failure, finished = str(error), False
+        # A failed operation must not outlive this call in the frames of the exception raised below: its process
+        # group cannot be torn down while it is pending, and a garbage collection that frees it later would block
+        # one rank at a random point.
+        del work
+        if failure is not None and "timed out" not in failure.lower():
+            raise _C.CommError(f"{where} failed: {failure}")
+        if not finished:
+            detail = f" (backend: {failure})" if failure else ""
+            raise _C.CommTimeoutError(f"{where} did not finish within {timeout_s} s: {self._missing_ranks()}{detail}")
+
+    def _missing_ranks(self) -> str:
+        """Which ranks have not reached this rank's current operation, from the progress each records in the store."""
+        behind = []
+        try:
+            for r in range(self.num_ranks):
+                key = f"{self._progress_prefix}/{r}"
+                reached = int(self._store.get(key)) if self._store.check([key]) else 0
+                if reached < self._ops:
+                    behind.append(f"{r} (at operation #{reached})")
+        except (RuntimeError, ValueError) as error:
+            return f"the ranks' progress could not be read ({error})"
+        if not behind:
+            return "every rank reached this operation; one of its peers in this stage stopped inside it"
+        return f"rank(s) {', '.join(behind)} did not arrive"
+
+    def _check_identity(self, record: DispatchRecord, phase: str) -> None:
+        """All ranks must pass the handle of the same dispatch: all-gather (uid, seq) over the whole group, and every
+        rank raises GroupMismatchError (naming the ranks) when they differ."""
+        mine = torch.tensor([record.uid, record.seq], dtype=torch.int64)
+        everyone = torch.empty(2 * self.num_ranks, dtype=torch.int64)
+        self._wait(_all_gather_single(everyone, mine, group=self.world_group, async_op=True),
+                   f"{phase}: handle identity check")  # fmt: skip
+        ids = [tuple(row) for row in everyone.view(-1, 2).tolist()]
+        if len(set(ids)) > 1:
+            described = ", ".join(f"rank {r}: dispatch {u}#{s}" for r, (u, s) in enumerate(ids))
+            raise _C.GroupMismatchError(
+                f"mtdeepep: rank {self.rank}: internode {phase}: the ranks passed handles of different dispatches "
+                f"({described}); every rank must use the same dispatch (e.g. the same micro-batch)"
+            )
+
+    @contextmanager
+    def _node_stage(self, phase: str):
+        """Re-raises the node-local stage's errors with the node and the mapping of its local rank numbers."""
+        try:
+            yield
+        except _C.CommError as error:
+            first = self.node_index * self.num_ranks_per_node
+            raise type(error)(
+                f"mtdeepep: rank {self.rank}: internode {phase}, node-local stage on node {self.node_index} (its local "
+                f"rank i is group rank {first} + i): {error}"
+            ) from error
+
+    def _node_of_rank(self, is_token_in_rank: torch.Tensor) -> torch.Tensor:
+        """`[T, R]` bool -> `[T, N]` bool: does the token go to some rank of each node."""
+        return is_token_in_rank.reshape(-1, self.num_nodes, self.num_ranks_per_node).any(dim=2)
+
+    # -----------------------------------------------------------------------------------------------------------
+    # Layout
+
+    def layout(self, topk_idx, num_experts, previous, async_finish):
+        """Local computation (the layout kernel over all R ranks), done by the caller after `previous`, as upstream's
+        is on its stream; a token counts once per destination node in `num_tokens_per_rdma_rank`."""
+        if previous is not None:
+            previous.wait()
+        per_rank, per_expert, in_rank = _C.get_dispatch_layout(topk_idx, num_experts, self.num_ranks)
+        per_node = self._node_of_rank(in_rank).sum(dim=0, dtype=torch.int32)
+        return per_rank, per_node, per_expert, in_rank, None
+
+    # -----------------------------------------------------------------------------------------------------------
+    # Dispatch
+
+    def dispatch(self, data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert,
+                 expert_alignment, num_worst_tokens, num_channels, previous, async_finish):  # fmt: skip
+        """Notify (the caller waits for it): (1) count exchange and (2) metadata exchange over the RDMA group (each
+        token once per destination node, with its global top-k ids and weights, source rank and index, and its
+        destination ranks in that node); (3) the forwarders' node-local dispatch of that metadata, with node-local
+        expert ids (-1 for other nodes' experts); (4) the order of the outputs: the node stage delivers rows grouped
+        by forwarder, then by source node; the outputs are grouped by global source rank (a stable sort of the
+        source ranks). Data (in the background with `async_finish`): the token bytes (and scales) take the same two
+        stages as the metadata, chunk by chunk, then are gathered into output order."""
+        self._dispatches += 1
+        seq = self._dispatches
+
+        def full_dispatch(notify: Callable[[tuple], None]) -> None:
+            outputs = self._notify_dispatch(
+                data, scales, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                num_worst_tokens, num_channels, seq,
+            )  # fmt: skip
+            notify(outputs)
+            recv, handle = outputs[:2], outputs[5]
+            self._move_tokens(data, scales, _record_of(handle).state, recv, num_channels, "dispatch")
+
+        outputs, event = self._run(full_dispatch, previous, async_finish)
+        recv_data, recv_scales, recv_idx, recv_weights, counts, handle = outputs
+        return DispatchOutputs(recv_data, recv_scales, recv_idx, recv_weights, counts, handle, event)
+
+    def cached_dispatch(self, data, scales, record, num_worst_tokens, num_channels, previous, async_finish):
+        def cached(notify: Callable[[tuple], None]) -> None:
+            self._check_identity(record, "cached dispatch")
+            num_out = self._output_rows(record.state.recv_perm.numel(), num_worst_tokens, "cached dispatch")
+            recv_data, recv_scales = _new_recv(data, scales, num_out)
+            notify((recv_data, recv_scales))
+            self._move_tokens(data, scales, record.state, (recv_data, recv_scales), num_channels, "cached dispatch")
+
+        (recv_data, recv_scales), event = self._run(cached, previous, async_finish)
+        return recv_data, recv_scales, event
+
+    def _send_plan(self, is_token_in_rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Network rows: each token once per destination node. Returns `(send_token_idx [S] int64, node [S])`,
+        grouped by node, token order within."""
+        node_S, token_S = self._node_of_rank(is_token_in_rank).t().nonzero(as_tuple=True)
+        return token_S, node_S
+
+    def _notify_dispatch(self, data, scales, is_token_in_rank, per_expert, topk_idx, topk_weights, expert_alignment,
+                         num_worst_tokens, num_channels, seq) -> tuple:  # fmt: skip
+        """Stages (1)-(4) of `dispatch` and the outputs' allocation: `(recv_data (not yet written), recv_scales,
+        recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)`."""
+        L, N = self.num_ranks_per_node, self.num_nodes
+        fmt = _RowFormat(num_topk=0 if topk_idx is None else topk_idx.size(1), has_weights=topk_weights is not None,
+                         meta_ranks=L, scale_bytes=0, x_bytes=0)  # fmt: skip
+        token_S, node_S = self._send_plan(is_token_in_rank)
+        send_counts = torch.bincount(node_S, minlength=N)
+
+        # Stage 1: counts. Per destination node: rows, then this rank's token count of each of its L * E_r experts.
+        send_info = torch.cat([send_counts.unsqueeze(1), per_expert.reshape(N, -1).long()], dim=1)
+        recv_info = torch.empty_like(send_info)
+        self._exchange(recv_info, send_info, [1] * N, [1] * N, "dispatch: count exchange")
+        recv_counts = recv_info[:, 0]
+
+        # Stage 2: metadata.
+        rows_S = self._pack(fmt, None, None, topk_idx, topk_weights, is_token_in_rank, token_S, node_S)
+        rows_M = self._scratch.get(1, (int(recv_counts.sum()), fmt.row_bytes), torch.uint8)
+        self._exchange(rows_M, rows_S, recv_counts.tolist(), send_counts.tolist(), "dispatch: metadata exchange")
+
+        # Stage 3: the node-local stage, with node-local expert ids.
+        node_in_rank = _columns(rows_M, fmt.routing_offset, L, torch.bool).contiguous()
+        node_topk_idx = node_weights = None
+        if topk_idx is not None:
+            node_topk_idx = self._node_local_ids(_columns(rows_M, 0, 8 * fmt.num_topk, torch.int64), per_expert)
+        if topk_weights is not None:
+            node_weights = _columns(rows_M, fmt.weights_offset, 4 * fmt.num_topk, torch.float32).contiguous()
+        with self._node_stage("dispatch"):
+            node = self.node.dispatch(
+                rows_M.view(torch.float32), None, node_topk_idx, node_weights, node_in_rank,
+                recv_info[:, 1:].sum(dim=0).int(), expert_alignment, 0, num_channels, None, False,
+            )  # fmt: skip
+
+        # Stage 4: the output order, grouped by global source rank.
+        recv_rows = node.recv_x.view(torch.uint8)
+        src_rank_token = _columns(recv_rows, fmt.src_offset, 8, torch.int32)
+        src_rank = src_rank_token[:, 0]
+        perm = torch.sort(src_rank, stable=True).indices
+        num_out = self._output_rows(perm.numel(), num_worst_tokens, "dispatch")
+        handle = InternodeHandle(
+            is_token_in_rank=is_token_in_rank,
+            send_node_prefix=send_counts.cumsum(dim=0).int(),
+            send_token_idx=token_S,
+            fwd_recv_node_prefix=recv_counts.cumsum(dim=0).int(),
+            recv_gbl_rank_prefix_sum=torch.bincount(src_rank, minlength=self.num_ranks).cumsum(dim=0).int(),
+            recv_src_meta=_gather_rows(src_rank_token, perm, num_out, -1),
+            recv_perm=perm,
+            node_handle=node.handle,
+        )
+        state = _InternodeState(
+            send_counts=send_counts.tolist(), recv_counts=recv_counts.tolist(), send_token_idx=token_S.clone(),
+            recv_perm=perm.clone(), node_record=_record_of(node.handle),
+        )  # fmt: skip
+        record = DispatchRecord(
+            kind=self.handle_kind, group=self.group, uid=self.uid, seq=seq, num_tokens=is_token_in_rank.size(0),
+            num_recv=num_out, state=state,
+        )  # fmt: skip
+        attach(handle.recv_gbl_rank_prefix_sum, record)
+        out_idx = None if node.recv_topk_idx is None else _gather_rows(node.recv_topk_idx, perm, num_out, -1)
+        out_weights = None if node.recv_topk_weights is None else _gather_rows(node.recv_topk_weights, perm, num_out, 0)
+        counts = [] if num_worst_tokens > 0 else node.num_recv_tokens_per_expert
+        recv_data, recv_scales = _new_recv(data, scales, num_out)
+        return recv_data, recv_scales, out_idx, out_weights, counts, handle
+
+    def _move_tokens(self, data, scales, state: _InternodeState, recv: tuple, num_channels: int, phase: str) -> None:
+        """The data part of a dispatch: x (and scales) through both stages, gathered into `recv` in output order."""
+        fmt = _RowFormat(0, False, 0, _row_bytes(scales), _row_bytes(data))
+        rows_S = self._pack(fmt, data, scales, None, None, None, state.send_token_idx, None)
+        rows_M = self._scratch.get(1, (sum(state.recv_counts), fmt.row_bytes), torch.uint8)
+        self._exchange(rows_M, rows_S, state.recv_counts, state.send_counts, f"{phase}: token exchange")
+        with self._node_stage(phase):
+            recv_rows, _, _ = self.node.cached_dispatch(rows_M.view(torch.float32), None, state.node_record, 0,
+                                                        num_channels, None, False)  # fmt: skip
+        recv_rows = recv_rows.view(torch.uint8)
+        recv_data, recv_scales = recv
+        x_cols = recv_rows[:, fmt.x_offset : fmt.x_offset + fmt.x_bytes]
+        _gather_rows_into(recv_data.view(torch.uint8), x_cols, state.recv_perm, 0)
+        if recv_scales is not None:
+            scale_cols = recv_rows[:, fmt.scales_offset : fmt.scales_offset + fmt.scale_bytes]
+            _gather_rows_into(recv_scales.view(torch.uint8), scale_cols, state.recv_perm, 0)
+
+    def _node_local_ids(self, topk_idx_MK: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
+        """Global expert ids -> ids among this node's `L * E_r` experts, -1 for experts of other nodes."""
+        experts_per_node = per_expert.numel() // self.num_nodes
+        local_MK = topk_idx_MK - self.node_index * experts_per_node
+        return torch.where((topk_idx_MK >= 0) & (local_MK >= 0) & (local_MK < experts_per_node), local_MK, -1)
+
+    def _output_rows(self, num_recv: int, num_worst_tokens: int, phase: str) -> int:
+        """Output rows: `num_recv`, or `num_worst_tokens` when set. Then every rank learns (one small all-reduce over
+        the whole group) whether some rank receives more rows than its `num_worst_tokens`, and all raise
+        `GroupMismatchError` together, before any token bytes move, so no peer is left waiting and the buffer stays
+        usable."""
+        if num_worst_tokens == 0:
+            return num_recv
+        excess = torch.zeros(self.num_ranks, dtype=torch.int64)
+        excess[self.rank] = num_recv if num_recv > num_worst_tokens else 0
+        self._wait(dist.all_reduce(excess, group=self.world_group, async_op=True), f"{phase}: num_worst_tokens check")
+        over = excess.nonzero().flatten().tolist()
+        if over:
+            received = ", ".join(f"rank {r}: {excess[r].item()}" for r in over)
+            raise _C.GroupMismatchError(
+                f"mtdeepep: rank {self.rank}: internode {phase}: some ranks receive more tokens than "
+                f"num_worst_tokens={num_worst_tokens} ({received})"
+            )
+        return num_worst_tokens
+
+    def _pack(self, fmt: _RowFormat, data, scales, topk_idx, topk_weights, is_token_in_rank, token_S, node_S):
+        """`[S, row_bytes]` uint8 network rows (see `_RowFormat`)."""
+        rows_S = self._scratch.get(0, (token_S.numel(), fmt.row_bytes), torch.uint8)
+        if fmt.num_topk:
+            torch.index_select(topk_idx, 0, token_S, out=_columns(rows_S, 0, 8 * fmt.num_topk, torch.int64))
+        if fmt.has_weights:
+            weights = _columns(rows_S, fmt.weights_offset, 4 * fmt.num_topk, torch.float32)
+            torch.index_select(topk_weights, 0, token_S, out=weights)
+        if fmt.meta_ranks:
+            src = _columns(rows_S, fmt.src_offset, 8, torch.int32)
+            src[:, 0] = self.rank
+            src[:, 1] = token_S
+            L = self.num_ranks_per_node
+            routing_TNL = is_token_in_rank.reshape(-1, self.num_nodes, L)
+            routing = _columns(rows_S, fmt.routing_offset, L, torch.bool)
+            routing.copy_(routing_TNL[token_S, node_S])
+            rows_S[:, fmt.routing_offset + L : fmt.scales_offset] = 0
+        if scales is not None:
+            scale_cols = _columns(rows_S, fmt.scales_offset, fmt.scale_bytes, scales.dtype)
+            torch.index_select(scales, 0, token_S, out=scale_cols)
+        if data is not None:
+            x_cols = rows_S[:, fmt.x_offset : fmt.x_offset + fmt.x_bytes]
+            torch.index_select(data.view(torch.uint8), 0, token_S, out=x_cols)
+        rows_S[:, fmt.x_offset + fmt.x_bytes :] = 0  # padding: keeps the bytes that travel deterministic
+        return rows_S
+
+    # -----------------------------------------------------------------------------------------------------------
+    # Combine
+
+    def combine(self, x, topk_weights, bias0, bias1, record, num_channels, previous, async_finish):
+        """Stages: (1) undo the dispatch's reordering (one copy of x); (2) node-local combine to the forwarders, FP32
+        sums rounded once to x's dtype (one partial per token and node); (3) the partials (and the slot-wise weight
+        sums, float32) go back over the RDMA group; (4) the source sums each token's node partials in FP32, adds the
+        bias and rounds once to x's dtype. The identity check is the notify part; the four stages run in the
+        background with `async_finish`."""
+        num_tokens = record.num_tokens
+
+        def combine(notify: Callable[[tuple], None]) -> None:
+            self._check_identity(record, "combine")
+            combined = x.new_empty(num_tokens, x.size(1))
+            combined_w = None if topk_weights is None else torch.empty(num_tokens, topk_weights.size(1))
+            notify((combined, combined_w))
+            self._combine(x, record.state, topk_weights, (bias0, bias1), num_channels, combined, combined_w)
+
+        (combined, combined_w), event = self._run(combine, previous, async_finish)
+        return combined, combined_w, event
+
+    def _combine(self, x, state: _InternodeState, topk_weights, biases, num_channels, combined, combined_w) -> None:
+        """The four stages of `combine`, writing `combined` `[T, H]` and `combined_w` `[T, K]` (or None)."""
+        num_tokens = combined.size(0)
+        # Stage 1: back to the node stage's row order.
+        num_recv = state.recv_perm.numel()
+        node_order = torch.empty_like(state.recv_perm)
+        node_order[state.recv_perm] = torch.arange(num_recv)
+        x_node = self._scratch.get(2, (num_recv, x.size(1)), x.dtype)
+        torch.index_select(x, 0, node_order, out=x_node)
+        w_node = None if topk_weights is None else topk_weights.index_select(0, node_order)
+
+        # Stage 2: partial sums per node, at the forwarders.
+        with self._node_stage("combine"):
+            partial_M, partial_w_M, _ = self.node.combine(x_node, w_node, None, None, state.node_record, num_channels,
+                                                          None, False)  # fmt: skip
+
+        # Stage 3: the partials go home.
+        partial_S = self._scratch.get(0, (sum(state.send_counts), x.size(1)), x.dtype)
+        self._send_back(partial_S, partial_M, state.send_counts, state.recv_counts, "combine: partial-sum return")
+        partial_w_S = None
+        if partial_w_M is not None:
+            partial_w_S = partial_w_M.new_empty(sum(state.send_counts), partial_w_M.size(1))
+            self._send_back(partial_w_S, partial_w_M, state.send_counts, state.recv_counts, "combine: weight return")
+
+        # Stage 4: FP32 sum of the node partials, bias, one rounding.
+        acc = _sum_rows(self._scratch.get(1, (num_tokens, x.size(1)), torch.float32), partial_S, state.send_token_idx,
+                        state.send_counts)  # fmt: skip
+        for b in biases:
+            if b is not None:
+                acc += b
+        combined.copy_(acc)
+        if combined_w is not None:
+            _sum_rows(combined_w, partial_w_S, state.send_token_idx, state.send_counts)
+
+    def _send_back(self, rows_S: torch.Tensor, rows_M: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int], phase: str) -> None:  # fmt: skip
+        """Forwarded rows `rows_M` back to their source ranks, into `rows_S` (bytes over the RDMA group)."""
+        self._exchange(rows_S.view(torch.uint8), rows_M.contiguous().view(torch.uint8), output_splits, input_splits,
+                       phase)  # fmt: skip
+
+    # -----------------------------------------------------------------------------------------------------------
+    # Low-latency mode: the collective transport over the whole group
+
+    def _background(self, body: Callable[[], None]) -> Event:
+        """Runs `body` on the worker (in order with every other operation of this engine, so every rank issues its
+        collectives in the same order); returns the event it completes."""
+        done = _C.EventHandle.pending()
+
+        def task() -> None:
+            error = None
+            try:
+                with torch.no_grad():
+                    body()
+            except BaseException as failure:  # noqa: BLE001 - handed to the waiters
+                error = failure
+            done.complete(error)
+
+        self._worker.submit(task)
+        return done
+
+    def _ll_launch(self, exchange: Callable[[], None], async_finish: bool, return_recv_hook: bool):
+        """(event, hook) of a collective-transport call whose exchange and receive run on the worker: finished now,
+        by the event's wait, or by the hook. At most two calls are in flight, as with the shared-memory transport:
+        a third waits for the first."""
+        event = self._background(exchange)
+        self._ll_in_flight.append(event)
+        if return_recv_hook:
+            return None, event.wait
+        if async_finish:
+            return event, None
+        event.wait()
+        return None, None
+
+    def _ll_make_room(self) -> None:
+        while len(self._ll_in_flight) >= 2:
+            self._ll_in_flight.popleft().wait()
+
+    def ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_stats, wait_stats,
+                    use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook):  # fmt: skip
+        """The sender packs one message per (token, expert) row per destination (here); sizes and call signatures
+        (`[R, 8]` int64), then the rows, cross the private whole-group group on the worker, where the receiver
+        unpacks them into its own low-latency area (same layout as the shared-memory transport). `wait_stats` is
+        left untouched."""
+        self._ll_make_room()
+        self.node.runtime.set_num_threads(torch.get_num_threads())
+        op, messages, send_info, recv_x, recv_scales, recv_count, src_info, layout_range = (
+            self.low_latency.collective_dispatch_send(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0
+            )
+        )
+
+        def exchange() -> None:
+            received, recv_info = self._ll_exchange(messages, send_info, "low-latency dispatch: all-to-all")
+            self.low_latency.collective_dispatch_recv(op, received, recv_info, cumulative_stats)
+
+        event, hook = self._ll_launch(exchange, async_finish, return_recv_hook)
+        handle = low_latency_handle(self, src_info, layout_range, op, x, num_max_dispatch_tokens_per_rank, num_experts)
+        return recv_x, recv_scales, recv_count, handle, event, hook
+
+    def ll_combine(self, x, topk_idx, topk_weights, record, handle, zero_copy, async_finish, return_recv_hook, out,
+                   wait_stats):  # fmt: skip
+        self._ll_make_room()
+        self.node.runtime.set_num_threads(torch.get_num_threads())
+        src_info, layout_range, num_max_dispatch_tokens_per_rank, _, num_experts = handle
+        op, messages, send_info, _, combined = self.low_latency.collective_combine_send(
+            x, topk_idx, topk_weights, src_info, layout_range, num_max_dispatch_tokens_per_rank, num_experts,
+            record.uid, record.seq, zero_copy, out,
+        )  # fmt: skip
+
+        def exchange() -> None:
+            received, recv_info = self._ll_exchange(messages, send_info, "low-latency combine: all-to-all")
+            self.low_latency.collective_combine_recv(op, received, recv_info)
+
+        event, hook = self._ll_launch(exchange, async_finish, return_recv_hook)
+        return combined, event, hook
+
+    def _ll_exchange(self, messages: torch.Tensor, send_info: torch.Tensor, phase: str):
+        """Sizes and signatures first (`[R, 8]` int64 per destination), then the messages; returns what arrived."""
+        recv_info = torch.empty_like(send_info)
+        self._wait(dist.all_to_all_single(recv_info, send_info, group=self.world_group, async_op=True),
+                   phase + " of the sizes")  # fmt: skip
+        recv_bytes, send_bytes = recv_info[:, 0].tolist(), send_info[:, 0].tolist()
+        received = torch.empty(sum(recv_bytes), dtype=torch.uint8)
+        self._wait(dist.all_to_all_single(received, messages, recv_bytes, send_bytes, group=self.world_group,
+                                          async_op=True), phase)  # fmt: skip
+        return received, recv_info
+
+    def ll_clean(self, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> None:
+        """Collective: finishes this rank's calls, then zeroes the signalling state between two barriers."""
+        self._ll_make_room()
+        while self._ll_in_flight:
+            self._ll_in_flight.popleft().wait()
+
+        def clean() -> None:
+            self._wait(dist.barrier(group=self.world_group, async_op=True), "low-latency clean: every rank stopped")
+            self.low_latency.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+            self._wait(dist.barrier(group=self.world_group, async_op=True), "low-latency clean: every rank zeroed")
+
+        self._background(clean).wait()
+
+    def ll_next_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        return self.low_latency.next_combine_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def _record_of(handle: tuple) -> DispatchRecord:
+    for element in handle:
+        record = getattr(element, "_mtdeepep_dispatch", None)
+        if record is not None:
+            return record
+    raise AssertionError("mtdeepep internal error: a dispatch handle without its record")
+
+
+def _new_recv(data: torch.Tensor, scales: torch.Tensor | None, num_rows: int):
+    recv_data = data.new_empty(num_rows, data.size(1))
+    return recv_data, None if scales is None else scales.new_empty(num_rows, scales.size(1))
+
+
+def _row_bytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.size(1) * tensor.element_size()
+
+
+def _gather_rows(rows: torch.Tensor, perm: torch.Tensor, num_out: int, fill: float) -> torch.Tensor:
+    """`rows[perm]` (rows may be a strided view), padded with `fill` up to `num_out` rows."""
+    return _gather_rows_into(rows.new_empty((num_out, *rows.shape[1:])), rows, perm, fill)
+
+
+def _gather_rows_into(out: torch.Tensor, rows: torch.Tensor, perm: torch.Tensor, fill: float) -> torch.Tensor:
+    """Writes `rows[perm]` into the first rows of `out` and `fill` into the others; returns `out`."""
+    torch.index_select(rows, 0, perm, out=out[: perm.numel()])
+    out[perm.numel() :] = fill
+    return out
+
+
+_SUM_CHUNK_ROWS = 256  # rows converted to float32 at a time (a small temporary instead of a [S, H] one)
+
+
+def _sum_rows(out: torch.Tensor, rows_S: torch.Tensor, token_S: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Writes into `out` `[T, C]` float32 the FP32 sum of each token's rows (one per node that received it), node by
+    node in ascending order; tokens without rows get 0. Returns `out`."""
+    out.zero_()
+    begin = 0
+    for count in counts:
+        for start in range(begin, begin + count, _SUM_CHUNK_ROWS):
+            end = min(start + _SUM_CHUNK_ROWS, begin + count)
+            out.index_add_(0, token_S[start:end], rows_S[start:end].float())
+        begin += count
+    return out
