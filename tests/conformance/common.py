@@ -12,6 +12,7 @@ for the FP32 additions (at most a handful per element here). `node_partials_f64`
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -162,19 +163,65 @@ def assert_combine_close(actual, partials, dtype, extra=None) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Errors
+
+
+def assert_value_errors(calls: dict) -> dict[str, ValueError]:
+    """Every call of `calls` (name -> function) raises ValueError; returns the errors by name for message checks."""
+    errors, wrong = {}, []
+    for name, call in calls.items():
+        try:
+            call()
+        except ValueError as error:
+            errors[name] = error
+        except Exception as error:  # noqa: BLE001 - reported below with the calls that raised nothing
+            wrong.append(f"{name}: {type(error).__name__}")
+        else:
+            wrong.append(f"{name}: no error")
+    assert not wrong, f"expected ValueError: {wrong}"
+    return errors
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Overlap
 
 
+def assert_overlaps(ctx, run, calibrate: int, repeats: int, what: str) -> tuple[float, float, float]:
+    """Asserts that `run(work_s)` (the communication with `work_s` seconds of the caller's work in its window; 0:
+    none) overlaps the two; `run` starts with a barrier of all ranks, so they time the same operation.
+
+    With work time S ~ t = `run(0)`, serial execution takes t + S; perfect overlap saves min(t, S), none saves
+    nothing. Require half. S is the median of `calibrate` runs; t and the overlapped time are medians of `repeats`
+    interleaved runs (slow drifts of a noisy machine hit both alike); up to three attempts, agreed by all ranks, so
+    that a burst of outside load cannot fail the test while a missing overlap fails all three.
+    Returns `(t, S, overlapped time)` in seconds.
+    """
+    for _ in range(3):
+        work_s = statistics.median(run(0.0) for _ in range(calibrate))
+        serial, overlapped = [], []
+        for _ in range(repeats):
+            serial.append(run(0.0))
+            overlapped.append(run(work_s))
+        t_comm, t_overlapped = statistics.median(serial), statistics.median(overlapped)
+        saved = t_comm + work_s - t_overlapped
+        ok = torch.tensor([int(saved >= 0.5 * min(t_comm, work_s))])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ctx.group)
+        if ok.item():
+            break
+    assert saved >= 0.5 * min(t_comm, work_s), (
+        f"no overlap: {what} with work {t_overlapped * 1e3:.2f} ms vs {t_comm * 1e3:.2f} ms + work"
+        f" {work_s * 1e3:.2f} ms"
+    )
+    return t_comm, work_s, t_overlapped
+
+
 def assert_async_overlaps(ctx, buffer, x, dispatch_kwargs) -> tuple[float, float, float]:
-    """Asserts that work between an `async_finish=True` dispatch/combine and its wait overlaps the transfer.
+    """Work between an `async_finish=True` dispatch/combine and its wait overlaps the transfer (`assert_overlaps`).
 
     The rows move on the buffer's comm thread; the caller's work is `time.sleep`, a stand-in for accelerator work
     that frees the core (a CPU-bound computation cannot overlap a CPU copy on a 2-core machine: both need the same
-    cores). With work time S ~ t = t(dispatch + combine), serial execution takes t + S; overlapped, it must save at
-    least half of the ideal min(t, S). Medians of interleaved repetitions, up to three attempts agreed by all ranks.
-    Returns `(t, S, overlapped time)` in seconds.
+    cores).
     """
-    import statistics
 
     def run(work_s: float) -> float:
         dist.barrier(group=ctx.group)
@@ -189,19 +236,4 @@ def assert_async_overlaps(ctx, buffer, x, dispatch_kwargs) -> tuple[float, float
         event.current_stream_wait()
         return time.perf_counter() - start
 
-    for _ in range(3):
-        work_s = statistics.median(run(0.0) for _ in range(3))
-        serial, overlapped = [], []
-        for _ in range(5):
-            serial.append(run(0.0))
-            overlapped.append(run(work_s))
-        t_comm, t_overlapped = statistics.median(serial), statistics.median(overlapped)
-        saved = t_comm + work_s - t_overlapped
-        ok = torch.tensor([int(saved >= 0.5 * min(t_comm, work_s))])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ctx.group)
-        if ok.item():
-            break
-    assert saved >= 0.5 * min(t_comm, work_s), (
-        f"no overlap: {t_overlapped * 1e3:.1f} ms with work vs {t_comm * 1e3:.1f} ms + {work_s * 1e3:.1f} ms"
-    )
-    return t_comm, work_s, t_overlapped
+    return assert_overlaps(ctx, run, calibrate=3, repeats=5, what="dispatch+combine")

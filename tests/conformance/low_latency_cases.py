@@ -18,7 +18,6 @@ Legend: T tokens, K top-k, H hidden, R ranks, E experts, E_local = E / R, RT = R
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -27,7 +26,7 @@ import torch.distributed as dist
 import mtdeepep as deep_ep
 from mtdeepep.utils import refs
 
-from .common import gather
+from .common import assert_overlaps, assert_value_errors, gather
 
 COUNT_MASK = (1 << 32) - 1
 RANK_OFFSET = 128  # upstream's row value: source rank - 128 (exact in bfloat16 and in E4M3 with its own scale)
@@ -554,30 +553,8 @@ def overlap_is_real(ctx, topo):
             check_dispatch(ctx, x, topk_idx, num_experts, recv, count, handle)
         return elapsed
 
-    def measure() -> tuple[float, float, float]:
-        compute_s = statistics.median(run(0.0) for _ in range(5))
-        serial, overlapped = [], []
-        for _ in range(9):
-            serial.append(run(0.0))
-            overlapped.append(run(compute_s))
-        return statistics.median(serial), compute_s, statistics.median(overlapped)
-
     run(0.1, check=True)  # the overlapped path moves the right rows
-    # Perfect overlap saves min(t, S) of the serial t + S; without overlap nothing is saved. Require half. Up to
-    # three attempts (all ranks agree on retrying), so that a burst of outside load cannot fail the test while a
-    # missing overlap fails all three.
-    for _ in range(3):
-        t_dispatch_hook, compute_s, t_overlapped = measure()
-        saved = t_dispatch_hook + compute_s - t_overlapped
-        ok = torch.tensor([int(saved >= 0.5 * min(t_dispatch_hook, compute_s))])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ctx.group)
-        if ok.item():
-            break
-    assert saved >= 0.5 * min(t_dispatch_hook, compute_s), (
-        f"no overlap: dispatch+compute+hook {t_overlapped * 1e3:.2f} ms vs dispatch+hook {t_dispatch_hook * 1e3:.2f}"
-        f" ms + compute {compute_s * 1e3:.2f} ms"
-    )
-    return t_dispatch_hook, compute_s, t_overlapped
+    return assert_overlaps(ctx, run, calibrate=5, repeats=9, what="dispatch+hook")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -622,14 +599,8 @@ def bad_inputs_raise_value_error_before_communicating(ctx, topo):
         "corrupt handle": lambda: combine(y, topk_idx, topk_weights, (handle[0] + 1000, *handle[1:])),
         "not low-latency mode": lambda: normal.low_latency_dispatch(x, topk_idx, 64, E),
     }
-    for name, call in cases.items():
-        try:
-            call()
-        except ValueError as error:
-            if name == "region too small":
-                assert "get_low_latency_rdma_size_hint" in str(error), error
-            continue
-        raise AssertionError(f"{name}: no ValueError")
+    errors = assert_value_errors(cases)
+    assert "get_low_latency_rdma_size_hint" in str(errors["region too small"]), errors["region too small"]
     dispatch_compute_combine(ctx, buffer, x, topk_idx, topk_weights, E, 64)  # still in step with the peers
 
 
