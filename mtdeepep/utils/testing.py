@@ -278,7 +278,7 @@ class ProcessContext:
     _results: Any
 
     def send(self, value: Any) -> None:
-        """Reports `value` to the parent now (e.g. before the process kills itself)."""
+        """Reports `value` to the parent now: it is in the pipe when this returns (the process may kill itself)."""
         self._results.put((self.rank, True, value))
 
     def init_group(self, timeout_s: float | None = None) -> dist.ProcessGroup:
@@ -312,7 +312,7 @@ def run_processes(target: Callable[..., Any], num_processes: int, args: tuple = 
     all within `timeout_s`. A process may kill itself (its exit code says so); one that raises fails the call
     with its traceback, and one still alive at the deadline is killed and fails it too."""
     context = mp.get_context("spawn")
-    results = context.Queue()
+    results = context.SimpleQueue()  # put() writes to the pipe before it returns, unlike Queue's feeder thread
     port = free_port()
     processes = [
         context.Process(target=_process_entry, args=(target, ProcessContext(rank, num_processes, port, results), args))
@@ -324,25 +324,23 @@ def run_processes(target: Callable[..., Any], num_processes: int, args: tuple = 
     errors: list[str] = []
     deadline = time.monotonic() + timeout_s
 
-    def drain(wait_s: float) -> None:
-        while True:
-            try:
-                rank, ok, value = results.get(timeout=wait_s)
-            except queue.Empty:
-                return
+    def drain() -> None:
+        while not results.empty():
+            rank, ok, value = results.get()
             if ok:
                 values[rank].append(value)
             else:
                 errors.append(f"--- process {rank} ---\n{value}")
-            wait_s = 0.05
 
-    # Drain while waiting: a child blocks at exit until its queued values are read.
+    # Drain while waiting: a child writing more than the pipe holds blocks until it is read.
     while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
-        drain(_POLL_S)
+        drain()
+        for process in processes:
+            process.join(timeout=_POLL_S / len(processes))
     hung = [rank for rank, p in enumerate(processes) if p.is_alive()]
     _dump_stacks([processes[r] for r in hung])
     _kill(processes)
-    drain(0.2)
+    drain()
     if hung:
         errors.insert(0, f"processes {hung} did not finish within {timeout_s:.0f} s")
     if errors:
