@@ -1,41 +1,30 @@
-"""Helpers shared by the benchmarks: start ranks, time collectives, measure memcpy, save results.
+"""Helpers shared by the benchmarks: time collectives, measure memcpy, save results.
 
-Every benchmark runs its ranks as processes of this host (torch.multiprocessing, spawn), joined by gloo on
-127.0.0.1. Timing convention: before every iteration all ranks meet at a gloo barrier, so they start the
-operation together; each rank times its own call with `time.perf_counter`, and the median over iterations is
-that rank's time.
+Every benchmark runs its ranks with the one launcher, `mtdeepep.utils.testing.run_ranks`: processes of this host
+(spawn) joined by gloo on 127.0.0.1, each with `max(1, cores // ranks)` intra-op threads, a deadline on the whole
+run and the failing rank's traceback. Timing convention: before every iteration all ranks meet at a gloo barrier,
+so they start the operation together; each rank times its own call with `time.perf_counter`, and the median over
+iterations is that rank's time.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import queue
 import socket
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from mtdeepep.utils.testing import num_cores, run_ranks, threads_per_rank
+
+__all__ = ["num_cores", "run_ranks", "threads_per_rank"]  # re-exported: the benchmarks import them from here
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
-
-def num_cores() -> int:
-    """Cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
-def threads_per_rank(num_ranks: int) -> int:
-    return max(1, num_cores() // num_ranks)
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -44,71 +33,6 @@ def parse_int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise ValueError(f"expected a comma-separated list of positive integers, got {text!r}")
     return values
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def init_gloo(rank: int, num_ranks: int, port: int, timeout_s: float) -> dist.ProcessGroup:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=num_ranks,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    return dist.group.WORLD
-
-
-def _rank_entry(rank: int, worker: Callable, num_ranks: int, port: int, args: tuple, results) -> None:
-    """Runs `worker(rank, num_ranks, group, *args)` in a fresh process and sends its return value home."""
-    torch.set_num_threads(threads_per_rank(num_ranks))
-    group = init_gloo(rank, num_ranks, port, timeout_s=300)
-    try:
-        results.put((rank, worker(rank, num_ranks, group, *args)))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(worker: Callable, num_ranks: int, args: tuple = (), timeout_s: float = 600) -> list[Any]:
-    """Runs `worker(rank, num_ranks, group, *args)` on `num_ranks` spawned processes; returns their results by rank.
-
-    Each rank uses `max(1, cores // num_ranks)` intra-op threads. `worker` must be a module-level function and
-    its result picklable. Raises if a rank fails or the ranks do not finish within `timeout_s`.
-    """
-    results = mp.get_context("spawn").Queue()
-    context = mp.start_processes(
-        _rank_entry, args=(worker, num_ranks, free_port(), args, results), nprocs=num_ranks, join=False,
-        start_method="spawn",
-    )  # fmt: skip
-    by_rank: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    done = False
-    while not done:
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            raise TimeoutError(f"{num_ranks} ranks did not finish within {timeout_s:.0f} s")
-        done = context.join(timeout=1.0)  # raises if a rank failed
-        _drain(results, by_rank)
-    _drain(results, by_rank)
-    missing = sorted(set(range(num_ranks)) - set(by_rank))
-    if missing:
-        raise RuntimeError(f"ranks {missing} exited without a result")
-    return [by_rank[r] for r in range(num_ranks)]
-
-
-def _drain(results, by_rank: dict[int, Any]) -> None:
-    while True:
-        try:
-            rank, value = results.get(timeout=0.1)
-        except queue.Empty:
-            return
-        by_rank[rank] = value
 
 
 def time_interleaved(

@@ -33,6 +33,7 @@ it receives there as a forwarder, N_recv rows it finally receives.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections import deque
@@ -197,7 +198,8 @@ class InternodeEngine(Engine):
         self.low_latency = None
         if low_latency:
             self.low_latency = _C.LowLatencyProtocol(node.runtime, self.rank, self.num_ranks, False)
-        self._ll_in_flight: deque[Event] = deque()  # low-latency calls whose exchange may still run on the worker
+        # Low-latency calls whose exchange may still run on the worker: [event, hook called].
+        self._ll_in_flight: deque[list] = deque()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mtdeepep-internode-{self.rank}")
 
     def _new_groups(self, group: dist.ProcessGroup):
@@ -395,10 +397,10 @@ class InternodeEngine(Engine):
 
     def cached_dispatch(self, data, scales, record, num_worst_tokens, num_channels, previous, async_finish):
         def cached(notify: Callable[[tuple], None]) -> None:
-            self._check_identity(record, "cached dispatch")
             num_out = self._output_rows(record.state.recv_perm.numel(), num_worst_tokens, "cached dispatch")
             recv_data, recv_scales = _new_recv(data, scales, num_out)
             notify((recv_data, recv_scales))
+            self._check_identity(record, "cached dispatch")  # before any row moves; raised by the event if async
             self._move_tokens(data, scales, record.state, (recv_data, recv_scales), num_channels, "cached dispatch")
 
         (recv_data, recv_scales), event = self._run(cached, previous, async_finish)
@@ -550,15 +552,15 @@ class InternodeEngine(Engine):
         """Stages: (1) undo the dispatch's reordering (one copy of x); (2) node-local combine to the forwarders, FP32
         sums rounded once to x's dtype (one partial per token and node); (3) the partials (and the slot-wise weight
         sums, float32) go back over the RDMA group; (4) the source sums each token's node partials in FP32, adds the
-        bias and rounds once to x's dtype. The identity check is the notify part; the four stages run in the
-        background with `async_finish`."""
+        bias and rounds once to x's dtype. The outputs' sizes come from the handle, so the identity check and the four
+        stages all run in the background with `async_finish`."""
         num_tokens = record.num_tokens
 
         def combine(notify: Callable[[tuple], None]) -> None:
-            self._check_identity(record, "combine")
             combined = x.new_empty(num_tokens, x.size(1))
             combined_w = None if topk_weights is None else torch.empty(num_tokens, topk_weights.size(1))
             notify((combined, combined_w))
+            self._check_identity(record, "combine")  # before any row moves; raised by the event if async
             self._combine(x, record.state, topk_weights, (bias0, bias1), num_channels, combined, combined_w)
 
         (combined, combined_w), event = self._run(combine, previous, async_finish)
@@ -626,20 +628,36 @@ class InternodeEngine(Engine):
 
     def _ll_launch(self, exchange: Callable[[], None], async_finish: bool, return_recv_hook: bool):
         """(event, hook) of a collective-transport call whose exchange and receive run on the worker: finished now,
-        by the event's wait, or by the hook. At most two calls are in flight, as with the shared-memory transport:
-        a third waits for the first."""
+        by the event's wait, or by the hook. At most two calls are in flight, as with the shared-memory transport
+        (see `_ll_make_room`)."""
         event = self._background(exchange)
-        self._ll_in_flight.append(event)
+        if not (async_finish or return_recv_hook):
+            event.wait()
+            return None, None
+        entry = [event, not return_recv_hook]  # [event, whether its hook was called (True without a hook)]
+        self._ll_in_flight.append(entry)
         if return_recv_hook:
-            return None, event.wait
-        if async_finish:
-            return event, None
-        event.wait()
-        return None, None
+
+            def hook() -> None:
+                entry[1] = True
+                event.wait()
+
+            return None, hook
+        return event, None
 
     def _ll_make_room(self) -> None:
+        """Before a call: the call two back must be finished. Its hook not called yet is refused (ValueError), as the
+        shared-memory transport refuses it: that call's results would be overwritten."""
         while len(self._ll_in_flight) >= 2:
-            self._ll_in_flight.popleft().wait()
+            event, hook_called = self._ll_in_flight[0]
+            if not hook_called:
+                raise ValueError(
+                    "mtdeepep: this low-latency call would reuse the buffer half of the call two back, whose receive "
+                    "hook was not called yet; call that hook first (at most two low-latency results can be in flight)"
+                )
+            self._ll_in_flight.popleft()
+            with contextlib.suppress(Exception):  # its error belongs to that call: its own wait raises it
+                event.wait()
 
     def ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_stats, wait_stats,
                     use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook):  # fmt: skip
@@ -693,9 +711,9 @@ class InternodeEngine(Engine):
 
     def ll_clean(self, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> None:
         """Collective: finishes this rank's calls, then zeroes the signalling state between two barriers."""
-        self._ll_make_room()
         while self._ll_in_flight:
-            self._ll_in_flight.popleft().wait()
+            with contextlib.suppress(Exception):
+                self._ll_in_flight.popleft()[0].wait()
 
         def clean() -> None:
             self._wait(dist.barrier(group=self.world_group, async_op=True), "low-latency clean: every rank stopped")

@@ -3,6 +3,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <memory>
 #include <string>
 
 #include "common/exception.hpp"
@@ -62,6 +63,25 @@ inline PyObject* new_exception(py::module_& m, const char* name, PyObject* bases
 
 }  // namespace detail
 
+// A Python exception carried through C++ (an event that Python code completed with an error): every wait re-raises
+// the same exception object, as many times as it is waited for.
+class PythonError : public std::exception {
+  public:
+    explicit PythonError(const py::object& error)
+        : error_(new py::object(error),
+                 [](py::object* object) {
+                     py::gil_scoped_acquire gil;  // the last holder may be any thread
+                     delete object;
+                 }),
+          what_(py::str(error).cast<std::string>()) {}
+    const char* what() const noexcept override { return what_.c_str(); }
+    PyObject* ptr() const { return error_->ptr(); }
+
+  private:
+    std::shared_ptr<py::object> error_;
+    std::string what_;
+};
+
 inline void register_errors(py::module_& m) {
     using detail::new_exception;
     static PyObject* comm_error = new_exception(m, "CommError", PyExc_RuntimeError,
@@ -76,6 +96,8 @@ inline void register_errors(py::module_& m) {
     py::register_exception_translator([](std::exception_ptr error) {
         try {
             if (error) std::rethrow_exception(error);
+        } catch (const PythonError& e) {
+            PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(e.ptr())), e.ptr());
         } catch (const Interrupted& e) {
             detail::SavedError& saved = detail::saved_error();
             if (saved.type != nullptr) {

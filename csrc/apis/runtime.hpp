@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 #include <torch/python.h>
 
+#include "apis/errors.hpp"
 #include "runtime/cpu/low_latency.hpp"
 #include "runtime/cpu/normal.hpp"
 #include "runtime/runtime.hpp"
@@ -45,9 +46,7 @@ inline void register_runtime(py::module_& m) {
             "complete",
             [](Event& self, const py::object& error) {
                 if (error.is_none()) return self.complete();
-                // Keep the Python exception itself: wait() re-raises it as it was.
-                PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
-                self.complete(std::make_exception_ptr(py::error_already_set()));
+                self.complete(std::make_exception_ptr(PythonError(error)));  // every wait re-raises it as it was
             },
             py::arg("error") = py::none(),
             "Completes the event, with `error` (an exception) re-raised by every wait if given.");

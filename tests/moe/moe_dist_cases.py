@@ -1,4 +1,4 @@
-"""Multi-process cases: run inside every rank of a gloo world started by `test_moe_distributed.py`.
+"""Multi-process cases: run inside every rank of a `RankPool` started by `test_moe_distributed.py`.
 
 Each case builds a single-process reference layer (EP 1, 'alltoall' dispatcher, whatever the case's dispatcher) and
 an expert-parallel layer with the same weights. The reference processes every rank's chunk of tokens in turn (data
@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-from moe_testlib import assert_close
 
 from moe import MoEConfig, MoELayer, update_expert_bias
+
+from .moe_testlib import assert_close
 
 BASE = dict(hidden_size=32, num_moe_experts=8, moe_ffn_hidden_size=16, init_method_std=0.2)
 
@@ -559,35 +557,13 @@ def _flex_shared_buffer(rank, world, group):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Worker
+# Entry point
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def worker(rank: int, world: int, port: int, tasks, results) -> None:
-    """Join the gloo world, then run the case names received on `tasks` until None; report each outcome."""
-    torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("MTDEEPEP_TIMEOUT_S", "30")  # like the process group: stuck ranks report before the case
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=30),
-        )
-        group = dist.new_group(list(range(world)))  # an explicit EP group, not the default one
-        results.put(("__ready__", rank, None))
-    except BaseException:
-        results.put(("__ready__", rank, traceback.format_exc()))
-        return
-    while True:
-        name = tasks.get()
-        if name is None:
-            break
-        try:
-            CASES[name](rank, world, group)
-            results.put((name, rank, None))
-        except BaseException:
-            results.put((name, rank, traceback.format_exc()))
-    dist.destroy_process_group()
+def run_case(ctx, name: str) -> None:
+    """Runs the case `name` in a rank of a `RankPool` (see test_moe_distributed.py), on an explicit EP group (not
+    the default one) created once per pool."""
+    if "ep_group" not in ctx.cache:
+        ctx.cache["ep_group"] = dist.new_group(list(range(ctx.world_size)))
+    CASES[name](ctx.rank, ctx.world_size, ctx.cache["ep_group"])

@@ -1,5 +1,5 @@
 """Hot-expert replication and recompute with expert parallelism: cases run in the rank processes of
-`ranks.RankPool` (see test_moe_replication_recompute.py).
+a `RankPool` (see test_moe_replication_recompute.py).
 
 Every case compares two layers with the same weights on the same inputs, one with the feature and one without.
 Tolerances: replication computes a hot expert's rows in another batch and rank, so every sum (the GEMMs', the

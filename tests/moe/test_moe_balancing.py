@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_testlib import assert_close
 from torch.utils.checkpoint import checkpoint
 
 from moe import MoEConfig, MoELayer, TopKRouter, set_aux_loss_scale, update_expert_bias
@@ -19,6 +18,8 @@ from moe.balancing import (
     tokens_per_expert,
     z_loss,
 )
+
+from .moe_testlib import assert_close
 
 pytestmark = pytest.mark.timeout(60)
 

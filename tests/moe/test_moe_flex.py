@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_testlib import assert_close
 
 import mtdeepep as deep_ep
 from moe import MoEConfig, MoELayer
 from moe.dispatcher import build_dispatcher
 from moe.dispatcher.alltoall import AllToAllDispatcher
 from moe.dispatcher.deepep import DeepEPDispatcher, expand_by_local_expert, nvl_bytes_hint
+
+from .moe_testlib import assert_close
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_testlib import sqnr_db
 
 from moe import MoEConfig, MoELayer
 from moe.experts import SwiGLUExperts
@@ -28,6 +27,8 @@ from moe.fp8 import (
     quantize_blocks,
 )
 from mtdeepep.utils.refs import per_token_cast_to_fp8
+
+from .moe_testlib import sqnr_db
 
 pytestmark = pytest.mark.timeout(60)
 

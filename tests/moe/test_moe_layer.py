@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_testlib import assert_close, layer_grads, layer_params_double, ref_moe
 
 from moe import MoEConfig, MoELayer
 from moe.dispatcher import (
@@ -16,6 +15,8 @@ from moe.dispatcher import (
 )
 from moe.dispatcher.alltoall import regroup_index
 from moe.dispatcher.registry import _FACTORIES
+
+from .moe_testlib import assert_close, layer_grads, layer_params_double, ref_moe
 
 pytestmark = pytest.mark.timeout(120)
 

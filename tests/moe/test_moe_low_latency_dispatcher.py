@@ -1,6 +1,6 @@
 """The 'flex_ll' dispatcher (mtdeepep low-latency mode, inference only) against 'alltoall'.
 
-Multi-rank cases run at 2 and 4 ranks in `tests/ranks.py`'s `RankPool` (processes started once per world size for
+Multi-rank cases run at 2 and 4 ranks in the one launcher's `RankPool` (processes started once per world size for
 this module, gloo on 127.0.0.1); the single-process tests at the bottom cover the registry, the no-group path and
 the argument checks.
 
@@ -15,22 +15,16 @@ small top-k the two sums have so far come out bitwise equal; the bound is what t
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared multi-process launcher
-from ranks import RankPool  # noqa: E402
-
-import mtdeepep as deep_ep  # noqa: E402
-from moe import MoEConfig, MoELayer  # noqa: E402
-from moe.dispatcher import available_dispatchers, build_dispatcher  # noqa: E402
-from moe.dispatcher.alltoall import AllToAllDispatcher  # noqa: E402
-from moe.dispatcher.deepep_ll import DeepEPLowLatencyDispatcher, low_latency_rdma_bytes  # noqa: E402
-from mtdeepep.utils.refs import per_token_cast_back, per_token_cast_to_fp8  # noqa: E402
+import mtdeepep as deep_ep
+from moe import MoEConfig, MoELayer
+from moe.dispatcher import available_dispatchers, build_dispatcher
+from moe.dispatcher.alltoall import AllToAllDispatcher
+from moe.dispatcher.deepep_ll import DeepEPLowLatencyDispatcher, low_latency_rdma_bytes
+from mtdeepep.utils.refs import per_token_cast_back, per_token_cast_to_fp8
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -227,10 +221,8 @@ def fp8_rows_are_the_dequantised_cast(ctx):
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
-def pool(request):
-    ranks = RankPool(request.param)
-    yield ranks
-    ranks.close()
+def pool(request, rank_pools):
+    return rank_pools[request.param]
 
 
 @pytest.mark.parametrize("variant", sorted(LAYER_VARIANTS))

@@ -1,27 +1,20 @@
 """Hot-expert replication and recompute at expert-parallel 2 and 4 (cases in replication_recompute_cases.py).
 
-The rank processes start once per world size and run every case (`ranks.RankPool`, the multi-process launcher).
+The rank processes start once per world size and run every case (`rank_pools`, the one launcher's `RankPool`).
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-import replication_recompute_cases as cases
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared launcher
-from ranks import RankPool  # noqa: E402
+from . import replication_recompute_cases as cases
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"ep{n}")
-def pool(request):
-    ranks = RankPool(request.param)
-    yield ranks
-    ranks.close()
+def pool(request, rank_pools):
+    return rank_pools[request.param]
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "flex"])

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from moe_testlib import assert_close, ref_route_token
 
 from moe import MoEConfig, TopKRouter, node_limited_routing
 from moe.router import group_limited_topk
+
+from .moe_testlib import assert_close, ref_route_token
 
 pytestmark = pytest.mark.timeout(60)
 

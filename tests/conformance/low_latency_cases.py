@@ -1,4 +1,7 @@
-"""Low-latency cases run inside the rank processes of `ranks.RankPool` (see test_low_latency.py).
+"""Low-latency cases, run as `case(ctx, topo)` in the rank processes of a `RankPool` (see test_low_latency.py).
+
+One node (intranode topologies): the shared-memory transport; several nodes: the collective transport
+(torch.distributed all-to-all).
 
 Each case builds inputs on every rank, gathers them, and checks what this rank received against a plain-PyTorch
 computation from the global view. Tolerances:
@@ -15,7 +18,6 @@ Legend: T tokens, K top-k, H hidden, R ranks, E experts, E_local = E / R, RT = R
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -23,6 +25,8 @@ import torch.distributed as dist
 
 import mtdeepep as deep_ep
 from mtdeepep.utils import refs
+
+from .common import assert_overlaps, assert_value_errors, gather
 
 COUNT_MASK = (1 << 32) - 1
 RANK_OFFSET = 128  # upstream's row value: source rank - 128 (exact in bfloat16 and in E4M3 with its own scale)
@@ -32,24 +36,28 @@ RANK_OFFSET = 128  # upstream's row value: source rank - 128 (exact in bfloat16 
 # Helpers
 
 
-def ll_buffer(ctx, name: str = "main", num_max_tokens: int = 64, hidden: int = 1024, experts_per_rank: int = 8,
+def ll_buffer(ctx, topo, name: str = "main", num_max_tokens: int = 64, hidden: int = 1024, experts_per_rank: int = 8,
               **kwargs) -> deep_ep.Buffer:  # fmt: skip
     """One low-latency buffer per name, sized by the size hint, reused across the cases of a pool."""
-    key = f"ll-{name}"
+    key = f"ll-{topo}-{name}-{sorted(kwargs.items())}"
     if key not in ctx.cache:
         hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(
             num_max_tokens, hidden, ctx.world_size, experts_per_rank * ctx.world_size
         )
         ctx.cache[key] = deep_ep.Buffer(
-            ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=experts_per_rank, **kwargs
+            ctx.group,
+            0,
+            hint,
+            low_latency_mode=True,
+            num_qps_per_rank=experts_per_rank,
+            **{**topo.buffer_kwargs(), **kwargs},
         )
     return ctx.cache[key]
 
 
-def gather(ctx, value):
-    out = [None] * ctx.world_size
-    dist.all_gather_object(out, value, group=ctx.group)
-    return out
+def transport_of(buffer: deep_ep.Buffer) -> str:
+    """'shared-memory' (one node) or 'collective' (several nodes), from the public node count."""
+    return "shared-memory" if buffer.get_num_rdma_ranks() == 1 else "collective"
 
 
 def make_routing(ctx, num_tokens, num_experts, num_topk, seed, num_masked=6):
@@ -226,7 +234,7 @@ def reference_combine(x, topk_idx, topk_weights, use_fp8=False, round_scale=Fals
     return out, magnitude
 
 
-def assert_combine_close(combined, ref, magnitude, num_topk):
+def assert_weighted_combine_close(combined, ref, magnitude, num_topk):
     assert combined.dtype == torch.bfloat16
     bound = 2.0**-8 * ref.abs() + 2 * (num_topk + 1) * 2.0**-24 * magnitude
     diff = (combined.double() - ref).abs()
@@ -242,10 +250,10 @@ def run_hook(hook):
 # Dispatch
 
 
-def dispatch_matches_upstream_checks(ctx):
+def dispatch_matches_upstream_checks(ctx, topo):
     """Upstream's test: rows = source rank - 128, last 128 columns = token index; every dispatch variant in sync,
     async and hook mode; per-expert counts equal the global counts; segments constant per source."""
-    buffer = ll_buffer(ctx)
+    buffer = ll_buffer(ctx, topo)
     num_experts, t_max, hidden = 8 * ctx.world_size, 64, 1024
     num_tokens = 48 + 5 * ctx.rank
     x = make_x(ctx, num_tokens, hidden, seed=1, kind="ranked")
@@ -284,10 +292,10 @@ def dispatch_matches_upstream_checks(ctx):
                         assert bool((body_error == 0).all()) and bool((tail_error == 0).all())
 
 
-def fp8_cast_matches_reference(ctx):
+def fp8_cast_matches_reference(ctx, topo):
     """Wide-range rows (E4M3 subnormals, zero blocks): bitwise the reference cast, for float32 scales, power-of-two
     scales and UE8M0; hidden 896 = 7 x 128 (UE8M0 packs 7 exponents into 2 int32, the 8th byte 0)."""
-    buffer = ll_buffer(ctx)
+    buffer = ll_buffer(ctx, topo)
     num_experts = 8 * ctx.world_size
     for seed, hidden in ((2, 896), (3, 512)):
         x = make_x(ctx, 40, hidden, seed=seed, kind="wide")
@@ -322,13 +330,13 @@ def dispatch_compute_combine(ctx, buffer, x, topk_idx, topk_weights, num_experts
     run_hook(hook)
     event.current_stream_wait()
     ref, magnitude = reference_combine(x, topk_idx, topk_weights, use_fp8, round_scale)
-    assert_combine_close(combined, ref, magnitude, topk_idx.size(1))
+    assert_weighted_combine_close(combined, ref, magnitude, topk_idx.size(1))
     return combined, y, handle
 
 
-def combine_matches_reference(ctx):
+def combine_matches_reference(ctx, topo):
     """Weighted FP32 combine of toy expert outputs after BF16 and FP8 dispatch, against a float64 reference."""
-    buffer = ll_buffer(ctx)
+    buffer = ll_buffer(ctx, topo)
     num_experts = 8 * ctx.world_size
     x = make_x(ctx, 64, 1024, seed=4)
     topk_idx, topk_weights = make_routing(ctx, 64, num_experts, 8, seed=4, num_masked=20)
@@ -336,10 +344,10 @@ def combine_matches_reference(ctx):
         dispatch_compute_combine(ctx, buffer, x, topk_idx, topk_weights, num_experts, 64, use_fp8, round_scale)
 
 
-def combine_modes_agree(ctx):
+def combine_modes_agree(ctx, topo):
     """Hook, async, zero_copy and out= give bitwise the synchronous combine; hooks run once; async + hook and
     use_logfmt are refused."""
-    buffer = ll_buffer(ctx)
+    buffer = ll_buffer(ctx, topo)
     num_experts = 8 * ctx.world_size
     x = make_x(ctx, 50, 1024, seed=5)
     topk_idx, topk_weights = make_routing(ctx, 50, num_experts, 5, seed=5)
@@ -367,9 +375,9 @@ def combine_modes_agree(ctx):
         raise AssertionError(f"{kwargs}: no ValueError")
 
 
-def masked_slots_and_empty_rank(ctx):
+def masked_slots_and_empty_rank(ctx, topo):
     """The last rank has no tokens; tokens whose slots are all -1 go nowhere and combine to 0."""
-    buffer = ll_buffer(ctx)
+    buffer = ll_buffer(ctx, topo)
     num_experts = 8 * ctx.world_size
     num_tokens = 0 if ctx.rank == ctx.world_size - 1 else 30
     x = make_x(ctx, num_tokens, 1024, seed=6)
@@ -382,9 +390,9 @@ def masked_slots_and_empty_rank(ctx):
     dispatch_compute_combine(ctx, buffer, x, topk_idx, torch.ones(num_tokens, 1), num_experts, 64, use_fp8=True)
 
 
-def hidden_and_topk_beyond_upstream_limits(ctx):
+def hidden_and_topk_beyond_upstream_limits(ctx, topo):
     """BF16 hidden 100, top-16 (> upstream's 11), and FP8 hidden 896 = 7 x 128."""
-    buffer = ll_buffer(ctx)
+    buffer = ll_buffer(ctx, topo)
     num_experts = 8 * ctx.world_size
     x = make_x(ctx, 33, 100, seed=7)
     topk_idx, topk_weights = make_routing(ctx, 33, num_experts, 16, seed=7)
@@ -394,9 +402,9 @@ def hidden_and_topk_beyond_upstream_limits(ctx):
     dispatch_compute_combine(ctx, buffer, x, topk_idx, topk_weights, num_experts, 64, use_fp8=True)
 
 
-def double_buffering(ctx):
+def double_buffering(ctx, topo):
     """Two dispatch results alive at once are both intact; their combines are both right."""
-    buffer = ll_buffer(ctx)
+    buffer = ll_buffer(ctx, topo)
     num_experts = 8 * ctx.world_size
     xs = [make_x(ctx, 40, 1024, seed=9), make_x(ctx, 20, 1024, seed=10)]
     routings = [make_routing(ctx, 40, num_experts, 6, seed=9), make_routing(ctx, 20, num_experts, 3, seed=10)]
@@ -413,13 +421,13 @@ def double_buffering(ctx):
     for (_, _, handle, _, _), y, x, (topk_idx, topk_weights), use_fp8 in zip(results, views, xs, routings, (0, 1)):
         combined, _, _ = buffer.low_latency_combine(y, topk_idx, topk_weights, handle)
         ref, magnitude = reference_combine(x, topk_idx, topk_weights, bool(use_fp8))
-        assert_combine_close(combined, ref, magnitude, topk_idx.size(1))
+        assert_weighted_combine_close(combined, ref, magnitude, topk_idx.size(1))
 
 
-def hook_pending_two_calls_ago_is_refused(ctx):
+def hook_pending_two_calls_ago_is_refused(ctx, topo):
     """A third call while the first one's hook was never called would overwrite its half: ValueError, no
     communication; after the hook the calls go on."""
-    buffer = ll_buffer(ctx)
+    buffer = ll_buffer(ctx, topo)
     num_experts = 8 * ctx.world_size
     x = make_x(ctx, 16, 1024, seed=11)
     topk_idx, topk_weights = make_routing(ctx, 16, num_experts, 2, seed=11)
@@ -437,10 +445,10 @@ def hook_pending_two_calls_ago_is_refused(ctx):
     dispatch_compute_combine(ctx, buffer, x, topk_idx, topk_weights, num_experts, 64)
 
 
-def wait_stats_name_the_late_rank(ctx):
+def wait_stats_name_the_late_rank(ctx, topo):
     """The last rank joins 0.2 s late: every other rank's dispatch / combine wait statistics put ~0.2 s on it and
-    little on the others (nanoseconds, added to the given tensors)."""
-    buffer = ll_buffer(ctx)
+    little on the others (nanoseconds, added to the given tensors). The collective transport fills none."""
+    buffer = ll_buffer(ctx, topo)
     E = 8 * ctx.world_size
     x = make_x(ctx, 16, 1024, seed=17)
     topk_idx, topk_weights = make_routing(ctx, 16, E, 4, seed=17)
@@ -456,7 +464,9 @@ def wait_stats_name_the_late_rank(ctx):
         time.sleep(0.2)
     buffer.low_latency_combine(expert_outputs(ctx, recv, E), topk_idx, topk_weights, handle,
                                combine_wait_recv_cost_stats=combine_ns)  # fmt: skip
-    if ctx.rank != late:
+    if topo.internode:  # the collective transport leaves the statistics untouched (documented)
+        assert not dispatch_ns.any() and not combine_ns.any(), (dispatch_ns, combine_ns)
+    elif ctx.rank != late:
         for stats in (dispatch_ns, combine_ns):
             assert stats[late] >= 0.1e9, stats
             assert int(stats[:late].max()) < 0.1e9, stats
@@ -466,13 +476,13 @@ def wait_stats_name_the_late_rank(ctx):
 # Transports
 
 
-def collective_transport_equals_shared_memory(ctx):
+def collective_transport_equals_shared_memory(ctx, topo):
     """Ranks split into one node each (num_ranks_per_node=1) use torch.distributed all-to-all; every segment,
     count, scale and the combine are bitwise those of the shared-memory transport, in every mode."""
-    shm = ll_buffer(ctx)
-    collective = ll_buffer(ctx, "collective", num_ranks_per_node=1)
-    # One node (shared-memory transport) and one node per rank (collective transport).
-    assert shm.get_num_rdma_ranks() == 1 and collective.get_num_rdma_ranks() == ctx.world_size
+    assert not topo.internode, "compares the two transports on one node"
+    shm = ll_buffer(ctx, topo)
+    collective = ll_buffer(ctx, topo, "collective", num_ranks_per_node=1)
+    assert transport_of(shm) == "shared-memory" and transport_of(collective) == "collective"
     num_experts = 8 * ctx.world_size
     x = make_x(ctx, 45, 1024, seed=12)
     topk_idx, topk_weights = make_routing(ctx, 45, num_experts, 7, seed=12)
@@ -514,7 +524,7 @@ def collective_transport_equals_shared_memory(ctx):
 # Overlap
 
 
-def overlap_is_real(ctx):
+def overlap_is_real(ctx, topo):
     """Computation between the dispatch call and hook() overlaps the transfer.
 
     The transfer (128 tokens x top-8, hidden 7168, BF16: 14.7 MB written per rank) runs on the buffer's comm
@@ -525,7 +535,7 @@ def overlap_is_real(ctx):
     best). Medians of interleaved repetitions, all ranks starting together, make it robust to a noisy machine.
     """
     num_experts = 4 * ctx.world_size
-    buffer = ll_buffer(ctx, "overlap", num_max_tokens=128, hidden=7168, experts_per_rank=4)
+    buffer = ll_buffer(ctx, topo, "overlap", num_max_tokens=128, hidden=7168, experts_per_rank=4)
     x = make_x(ctx, 128, 7168, seed=13)
     topk_idx, _ = make_routing(ctx, 128, num_experts, 8, seed=13, num_masked=0)
 
@@ -543,39 +553,17 @@ def overlap_is_real(ctx):
             check_dispatch(ctx, x, topk_idx, num_experts, recv, count, handle)
         return elapsed
 
-    def measure() -> tuple[float, float, float]:
-        compute_s = statistics.median(run(0.0) for _ in range(5))
-        serial, overlapped = [], []
-        for _ in range(9):
-            serial.append(run(0.0))
-            overlapped.append(run(compute_s))
-        return statistics.median(serial), compute_s, statistics.median(overlapped)
-
     run(0.1, check=True)  # the overlapped path moves the right rows
-    # Perfect overlap saves min(t, S) of the serial t + S; without overlap nothing is saved. Require half. Up to
-    # three attempts (all ranks agree on retrying), so that a burst of outside load cannot fail the test while a
-    # missing overlap fails all three.
-    for _ in range(3):
-        t_dispatch_hook, compute_s, t_overlapped = measure()
-        saved = t_dispatch_hook + compute_s - t_overlapped
-        ok = torch.tensor([int(saved >= 0.5 * min(t_dispatch_hook, compute_s))])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ctx.group)
-        if ok.item():
-            break
-    assert saved >= 0.5 * min(t_dispatch_hook, compute_s), (
-        f"no overlap: dispatch+compute+hook {t_overlapped * 1e3:.2f} ms vs dispatch+hook {t_dispatch_hook * 1e3:.2f}"
-        f" ms + compute {compute_s * 1e3:.2f} ms"
-    )
-    return t_dispatch_hook, compute_s, t_overlapped
+    return assert_overlaps(ctx, run, calibrate=5, repeats=9, what="dispatch+hook")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Errors, timeouts, recovery
 
 
-def bad_inputs_raise_value_error_before_communicating(ctx):
+def bad_inputs_raise_value_error_before_communicating(ctx, topo):
     """Each rank hits every error locally; nothing is sent, so the ranks stay in step."""
-    buffer = ll_buffer(ctx)
+    buffer = ll_buffer(ctx, topo)
     E = 8 * ctx.world_size
     x = make_x(ctx, 16, 1024, seed=14)
     topk_idx, topk_weights = make_routing(ctx, 16, E, 4, seed=14)
@@ -583,7 +571,7 @@ def bad_inputs_raise_value_error_before_communicating(ctx):
     y = expert_outputs(ctx, recv, E)
     duplicate = topk_idx.clone()
     duplicate[0, 1] = duplicate[0, 0] = 3
-    normal = ctx.cache.setdefault("normal-buffer", deep_ep.Buffer(ctx.group, 1 << 20))
+    normal = topo.buffer(ctx, 1 << 20)
     dispatch = buffer.low_latency_dispatch
     combine = buffer.low_latency_combine
     cases = {
@@ -611,21 +599,15 @@ def bad_inputs_raise_value_error_before_communicating(ctx):
         "corrupt handle": lambda: combine(y, topk_idx, topk_weights, (handle[0] + 1000, *handle[1:])),
         "not low-latency mode": lambda: normal.low_latency_dispatch(x, topk_idx, 64, E),
     }
-    for name, call in cases.items():
-        try:
-            call()
-        except ValueError as error:
-            if name == "region too small":
-                assert "get_low_latency_rdma_size_hint" in str(error), error
-            continue
-        raise AssertionError(f"{name}: no ValueError")
+    errors = assert_value_errors(cases)
+    assert "get_low_latency_rdma_size_hint" in str(errors["region too small"]), errors["region too small"]
     dispatch_compute_combine(ctx, buffer, x, topk_idx, topk_weights, E, 64)  # still in step with the peers
 
 
-def mismatched_calls_raise_on_every_rank(ctx):
+def mismatched_calls_raise_on_every_rank(ctx, topo):
     """Rank 0 dispatches FP8 while the others dispatch BF16: every rank gets GroupMismatchError, and the buffer
     stays usable for the next call."""
-    buffer = ll_buffer(ctx)
+    buffer = ll_buffer(ctx, topo)
     E = 8 * ctx.world_size
     x = make_x(ctx, 16, 1024, seed=15)
     topk_idx, topk_weights = make_routing(ctx, 16, E, 4, seed=15)
@@ -638,12 +620,14 @@ def mismatched_calls_raise_on_every_rank(ctx):
     dispatch_compute_combine(ctx, buffer, x, topk_idx, topk_weights, E, 64)
 
 
-def missing_rank_times_out_then_clean_recovers(ctx, timeout_s):
+def missing_rank_times_out_then_clean_recovers(ctx, topo, timeout_s):
     """Rank 1 skips a dispatch (staying alive): the others time out naming it; after clean_low_latency_buffer on
     every rank the buffer works again. Then rank 1 destroys its buffer: a peer waiting for it fails at once."""
     E = 4 * ctx.world_size
     hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(32, 256, ctx.world_size, E)
-    buffer = deep_ep.Buffer(ctx.group, 0, hint, low_latency_mode=True, explicitly_destroy=True, timeout_s=timeout_s)
+    buffer = topo.new_buffer(
+        ctx, 0, num_rdma_bytes=hint, low_latency_mode=True, explicitly_destroy=True, timeout_s=timeout_s
+    )
     x = make_x(ctx, 32, 256, seed=16)
     topk_idx, topk_weights = make_routing(ctx, 32, E, 3, seed=16)
     outcome = []

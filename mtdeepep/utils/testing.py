@@ -1,0 +1,375 @@
+"""The one launcher for multi-process tests and benchmarks: ranks are processes of this host joined by gloo.
+
+- `RankPool(world_size)`: spawns the rank processes once (e.g. per test module) and runs many cases in them.
+  `pool.run(case, *args)` calls `case(ctx, *args)` on every rank (`ctx` is a `RankContext`) and returns the
+  results ordered by rank, or raises `RankFailure` with each failing rank's traceback. Every wait has a deadline:
+  a case that hangs (or a rank that dies) fails with the ranks that gave no result, the stacks of the hung ranks
+  are dumped to stderr, the processes are killed, and the next `run` starts fresh ones.
+- `RankPools`: pools by world size, started on first use (the test suite's fixtures).
+- `run_ranks(worker, world_size, args)`: one call of `worker(rank, world_size, group, *args)` on fresh ranks (the
+  benchmarks' entry point).
+- `run_processes(target, num_processes, args)`: hand-rolled processes for what a pool cannot host: a rank that
+  kills itself, a process that dies during set-up. `target(proc, *args)` gets a `ProcessContext` (rank, port, a
+  `send` for values reported before dying, `init_group` to join gloo); every process is joined under a deadline.
+- `free_port()`: a free TCP port on 127.0.0.1.
+
+Cases and targets must be module-level functions (they are pickled by name) of modules that the spawned
+processes can import: spawned children inherit the parent's `sys.path`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import queue
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_POLL_S = 0.5  # how often a wait checks that its processes are still alive
+_STACK_DUMP_S = 2.0  # how long hung ranks get to print their stacks before they are killed
+
+
+class RankFailure(AssertionError):
+    """A case failed on some rank, timed out, or a rank process died. The message holds the tracebacks."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for the gloo rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def num_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def threads_per_rank(world_size: int) -> int:
+    """Intra-op threads per rank so that the ranks together use every core once."""
+    return max(1, num_cores() // world_size)
+
+
+def init_gloo(rank: int, world_size: int, port: int, timeout_s: float | None = None) -> dist.ProcessGroup:
+    """Joins the gloo group of `world_size` processes at 127.0.0.1:`port`; returns the world group."""
+    kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **kwargs)
+    return dist.group.WORLD
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# RankPool
+
+
+@dataclass
+class RankContext:
+    """What a case sees inside a rank process. `cache` survives between the cases of one pool (e.g. buffers)."""
+
+    rank: int
+    world_size: int
+    group: dist.ProcessGroup
+    cache: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _PoolSettings:
+    world_size: int
+    port: int
+    threads: int
+    env: tuple[tuple[str, str], ...]
+    pg_timeout_s: float | None
+
+
+_READY = -1  # the task id of the start-up report
+
+
+def _pool_worker(rank: int, settings: _PoolSettings, tasks, results) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for the stacks of a hung rank
+    os.environ.update(dict(settings.env))
+    torch.set_num_threads(settings.threads)
+    try:
+        group = init_gloo(rank, settings.world_size, settings.port, settings.pg_timeout_s)
+    except BaseException:
+        results.put((_READY, rank, False, traceback.format_exc()))
+        return
+    results.put((_READY, rank, True, None))
+    ctx = RankContext(rank, settings.world_size, group)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, case, args = task
+        try:
+            outcome = (task_id, rank, True, case(ctx, *args))
+        except BaseException:
+            outcome = (task_id, rank, False, traceback.format_exc())
+        results.put(outcome)
+    ctx.cache.clear()  # buffers go before the process group they use
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """`world_size` rank processes (spawned, gloo on 127.0.0.1) that run cases on request.
+
+    timeout_s: default deadline of one `run`. start_timeout_s: deadline for every rank to join the group.
+    threads: intra-op threads per rank (default: the cores shared evenly). env: environment variables set in the
+    ranks before they join. pg_timeout_s: the process group's own timeout (default: torch's).
+    """
+
+    def __init__(self, world_size: int, *, timeout_s: float = 120.0, start_timeout_s: float = 90.0,
+                 threads: int | None = None, env: dict[str, str] | None = None,
+                 pg_timeout_s: float | None = None) -> None:  # fmt: skip
+        if world_size < 1:
+            raise ValueError(f"world_size must be positive, got {world_size}")
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
+        self._threads = threads_per_rank(world_size) if threads is None else threads
+        self._env = tuple(sorted((env or {}).items()))
+        self._pg_timeout_s = pg_timeout_s
+        self._next_task = 0
+        self.processes: list = []
+        self._start()
+
+    # -- lifetime
+
+    def _start(self) -> None:
+        context = mp.get_context("spawn")
+        settings = _PoolSettings(self.world_size, free_port(), self._threads, self._env, self._pg_timeout_s)
+        self._tasks = [context.Queue() for _ in range(self.world_size)]
+        self._results = context.Queue()
+        self.processes = [
+            context.Process(target=_pool_worker, args=(rank, settings, self._tasks[rank], self._results), daemon=True)
+            for rank in range(self.world_size)
+        ]
+        for process in self.processes:
+            process.start()
+        self._collect(_READY, "start-up", self.start_timeout_s)
+
+    def close(self, force: bool = False) -> None:
+        """Stops the ranks: asks them to leave and joins them (30 s), then kills whatever is left."""
+        if not force:
+            for task_queue, process in zip(self._tasks, self.processes):
+                if process.is_alive():
+                    task_queue.put(None)
+            deadline = time.monotonic() + 30
+            for process in self.processes:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+        _kill(self.processes)
+        self.processes = []
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    # -- cases
+
+    def run(self, case: Callable[..., Any], *args, timeout_s: float | None = None) -> list[Any]:
+        """Runs `case(ctx, *args)` on every rank; returns the results ordered by rank.
+
+        Raises `RankFailure` with every failing rank's traceback; on a deadline or a dead rank the pool is
+        restarted before the next `run`.
+        """
+        if not self.processes:  # an earlier case broke the pool
+            self._start()
+        self._next_task += 1
+        for task_queue in self._tasks:
+            task_queue.put((self._next_task, case, args))
+        name = f"{getattr(case, '__qualname__', case)}({', '.join(_short_repr(a) for a in args)})"
+        outcomes = self._collect(self._next_task, name, self.timeout_s if timeout_s is None else timeout_s)
+        return [outcomes[r] for r in range(self.world_size)]
+
+    def _collect(self, task_id: int, name: str, timeout_s: float) -> dict[int, Any]:
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(outcomes) < self.world_size:
+            try:
+                got_id, rank, ok, value = self._results.get(timeout=_POLL_S)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.processes) if not p.is_alive() and r not in outcomes]
+                if dead or time.monotonic() > deadline:
+                    self._fail_missing(name, outcomes, dead, timeout_s)
+                continue
+            if got_id == task_id:
+                outcomes[rank] = (ok, value)
+        failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
+        if failures:
+            if task_id == _READY:
+                self.close(force=True)
+            raise RankFailure(f"{name} failed on {self.world_size} ranks:\n" + "\n".join(failures))
+        return {r: v for r, (_, v) in outcomes.items()}
+
+    def _fail_missing(self, name: str, outcomes: dict, dead: list[int], timeout_s: float) -> None:
+        missing = sorted(set(range(self.world_size)) - set(outcomes))
+        hung = [r for r in missing if r not in dead]
+        exitcodes = {r: self.processes[r].exitcode for r in dead}
+        _dump_stacks([self.processes[r] for r in hung])
+        self.close(force=True)
+        reason = f"rank processes exited (exit codes {exitcodes})" if dead else f"timed out after {timeout_s:.0f} s"
+        failures = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(outcomes.items()) if not ok]
+        raise RankFailure(
+            f"{name}: {reason}; no result from ranks {missing} (their stacks are in the captured stderr)"
+            + "".join("\n" + f for f in failures)
+        )
+
+
+class RankPools:
+    """Rank pools by world size, each started on first use with the same settings (e.g. shared by the tests of a
+    module); `close()` stops them all."""
+
+    def __init__(self, **pool_kwargs) -> None:
+        self._pool_kwargs = pool_kwargs
+        self._pools: dict[int, RankPool] = {}
+
+    def __getitem__(self, world_size: int) -> RankPool:
+        if world_size not in self._pools:
+            self._pools[world_size] = RankPool(world_size, **self._pool_kwargs)
+        return self._pools[world_size]
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One-shot runs
+
+
+def _call_worker(ctx: RankContext, worker: Callable[..., Any], *args) -> Any:
+    return worker(ctx.rank, ctx.world_size, ctx.group, *args)
+
+
+def run_ranks(worker: Callable[..., Any], world_size: int, args: tuple = (), timeout_s: float = 600,
+              threads: int | None = None, pg_timeout_s: float | None = 300) -> list[Any]:  # fmt: skip
+    """Runs `worker(rank, world_size, group, *args)` once on `world_size` fresh rank processes; returns the
+    results by rank. Raises `RankFailure` if a rank fails or the ranks do not finish within `timeout_s`."""
+    with RankPool(world_size, timeout_s=timeout_s, threads=threads, pg_timeout_s=pg_timeout_s) as pool:
+        return pool.run(_call_worker, worker, *args)
+
+
+@dataclass
+class ProcessContext:
+    """What a `run_processes` target gets: its rank among the processes, their number, a rendezvous port."""
+
+    rank: int
+    num_processes: int
+    port: int
+    _results: Any
+
+    def send(self, value: Any) -> None:
+        """Reports `value` to the parent now: it is in the pipe when this returns (the process may kill itself)."""
+        self._results.put((self.rank, True, value))
+
+    def init_group(self, timeout_s: float | None = None) -> dist.ProcessGroup:
+        """Joins the gloo group of all the processes."""
+        return init_gloo(self.rank, self.num_processes, self.port, timeout_s)
+
+
+@dataclass
+class ProcessResults:
+    """What `run_processes` saw: each process's sent values (its return value last), exit codes and pids."""
+
+    values: dict[int, list[Any]]
+    exitcodes: list[int | None]
+    pids: list[int]
+
+
+def _process_entry(target: Callable[..., Any], proc: ProcessContext, args: tuple) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    try:
+        value = target(proc, *args)
+    except BaseException:
+        proc._results.put((proc.rank, False, traceback.format_exc()))
+        raise SystemExit(1) from None
+    if value is not None:
+        proc.send(value)
+
+
+def run_processes(target: Callable[..., Any], num_processes: int, args: tuple = (),
+                  timeout_s: float = 120.0) -> ProcessResults:  # fmt: skip
+    """Runs `target(proc, *args)` in `num_processes` spawned processes (`proc` a `ProcessContext`) and joins them
+    all within `timeout_s`. A process may kill itself (its exit code says so); one that raises fails the call
+    with its traceback, and one still alive at the deadline is killed and fails it too."""
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()  # put() writes to the pipe before it returns, unlike Queue's feeder thread
+    port = free_port()
+    processes = [
+        context.Process(target=_process_entry, args=(target, ProcessContext(rank, num_processes, port, results), args))
+        for rank in range(num_processes)
+    ]
+    for process in processes:
+        process.start()
+    values: dict[int, list[Any]] = {rank: [] for rank in range(num_processes)}
+    errors: list[str] = []
+    deadline = time.monotonic() + timeout_s
+
+    def drain() -> None:
+        while not results.empty():
+            rank, ok, value = results.get()
+            if ok:
+                values[rank].append(value)
+            else:
+                errors.append(f"--- process {rank} ---\n{value}")
+
+    # Drain while waiting: a child writing more than the pipe holds blocks until it is read.
+    while any(p.is_alive() for p in processes) and time.monotonic() < deadline:
+        drain()
+        for process in processes:
+            process.join(timeout=_POLL_S / len(processes))
+    hung = [rank for rank, p in enumerate(processes) if p.is_alive()]
+    _dump_stacks([processes[r] for r in hung])
+    _kill(processes)
+    drain()
+    if hung:
+        errors.insert(0, f"processes {hung} did not finish within {timeout_s:.0f} s")
+    if errors:
+        raise RankFailure(f"{getattr(target, '__qualname__', target)}:\n" + "\n".join(errors))
+    return ProcessResults(values, [p.exitcode for p in processes], [p.pid for p in processes])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Process helpers
+
+
+def _short_repr(value: Any, limit: int = 40) -> str:
+    text = getattr(value, "__qualname__", None) or str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _dump_stacks(processes: list) -> None:
+    """Asks hung processes to print every thread's stack to stderr (faulthandler), then gives them a moment."""
+    alive = [p for p in processes if p.is_alive()]
+    for process in alive:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # it may have exited meanwhile
+            os.kill(process.pid, signal.SIGUSR1)
+    if alive:
+        time.sleep(_STACK_DUMP_S)
+
+
+def _kill(processes: list) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join(timeout=10)

@@ -1,0 +1,64 @@
+"""Low-latency mode (`low_latency_dispatch/combine`) on the topologies where it applies (low_latency_cases.py):
+one node of 2 and 4 ranks (shared-memory transport) and, for the cases that hold for both transports, several
+nodes (the collective transport).
+
+The rank processes start once per world size for the module (`rank_pools`); every test runs one case in them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from mtdeepep import Buffer
+
+from . import low_latency_cases as cases
+from .topology import INTRANODE, NORMAL
+
+pytestmark = pytest.mark.timeout(300)
+
+CASES = [
+    cases.dispatch_matches_upstream_checks,
+    cases.fp8_cast_matches_reference,
+    cases.combine_matches_reference,
+    cases.combine_modes_agree,
+    cases.masked_slots_and_empty_rank,
+    cases.hidden_and_topk_beyond_upstream_limits,
+    cases.double_buffering,
+    cases.hook_pending_two_calls_ago_is_refused,
+    cases.wait_stats_name_the_late_rank,
+    cases.collective_transport_equals_shared_memory,
+    cases.bad_inputs_raise_value_error_before_communicating,
+    cases.mismatched_calls_raise_on_every_rank,
+    cases.overlap_is_real,
+]
+
+
+def applies(case, topology) -> bool:
+    """The comparison of the two transports needs one node (it builds both)."""
+    return topology.internode is False or case is not cases.collective_transport_equals_shared_memory
+
+
+@pytest.mark.parametrize(
+    "case, topology",
+    [pytest.param(c, t, id=f"{c.__name__}-{t}") for c in CASES for t in NORMAL if applies(c, t)],
+)
+def test_case(pool, case, topology):
+    pool.run(case, topology)
+
+
+# The collective transport waits with the process group's own timeout, which names no missing rank: one node only.
+@pytest.mark.parametrize("topology", INTRANODE, ids=str)
+def test_missing_rank_times_out_then_clean_recovers(pool, topology):
+    outcomes = pool.run(cases.missing_rank_times_out_then_clean_recovers, topology, 1.5)
+    expected = [["timeout", "peer-destroyed"], ["destroyed"]] + [["timeout"]] * (pool.world_size - 2)
+    assert outcomes == expected
+
+
+def test_size_hint_covers_every_part():
+    base = Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256)
+    # Grows with every argument; at least two halves of the dispatch slots (bf16 rows) and the combine area.
+    assert base >= 2 * (256 * 128 * 7168 * 2 + 256 * 128 * 7168 * 2)
+    for args in ((256, 7168, 8, 256), (128, 8192, 8, 256), (128, 7168, 8, 512)):
+        assert Buffer.get_low_latency_rdma_size_hint(*args) > base
+    with pytest.raises(ValueError):
+        Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 250)

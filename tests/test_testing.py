@@ -1,0 +1,98 @@
+"""The launcher itself (`mtdeepep.utils.testing`): results by rank, the failing rank's traceback, deadlines, restart
+after a broken case, and hand-rolled processes that die or hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mtdeepep.utils.testing import RankFailure, RankPool, run_processes, run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _sum_of_ranks(ctx, offset):
+    value = torch.tensor([ctx.rank + offset])
+    dist.all_reduce(value, group=ctx.group)
+    ctx.cache["calls"] = ctx.cache.get("calls", 0) + 1
+    return value.item(), ctx.cache["calls"], os.getpid()
+
+
+def _fails_on_rank_1(ctx):
+    if ctx.rank == 1:
+        raise ValueError("bad input on rank 1")
+    return "ok"
+
+
+def _hangs_on_rank_0(ctx):
+    if ctx.rank == 0:
+        time.sleep(60)
+
+
+def _exits_on_rank_1(ctx):
+    if ctx.rank == 1:
+        os._exit(3)
+
+
+def test_pool_runs_cases_and_reports_the_failing_rank():
+    with RankPool(2, timeout_s=30) as pool:
+        first = pool.run(_sum_of_ranks, 10)
+        assert [r[:2] for r in first] == [(21, 1), (21, 1)]
+        with pytest.raises(RankFailure, match=r"(?s)--- rank 1 ---.*ValueError: bad input on rank 1") as info:
+            pool.run(_fails_on_rank_1)
+        assert "--- rank 0 ---" not in str(info.value)
+        again = pool.run(_sum_of_ranks, 0)  # the same processes go on, with their cache
+        assert [r[:2] for r in again] == [(1, 2), (1, 2)] and [r[2] for r in again] == [r[2] for r in first]
+
+
+def test_a_broken_case_fails_then_the_pool_restarts():
+    with RankPool(2, timeout_s=2) as pool:
+        for case, message in [(_hangs_on_rank_0, r"timed out after 2 s; no result from ranks \[0\]"),
+                              (_exits_on_rank_1, r"exit codes \{1: 3\}")]:  # fmt: skip
+            pids = pool.pids
+            start = time.monotonic()
+            with pytest.raises(RankFailure, match=message):
+                pool.run(case)
+            assert time.monotonic() - start < 15
+            assert [r[0] for r in pool.run(_sum_of_ranks, 0)] == [1, 1]
+            assert set(pool.pids).isdisjoint(pids)
+
+
+def _rank_and_size(rank, world_size, group, extra):
+    return rank, world_size, group.size(), extra
+
+
+def test_run_ranks_passes_rank_size_group_and_args():
+    assert run_ranks(_rank_and_size, 2, ("x",), timeout_s=60) == [(0, 2, 2, "x"), (1, 2, 2, "x")]
+
+
+def _send_then_die(proc):
+    proc.send(("before", proc.rank))
+    if proc.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return "done"
+
+
+def _raises(proc):
+    raise RuntimeError(f"process {proc.rank} broke")
+
+
+def _hangs(proc):
+    time.sleep(60)
+
+
+def test_run_processes_collects_values_exit_codes_and_failures():
+    finished = run_processes(_send_then_die, 2, timeout_s=60)
+    assert finished.values == {0: [("before", 0), "done"], 1: [("before", 1)]}
+    assert finished.exitcodes == [0, -signal.SIGKILL] and len(set(finished.pids)) == 2
+    with pytest.raises(RankFailure, match="RuntimeError: process 0 broke"):
+        run_processes(_raises, 1, timeout_s=60)
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"processes \[0\] did not finish within 1 s"):
+        run_processes(_hangs, 1, timeout_s=1)
+    assert time.monotonic() - start < 15
