@@ -52,6 +52,7 @@ __all__ = ["TransformerConfig", "moe_utils", "megatron_config", "megatron_router
 SHARED_FIELDS = (
     "hidden_size",
     "num_moe_experts",
+    "moe_ffn_hidden_size",
     "moe_router_topk",
     "moe_router_score_function",
     "moe_router_pre_softmax",
@@ -99,7 +100,9 @@ def megatron_config(cfg: MoEConfig, **overrides) -> TransformerConfig:
         if isinstance(fields[name], tuple):
             fields[name] = list(fields[name])
     base = dict(num_layers=1, num_attention_heads=1, add_bias_linear=False, init_method_std=cfg.init_method_std)
-    return TransformerConfig(**{**base, **fields, **overrides})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="full scope is deprecated")  # a CUDA-graph default, unused here
+        return TransformerConfig(**{**base, **fields, **overrides})
 
 
 def megatron_router(

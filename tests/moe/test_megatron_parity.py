@@ -184,7 +184,7 @@ def test_top1_softmax_after_topk_is_refused_like_megatron():
     with pytest.raises(ValueError, match="moe_router_pre_softmax=True"):
         _cfg(moe_router_topk=1)
     with pytest.raises(ValueError, match="pre-softmax"):
-        mr.TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1, num_moe_experts=E, moe_router_topk=1)
+        mr.megatron_config(_cfg(moe_router_topk=1, moe_router_pre_softmax=True), moe_router_pre_softmax=False)
     _cfg(moe_router_topk=1, moe_router_pre_softmax=True)
     _cfg(moe_router_topk=1, moe_router_score_function="sigmoid")
 
