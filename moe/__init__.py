@@ -1,6 +1,14 @@
 """Mixture-of-Experts layer: router, balancing, capacity, token dispatchers, experts (BF16/FP32 and FP8)."""
 
-from moe.balancing import AuxLossScale, ExpertBias, MoEMetrics, set_aux_loss_scale, update_expert_bias
+from moe.balancing import (
+    AuxLossScale,
+    ExpertBias,
+    GlobalAuxLossTracker,
+    MoEMetrics,
+    reset_global_aux_loss_tracker,
+    set_aux_loss_scale,
+    update_expert_bias,
+)
 from moe.config import MoEConfig
 from moe.dispatcher import TokenDispatcher, build_dispatcher, register_dispatcher
 from moe.experts import SwiGLUExperts, SwiGLUMLP
@@ -12,6 +20,7 @@ __all__ = [
     "AuxLossScale",
     "ExpertBias",
     "Fp8SwiGLUExperts",
+    "GlobalAuxLossTracker",
     "MoEConfig",
     "MoELayer",
     "MoEMetrics",
@@ -23,6 +32,7 @@ __all__ = [
     "build_dispatcher",
     "node_limited_routing",
     "register_dispatcher",
+    "reset_global_aux_loss_tracker",
     "set_aux_loss_scale",
     "update_expert_bias",
 ]

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+ROUTER_DTYPES = (None, "fp32", "fp64")
 TOKEN_DROP_POLICIES = ("probs", "position")
 # 'flex': mtdeepep normal mode (training); 'flex_ll' (ours): mtdeepep low-latency mode (inference and decoding).
 # See moe/dispatcher/registry.py.
@@ -37,11 +39,14 @@ class MoEConfig:
     moe_router_topk_scaling_factor: float | None = None
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
+    moe_router_dtype: str | None = None  # 'fp32' or 'fp64': gate GEMM and scores in that dtype; None = float32
+    # (Megatron's None routes in the input dtype; this router never routes in bf16, see moe/router.py)
+    moe_input_jitter_eps: float | None = None  # training only: router input *= U(1 - eps, 1 + eps)
     init_method_std: float = 0.02
 
-    # Load balancing.
-    moe_router_load_balancing_type: str = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
+    # Load balancing. Several auxiliary losses at once: a list of types and a list of as many coefficients.
+    moe_router_load_balancing_type: str | list[str] = "aux_loss"
+    moe_aux_loss_coeff: float | list[float] = 0.0
     moe_z_loss_coeff: float | None = None
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
@@ -86,10 +91,29 @@ class MoEConfig:
         self._validate_experts()
         self._validate_recompute_and_replication()
 
+    @property
+    def aux_loss_coeffs(self) -> dict[str, float]:
+        """The enabled auxiliary balancing losses: type -> coefficient (> 0), in the configured order."""
+        kinds, coeffs = self.moe_router_load_balancing_type, self.moe_aux_loss_coeff
+        if isinstance(kinds, str):
+            kinds, coeffs = [kinds], [coeffs]
+        return {k: float(c) for k, c in zip(kinds, coeffs) if k in AUX_LOSS_TYPES and c > 0}
+
     def _validate_router(self) -> None:
         _require_choice("moe_router_score_function", self.moe_router_score_function, SCORE_FUNCTIONS)
         if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
             raise ValueError("moe_router_pre_softmax=True requires moe_router_score_function='softmax'")
+        softmax_after_topk = self.moe_router_score_function == "softmax" and not self.moe_router_pre_softmax
+        if self.moe_router_topk == 1 and softmax_after_topk:
+            # The softmax over the one chosen logit is the constant 1: the main loss would never reach the router.
+            raise ValueError(
+                "moe_router_topk=1 with the softmax score function needs moe_router_pre_softmax=True (a softmax "
+                "over the single chosen logit is always 1, so the router would get no gradient from the main loss)"
+            )
+        _require_choice("moe_router_dtype", self.moe_router_dtype, ROUTER_DTYPES)
+        eps = self.moe_input_jitter_eps
+        if eps is not None and not 0 < eps < 1:
+            raise ValueError(f"moe_input_jitter_eps must be in (0, 1) or None, got {eps}")
         if self.moe_router_topk_scaling_factor is not None and not self.moe_router_topk_scaling_factor > 0:
             raise ValueError(f"moe_router_topk_scaling_factor must be > 0, got {self.moe_router_topk_scaling_factor}")
         if not self.init_method_std > 0:
@@ -125,11 +149,25 @@ class MoEConfig:
             )
 
     def _validate_balancing(self) -> None:
-        _require_choice("moe_router_load_balancing_type", self.moe_router_load_balancing_type, LOAD_BALANCING_TYPES)
-        if self.moe_aux_loss_coeff < 0:
-            raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {self.moe_aux_loss_coeff}")
-        if self.moe_router_load_balancing_type == "none" and self.moe_aux_loss_coeff > 0:
-            raise ValueError("moe_aux_loss_coeff > 0 needs moe_router_load_balancing_type other than 'none'")
+        kinds, coeffs = self.moe_router_load_balancing_type, self.moe_aux_loss_coeff
+        if isinstance(kinds, (list, tuple)):
+            if not isinstance(coeffs, (list, tuple)) or len(coeffs) != len(kinds):
+                raise ValueError(
+                    "a list moe_router_load_balancing_type needs moe_aux_loss_coeff as a list of the same length, "
+                    f"got {kinds!r} and {coeffs!r}"
+                )
+            if len(set(kinds)) != len(kinds):
+                raise ValueError(f"moe_router_load_balancing_type lists a type twice: {kinds!r}")
+        elif isinstance(coeffs, (list, tuple)):
+            raise ValueError("a list moe_aux_loss_coeff needs moe_router_load_balancing_type as a list of types")
+        else:
+            kinds, coeffs = [kinds], [coeffs]
+        for kind, coeff in zip(kinds, coeffs):
+            _require_choice("moe_router_load_balancing_type", kind, LOAD_BALANCING_TYPES)
+            if isinstance(coeff, bool) or not isinstance(coeff, (int, float)) or not coeff >= 0:
+                raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {coeff!r} (for {kind!r})")
+            if kind == "none" and coeff > 0:
+                raise ValueError("moe_aux_loss_coeff > 0 needs moe_router_load_balancing_type other than 'none'")
         if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
             raise ValueError(f"moe_z_loss_coeff must be >= 0, got {self.moe_z_loss_coeff}")
         if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe import balancing
-from moe.balancing import AuxLossScale, MoEMetrics, attach_aux_loss
+from moe.balancing import AuxLossScale, GlobalAuxLossTracker, MoEMetrics, attach_aux_loss
 from moe.capacity import apply_capacity, expert_capacity, pad_rows, plan_padding, unpad_rows
 from moe.config import MoEConfig
 from moe.dispatcher import DispatchResult, TokenDispatcher, build_dispatcher
@@ -33,7 +33,13 @@ class MoELayer(nn.Module):
         config: the layer's settings.
         ep_group: expert-parallel process group (None = single process).
         aux_loss_scale: shared `AuxLossScale` (see `balancing.attach_aux_loss`); a private one if None.
-        aux_loss_group: group over which 'global_aux_loss' sums the routed counts (None = this rank only).
+        aux_loss_group: group over which 'global_aux_loss' sums the routed counts: every rank whose router sees
+            different tokens of the global batch (data, tensor and context parallel; Megatron's tp_dp_cp group).
+            None = this rank only.
+        tp_cp_group: the ranks that split the tokens of the same sequences (tensor parallel with sequence
+            parallelism, and context parallel; Megatron's tp_cp group). 'aux_loss' and 'seq_aux_loss' sum their
+            counts over it, and the z-loss coefficient is divided by its size, so the ranks' losses add up to the
+            loss of the whole batch as in Megatron. None = this rank only.
         dtype: dtype of the expert and shared-expert weights (the router weight is always float32).
         dispatcher: a ready `TokenDispatcher` over `ep_group` (e.g. a `DeepEPDispatcher` on a shared
             `mtdeepep.Buffer`); it replaces the one `config.moe_token_dispatcher_type` would build.
@@ -46,6 +52,7 @@ class MoELayer(nn.Module):
         ep_group: dist.ProcessGroup | None = None,
         aux_loss_scale: AuxLossScale | None = None,
         aux_loss_group: dist.ProcessGroup | None = None,
+        tp_cp_group: dist.ProcessGroup | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         dispatcher: TokenDispatcher | None = None,
@@ -53,6 +60,13 @@ class MoELayer(nn.Module):
         super().__init__()
         self.config = config
         self.aux_loss_group = aux_loss_group
+        self.tp_cp_group = tp_cp_group
+        # Counts of 'global_aux_loss' over the micro-batches of the global batch (reset per optimizer step).
+        self.global_aux_loss_tracker = (
+            GlobalAuxLossTracker(config.num_moe_experts).to(device)
+            if "global_aux_loss" in config.aux_loss_coeffs
+            else None
+        )
         self.aux_loss_scale = aux_loss_scale if aux_loss_scale is not None else AuxLossScale()
         self.router = TopKRouter(config).to(device)
         if dispatcher is None:
@@ -103,10 +117,10 @@ class MoELayer(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Args:
             hidden: `[B, S, H]` (sequences, for 'seq_aux_loss') or `[T, H]` (one sequence).
-        Returns the same shape and dtype. Auxiliary losses are attached to the output (see `attach_aux_loss`)
-        and their values, with load statistics, are stored in `self.metrics`. With recompute level 'full' the
-        whole layer runs under `torch.utils.checkpoint` (its backward runs the forward again, communication
-        included).
+        Returns the same shape and dtype. In training mode with autograd recording, the auxiliary losses are
+        attached to the output (see `attach_aux_loss`); their values, with load statistics, are stored in
+        `self.metrics`. With recompute level 'full' the whole layer runs under `torch.utils.checkpoint` (its
+        backward runs the forward again, communication included).
         """
         return checkpointed(self.recompute_level == "full", self._forward, hidden)
 
@@ -145,7 +159,7 @@ class MoELayer(nn.Module):
         # the hot slots on the copies, then combine (weights applied in float32).
         num_replicated = 0 if hot_TK is None else int(hot_TK.sum())
         expert_recompute = self._expert_recompute(sum(dispatched.tokens_per_expert) + num_replicated)
-        expert_out_NH = self._run_experts(dispatched, capacity, expert_recompute)
+        expert_out_NH = self._run_experts(dispatched, capacity, num_tokens, expert_recompute)
         num_dropped += self.experts.last_num_dropped
         hot_out_TH = None
         if hot_TK is not None:
@@ -182,37 +196,51 @@ class MoELayer(nn.Module):
     def _shared(self, x_TH: torch.Tensor) -> torch.Tensor:
         return checkpointed(self.recompute_level == "medium", self.shared_experts, x_TH)
 
-    def _run_experts(self, dispatched: DispatchResult, capacity: int | None, recompute: str | None) -> torch.Tensor:
+    def _run_experts(
+        self, dispatched: DispatchResult, capacity: int | None, num_tokens: int, recompute: str | None
+    ) -> torch.Tensor:
         counts = dispatched.tokens_per_expert
         if not self.config.moe_pad_expert_input_to_capacity:
             return self.experts(dispatched.expert_input_NH, counts, recompute=recompute)
-        # Every local expert gets exactly `capacity` rows from each source rank (zero rows as padding).
-        length = capacity * self.ep_size
+        # Every local expert gets exactly min(capacity, tokens) rows from each source rank (zero rows as padding):
+        # an expert never keeps more than the tokens a rank has, so padding beyond them would only add zero rows
+        # (Megatron pads its routing map to the same count).
+        length = min(capacity, num_tokens) * self.ep_size
         if max(counts, default=0) > length:
             raise RuntimeError(
-                f"an expert received {max(counts)} rows > capacity * ep_size = {length}; padding to capacity "
-                "needs the same number of tokens on every expert-parallel rank"
+                f"an expert received {max(counts)} rows > min(capacity, tokens) * ep_size = {length}; padding to "
+                "capacity needs the same number of tokens on every expert-parallel rank"
             )
         plan = plan_padding(counts, length, device=dispatched.expert_input_NH.device)
         y_padded = self.experts(pad_rows(dispatched.expert_input_NH, plan), [length] * len(counts), recompute=recompute)
         return unpad_rows(y_padded, plan)
 
     def _aux_losses(self, route: RouterOutput, hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The enabled balancing losses and the z-loss, coefficients applied; none outside training or without
+        autograd (evaluation, the no-grad first pass of a reentrant checkpoint), as in Megatron."""
         cfg = self.config
-        E = cfg.num_moe_experts
+        if not (self.training and torch.is_grad_enabled()):
+            return {}
+        E, K = cfg.num_moe_experts, cfg.moe_router_topk
         losses: dict[str, torch.Tensor] = {}
-        kind = cfg.moe_router_load_balancing_type
-        if cfg.moe_aux_loss_coeff > 0 and kind != "none":
+        coeffs = cfg.aux_loss_coeffs
+        if coeffs:
+            scores_TE = route.aux_scores_TE
+            aux_idx_TK = balancing.aux_loss_topk(scores_TE, K)
+        for kind, coeff in coeffs.items():
             if kind == "aux_loss":
-                loss = balancing.switch_aux_loss(route.aux_scores_TE, route.topk_idx_TK, E)
+                loss = balancing.switch_aux_loss(scores_TE, aux_idx_TK, E, self.tp_cp_group)
             elif kind == "seq_aux_loss":
                 B = hidden.size(0) if hidden.dim() == 3 else 1
-                loss = balancing.seq_aux_loss(
-                    route.aux_scores_TE.view(B, -1, E), route.topk_idx_TK.view(B, -1, cfg.moe_router_topk), E
-                )
+                loss = balancing.seq_aux_loss(scores_TE.view(B, -1, E), aux_idx_TK.view(B, -1, K), E, self.tp_cp_group)
             else:
-                loss = balancing.global_aux_loss(route.aux_scores_TE, route.topk_idx_TK, E, self.aux_loss_group)
-            losses[kind] = cfg.moe_aux_loss_coeff * loss
+                loss = balancing.global_aux_loss(
+                    scores_TE, aux_idx_TK, E, self.aux_loss_group, self.global_aux_loss_tracker
+                )
+            losses[kind] = coeff * loss
         if cfg.moe_z_loss_coeff:
-            losses["z_loss"] = cfg.moe_z_loss_coeff * balancing.z_loss(route.logits_TE)
+            # Every tensor/context-parallel rank adds the z-loss of its own tokens: Megatron divides the coefficient
+            # by their number so that the sum is the mean over the whole batch.
+            tp_cp_size = balancing.group_size(self.tp_cp_group)
+            losses["z_loss"] = cfg.moe_z_loss_coeff / tp_cp_size * balancing.z_loss(route.logits_TE)
         return losses

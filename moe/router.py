@@ -1,4 +1,5 @@
-"""Top-k router: a linear gate in float32, softmax or sigmoid scores, optional group- and node-limited routing.
+"""Top-k router: a linear gate in float32 (or float64), softmax or sigmoid scores, optional group- and node-limited
+routing, optional input jitter.
 
 Legend: T tokens, H hidden, E experts, K top-k slots, G expert groups.
 """
@@ -19,11 +20,12 @@ from moe.config import MoEConfig
 class RouterOutput:
     """What the router hands to the dispatcher and to the balancing losses.
 
-    probs_TK: `[T, K] float32` combine weights of the chosen experts (scaling factor applied).
+    probs_TK: `[T, K] float32` combine weights of the chosen experts (scaling factor applied); float32 whatever
+        the router dtype, as the dispatchers carry them (DeepEP's top-k weights are float32).
     topk_idx_TK: `[T, K] int64` chosen experts, in descending order of the selection score.
-    logits_TE: `[T, E] float32` gate logits (for the z-loss).
-    aux_scores_TE: `[T, E] float32` per-expert probabilities for the auxiliary losses: softmax over all experts,
-        or for sigmoid routing the sigmoid scores normalised to sum to 1 per token.
+    logits_TE: `[T, E]` gate logits in the router dtype (float32, or float64 with `moe_router_dtype='fp64'`).
+    aux_scores_TE: `[T, E]` (router dtype) per-expert probabilities for the auxiliary losses: softmax over all
+        experts, or for sigmoid routing the sigmoid scores normalised to sum to 1 per token.
     """
 
     probs_TK: torch.Tensor
@@ -76,6 +78,14 @@ class TopKRouter(nn.Module):
         weights are the unbiased scores of the chosen experts normalised over the k.
     All weights are then multiplied by `moe_router_topk_scaling_factor` (if set). Group-limited routing
     (`moe_router_num_groups`, `moe_router_group_topk`) restricts the selection to the best groups.
+
+    Precision (`moe_router_dtype`): the gate GEMM, the logits and the scores are float64 with 'fp64', float32
+    otherwise. Megatron's default (None) gates in the input dtype (bf16 in mixed precision); here None means
+    float32, since a bf16 top-k over many experts flips near-tied choices.
+
+    Input jitter (`moe_input_jitter_eps`, Switch Transformer): in training mode the router (only) sees
+    `x * u` with `u ~ U(1 - eps, 1 + eps)` drawn per element from torch's global generator. Megatron also jitters
+    in eval mode; here evaluation routes the input as it is.
     """
 
     def __init__(self, config: MoEConfig) -> None:
@@ -83,6 +93,7 @@ class TopKRouter(nn.Module):
         self.config = config
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
+        self.router_dtype = torch.float64 if config.moe_router_dtype == "fp64" else torch.float32
         self.weight = nn.Parameter(torch.empty(config.num_moe_experts, config.hidden_size, dtype=torch.float32))
         self.expert_bias = (
             ExpertBias(config.num_moe_experts, config.moe_router_bias_update_rate)
@@ -95,8 +106,19 @@ class TopKRouter(nn.Module):
         nn.init.normal_(self.weight, mean=0.0, std=self.config.init_method_std)
 
     def gating(self, x_TH: torch.Tensor) -> torch.Tensor:
-        """Logits `[T, E] float32`; the input is upcast, the product accumulates in float32."""
-        return F.linear(x_TH.float(), self.weight.float())
+        """Logits `[T, E]` in the router dtype; the input and weight are upcast, the product accumulates in it."""
+        return F.linear(x_TH.to(self.router_dtype), self.weight.to(self.router_dtype))
+
+    def apply_input_jitter(self, x_TH: torch.Tensor) -> torch.Tensor:
+        """`x * u`, `u ~ U(1 - eps, 1 + eps)` elementwise in `x`'s dtype, in training mode with
+        `moe_input_jitter_eps` set; `x` itself otherwise."""
+        eps = self.config.moe_input_jitter_eps
+        if eps is None or not self.training:
+            return x_TH
+        low = torch.tensor(1.0 - eps, dtype=x_TH.dtype, device=x_TH.device)
+        high = torch.tensor(1.0 + eps, dtype=x_TH.dtype, device=x_TH.device)
+        # low + U[0, 1) * (high - low), in this order: the same draw as torch.distributions.Uniform.rsample.
+        return x_TH * (low + torch.rand(x_TH.shape, dtype=x_TH.dtype, device=x_TH.device) * (high - low))
 
     def _topk(self, scores_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
@@ -105,7 +127,8 @@ class TopKRouter(nn.Module):
         return scores_TE.topk(self.topk, dim=-1)
 
     def route(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """From logits to `(probs [T, K] float32, topk_idx [T, K] int64, aux_scores [T, E] float32)`."""
+        """From logits to `(probs [T, K] float32, topk_idx [T, K] int64, aux_scores [T, E])`; the scores are
+        computed in the logits' dtype."""
         cfg = self.config
         if cfg.moe_router_score_function == "softmax":
             aux_scores_TE = torch.softmax(logits_TE, dim=-1)
@@ -118,7 +141,7 @@ class TopKRouter(nn.Module):
             scores_TE = torch.sigmoid(logits_TE)
             aux_scores_TE = scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
             if self.expert_bias is not None:
-                _, topk_idx_TK = self._topk(scores_TE.detach() + self.expert_bias.bias)
+                _, topk_idx_TK = self._topk(scores_TE.detach() + self.expert_bias.bias.to(scores_TE.dtype))
                 probs_TK = scores_TE.gather(1, topk_idx_TK)
             else:
                 probs_TK, topk_idx_TK = self._topk(scores_TE)
@@ -126,11 +149,11 @@ class TopKRouter(nn.Module):
                 probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
         if cfg.moe_router_topk_scaling_factor is not None:
             probs_TK = probs_TK * cfg.moe_router_topk_scaling_factor
-        return probs_TK, topk_idx_TK, aux_scores_TE
+        return probs_TK.float(), topk_idx_TK, aux_scores_TE
 
     def forward(self, x_TH: torch.Tensor) -> RouterOutput:
         """Route `x_TH [T, H]` (any float dtype). Records expert-bias counts in grad-enabled forwards."""
-        logits_TE = self.gating(x_TH)
+        logits_TE = self.gating(self.apply_input_jitter(x_TH))
         probs_TK, topk_idx_TK, aux_scores_TE = self.route(logits_TE)
         if self.expert_bias is not None:
             self.expert_bias.record(topk_idx_TK)

@@ -270,11 +270,13 @@ def _global_aux_loss(rank, world, group):
     chunks = make_inputs(world, None, None, seed=11)
     E = cfg.num_moe_experts
 
-    # Global f from every rank's routing; P from this rank's tokens only.
+    # Global f from every rank's routing; P from this rank's tokens only, summed and divided by the token count of
+    # every rank (Megatron's convention: the ranks' losses add up to the loss of the whole batch).
     routes = [ref.router(x) for x, _ in chunks]
     counts = sum(torch.bincount(r.topk_idx_TK.flatten(), minlength=E).float() for r in routes)
     f_global = counts / sum(r.topk_idx_TK.numel() for r in routes)
-    expected = [coeff * E * (f_global * r.aux_scores_TE.mean(0)).sum() for r in routes]
+    num_tokens = sum(r.topk_idx_TK.size(0) for r in routes)
+    expected = [coeff * E * (f_global * r.aux_scores_TE.sum(0) / num_tokens).sum() for r in routes]
     sum(expected).backward()  # reference router grad of the aux term, summed over ranks
 
     x = chunks[rank][0].clone().requires_grad_()

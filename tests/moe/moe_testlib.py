@@ -122,6 +122,15 @@ def ref_moe(
     else:
         s = torch.sigmoid(logits_TE)
         aux_TE = s / s.sum(dim=1, keepdim=True)
+    # The balancing losses count a plain top-k of the unbiased probabilities (no group limit, no expert bias),
+    # decided on float32 probabilities like the layer's.
+    with torch.no_grad():
+        if cfg.moe_router_score_function == "softmax":
+            aux32_TE = torch.softmax(logits32_TE, dim=1)
+        else:
+            s32 = torch.sigmoid(logits32_TE)
+            aux32_TE = s32 / (s32.sum(dim=1, keepdim=True) + 1e-20)
+        counted = aux32_TE.topk(k, dim=1).indices.tolist()
     if cfg.moe_aux_loss_coeff > 0 and kind in ("aux_loss", "global_aux_loss", "seq_aux_loss"):
         seqs = num_seqs if kind == "seq_aux_loss" else 1
         S = T // seqs
@@ -130,7 +139,7 @@ def ref_moe(
             toks = range(b * S, (b + 1) * S)
             loss_b = 0.0
             for e in range(E):
-                f_e = sum(chosen[t].count(e) for t in toks) / (S * k)
+                f_e = sum(counted[t].count(e) for t in toks) / (S * k)
                 P_e = sum(aux_TE[t, e] for t in toks) / S
                 loss_b = loss_b + f_e * P_e
             total = total + E * loss_b

@@ -6,7 +6,14 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from moe import MoEConfig, MoELayer, TopKRouter, set_aux_loss_scale, update_expert_bias
+from moe import (
+    MoEConfig,
+    MoELayer,
+    TopKRouter,
+    reset_global_aux_loss_tracker,
+    set_aux_loss_scale,
+    update_expert_bias,
+)
 from moe.balancing import (
     AuxLossScale,
     ExpertBias,
@@ -165,3 +172,93 @@ def test_expert_bias_balances_a_skewed_router():
     after = imbalance()
     assert after < 1.45 and after < before / 1.8, (before, after)
     assert router.expert_bias.bias[:2].max() < router.expert_bias.bias[2:].min()
+
+
+def _layer(seed=0, **overrides):
+    cfg = MoEConfig(
+        hidden_size=16,
+        num_moe_experts=8,
+        moe_ffn_hidden_size=8,
+        init_method_std=0.3,
+        moe_token_dispatcher_type="alltoall",
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    return MoELayer(cfg)
+
+
+def _aux_router_grad(layer, x):
+    """Router grad of the attached losses alone, and the loss values."""
+    layer.router.weight.grad = None
+    (layer(x) * 0).sum().backward()
+    return layer.router.weight.grad.clone(), dict(layer.metrics.losses)
+
+
+def test_several_balancing_losses_add_up():
+    """A list of types with a list of coefficients = the sum of the single-type layers (values and router grads)."""
+    kinds, coeffs = ["aux_loss", "seq_aux_loss", "global_aux_loss"], [0.01, 0.05, 0.1]
+    x = torch.randn(2, 10, 16, generator=torch.Generator().manual_seed(1))
+    grad, losses = _aux_router_grad(
+        _layer(moe_router_load_balancing_type=kinds, moe_aux_loss_coeff=coeffs, moe_z_loss_coeff=1e-3), x
+    )
+    assert list(losses) == [*kinds, "z_loss"]
+    total = torch.zeros_like(grad)
+    for kind, coeff in zip(kinds, coeffs):
+        g, single = _aux_router_grad(_layer(moe_router_load_balancing_type=kind, moe_aux_loss_coeff=coeff), x)
+        assert_close(losses[kind], single[kind], rtol=1e-6, atol=0, msg=kind)
+        total += g
+    g, single = _aux_router_grad(_layer(moe_z_loss_coeff=1e-3), x)
+    assert_close(losses["z_loss"], single["z_loss"], rtol=1e-6, atol=0, msg="z_loss")
+    total += g
+    assert_close(grad, total, rtol=1e-5, atol=1e-9, msg="router grad of the sum")
+
+
+def test_balancing_losses_count_plain_topk_of_unbiased_scores():
+    """With the expert bias steering the selection, f still counts the plain top-k of the probabilities."""
+    layer = _layer(
+        moe_router_score_function="sigmoid",
+        moe_router_topk=2,
+        moe_router_enable_expert_bias=True,
+        moe_aux_loss_coeff=1.0,
+    )
+    layer.router.expert_bias.bias.copy_(torch.tensor([2.0, 2.0, 0, 0, 0, 0, 0, 0]))  # always selects 0 and 1
+    x = torch.randn(20, 16, generator=torch.Generator().manual_seed(2))
+    _, losses = _aux_router_grad(layer, x)
+    route = layer.router(x)
+    assert (route.topk_idx_TK.sort(dim=1).values == torch.tensor([0, 1])).all()
+    counted = route.aux_scores_TE.topk(2, dim=1).indices
+    assert not (counted.sort(dim=1).values == torch.tensor([0, 1])).all()
+    assert_close(losses["aux_loss"], switch_aux_loss(route.aux_scores_TE, counted, 8), rtol=1e-6, msg="aux loss")
+
+
+def test_global_aux_loss_tracker_counts_each_micro_batch_once_under_full_recompute():
+    """Recompute runs the layer's forward again inside backward: the global counts must not grow there, and the
+    recomputed loss must use the same averaged counts (values and router grads equal to no recompute)."""
+    common = dict(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.1)
+    plain, recomputed = _layer(**common), _layer(**common, moe_layer_recompute=True)
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.zeros(8)
+    for step in range(3):
+        x = torch.randn(12, 16, generator=gen) + 0.5 * step
+        g_plain, l_plain = _aux_router_grad(plain, x)
+        g_re, l_re = _aux_router_grad(recomputed, x)
+        assert_close(l_re["global_aux_loss"], l_plain["global_aux_loss"], rtol=1e-6, atol=0, msg=f"loss {step}")
+        assert_close(g_re, g_plain, rtol=1e-5, atol=1e-9, msg=f"router grad {step}")
+        scores = plain.router(x).aux_scores_TE
+        counts += tokens_per_expert(scores.topk(2, dim=1).indices, 8)
+    for layer in (plain, recomputed):
+        assert float(layer.global_aux_loss_tracker.steps) == 3
+        assert torch.equal(layer.global_aux_loss_tracker.tokens_per_expert, counts)
+    assert reset_global_aux_loss_tracker([plain, recomputed]) == 2
+    assert float(recomputed.global_aux_loss_tracker.steps) == 0
+    assert float(recomputed.global_aux_loss_tracker.tokens_per_expert.abs().sum()) == 0
+
+
+def test_no_balancing_loss_in_eval_mode_even_with_grad():
+    layer = _layer(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss")
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(4))
+    train_grad, train_losses = _aux_router_grad(layer, x)
+    assert set(train_losses) == {"aux_loss", "z_loss"} and train_grad.abs().max() > 0
+    layer.eval()
+    eval_grad, eval_losses = _aux_router_grad(layer, x)
+    assert eval_losses == {} and eval_grad.abs().max() == 0

@@ -36,7 +36,7 @@ VARIANTS = {
     ),
     "capacity_probs": dict(moe_expert_capacity_factor=0.5, moe_aux_loss_coeff=0.01),
     "padded_bmm": dict(moe_padded_batch_gemm=True, moe_padded_batch_gemm_alignment=8),
-    "loop_experts_top1": dict(moe_grouped_gemm=False, moe_router_topk=1),
+    "loop_experts_top1": dict(moe_grouped_gemm=False, moe_router_topk=1, moe_router_pre_softmax=True),
 }
 
 

@@ -64,7 +64,7 @@ LAYER_VARIANTS = {
         moe_router_topk=3, moe_shared_expert_intermediate_size=24, moe_shared_expert_overlap=True
     ),
     "capacity_drops_slots": dict(moe_expert_capacity_factor=0.5, moe_shared_expert_intermediate_size=24),
-    "loop_experts_top1": dict(moe_grouped_gemm=False, moe_router_topk=1),
+    "loop_experts_top1": dict(moe_grouped_gemm=False, moe_router_topk=1, moe_router_pre_softmax=True),
     "padded_bmm_truncates": dict(
         moe_padded_batch_gemm=True, moe_padded_batch_gemm_factor=0.5, moe_padded_batch_gemm_alignment=1
     ),

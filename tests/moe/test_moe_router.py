@@ -18,12 +18,14 @@ H, E = 24, 16
 ROUTERS = {
     "softmax_top2": dict(),
     "softmax_pre_top4": dict(moe_router_topk=4, moe_router_pre_softmax=True),
-    "softmax_top1_scaled": dict(moe_router_topk=1, moe_router_topk_scaling_factor=3.0),
+    "softmax_pre_top1_scaled": dict(moe_router_topk=1, moe_router_pre_softmax=True, moe_router_topk_scaling_factor=3.0),
     "softmax_groups": dict(moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2),
     "softmax_pre_groups": dict(
         moe_router_topk=3, moe_router_pre_softmax=True, moe_router_num_groups=8, moe_router_group_topk=3
     ),
     "sigmoid_top6": dict(moe_router_score_function="sigmoid", moe_router_topk=6),
+    "sigmoid_top6_fp64": dict(moe_router_score_function="sigmoid", moe_router_topk=6, moe_router_dtype="fp64"),
+    "softmax_pre_top2_fp64": dict(moe_router_pre_softmax=True, moe_router_dtype="fp64"),
     "sigmoid_bias_groups_scaled": dict(
         moe_router_score_function="sigmoid",
         moe_router_topk=8,
@@ -109,10 +111,22 @@ BAD_CONFIGS = [
     (dict(moe_router_num_groups=4), "must be set together"),
     (dict(moe_router_num_groups=3, moe_router_group_topk=1), "not divisible by moe_router_num_groups"),
     (dict(moe_router_num_groups=4, moe_router_group_topk=5), "exceeds moe_router_num_groups"),
-    (dict(moe_router_topk=1, moe_router_num_groups=4, moe_router_group_topk=2), "must be >= moe_router_group_topk"),
+    (
+        dict(moe_router_topk=1, moe_router_pre_softmax=True, moe_router_num_groups=4, moe_router_group_topk=2),
+        "must be >= moe_router_group_topk",
+    ),
     (dict(moe_router_topk=10, moe_router_num_groups=8, moe_router_group_topk=2), "exceeds the 2 experts of a group"),
     (dict(moe_router_load_balancing_type="sinkhorn"), "moe_router_load_balancing_type must be one of"),
     (dict(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.1), "needs moe_router_load_balancing_type"),
+    (dict(moe_aux_loss_coeff=-0.1), "moe_aux_loss_coeff must be >= 0"),
+    (dict(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=0.1), "of the same length"),
+    (dict(moe_router_load_balancing_type=["aux_loss"], moe_aux_loss_coeff=[0.1, 0.2]), "of the same length"),
+    (dict(moe_aux_loss_coeff=[0.1]), "needs moe_router_load_balancing_type as a list"),
+    (dict(moe_router_load_balancing_type=["aux_loss", "aux_loss"], moe_aux_loss_coeff=[0.1, 0.1]), "a type twice"),
+    (dict(moe_router_load_balancing_type=["aux_loss", "sinkhorn"], moe_aux_loss_coeff=[0.1, 0.1]), "must be one of"),
+    (dict(moe_router_topk=1), "needs moe_router_pre_softmax=True"),
+    (dict(moe_router_dtype="bf16"), "moe_router_dtype must be one of"),
+    (dict(moe_input_jitter_eps=0.0), "moe_input_jitter_eps must be in"),
     (dict(moe_router_enable_expert_bias=True), "requires the sigmoid score function"),
     (dict(moe_expert_capacity_factor=0.0), "moe_expert_capacity_factor must be > 0"),
     (dict(moe_pad_expert_input_to_capacity=True), "requires moe_expert_capacity_factor"),
@@ -123,6 +137,20 @@ BAD_CONFIGS = [
     (dict(fp8="e4m3", moe_padded_batch_gemm=True), "moe_padded_batch_gemm is not supported with fp8"),
     (dict(moe_padded_batch_gemm_factor=1.2), "requires moe_padded_batch_gemm=True"),
 ]
+
+
+def test_aux_loss_coeffs_lists_the_enabled_losses():
+    one = MoEConfig(hidden_size=H, num_moe_experts=E, moe_ffn_hidden_size=8, moe_aux_loss_coeff=0.01)
+    assert one.aux_loss_coeffs == {"aux_loss": 0.01}
+    assert MoEConfig(hidden_size=H, num_moe_experts=E, moe_ffn_hidden_size=8).aux_loss_coeffs == {}
+    several = MoEConfig(
+        hidden_size=H,
+        num_moe_experts=E,
+        moe_ffn_hidden_size=8,
+        moe_router_load_balancing_type=["seq_aux_loss", "global_aux_loss", "aux_loss", "none"],
+        moe_aux_loss_coeff=[1e-4, 0.0, 0.01, 0.0],
+    )
+    assert several.aux_loss_coeffs == {"seq_aux_loss": 1e-4, "aux_loss": 0.01}
 
 
 @pytest.mark.parametrize("overrides,message", BAD_CONFIGS, ids=[m for _, m in BAD_CONFIGS])
@@ -136,3 +164,35 @@ def test_config_rejects(overrides, message):
 def test_config_is_keyword_only():
     with pytest.raises(TypeError):
         MoEConfig(16, 8, 32)
+
+
+@pytest.mark.parametrize("level", ["light", "full"])
+def test_input_jitter_is_replayed_by_recompute(level):
+    """Recompute runs the router again in backward: it must draw the same jitter (torch.utils.checkpoint restores
+    the RNG state), so outputs and gradients equal those without recompute."""
+    from moe import MoELayer
+
+    results = []
+    for recompute in (None, level):
+        cfg = MoEConfig(
+            hidden_size=H,
+            num_moe_experts=E,
+            moe_ffn_hidden_size=8,
+            moe_input_jitter_eps=0.2,
+            moe_aux_loss_coeff=0.01,
+            moe_recompute_level=recompute,
+            moe_token_dispatcher_type="alltoall",
+        )
+        torch.manual_seed(0)
+        layer = MoELayer(cfg)
+        x = torch.randn(2, 12, H, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        torch.manual_seed(5)
+        out = layer(x)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad, layer.router.weight.grad, layer.experts.w13.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    layer.eval()  # no jitter in evaluation: the same input routes the same way every time
+    torch.manual_seed(6)
+    first = layer(x).detach()
+    assert torch.equal(layer(x).detach(), first)
