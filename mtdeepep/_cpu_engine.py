@@ -117,6 +117,13 @@ class CpuEngine(Engine):
             previous, async_finish,
         )  # fmt: skip
 
+    def recv_sources(self, handle):
+        rank_prefix_matrix, _, _, recv_src_idx, _, _ = handle
+        column = rank_prefix_matrix[:, self.rank].long()
+        per_source = torch.diff(column, prepend=column.new_zeros(1))
+        src_rank = torch.repeat_interleave(torch.arange(self.num_ranks), per_source)
+        return src_rank, recv_src_idx[: src_rank.numel()].long()
+
     # ---- low-latency mode (shared-memory transport) ----
 
     def ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_stats, wait_stats,

@@ -91,6 +91,11 @@ class Engine(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
         """Sums the rows of `record`'s dispatch per source token in FP32: `(combined, combined_weights, event)`."""
 
+    @abstractmethod
+    def recv_sources(self, handle: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """Source rank and source token index (int64 `[n_valid]` each) of every valid received row of a dispatch,
+        from its handle (the only knowledge of a handle's layout a facade needs, e.g. V2's `recv_src_metadata`)."""
+
     # ---- low-latency mode ----
     @abstractmethod
     def ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank: int, num_experts: int, cumulative_stats,

@@ -494,6 +494,11 @@ class InternodeEngine(Engine):
             scale_cols = recv_rows[:, fmt.scales_offset : fmt.scales_offset + fmt.scale_bytes]
             _gather_rows_into(recv_scales.view(torch.uint8), scale_cols, state.recv_perm, 0)
 
+    def recv_sources(self, handle):
+        handle = InternodeHandle(*handle)
+        num_valid = int(handle.recv_gbl_rank_prefix_sum[-1])
+        return handle.recv_src_meta[:num_valid, 0].long(), handle.recv_src_meta[:num_valid, 1].long()
+
     def _node_local_ids(self, topk_idx_MK: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
         """Global expert ids -> ids among this node's `L * E_r` experts, -1 for experts of other nodes."""
         experts_per_node = per_expert.numel() // self.num_nodes
