@@ -16,10 +16,21 @@ if ! "$VENV_PY" -c "import torch" 2>/dev/null; then
     # The pinned version is the CPU build available here; any other spec pulls CUDA packages.
     "$VENV_PY" -m pip install -q "torch==${MTDEEPEP_TORCH_VERSION:-2.13.0}"
 fi
-if ! "$VENV_PY" -c "import pybind11, numpy, pytest, pytest_timeout, pytest_benchmark, matplotlib, ruff, clang_format" 2>/dev/null; then
+if ! "$VENV_PY" -c "import pybind11, numpy, pytest, pytest_timeout, pytest_benchmark, matplotlib, ruff, clang_format, ninja" 2>/dev/null; then
     echo "[env] installing build and test tools"
-    "$VENV_PY" -m pip install -q pybind11 numpy pytest pytest-timeout pytest-benchmark matplotlib ruff clang-format \
+    "$VENV_PY" -m pip install -q pybind11 numpy pytest pytest-timeout pytest-benchmark matplotlib ruff clang-format ninja \
         setuptools wheel
+fi
+
+# Test dependencies: the DeepEP clients the tests run unmodified on mtdeepep (and megatron-core, the reference of the
+# MoE router parity tests). --no-deps: their requirements would pull CUDA torch; --ignore-requires-python:
+# megatron-core 0.19.2 declares >= 3.12 but its DeepEP and router code runs on 3.11. The check reads the package
+# metadata: `import megatron.core` needs Triton, which the tests stub.
+CLIENT_PKGS=(megatron-core==0.19.2 torchtitan==0.3.0 spmd-types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0
+    typeguard==4.6.0)
+if ! "$VENV_PY" -c "import importlib.metadata as m, sys; sys.exit(any(m.version(p.split('==')[0]) != p.split('==')[1] for p in sys.argv[1:]))" "${CLIENT_PKGS[@]}" 2>/dev/null; then
+    echo "[env] installing the DeepEP clients (megatron-core, torchtitan) and their small pure-Python deps"
+    "$VENV_PY" -m pip install -q --no-deps --ignore-requires-python "${CLIENT_PKGS[@]}"
 fi
 
 # Rebuild the extension only when its sources or the build script changed.
