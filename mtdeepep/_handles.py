@@ -72,3 +72,28 @@ def record_of(handle: Any, kind: str, group: tuple[tuple[int, ...], int], what: 
             f"{record.group[1]}), this buffer serves {list(group[0])} (this rank {group[1]})"
         )
     return record
+
+
+def flatten_handle(handle: tuple) -> list[torch.Tensor]:
+    """A dispatch handle as the flat list of its tensors (custom ops take tensor lists): an intranode handle is its
+    6 tensors, an internode one its 7 tensors followed by its node-local stage's handle."""
+    flat: list[torch.Tensor] = []
+    for element in handle:
+        if isinstance(element, tuple):
+            flat.extend(flatten_handle(element))
+        elif isinstance(element, torch.Tensor):
+            flat.append(element)
+        else:
+            raise ValueError(f"mtdeepep: a dispatch handle holds tensors, got {type(element).__name__}")
+    return flat
+
+
+def unflatten_handle(flat: list[torch.Tensor]) -> tuple:
+    """The handle tuple of `flatten_handle(handle)`."""
+    from ._internode import InternodeHandle  # (a handle knows its kind through its record)
+
+    record = next((getattr(t, _ATTRIBUTE) for t in flat if hasattr(t, _ATTRIBUTE)), None)
+    if record is not None and record.kind == "internode":
+        num_own = len(InternodeHandle._fields) - 1
+        return InternodeHandle(*flat[:num_own], tuple(flat[num_own:]))
+    return tuple(flat)

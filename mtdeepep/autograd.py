@@ -1,84 +1,171 @@
-"""Differentiable dispatch and combine (DeepEP's backward rules, shipped once here).
+"""Differentiable dispatch and combine as `torch.library` custom ops (DeepEP's backward rules, shipped once here).
 
-dispatch's backward is a combine of the gradients through the same handle; combine's backward is a cached
-dispatch of the gradient. Both are usable inside an `nn.Module`.
+`torch.ops.mtdeepep.dispatch` (layout + dispatch) and `torch.ops.mtdeepep.combine` are custom ops with registered
+backward: dispatch's backward is a combine of the gradients through the same handle, combine's backward is a cached
+dispatch of the gradient. Being ops, they are visible to selective activation checkpointing, which can save their
+outputs instead of communicating again in the recomputation. `mtdeepep.dispatch` / `mtdeepep.combine` are the
+Python entry points with DeepEP's tuples.
 
-`dispatch(..., async_finish=True)` returns as soon as the receive counts are known (the CPU sync upstream has
-too) and moves the rows on the buffer's comm thread; it also returns the `EventOverlap` to wait on, so independent
-work (e.g. a shared expert) can run while the rows are in flight, with autograd recording the dispatch.
+What cannot cross an op boundary travels beside it: the buffer by a process-local id (`buffer_id`, a live buffer
+of this process), the handle as its flat list of tensors (its identity is attached to one of them, see
+`mtdeepep._handles`), the event of an `async_finish` call as an attribute of the op's output, taken by the entry
+point. The autograd graph keeps the buffer of its forward alive until the backward ran.
+
+`dispatch(..., async_finish=True)` returns as soon as the receive counts are known (the CPU sync upstream has too)
+and moves the rows on the buffer's comm thread; it also returns the `EventOverlap` to wait on, so independent work
+(e.g. a shared expert) can run while the rows are in flight, with autograd recording the dispatch.
+`combine(..., async_finish=True)` likewise returns the event: wait on it before reading the result.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 
+from ._handles import flatten_handle, unflatten_handle
 from .buffer import Buffer
 from .config import Config
 from .event import EventOverlap
 
+_EVENT = "_mtdeepep_event"
+_NO_TENSOR = torch.empty(0)  # stands for an absent optional output (ops return tensors only)
+_BUFFERS: weakref.WeakValueDictionary[int, Buffer] = weakref.WeakValueDictionary()
+_NEXT_BUFFER_ID = itertools.count(1)
 
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, buffer: Buffer, x, topk_idx, topk_weights, num_experts, expert_alignment, config, async_finish):
-        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
-        recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event = buffer.dispatch(
-            x,
-            num_tokens_per_rank=per_rank,
-            num_tokens_per_rdma_rank=per_rdma_rank,
-            is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert,
-            topk_idx=topk_idx,
-            topk_weights=topk_weights,
-            expert_alignment=expert_alignment,
-            config=config,
-            async_finish=async_finish,
-        )
-        ctx.buffer, ctx.handle, ctx.config = buffer, handle, config
-        # Saving and returning the outputs reads none of their data, so this is safe while the rows are in flight;
-        # the backward runs after the caller waited on `event` (it used the outputs to build the loss).
-        ctx.save_for_backward(recv_topk_idx)
-        ctx.mark_non_differentiable(recv_topk_idx)
-        if async_finish:
-            return recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event
-        return recv_x, recv_topk_idx, recv_topk_weights, counts, handle
 
-    @staticmethod
-    def backward(ctx, grad_recv_x, _grad_idx, grad_recv_weights, *_grad_non_tensors):
-        (recv_topk_idx,) = ctx.saved_tensors
-        if grad_recv_weights is not None:
-            # Slots whose expert lives elsewhere were constant zeros: no gradient flows through them.
-            grad_recv_weights = grad_recv_weights.masked_fill(recv_topk_idx < 0, 0.0).float()
+def buffer_id(buffer: Buffer) -> int:
+    """The process-local id custom ops name `buffer` by (registered on first use; the buffer is not kept alive)."""
+    if not isinstance(buffer, Buffer):
+        raise ValueError(f"mtdeepep: expected an mtdeepep.Buffer, got {type(buffer).__name__}")
+    ident = getattr(buffer, "_op_id", None)
+    if ident is None:
+        ident = buffer._op_id = next(_NEXT_BUFFER_ID)
+        _BUFFERS[ident] = buffer
+    return ident
+
+
+def _buffer(ident: int) -> Buffer:
+    buffer = _BUFFERS.get(ident)
+    if buffer is None:
+        raise RuntimeError(f"mtdeepep: buffer #{ident} of this process no longer exists (destroyed or collected)")
+    return buffer
+
+
+def _config(values: list[int]) -> Config | None:
+    return Config(*values) if values else None
+
+
+def _config_values(config: Config | None) -> list[int]:
+    if config is None:
+        return []
+    if not isinstance(config, Config):
+        raise ValueError(f"mtdeepep: config must be an mtdeepep.Config, got {type(config).__name__}")
+    return [config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+            config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens]  # fmt: skip
+
+
+def _optional(tensor: torch.Tensor | None) -> torch.Tensor:
+    return _NO_TENSOR.new_empty(0) if tensor is None else tensor
+
+
+def _present(tensor: torch.Tensor) -> torch.Tensor | None:
+    return None if tensor.numel() == 0 and tensor.dim() == 1 else tensor
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dispatch
+
+
+@torch.library.custom_op("mtdeepep::dispatch", mutates_args=())
+def _dispatch_op(
+    x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, buffer_id: int, num_experts: int,
+    expert_alignment: int, config: list[int], async_finish: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:  # fmt: skip
+    """Layout + dispatch: `(recv_x, recv_topk_idx, recv_topk_weights or [0], counts [L] int64, handle tensors)`."""
+    buffer = _buffer(buffer_id)
+    per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    recv_x, recv_idx, recv_weights, counts, handle, event = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+        expert_alignment=expert_alignment, config=_config(config), async_finish=async_finish,
+    )  # fmt: skip
+    if async_finish:
+        setattr(recv_x, _EVENT, event)
+    return recv_x, recv_idx, _optional(recv_weights), torch.tensor(counts, dtype=torch.int64), flatten_handle(handle)
+
+
+def _dispatch_setup(ctx, inputs, output) -> None:
+    _, _, topk_weights, ident, _, _, ctx.config, _ = inputs
+    ctx.buffer = _buffer(ident)  # the graph keeps the buffer alive until its backward ran
+    _, recv_idx, _, _, ctx.handle = output
+    ctx.has_weights = topk_weights is not None
+    ctx.save_for_backward(recv_idx)
+
+
+def _dispatch_backward(ctx, grad_recv_x, _grad_idx, grad_recv_weights, _grad_counts, _grad_handle):
+    (recv_idx,) = ctx.saved_tensors
+    weights = None
+    if ctx.has_weights and grad_recv_weights is not None:
+        # Slots whose expert lives elsewhere were constant zeros: no gradient flows through them.
+        weights = grad_recv_weights.masked_fill(recv_idx < 0, 0.0).float().contiguous()
+    grad_x = grad_weights = None
+    if grad_recv_x is not None:
         grad_x, grad_weights, _ = ctx.buffer.combine(
-            grad_recv_x.contiguous(), ctx.handle, topk_weights=grad_recv_weights, config=ctx.config
+            grad_recv_x.contiguous(), unflatten_handle(ctx.handle), topk_weights=weights, config=_config(ctx.config)
         )
-        return None, grad_x, None, grad_weights, None, None, None, None
+    no_config = [None] * len(ctx.config)  # the gradients' structure must match the inputs' (lists included)
+    return grad_x, None, grad_weights if ctx.has_weights else None, None, None, None, no_config, None
 
 
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, buffer: Buffer, x, handle, topk_weights, bias0, bias1, config):
-        combined_x, combined_weights, _ = buffer.combine(
-            x, handle, topk_weights=topk_weights, bias=(bias0, bias1), config=config
-        )
-        ctx.buffer, ctx.handle, ctx.config = buffer, handle, config
-        ctx.has_bias = (bias0 is not None, bias1 is not None)
-        ctx.has_weights = topk_weights is not None
-        return combined_x, combined_weights
+torch.library.register_autograd("mtdeepep::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
 
-    @staticmethod
-    def backward(ctx, grad_combined, grad_combined_weights):
-        grad_x = grad_weights = None
-        if grad_combined is not None:
-            grad_x, _, _, _, _, _ = ctx.buffer.dispatch(
-                grad_combined.contiguous(), handle=ctx.handle, config=ctx.config
-            )
-        if ctx.has_weights and grad_combined_weights is not None:
-            grad_weights, _, _, _, _, _ = ctx.buffer.dispatch(
-                grad_combined_weights.float().contiguous(), handle=ctx.handle, config=ctx.config
-            )
-        grad_bias0 = grad_combined if ctx.has_bias[0] else None
-        grad_bias1 = grad_combined if ctx.has_bias[1] else None
-        return None, grad_x, None, grad_weights, grad_bias0, grad_bias1, None
+
+# ---------------------------------------------------------------------------------------------------------------
+# combine
+
+
+@torch.library.custom_op("mtdeepep::combine", mutates_args=())
+def _combine_op(
+    x: torch.Tensor, handle: list[torch.Tensor], topk_weights: torch.Tensor | None, bias0: torch.Tensor | None,
+    bias1: torch.Tensor | None, buffer_id: int, config: list[int], async_finish: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Unweighted FP32 sum per source token (+ biases): `(combined_x, combined_topk_weights or [0])`."""
+    combined, combined_weights, event = _buffer(buffer_id).combine(
+        x, unflatten_handle(handle), topk_weights=topk_weights, bias=(bias0, bias1), config=_config(config),
+        async_finish=async_finish,
+    )  # fmt: skip
+    if async_finish:
+        setattr(combined, _EVENT, event)
+    return combined, _optional(combined_weights)
+
+
+def _combine_setup(ctx, inputs, output) -> None:
+    _, ctx.handle, topk_weights, bias0, bias1, ident, ctx.config, _ = inputs
+    ctx.buffer = _buffer(ident)
+    ctx.has = (topk_weights is not None, bias0 is not None, bias1 is not None)
+
+
+def _combine_backward(ctx, grad_combined, grad_combined_weights):
+    has_weights, has_bias0, has_bias1 = ctx.has
+    buffer, handle, config = ctx.buffer, unflatten_handle(ctx.handle), _config(ctx.config)
+    grad_x = grad_weights = None
+    if grad_combined is not None:
+        grad_x, *_ = buffer.dispatch(grad_combined.contiguous(), handle=handle, config=config)
+    if has_weights and grad_combined_weights is not None:
+        grad_weights, *_ = buffer.dispatch(grad_combined_weights.float().contiguous(), handle=handle, config=config)
+    grad_bias0 = grad_combined if has_bias0 else None
+    grad_bias1 = grad_combined if has_bias1 else None
+    no_handle, no_config = [None] * len(ctx.handle), [None] * len(ctx.config)  # the inputs' structure, lists too
+    return grad_x, no_handle, grad_weights, grad_bias0, grad_bias1, None, no_config, None
+
+
+torch.library.register_autograd("mtdeepep::combine", _combine_backward, setup_context=_combine_setup)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Entry points
 
 
 def dispatch(
@@ -95,7 +182,7 @@ def dispatch(
     tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int], tuple]
     | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int], tuple, EventOverlap]
 ):
-    """Differentiable layout + dispatch.
+    """Differentiable layout + dispatch (`torch.ops.mtdeepep.dispatch`).
 
     Arguments: `x [T, H]` float, `topk_idx [T, K]` int64, `topk_weights [T, K]` float32 or None.
     Returns `(recv_x [N, H], recv_topk_idx [N, K] int64, recv_topk_weights [N, K] float32 or None, counts per local
@@ -107,7 +194,15 @@ def dispatch(
     reading them (or anything computed from them), and leave `x`, `topk_idx` and `topk_weights` unchanged until
     then. The backward is the same combine of the gradients.
     """
-    return _Dispatch.apply(buffer, x, topk_idx, topk_weights, num_experts, expert_alignment, config, async_finish)
+    recv_x, recv_idx, recv_weights, counts, handle = torch.ops.mtdeepep.dispatch(
+        x, topk_idx, topk_weights, buffer_id(buffer), num_experts, expert_alignment, _config_values(config),
+        async_finish,
+    )  # fmt: skip
+    outputs = (recv_x, recv_idx, None if topk_weights is None else recv_weights, counts.tolist(),
+               unflatten_handle(handle))  # fmt: skip
+    if not async_finish:
+        return outputs
+    return (*outputs, _take_event(recv_x))
 
 
 def combine(
@@ -118,8 +213,25 @@ def combine(
     bias: torch.Tensor | tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
     *,
     config: Config | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Differentiable combine: `x [N, H]` -> `[T, H]` (unweighted FP32 sum + bias); gradients flow to `x`,
-    `topk_weights` and the biases."""
+    async_finish: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
+    """Differentiable combine (`torch.ops.mtdeepep.combine`): `x [N, H]` -> `[T, H]` (unweighted FP32 sum + bias);
+    gradients flow to `x`, `topk_weights` and the biases. With `async_finish=True` the sum runs on the comm thread and
+    the tuple ends with the `EventOverlap` to wait on before reading the result."""
     bias0, bias1 = bias if isinstance(bias, tuple) else (bias, None)
-    return _Combine.apply(buffer, x, handle, topk_weights, bias0, bias1, config)
+    combined, combined_weights = torch.ops.mtdeepep.combine(
+        x, flatten_handle(handle), topk_weights, bias0, bias1, buffer_id(buffer), _config_values(config),
+        async_finish,
+    )  # fmt: skip
+    outputs = (combined, None if topk_weights is None else combined_weights)
+    if not async_finish:
+        return outputs
+    return (*outputs, _take_event(combined))
+
+
+def _take_event(tensor: torch.Tensor) -> EventOverlap:
+    event = getattr(tensor, _EVENT, None)
+    if event is None:
+        return EventOverlap()  # the op's outputs were replayed (e.g. saved by selective checkpointing): complete
+    delattr(tensor, _EVENT)
+    return event
