@@ -64,6 +64,9 @@ class CpuEngine(Engine):
             return  # a forked child: the C++ runtime abandons its copy without touching the parent's group
         self.runtime.destroy()
 
+    def empty(self, sizes, dtype):
+        return self.normal.empty(list(sizes), dtype)
+
     def local_buffer_tensor(self, dtype: torch.dtype, offset: int, use_rdma_buffer: bool) -> torch.Tensor:
         if use_rdma_buffer and self.runtime.num_ll_bytes() == 0:
             raise ValueError("mtdeepep: this buffer has no RDMA region (num_rdma_bytes is used by low-latency mode)")

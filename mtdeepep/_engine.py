@@ -116,6 +116,10 @@ class Engine(ABC):
 
     # ---- buffer and lifetime ----
     @abstractmethod
+    def empty(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An output tensor from the executor's allocator (pooled, pre-faulted memory on CPU)."""
+
+    @abstractmethod
     def local_buffer_tensor(self, dtype: torch.dtype, offset: int, use_rdma_buffer: bool) -> torch.Tensor: ...
 
     @abstractmethod

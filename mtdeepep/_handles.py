@@ -94,6 +94,9 @@ def unflatten_handle(flat: list[torch.Tensor]) -> tuple:
 
     record = next((getattr(t, _ATTRIBUTE) for t in flat if hasattr(t, _ATTRIBUTE)), None)
     if record is not None and record.kind == "internode":
+        # The internode handle's own tensors, then one node-stage handle per chunk of the same length.
         num_own = len(InternodeHandle._fields) - 1
-        return InternodeHandle(*flat[:num_own], tuple(flat[num_own:]))
+        rest, num_chunks = flat[num_own:], len(record.state.chunks)
+        size = len(rest) // num_chunks
+        return InternodeHandle(*flat[:num_own], tuple(tuple(rest[i : i + size]) for i in range(0, len(rest), size)))
     return tuple(flat)

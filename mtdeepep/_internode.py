@@ -34,6 +34,7 @@ it receives there as a forwarder, N_recv rows it finally receives.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 from collections import deque
@@ -55,7 +56,8 @@ from ._setup import group_key, group_ranks, new_group
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _ROW_ALIGNMENT = 16  # network rows are padded to this many bytes (int64 views, float32 view for the node stage)
-_CHUNK_BYTES = 8 << 20  # token bytes per pipelined chunk of the network stage
+_CHUNK_BYTES = 8 << 20  # network bytes per pipelined chunk of the largest sender
+_MAX_CHUNKS = int(os.environ.get("MTDEEPEP_MAX_CHUNKS", 8))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -71,23 +73,35 @@ class InternodeHandle(NamedTuple):
 
     is_token_in_rank: torch.Tensor  # [T, R] bool, as given to dispatch
     send_node_prefix: torch.Tensor  # [N] int32, inclusive prefix over nodes of the rows this rank sends
-    send_token_idx: torch.Tensor  # [S] int64, token of each network row, grouped by node, token order within
+    send_token_idx: torch.Tensor  # [S] int64, token of each network row, in network order (chunk, node, token)
     fwd_recv_node_prefix: torch.Tensor  # [N] int32, inclusive prefix over nodes of the rows this rank forwards
     recv_gbl_rank_prefix_sum: torch.Tensor  # [R] int32, inclusive prefix over source ranks of the received rows
     recv_src_meta: torch.Tensor  # [N_out, 2] int32, (source rank, token index there) per output row; -1 padding
-    recv_perm: torch.Tensor  # [N_recv] int64, output row i is row recv_perm[i] of the node stage's output
-    node_handle: tuple  # the node-local stage's handle (forwarded rows -> ranks of this node)
+    recv_perm: torch.Tensor  # [N_recv] int64, output row i is row recv_perm[i] of the node stage's outputs (chunks
+    # concatenated)
+    node_handle: tuple  # per chunk, the node-local stage's handle (forwarded rows -> ranks of this node)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One chunk of the pipelined token movement: part of every (source, destination node) block of network rows."""
+
+    send_splits: list[int]  # network rows this rank sends to each node in this chunk
+    recv_splits: list[int]  # network rows this rank forwards from each node in this chunk
+    node_record: DispatchRecord  # the node-local stage's dispatch of this chunk's forwarded rows
+    out_rows: torch.Tensor  # [n_c] int64, output row of each row the node stage delivers here for this chunk
 
 
 @dataclass(frozen=True)
 class _InternodeState:
     """The private copies an internode record keeps (see mtdeepep._handles)."""
 
-    send_counts: list[int]  # rows this rank sends to each node
-    recv_counts: list[int]  # rows this rank forwards from each node
-    send_token_idx: torch.Tensor  # [S] int64
-    recv_perm: torch.Tensor  # [N_recv] int64
-    node_record: DispatchRecord  # the node stage's dispatch
+    send_token_idx: torch.Tensor  # [S] int64, token of each network row, in network order (chunk, node, token)
+    chunks: list[_Chunk]
+
+    @property
+    def num_received(self) -> int:
+        return sum(chunk.out_rows.numel() for chunk in self.chunks)
 
 
 @dataclass(frozen=True)
@@ -239,6 +253,13 @@ class InternodeEngine(Engine):
 
     def local_buffer_tensor(self, dtype: torch.dtype, offset: int, use_rdma_buffer: bool) -> torch.Tensor:
         return self.node.local_buffer_tensor(dtype, offset, use_rdma_buffer)
+
+    def empty(self, sizes, dtype):
+        return self.node.empty(sizes, dtype)
+
+    def _new_recv(self, data: torch.Tensor, scales: torch.Tensor | None, num_rows: int):
+        recv_data = self.empty((num_rows, data.size(1)), data.dtype)
+        return recv_data, None if scales is None else self.empty((num_rows, scales.size(1)), scales.dtype)
 
     # -----------------------------------------------------------------------------------------------------------
     # Execution on the worker, waits, identity
@@ -397,8 +418,8 @@ class InternodeEngine(Engine):
 
     def cached_dispatch(self, data, scales, record, num_worst_tokens, num_channels, previous, async_finish):
         def cached(notify: Callable[[tuple], None]) -> None:
-            num_out = self._output_rows(record.state.recv_perm.numel(), num_worst_tokens, "cached dispatch")
-            recv_data, recv_scales = _new_recv(data, scales, num_out)
+            num_out = self._output_rows(record.state.num_received, num_worst_tokens, "cached dispatch")
+            recv_data, recv_scales = self._new_recv(data, scales, num_out)
             notify((recv_data, recv_scales))
             self._check_identity(record, "cached dispatch")  # before any row moves; raised by the event if async
             self._move_tokens(data, scales, record.state, (recv_data, recv_scales), num_channels, "cached dispatch")
@@ -412,15 +433,27 @@ class InternodeEngine(Engine):
         node_S, token_S = self._node_of_rank(is_token_in_rank).t().nonzero(as_tuple=True)
         return token_S, node_S
 
+    def _num_chunks(self, num_rows: int, data: torch.Tensor, scales: torch.Tensor | None) -> int:
+        """How many chunks the token movement is pipelined in: enough that a chunk carries about `_CHUNK_BYTES` of
+        the largest sender's network rows (one small all-reduce over the group: every rank must use the same)."""
+        row_bytes = _row_bytes(data) + _row_bytes(scales)
+        wanted = torch.tensor([math.ceil(num_rows * row_bytes / _CHUNK_BYTES)], dtype=torch.int64)
+        self._wait(dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=self.world_group, async_op=True),
+                   "dispatch: chunk count")  # fmt: skip
+        return max(1, min(int(wanted), _MAX_CHUNKS))
+
     def _notify_dispatch(self, data, scales, is_token_in_rank, per_expert, topk_idx, topk_weights, expert_alignment,
                          num_worst_tokens, num_channels, seq) -> tuple:  # fmt: skip
         """Stages (1)-(4) of `dispatch` and the outputs' allocation: `(recv_data (not yet written), recv_scales,
-        recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)`."""
+        recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)`. The metadata crosses the
+        network at once; the node-local stage dispatches it chunk by chunk, so that the token bytes can later move
+        in the same chunks."""
         L, N = self.num_ranks_per_node, self.num_nodes
         fmt = _RowFormat(num_topk=0 if topk_idx is None else topk_idx.size(1), has_weights=topk_weights is not None,
                          meta_ranks=L, scale_bytes=0, x_bytes=0)  # fmt: skip
         token_S, node_S = self._send_plan(is_token_in_rank)
         send_counts = torch.bincount(node_S, minlength=N)
+        num_chunks = self._num_chunks(token_S.numel(), data, scales)
 
         # Stage 1: counts. Per destination node: rows, then this rank's token count of each of its L * E_r experts.
         send_info = torch.cat([send_counts.unsqueeze(1), per_expert.reshape(N, -1).long()], dim=1)
@@ -428,30 +461,47 @@ class InternodeEngine(Engine):
         self._exchange(recv_info, send_info, [1] * N, [1] * N, "dispatch: count exchange")
         recv_counts = recv_info[:, 0]
 
-        # Stage 2: metadata.
+        # Stage 2: metadata, node-major; then the network order (chunk, node, token) on both sides.
         rows_S = self._pack(fmt, None, None, topk_idx, topk_weights, is_token_in_rank, token_S, node_S)
         rows_M = self._scratch.get(1, (int(recv_counts.sum()), fmt.row_bytes), torch.uint8)
         self._exchange(rows_M, rows_S, recv_counts.tolist(), send_counts.tolist(), "dispatch: metadata exchange")
+        send_parts, send_order = _chunk_plan(send_counts.tolist(), num_chunks)
+        recv_parts, recv_order = _chunk_plan(recv_counts.tolist(), num_chunks)
+        token_S = token_S[send_order]
+        rows_M = rows_M[recv_order]
 
-        # Stage 3: the node-local stage, with node-local expert ids.
-        node_in_rank = _columns(rows_M, fmt.routing_offset, L, torch.bool).contiguous()
-        node_topk_idx = node_weights = None
-        if topk_idx is not None:
-            node_topk_idx = self._node_local_ids(_columns(rows_M, 0, 8 * fmt.num_topk, torch.int64), per_expert)
-        if topk_weights is not None:
-            node_weights = _columns(rows_M, fmt.weights_offset, 4 * fmt.num_topk, torch.float32).contiguous()
-        with self._node_stage("dispatch"):
-            node = self.node.dispatch(
-                rows_M.view(torch.float32), None, node_topk_idx, node_weights, node_in_rank,
-                recv_info[:, 1:].sum(dim=0).int(), expert_alignment, 0, num_channels, None, False,
-            )  # fmt: skip
+        # Stage 3: the node-local stage, chunk by chunk, with node-local expert ids.
+        node_per_expert = recv_info[:, 1:].sum(dim=0).int()
+        node_chunks, begin = [], 0
+        for splits in recv_parts:
+            rows_c = rows_M[begin : begin + sum(splits)]
+            begin += sum(splits)
+            node_in_rank = _columns(rows_c, fmt.routing_offset, L, torch.bool).contiguous()
+            node_topk_idx = node_weights = None
+            if topk_idx is not None:
+                node_topk_idx = self._node_local_ids(_columns(rows_c, 0, 8 * fmt.num_topk, torch.int64), per_expert)
+            if topk_weights is not None:
+                node_weights = _columns(rows_c, fmt.weights_offset, 4 * fmt.num_topk, torch.float32).contiguous()
+            with self._node_stage("dispatch"):
+                # Counts per chunk, aligned once below: per_expert only sizes the count list here.
+                node_chunks.append(self.node.dispatch(
+                    rows_c.view(torch.float32), None, node_topk_idx, node_weights, node_in_rank, node_per_expert, 1,
+                    0, num_channels, None, False,
+                ))  # fmt: skip
 
-        # Stage 4: the output order, grouped by global source rank.
-        recv_rows = node.recv_x.view(torch.uint8)
-        src_rank_token = _columns(recv_rows, fmt.src_offset, 8, torch.int32)
+        # Stage 4: the output order, grouped by global source rank (a stable sort keeps chunk, then token order).
+        src_rank_token = torch.cat([_columns(c.recv_x.view(torch.uint8), fmt.src_offset, 8, torch.int32)
+                                    for c in node_chunks])  # fmt: skip
         src_rank = src_rank_token[:, 0]
         perm = torch.sort(src_rank, stable=True).indices
+        out_row = torch.empty_like(perm)
+        out_row[perm] = torch.arange(perm.numel())
         num_out = self._output_rows(perm.numel(), num_worst_tokens, "dispatch")
+        chunk_rows = [c.recv_x.size(0) for c in node_chunks]
+        chunks = [
+            _Chunk(sent, received, _record_of(node.handle), rows)
+            for sent, received, node, rows in zip(send_parts, recv_parts, node_chunks, out_row.split(chunk_rows))
+        ]
         handle = InternodeHandle(
             is_token_in_rank=is_token_in_rank,
             send_node_prefix=send_counts.cumsum(dim=0).int(),
@@ -460,39 +510,89 @@ class InternodeEngine(Engine):
             recv_gbl_rank_prefix_sum=torch.bincount(src_rank, minlength=self.num_ranks).cumsum(dim=0).int(),
             recv_src_meta=_gather_rows(src_rank_token, perm, num_out, -1),
             recv_perm=perm,
-            node_handle=node.handle,
+            node_handle=tuple(node.handle for node in node_chunks),
         )
-        state = _InternodeState(
-            send_counts=send_counts.tolist(), recv_counts=recv_counts.tolist(), send_token_idx=token_S.clone(),
-            recv_perm=perm.clone(), node_record=_record_of(node.handle),
-        )  # fmt: skip
+        state = _InternodeState(send_token_idx=token_S.clone(), chunks=chunks)
         record = DispatchRecord(
             kind=self.handle_kind, group=self.group, uid=self.uid, seq=seq, num_tokens=is_token_in_rank.size(0),
             num_recv=num_out, state=state,
         )  # fmt: skip
         attach(handle.recv_gbl_rank_prefix_sum, record)
-        out_idx = None if node.recv_topk_idx is None else _gather_rows(node.recv_topk_idx, perm, num_out, -1)
-        out_weights = None if node.recv_topk_weights is None else _gather_rows(node.recv_topk_weights, perm, num_out, 0)
-        counts = [] if num_worst_tokens > 0 else node.num_recv_tokens_per_expert
-        recv_data, recv_scales = _new_recv(data, scales, num_out)
+        out_idx = out_weights = None
+        if topk_idx is not None:
+            out_idx = _gather_rows(torch.cat([c.recv_topk_idx for c in node_chunks]), perm, num_out, -1)
+        if topk_weights is not None:
+            out_weights = _gather_rows(torch.cat([c.recv_topk_weights for c in node_chunks]), perm, num_out, 0)
+        counts = []
+        if num_worst_tokens == 0:
+            unaligned = torch.tensor([c.num_recv_tokens_per_expert for c in node_chunks]).sum(dim=0)
+            counts = ((unaligned + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
+        recv_data, recv_scales = self._new_recv(data, scales, num_out)
         return recv_data, recv_scales, out_idx, out_weights, counts, handle
 
     def _move_tokens(self, data, scales, state: _InternodeState, recv: tuple, num_channels: int, phase: str) -> None:
-        """The data part of a dispatch: x (and scales) through both stages, gathered into `recv` in output order."""
+        """The data part of a dispatch: x (and scales) through both stages, chunk by chunk, each chunk's network
+        transfer in flight while the node-local stage moves the previous one; rows land in output order."""
         fmt = _RowFormat(0, False, 0, _row_bytes(scales), _row_bytes(data))
         rows_S = self._pack(fmt, data, scales, None, None, None, state.send_token_idx, None)
-        rows_M = self._scratch.get(1, (sum(state.recv_counts), fmt.row_bytes), torch.uint8)
-        self._exchange(rows_M, rows_S, state.recv_counts, state.send_counts, f"{phase}: token exchange")
-        with self._node_stage(phase):
-            recv_rows, _, _ = self.node.cached_dispatch(rows_M.view(torch.float32), None, state.node_record, 0,
-                                                        num_channels, None, False)  # fmt: skip
-        recv_rows = recv_rows.view(torch.uint8)
+        num_forwarded = sum(sum(chunk.recv_splits) for chunk in state.chunks)
+        rows_M = self._scratch.get(1, (num_forwarded, fmt.row_bytes), torch.uint8)
         recv_data, recv_scales = recv
-        x_cols = recv_rows[:, fmt.x_offset : fmt.x_offset + fmt.x_bytes]
-        _gather_rows_into(recv_data.view(torch.uint8), x_cols, state.recv_perm, 0)
-        if recv_scales is not None:
-            scale_cols = recv_rows[:, fmt.scales_offset : fmt.scales_offset + fmt.scale_bytes]
-            _gather_rows_into(recv_scales.view(torch.uint8), scale_cols, state.recv_perm, 0)
+        out_data = recv_data.view(torch.uint8)
+        out_scales = None if recv_scales is None else recv_scales.view(torch.uint8)
+
+        def deliver(chunk: _Chunk, rows_c: torch.Tensor) -> None:
+            with self._node_stage(phase):
+                node_rows, _, _ = self.node.cached_dispatch(rows_c.view(torch.float32), None, chunk.node_record, 0,
+                                                            num_channels, None, False)  # fmt: skip
+            node_rows = node_rows.view(torch.uint8)
+            _copy_rows_to(out_data, chunk.out_rows, node_rows, fmt.x_offset, fmt.x_bytes)
+            if out_scales is not None:
+                _copy_rows_to(out_scales, chunk.out_rows, node_rows, fmt.scales_offset, fmt.scale_bytes)
+
+        self._pipeline(state.chunks, rows_S, rows_M, lambda c: (c.send_splits, c.recv_splits), deliver,
+                       f"{phase}: token exchange")  # fmt: skip
+        if out_data.size(0) > state.num_received:  # num_worst_tokens padding
+            out_data[state.num_received :] = 0
+            if out_scales is not None:
+                out_scales[state.num_received :] = 0
+
+    def _pipeline(self, chunks: list[_Chunk], sent: torch.Tensor, received: torch.Tensor, splits: Callable,
+                  consume: Callable[[_Chunk, torch.Tensor], None], phase: str,
+                  produce: Callable[[_Chunk, torch.Tensor], None] | None = None) -> None:  # fmt: skip
+        """Moves `sent` (rows in chunk order) over the RDMA group into `received`, chunk by chunk: `produce(chunk,
+        its rows of sent)` (if given) fills a chunk just before its transfer starts, `consume(chunk, its rows of
+        received)` runs once it arrived. One chunk is always in flight (or being produced) while the previous one
+        is consumed, so the network stage overlaps the node-local one."""
+        bounds, send_begin, recv_begin = [], 0, 0
+        for chunk in chunks:
+            send_splits, recv_splits = splits(chunk)
+            bounds.append((send_begin, recv_begin, send_splits, recv_splits))
+            send_begin += sum(send_splits)
+            recv_begin += sum(recv_splits)
+
+        def rows_of(tensor: torch.Tensor, i: int, sending: bool) -> torch.Tensor:
+            begin = bounds[i][0 if sending else 1]
+            return tensor[begin : begin + sum(bounds[i][2 if sending else 3])]
+
+        pending: dict[int, dist.Work] = {}
+
+        def start(i: int) -> None:
+            if produce is not None:
+                produce(chunks[i], rows_of(sent, i, True))
+            _, _, send_splits, recv_splits = bounds[i]
+            pending[i] = dist.all_to_all_single(
+                rows_of(received, i, False).view(torch.uint8), rows_of(sent, i, True).view(torch.uint8), recv_splits,
+                send_splits, group=self.rdma_group, async_op=True,
+            )  # fmt: skip
+
+        if chunks:
+            start(0)
+        for i, chunk in enumerate(chunks):
+            if i + 1 < len(chunks):
+                start(i + 1)
+            self._wait(pending.pop(i), f"{phase} (chunk {i + 1} of {len(chunks)})")
+            consume(chunk, rows_of(received, i, False))
 
     def recv_sources(self, handle):
         handle = InternodeHandle(*handle)
@@ -562,7 +662,7 @@ class InternodeEngine(Engine):
         num_tokens = record.num_tokens
 
         def combine(notify: Callable[[tuple], None]) -> None:
-            combined = x.new_empty(num_tokens, x.size(1))
+            combined = self.empty((num_tokens, x.size(1)), x.dtype)
             combined_w = None if topk_weights is None else torch.empty(num_tokens, topk_weights.size(1))
             notify((combined, combined_w))
             self._check_identity(record, "combine")  # before any row moves; raised by the event if async
@@ -572,44 +672,48 @@ class InternodeEngine(Engine):
         return combined, combined_w, event
 
     def _combine(self, x, state: _InternodeState, topk_weights, biases, num_channels, combined, combined_w) -> None:
-        """The four stages of `combine`, writing `combined` `[T, H]` and `combined_w` `[T, K]` (or None)."""
-        num_tokens = combined.size(0)
-        # Stage 1: back to the node stage's row order.
-        num_recv = state.recv_perm.numel()
-        node_order = torch.empty_like(state.recv_perm)
-        node_order[state.recv_perm] = torch.arange(num_recv)
-        x_node = self._scratch.get(2, (num_recv, x.size(1)), x.dtype)
-        torch.index_select(x, 0, node_order, out=x_node)
-        w_node = None if topk_weights is None else topk_weights.index_select(0, node_order)
+        """The four stages of `combine`, in the dispatch's chunks: the node-local stage sums a chunk while the
+        previous chunk's partial sums travel home. Writes `combined` `[T, H]` and `combined_w` `[T, K]` (or None)."""
+        num_tokens, hidden = combined.size(0), x.size(1)
+        num_forwarded = sum(sum(chunk.recv_splits) for chunk in state.chunks)
+        partial_M = self._scratch.get(2, (num_forwarded, hidden), x.dtype)
+        partial_S = self._scratch.get(0, (state.send_token_idx.numel(), hidden), x.dtype)
+        partial_w_M = None if topk_weights is None else torch.empty(num_forwarded, topk_weights.size(1))
+        acc = self._scratch.get(1, (num_tokens, hidden), torch.float32)
+        acc.zero_()
+        token_S = state.send_token_idx.int()
+        forwarded_before, sent_before = [0], [0]
 
-        # Stage 2: partial sums per node, at the forwarders.
-        with self._node_stage("combine"):
-            partial_M, partial_w_M, _ = self.node.combine(x_node, w_node, None, None, state.node_record, num_channels,
-                                                          None, False)  # fmt: skip
+        def node_sums(chunk: _Chunk, partial_c: torch.Tensor) -> None:
+            # Stages 1-2: the chunk's rows of x in the node stage's order, summed per forwarded token (FP32, rounded
+            # once to x's dtype) at the forwarders.
+            w_node = None if topk_weights is None else topk_weights.index_select(0, chunk.out_rows)
+            with self._node_stage("combine"):
+                partial, partial_w, _ = self.node.combine(x.index_select(0, chunk.out_rows), w_node, None, None,
+                                                          chunk.node_record, num_channels, None, False)  # fmt: skip
+            partial_c.copy_(partial)
+            if partial_w is not None:
+                partial_w_M[forwarded_before[0] : forwarded_before[0] + partial.size(0)] = partial_w
+            forwarded_before[0] += partial.size(0)
 
-        # Stage 3: the partials go home.
-        partial_S = self._scratch.get(0, (sum(state.send_counts), x.size(1)), x.dtype)
-        self._send_back(partial_S, partial_M, state.send_counts, state.recv_counts, "combine: partial-sum return")
-        partial_w_S = None
+        def accumulate(chunk: _Chunk, rows_c: torch.Tensor) -> None:
+            # Stage 4: FP32 sums of the node partials as they arrive, node by node (a token once per node per call).
+            first = sent_before[0]
+            for lo, hi in _runs(chunk.send_splits):
+                _C.accumulate_rows(rows_c[lo:hi], token_S[first + lo : first + hi], acc)
+            sent_before[0] += sum(chunk.send_splits)
+
+        # Stage 3: the partials go home over the network, chunk by chunk.
+        self._pipeline(state.chunks, partial_M, partial_S, lambda c: (c.recv_splits, c.send_splits), accumulate,
+                       "combine: partial-sum return", produce=node_sums)  # fmt: skip
+        _C.finish_accumulation(acc, biases[0], biases[1], combined)
         if partial_w_M is not None:
-            partial_w_S = partial_w_M.new_empty(sum(state.send_counts), partial_w_M.size(1))
-            self._send_back(partial_w_S, partial_w_M, state.send_counts, state.recv_counts, "combine: weight return")
-
-        # Stage 4: FP32 sum of the node partials, bias, one rounding.
-        acc = _sum_rows(self._scratch.get(1, (num_tokens, x.size(1)), torch.float32), partial_S, state.send_token_idx,
-                        state.send_counts)  # fmt: skip
-        for b in biases:
-            if b is not None:
-                acc += b
-        combined.copy_(acc)
-        if combined_w is not None:
-            _sum_rows(combined_w, partial_w_S, state.send_token_idx, state.send_counts)
-
-    def _send_back(self, rows_S: torch.Tensor, rows_M: torch.Tensor, output_splits: list[int],
-                   input_splits: list[int], phase: str) -> None:  # fmt: skip
-        """Forwarded rows `rows_M` back to their source ranks, into `rows_S` (bytes over the RDMA group)."""
-        self._exchange(rows_S.view(torch.uint8), rows_M.contiguous().view(torch.uint8), output_splits, input_splits,
-                       phase)  # fmt: skip
+            # Each slot's weight comes from the one node that owns its expert (the others sent 0): any order is exact.
+            partial_w_S = torch.empty(state.send_token_idx.numel(), partial_w_M.size(1))
+            self._pipeline(state.chunks, partial_w_M, partial_w_S, lambda c: (c.recv_splits, c.send_splits),
+                           lambda chunk, rows: None, "combine: weight return")  # fmt: skip
+            combined_w.zero_()
+            combined_w.index_add_(0, state.send_token_idx, partial_w_S)
 
     # -----------------------------------------------------------------------------------------------------------
     # Low-latency mode: the collective transport over the whole group
@@ -743,11 +847,6 @@ def _record_of(handle: tuple) -> DispatchRecord:
     raise AssertionError("mtdeepep internal error: a dispatch handle without its record")
 
 
-def _new_recv(data: torch.Tensor, scales: torch.Tensor | None, num_rows: int):
-    recv_data = data.new_empty(num_rows, data.size(1))
-    return recv_data, None if scales is None else scales.new_empty(num_rows, scales.size(1))
-
-
 def _row_bytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.size(1) * tensor.element_size()
 
@@ -764,17 +863,28 @@ def _gather_rows_into(out: torch.Tensor, rows: torch.Tensor, perm: torch.Tensor,
     return out
 
 
-_SUM_CHUNK_ROWS = 256  # rows converted to float32 at a time (a small temporary instead of a [S, H] one)
+def _chunk_plan(counts: list[int], num_chunks: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Splits every node's block of `counts[n]` rows (node-major) into `num_chunks` consecutive parts. Returns each
+    chunk's rows per node and the permutation from node-major to network order (chunk, node, row)."""
+    starts = [0, *itertools.accumulate(counts)][:-1]
+    parts = [[(c + 1) * n // num_chunks - c * n // num_chunks for n in counts] for c in range(num_chunks)]
+    order = [
+        torch.arange(start + c * n // num_chunks, start + (c + 1) * n // num_chunks)
+        for c in range(num_chunks)
+        for start, n in zip(starts, counts)
+    ]
+    return parts, torch.cat(order) if order else torch.empty(0, dtype=torch.int64)
 
 
-def _sum_rows(out: torch.Tensor, rows_S: torch.Tensor, token_S: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Writes into `out` `[T, C]` float32 the FP32 sum of each token's rows (one per node that received it), node by
-    node in ascending order; tokens without rows get 0. Returns `out`."""
-    out.zero_()
-    begin = 0
-    for count in counts:
-        for start in range(begin, begin + count, _SUM_CHUNK_ROWS):
-            end = min(start + _SUM_CHUNK_ROWS, begin + count)
-            out.index_add_(0, token_S[start:end], rows_S[start:end].float())
-        begin += count
-    return out
+def _copy_rows_to(out: torch.Tensor, out_rows: torch.Tensor, rows: torch.Tensor, offset: int, num_bytes: int) -> None:
+    """`out[out_rows[i]] = bytes [offset, offset + num_bytes) of rows[i]` (`out` `[n, num_bytes]` uint8), moving the
+    widest words the alignment allows (a byte-wise index_copy is five times slower)."""
+    word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                if offset % w.itemsize == 0 and num_bytes % w.itemsize == 0)  # fmt: skip
+    out.view(word).index_copy_(0, out_rows, _columns(rows, offset, num_bytes, word))
+
+
+def _runs(counts: list[int]) -> list[tuple[int, int]]:
+    """`[begin, end)` of each consecutive block of rows, from the blocks' sizes."""
+    ends = list(itertools.accumulate(counts))
+    return list(zip([0, *ends[:-1]], ends))

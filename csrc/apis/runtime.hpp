@@ -18,6 +18,19 @@ namespace py = pybind11;
 
 namespace detail {
 
+inline cpu::FloatKind float_kind_of(at::ScalarType dtype) {
+    switch (dtype) {
+        case at::kBFloat16:
+            return cpu::FloatKind::kBFloat16;
+        case at::kHalf:
+            return cpu::FloatKind::kFloat16;
+        case at::kFloat:
+            return cpu::FloatKind::kFloat32;
+        default:
+            throw std::invalid_argument("mtdeepep: rows must be bfloat16, float16 or float32");
+    }
+}
+
 // A receive hook as a Python callable that releases the GIL while it waits for the peers.
 inline py::object python_hook(const std::optional<cpu::Hook>& hook) {
     if (!hook) return py::none();
@@ -31,6 +44,7 @@ inline py::object python_hook(const std::optional<cpu::Hook>& hook) {
 }  // namespace detail
 
 inline void register_runtime(py::module_& m) {
+    using detail::float_kind_of;
     auto release = py::call_guard<py::gil_scoped_release>();
 
     py::class_<Event, EventPtr>(m, "EventHandle")
@@ -80,7 +94,13 @@ inline void register_runtime(py::module_& m) {
         .def(py::init([](RuntimePtr runtime) { return std::make_shared<NormalProtocol>(std::move(runtime)); }))
         .def("get_dispatch_layout", &NormalProtocol::get_dispatch_layout, release)
         .def("dispatch", &NormalProtocol::dispatch, release)
-        .def("combine", &NormalProtocol::combine, release);
+        .def("combine", &NormalProtocol::combine, release)
+        .def(
+            "empty",
+            [](NormalProtocol& self, const std::vector<int64_t>& sizes, const py::object& dtype) {
+                return self.empty(sizes, torch::python::detail::py_object_to_dtype(dtype));
+            },
+            py::arg("sizes"), py::arg("dtype"));
 
     using cpu::LowLatencyProtocol;
     py::class_<LowLatencyProtocol, std::shared_ptr<LowLatencyProtocol>>(m, "LowLatencyProtocol")
@@ -145,6 +165,29 @@ inline void register_runtime(py::module_& m) {
         "The layout kernel on the caller's thread: checked contiguous int64 topk_idx [T, K] -> (num_tokens_per_rank "
         "[R] "
         "int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool).");
+    m.def(
+        "accumulate_rows",
+        [](const at::Tensor& rows, const at::Tensor& tokens, at::Tensor& acc) {
+            // acc[tokens[k]] += rows[k] in FP32, for checked contiguous rows [n, H] (bf16/f16/f32), tokens [n] int32,
+            // acc [T, H] float32.
+            cpu::accumulate_rows(float_kind_of(rows.scalar_type()), static_cast<const uint8_t*>(rows.data_ptr()),
+                                 nullptr, tokens.data_ptr<int32_t>(), static_cast<size_t>(rows.size(0)),
+                                 static_cast<int>(rows.size(1)), 0, acc.data_ptr<float>(), nullptr);
+        },
+        py::arg("rows"), py::arg("tokens"), py::arg("acc"), release,
+        "acc[tokens[k]] += rows[k] in FP32 (the multi-round combine kernel).");
+    m.def(
+        "finish_accumulation",
+        [](const at::Tensor& acc, const std::optional<at::Tensor>& bias0, const std::optional<at::Tensor>& bias1,
+           at::Tensor& out) {
+            cpu::finish_accumulation(float_kind_of(out.scalar_type()), acc.data_ptr<float>(),
+                                     static_cast<int>(acc.size(0)), static_cast<int>(acc.size(1)),
+                                     bias0 ? static_cast<const uint8_t*>(bias0->data_ptr()) : nullptr,
+                                     bias1 ? static_cast<const uint8_t*>(bias1->data_ptr()) : nullptr,
+                                     static_cast<uint8_t*>(out.data_ptr()));
+        },
+        py::arg("acc"), py::arg("bias0"), py::arg("bias1"), py::arg("out"), release,
+        "out = acc (+ biases in out's dtype), rounded once to out's dtype.");
     m.def("cleanup_stale_segments", &shm::cleanup_stale_segments,
           "Unlink this user's mtdeepep segments whose creator process has exited; returns how many.");
     m.def("shutdown_all_runtimes", &shutdown_all_runtimes, release,

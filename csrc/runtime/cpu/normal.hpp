@@ -65,6 +65,9 @@ class NormalProtocol : public std::enable_shared_from_this<NormalProtocol> {
                           bool async_finish);
 
     const RuntimePtr& runtime() const { return runtime_; }
+    // An output tensor from this protocol's pool of pre-faulted host blocks (large outputs allocated every step
+    // would otherwise pay a page fault per 4 KiB on first touch).
+    at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype) { return pool_->empty(sizes, dtype); }
 
   private:
     struct DispatchArgs;
