@@ -62,7 +62,7 @@ from _common import (
 )
 
 import mtdeepep as deep_ep
-from mtdeepep.utils.refs import per_token_cast_to_fp8
+from mtdeepep.utils.fp8 import per_token_cast_to_fp8
 
 OPS = ("dispatch bf16", "dispatch fp8", "combine bf16")
 IMPLS = ("mtdeepep", "all-to-all")

@@ -17,7 +17,7 @@ median over `--iters` iterations, mtdeepep and the baseline interleaved iteratio
 `max(1, cores // ranks)` intra-op threads (plus the buffer's comm thread).
 
 Baseline ("all-to-all"), in the same processes: what a user writes with `torch.distributed.all_to_all_single`
-over gloo. Dispatch: cast with `refs.per_token_cast_to_fp8` (fp8), pack one message per selection (16-byte header
+over gloo. Dispatch: cast with `per_token_cast_to_fp8` (fp8), pack one message per selection (16-byte header
 with token and local expert, the row, the scales) grouped by destination rank, exchange the counts, then the
 messages. Combine: the expert rows go back the same way (reverse all-to-all), then the weighted FP32 sum per token
 (`index_add_`). Both are checked once against mtdeepep before timing: every (expert, source) segment holds the same
@@ -55,7 +55,7 @@ from _common import (
 )
 
 import mtdeepep as deep_ep
-from mtdeepep.utils.refs import per_token_cast_to_fp8
+from mtdeepep.utils.fp8 import per_token_cast_to_fp8
 
 OPS = ("dispatch fp8", "dispatch bf16", "combine bf16")
 IMPLS = ("mtdeepep", "all-to-all")

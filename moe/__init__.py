@@ -10,7 +10,7 @@ from moe.balancing import (
     update_expert_bias,
 )
 from moe.config import MoEConfig
-from moe.dispatcher import TokenDispatcher, build_dispatcher, register_dispatcher
+from moe.dispatcher import EPBuffers, TokenDispatcher, build_dispatcher, register_dispatcher
 from moe.experts import SwiGLUExperts, SwiGLUMLP
 from moe.fp8 import Fp8SwiGLUExperts
 from moe.layer import MoELayer
@@ -18,6 +18,7 @@ from moe.router import RouterOutput, TopKRouter, node_limited_routing
 
 __all__ = [
     "AuxLossScale",
+    "EPBuffers",
     "ExpertBias",
     "Fp8SwiGLUExperts",
     "GlobalAuxLossTracker",

@@ -13,9 +13,6 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 ROUTER_DTYPES = (None, "fp32", "fp64")
 TOKEN_DROP_POLICIES = ("probs", "position")
-# 'flex': mtdeepep normal mode (training); 'flex_ll' (ours): mtdeepep low-latency mode (inference and decoding).
-# See moe/dispatcher/registry.py.
-TOKEN_DISPATCHER_TYPES = ("alltoall", "allgather", "flex", "flex_ll")
 FP8_FORMATS = (None, "e4m3")
 RECOMPUTE_LEVELS = (None, "light", "medium", "full")
 
@@ -57,7 +54,8 @@ class MoEConfig:
     moe_token_drop_policy: str = "probs"
 
     # Dispatcher and experts.
-    moe_token_dispatcher_type: str = "flex"  # mtdeepep normal mode (Megatron defaults to allgather)
+    moe_token_dispatcher_type: str = "flex"  # mtdeepep normal mode (Megatron defaults to allgather); any name
+    # registered with moe.dispatcher.register_dispatcher ('alltoall', 'allgather', 'flex', 'flex_ll' built in)
     moe_grouped_gemm: bool = True
     moe_padded_batch_gemm: bool = False  # (ours) one torch.bmm over experts padded/truncated to one length
     moe_padded_batch_gemm_factor: float | None = None  # (ours) length = mean rows per expert * factor; None = max
@@ -186,7 +184,9 @@ class MoEConfig:
             raise ValueError("moe_pad_expert_input_to_capacity requires moe_expert_capacity_factor")
 
     def _validate_experts(self) -> None:
-        _require_choice("moe_token_dispatcher_type", self.moe_token_dispatcher_type, TOKEN_DISPATCHER_TYPES)
+        from moe.dispatcher.registry import check_dispatcher_name  # on use: moe.config imports no torch
+
+        check_dispatcher_name(self.moe_token_dispatcher_type)
         if self.moe_padded_batch_gemm_factor is not None and not self.moe_padded_batch_gemm_factor > 0:
             raise ValueError(f"moe_padded_batch_gemm_factor must be > 0, got {self.moe_padded_batch_gemm_factor}")
         if self.moe_padded_batch_gemm_factor is not None and not self.moe_padded_batch_gemm:

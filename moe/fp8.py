@@ -1,7 +1,8 @@
 """DeepSeek-V3 block-wise FP8 (E4M3) for the expert GEMMs.
 
 Recipe: activations and gradients are quantised in 1x128 tiles along the reduction dimension, weights in
-128x128 blocks, with one float32 scale per tile (`x ~= e4m3 * scale`) and float32 accumulation. All three GEMMs of
+128x128 blocks, with one float32 scale per tile (`x ~= e4m3 * scale`, `mtdeepep.utils.fp8.quantize_blocks`, the
+quantiser the dispatchers and mtdeepep's references use too) and float32 accumulation. All three GEMMs of
 a linear layer use FP8:
 
     forward      y  = x  @ w      x: 1x128 tiles along K          w: 128x128 blocks
@@ -23,46 +24,11 @@ import functools
 import torch
 
 from moe.experts import SwiGLUExperts, counts_to_list
+from mtdeepep.utils.fp8 import FP8_BLOCK, dequantize_blocks, quantize_blocks
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-BLOCK = 128
-ACT_TILE = (1, BLOCK)  # one scale per row per 128 columns (columns = the reduction dimension)
-WEIGHT_TILE = (BLOCK, BLOCK)
-COL_TILE = (BLOCK, 1)  # one scale per column per 128 rows (rows = the reduction dimension)
-_AMAX_FLOOR = 1e-4  # same floor as mtdeepep.utils.refs.per_token_cast_to_fp8
-
-
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
-def quantize_blocks(x_MK: torch.Tensor, tile: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-wise E4M3 quantisation of a 2-D tensor.
-
-    Args:
-        x_MK: `[M, K]` any float dtype.
-        tile: `(rows, cols)` of one scaling block, e.g. `(1, 128)` or `(128, 128)`. Ragged edges are allowed.
-    Returns:
-        `(q [M, K] float8_e4m3fn, scale [ceil(M/rows), ceil(K/cols)] float32)` with `x ~= q * scale` per block,
-        `scale = max(amax, 1e-4) / 448`.
-    """
-    M, K = x_MK.shape
-    tr, tc = tile
-    Mp, Kp = _cdiv(M, tr) * tr, _cdiv(K, tc) * tc
-    x_pad = torch.nn.functional.pad(x_MK.float(), (0, Kp - K, 0, Mp - M))
-    blocks = x_pad.view(Mp // tr, tr, Kp // tc, tc)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=_AMAX_FLOOR) / FP8_MAX
-    scaled = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
-    q = scaled.to(FP8_DTYPE).view(Mp, Kp)[:M, :K]
-    return q, scale
-
-
-def dequantize_blocks(q_MK: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
-    """Inverse of `quantize_blocks`: `[M, K]` float32."""
-    tr, tc = tile
-    scale_full = scale.repeat_interleave(tr, dim=0).repeat_interleave(tc, dim=1)
-    return q_MK.float() * scale_full[: q_MK.size(0), : q_MK.size(1)]
+ACT_TILE = (1, FP8_BLOCK)  # one scale per row per 128 columns (columns = the reduction dimension)
+WEIGHT_TILE = (FP8_BLOCK, FP8_BLOCK)
+COL_TILE = (FP8_BLOCK, 1)  # one scale per column per 128 rows (rows = the reduction dimension)
 
 
 def fake_quantize(x_MK: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:

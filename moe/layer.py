@@ -14,7 +14,7 @@ from moe import balancing
 from moe.balancing import AuxLossScale, GlobalAuxLossTracker, MoEMetrics, attach_aux_loss
 from moe.capacity import apply_capacity, expert_capacity, pad_rows, plan_padding, unpad_rows
 from moe.config import MoEConfig
-from moe.dispatcher import DispatchResult, TokenDispatcher, build_dispatcher
+from moe.dispatcher import DispatchResult, EPBuffers, TokenDispatcher, build_dispatcher
 from moe.experts import SwiGLUExperts, SwiGLUMLP
 from moe.fp8 import Fp8SwiGLUExperts
 from moe.recompute import checkpointed
@@ -41,7 +41,9 @@ class MoELayer(nn.Module):
             counts over it, and the z-loss coefficient is divided by its size, so the ranks' losses add up to the
             loss of the whole batch as in Megatron. None = this rank only.
         dtype: dtype of the expert and shared-expert weights (the router weight is always float32).
-        dispatcher: a ready `TokenDispatcher` over `ep_group` (e.g. a `DeepEPDispatcher` on a shared
+        ep_buffers: the `EPBuffers` (owned by the model or trainer) whose mtdeepep buffers the 'flex' / 'flex_ll'
+            dispatchers of its layers share; None: the group's default, shared by every layer given none.
+        dispatcher: a ready `TokenDispatcher` over `ep_group` (e.g. a `DeepEPDispatcher` on a given
             `mtdeepep.Buffer`); it replaces the one `config.moe_token_dispatcher_type` would build.
     """
 
@@ -55,6 +57,7 @@ class MoELayer(nn.Module):
         tp_cp_group: dist.ProcessGroup | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        ep_buffers: EPBuffers | None = None,
         dispatcher: TokenDispatcher | None = None,
     ) -> None:
         super().__init__()
@@ -70,7 +73,9 @@ class MoELayer(nn.Module):
         self.aux_loss_scale = aux_loss_scale if aux_loss_scale is not None else AuxLossScale()
         self.router = TopKRouter(config).to(device)
         if dispatcher is None:
-            dispatcher = build_dispatcher(config, ep_group)
+            dispatcher = build_dispatcher(config, ep_group, ep_buffers)
+        elif ep_buffers is not None:
+            raise ValueError("give MoELayer ep_buffers or a ready dispatcher, not both (the dispatcher has its buffer)")
         elif dispatcher.num_experts != config.num_moe_experts or (
             ep_group is not None and dispatcher.ep_group is not ep_group
         ):
@@ -156,15 +161,16 @@ class MoELayer(nn.Module):
         dispatched = self.dispatcher.dispatch_end(pending)
 
         # Step 3: local experts (recomputing their activations in backward if the level or the row count says so),
-        # the hot slots on the copies, then combine (weights applied in float32).
+        # then combine (weights applied in float32); the hot slots run on the copies while the combine is in flight.
         num_replicated = 0 if hot_TK is None else int(hot_TK.sum())
         expert_recompute = self._expert_recompute(sum(dispatched.tokens_per_expert) + num_replicated)
         expert_out_NH = self._run_experts(dispatched, capacity, num_tokens, expert_recompute)
         num_dropped += self.experts.last_num_dropped
+        combining = self.dispatcher.combine_begin(expert_out_NH, dispatched.handle)
         hot_out_TH = None
         if hot_TK is not None:
             hot_out_TH = self.replicas(self.experts, x_TH, probs_TK, topk_idx_TK, hot_TK, expert_recompute)
-        out_TH = self.dispatcher.combine(expert_out_NH, dispatched.handle)
+        out_TH = self.dispatcher.combine_end(combining)
         if hot_out_TH is not None:
             out_TH = (out_TH.float() + hot_out_TH).to(out_TH.dtype)
         if self.shared_experts is not None:

@@ -15,13 +15,20 @@ others keep them. The decision is local: expert recompute involves no communicat
 
 Activation recompute does not re-run the GEMM that consumes a tensor (as `torch.utils.checkpoint` would): saved-
 tensor hooks store chosen tensors as a recipe and rebuild them when the backward unpacks them (`DropSaved`).
+
+Selective checkpointing without communicating again: mtdeepep's dispatch and combine are custom ops
+(`torch.ops.mtdeepep.dispatch` / `combine`), so `torch.utils.checkpoint` with `context_fn=save_communication_context`
+keeps their outputs and recomputes everything else: the recomputation of a 'flex' layer does not communicate, and
+the gradients are those of no checkpointing.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 
 class _Recipe:
@@ -97,3 +104,15 @@ def checkpointed(enabled: bool, fn: Callable, *args):
     if enabled and torch.is_grad_enabled():
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
+
+
+def save_communication_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Selective-checkpoint policy: save the outputs of mtdeepep's ops (`torch.ops.mtdeepep.dispatch` and
+    `combine`, the communication), recompute every other op."""
+    if getattr(op, "namespace", None) == "mtdeepep":
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+save_communication_context = functools.partial(create_selective_checkpoint_contexts, save_communication_policy)
+"""`context_fn` for non-reentrant `torch.utils.checkpoint.checkpoint`: recompute all but the communication."""

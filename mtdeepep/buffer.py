@@ -451,7 +451,7 @@ class Buffer:
             dispatch_wait_recv_cost_stats: `[num_ranks]` int64; the nanoseconds spent waiting for each source rank's
                 rows are added to it (shared-memory transport; left untouched by the collective transport).
             use_fp8: the sender casts each token to E4M3 per 128 channels with float32 scales
-                (`scale = max(amax, 1e-4) / 448`, as `mtdeepep.utils.refs.per_token_cast_to_fp8`).
+                (`scale = max(amax, 1e-4) / 448`, as `mtdeepep.utils.fp8.per_token_cast_to_fp8`).
             round_scale: round each scale up to a power of two.
             use_ue8m0: return the (power-of-two) scales as their 8-bit exponents, 4 per int32; needs `round_scale`.
             async_finish: run on the comm thread; the returned event completes when the data has arrived.

@@ -27,9 +27,11 @@ class AllGatherHandle:
 
 
 class AllGatherDispatcher(TokenDispatcher):
-    """Simple and synchronous; every rank sees every token (traffic R times the all-to-all's at worst)."""
+    """Simple and synchronous (`combine_begin` does the whole combine); every rank sees every token (traffic R times
+    the all-to-all's at worst)."""
 
     supports_async = False
+    supports_async_combine = False
 
     def dispatch_begin(self, hidden_TH, probs_TK, topk_idx_TK) -> DispatchResult:
         K = topk_idx_TK.size(1)
@@ -53,10 +55,14 @@ class AllGatherDispatcher(TokenDispatcher):
     def dispatch_end(self, pending: DispatchResult) -> DispatchResult:
         return pending
 
-    def combine(self, expert_output_NH: torch.Tensor, handle: AllGatherHandle) -> torch.Tensor:
+    def combine_begin(self, expert_output_NH: torch.Tensor, handle: AllGatherHandle) -> torch.Tensor:
         partial_GH = weighted_scatter_sum(expert_output_NH, handle.weights_N, handle.token_N, sum(handle.sizes))
         return reduce_scatter_v(partial_GH, handle.sizes, self.ep_group).to(handle.dtype)
 
+    def combine_end(self, pending: torch.Tensor) -> torch.Tensor:
+        return pending
 
-def build_allgather(config, ep_group: dist.ProcessGroup | None) -> AllGatherDispatcher:
+
+def build_allgather(config, ep_group: dist.ProcessGroup | None, ep_buffers=None) -> AllGatherDispatcher:
+    """Registry factory for 'allgather' (no buffer: `ep_buffers` is not used)."""
     return AllGatherDispatcher(num_experts=config.num_moe_experts, ep_group=ep_group)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from moe.dispatcher.base import DispatchResult, TokenDispatcher, sort_slots_by_expert, weighted_scatter_sum
-from moe.dispatcher.comm import PendingAllToAll, all_to_all, all_to_all_counts, finish_all_to_all, start_all_to_all
+from moe.dispatcher.comm import PendingAllToAll, all_to_all_counts, finish_all_to_all, start_all_to_all
 
 
 @dataclass
@@ -39,6 +39,12 @@ class _PendingDispatch:
     handle: AllToAllHandle
 
 
+@dataclass
+class _PendingCombine:
+    a2a: PendingAllToAll  # the rows going back, `[M, H]` once finished
+    handle: AllToAllHandle
+
+
 def regroup_index(counts_RL: torch.Tensor) -> torch.Tensor:
     """Index that reorders rows laid out as chunks `[r][l]` (sizes `counts_RL`) into chunks `[l][r]`.
 
@@ -55,9 +61,11 @@ def regroup_index(counts_RL: torch.Tensor) -> torch.Tensor:
 
 
 class AllToAllDispatcher(TokenDispatcher):
-    """Rows travel once per (token, expert) slot; the count exchange is synchronous, the rows asynchronous."""
+    """Rows travel once per (token, expert) slot; the count exchange is synchronous, the rows asynchronous (both
+    ways: `combine_begin` starts the reverse all-to-all, `combine_end` waits and reduces)."""
 
     supports_async = True
+    supports_async_combine = True
 
     def dispatch_begin(self, hidden_TH, probs_TK, topk_idx_TK) -> _PendingDispatch:
         T, K = topk_idx_TK.shape
@@ -87,14 +95,20 @@ class AllToAllDispatcher(TokenDispatcher):
         tokens_per_expert = [int(c) for c in pending.counts_RL.sum(0).tolist()]
         return DispatchResult(expert_input_NH, tokens_per_expert, pending.handle)
 
-    def combine(self, expert_output_NH: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
+    def combine_begin(self, expert_output_NH: torch.Tensor, handle: AllToAllHandle) -> _PendingCombine:
         inverse_N = torch.empty_like(handle.sort_N)
         inverse_N[handle.sort_N] = torch.arange(handle.sort_N.numel(), device=handle.sort_N.device)
         by_source_NH = expert_output_NH.index_select(0, inverse_N)
-        back_MH = all_to_all(by_source_NH, handle.input_splits, handle.output_splits, self.ep_group)
+        a2a = start_all_to_all(by_source_NH, handle.input_splits, handle.output_splits, self.ep_group)
+        return _PendingCombine(a2a, handle)
+
+    def combine_end(self, pending: _PendingCombine) -> torch.Tensor:
+        handle = pending.handle
+        back_MH = finish_all_to_all(pending.a2a)
         out_TH = weighted_scatter_sum(back_MH, handle.weights_M, handle.token_M, handle.num_tokens)
         return out_TH.to(handle.dtype)
 
 
-def build_alltoall(config, ep_group: dist.ProcessGroup | None) -> AllToAllDispatcher:
+def build_alltoall(config, ep_group: dist.ProcessGroup | None, ep_buffers=None) -> AllToAllDispatcher:
+    """Registry factory for 'alltoall' (no buffer: `ep_buffers` is not used)."""
     return AllToAllDispatcher(num_experts=config.num_moe_experts, ep_group=ep_group)

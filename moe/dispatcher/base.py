@@ -35,16 +35,18 @@ class DispatchResult:
 class TokenDispatcher(ABC):
     """Dispatch routed tokens to the local experts of every rank and combine the expert outputs back.
 
-    Subclasses implement `dispatch_begin`, `dispatch_end` and `combine`. `dispatch_begin` may launch
-    communication and return before it completes (then `supports_async` is True), so the caller can compute
-    something independent, e.g. the shared expert, before calling `dispatch_end`. Results must not depend on
-    whether anything runs in between.
+    Subclasses implement `dispatch_begin` / `dispatch_end` and `combine_begin` / `combine_end`. A `*_begin` may
+    launch communication and return before it completes (then `supports_async`, for the dispatch, or
+    `supports_async_combine` is True), so the caller (the layer, or a schedule overlapping micro-batches) can
+    compute something independent, e.g. the shared expert, before calling the matching `*_end`. Results must not
+    depend on whether anything runs in between. `dispatch` and `combine` are `end(begin(...))`.
 
-    The routing weights are applied in `combine`, in float32, on the rank that owns the token:
+    The routing weights are applied in the combine, in float32, on the rank that owns the token:
     `out[t] = sum_k probs[t, k] * expert_output(t, k)`. Slots with `topk_idx == -1` (dropped) are skipped.
     """
 
     supports_async: bool = False
+    supports_async_combine: bool = False
 
     def __init__(self, *, num_experts: int, ep_group: dist.ProcessGroup | None = None) -> None:
         self.ep_group = ep_group
@@ -62,7 +64,7 @@ class TokenDispatcher(ABC):
 
         Args:
             hidden_TH: `[T, H]` tokens of this rank.
-            probs_TK: `[T, K] float32` routing weights (kept for `combine`; differentiable).
+            probs_TK: `[T, K] float32` routing weights (kept for the combine; differentiable).
             topk_idx_TK: `[T, K] int64` global expert ids, -1 for dropped slots.
         Returns an opaque pending object for `dispatch_end`.
         """
@@ -72,13 +74,25 @@ class TokenDispatcher(ABC):
         """Wait for the dispatch started by `dispatch_begin` and return the local experts' input."""
 
     @abstractmethod
-    def combine(self, expert_output_NH: torch.Tensor, handle: Any) -> torch.Tensor:
-        """Send the experts' outputs `[N, H]` (same row order as the dispatch result) back and reduce them:
-        returns `[T, H]` in the dtype of the dispatched hidden states."""
+    def combine_begin(self, expert_output_NH: torch.Tensor, handle: Any) -> Any:
+        """Start sending the experts' outputs `[N, H]` (same row order as the dispatch result) back.
+
+        `handle` is `DispatchResult.handle`. Returns an opaque pending object for `combine_end`; leave
+        `expert_output_NH` unchanged until then.
+        """
+
+    @abstractmethod
+    def combine_end(self, pending: Any) -> torch.Tensor:
+        """Wait for the combine started by `combine_begin` and reduce: returns `[T, H]` in the dtype of the
+        dispatched hidden states."""
 
     def dispatch(self, hidden_TH: torch.Tensor, probs_TK: torch.Tensor, topk_idx_TK: torch.Tensor) -> DispatchResult:
         """`dispatch_end(dispatch_begin(...))`."""
         return self.dispatch_end(self.dispatch_begin(hidden_TH, probs_TK, topk_idx_TK))
+
+    def combine(self, expert_output_NH: torch.Tensor, handle: Any) -> torch.Tensor:
+        """`combine_end(combine_begin(...))`: `[N, H]` expert outputs -> `[T, H]` weighted sums per token."""
+        return self.combine_end(self.combine_begin(expert_output_NH, handle))
 
 
 def sort_slots_by_expert(topk_idx_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,13 +85,6 @@ def finish_all_to_all(pending: PendingAllToAll) -> torch.Tensor:
     return _FinishAllToAll.apply(pending.send, pending.recv, pending)
 
 
-def all_to_all(
-    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup | None
-) -> torch.Tensor:
-    """Differentiable `all_to_all_single` along dim 0."""
-    return finish_all_to_all(start_all_to_all(x, output_splits, input_splits, group))
-
-
 def all_to_all_counts(send_counts_RL: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Exchange a `[R, L]` int64 matrix: row `r` goes to rank `r`; returns what each source sent here."""
     if group_size(group) == 1:

@@ -17,8 +17,13 @@ Asynchrony, in training and inference alike: `dispatch_begin` calls the differen
 `deep_ep.dispatch(..., async_finish=True)`, which returns once the receive counts are known (the CPU sync upstream
 has too) while the rows move on the buffer's comm thread; `dispatch_end` waits on its `EventOverlap`. So with
 `moe_shared_expert_overlap=True` the shared expert computes while the rows are in flight, whether or not autograd
-records the dispatch (under autograd its backward is a combine of the gradients, as without overlap). Results do not
-depend on the overlap: nothing reads the received rows before the wait.
+records the dispatch (under autograd its backward is a combine of the gradients, as without overlap). Likewise
+`combine_begin` calls `deep_ep.combine(..., async_finish=True)` and `combine_end` waits. Results do not depend on the
+overlap: nothing reads the received rows (or the combined sums) before the wait.
+
+Buffers: the dispatcher asks an `EPBuffers` (`moe.dispatcher.buffers`) for its group's normal-mode buffer at every
+dispatch, so the layers of a model share one; the combine runs on the dispatch's buffer (kept in the handle), which
+stays valid if the shared buffer was grown in between.
 
 Legend: T tokens on this rank, K top-k slots, H hidden, E experts, L local experts, U tokens received here (each
 once, however many of its experts are local), N rows for the experts (one per (received token, local expert)).
@@ -26,8 +31,6 @@ once, however many of its experts are local), N rows for the experts (one per (r
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +38,7 @@ import torch.distributed as dist
 
 import mtdeepep as deep_ep
 from moe.dispatcher.base import DispatchResult, TokenDispatcher, sort_slots_by_expert, weighted_scatter_sum
-from moe.dispatcher.comm import group_rank, group_size
+from moe.dispatcher.buffers import EPBuffers, buffer_group, buffer_source
 
 # Combine sends float32 partial sums (exact FP32 reduction across ranks); size the buffer for float32 rows.
 _COMBINE_DTYPE = torch.float32
@@ -49,6 +52,7 @@ class FlexHandle:
     num_recv: U, tokens received here. recv_row_N: `[N] int64` received token of every expert row.
     weights_N: `[N] float32` routing weight of every expert row (differentiable).
     comm_handle: the `mtdeepep.Buffer.dispatch` handle for the combine; None without communication (one process).
+    buffer: the buffer the dispatch ran on (the combine's); None without communication.
     """
 
     num_tokens: int
@@ -57,6 +61,7 @@ class FlexHandle:
     recv_row_N: torch.Tensor
     weights_N: torch.Tensor
     comm_handle: tuple | None
+    buffer: deep_ep.Buffer | None
 
 
 @dataclass
@@ -70,6 +75,16 @@ class _PendingFlexDispatch:
     recv_weights_UK: torch.Tensor  # float32, 0 in the -1 slots
     tokens_per_expert: list[int]
     comm_handle: tuple | None
+    buffer: deep_ep.Buffer | None
+    event: deep_ep.EventOverlap | None
+
+
+@dataclass
+class _PendingFlexCombine:
+    """A combine in flight: `combined_TH` (`[T, H] float32`) is valid once `event` (None = complete) finished."""
+
+    combined_TH: torch.Tensor
+    dtype: torch.dtype
     event: deep_ep.EventOverlap | None
 
 
@@ -99,50 +114,22 @@ def nvl_bytes_hint(hidden_size: int, num_ranks: int) -> int:
     )
 
 
-def buffer_group(buffer: deep_ep.Buffer | None, ep_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """The EP group of a dispatcher given `buffer` and/or `ep_group`: the buffer's group when only the buffer is
-    given; ValueError if both are given and this rank's position or the size differ."""
-    if buffer is None:
-        return ep_group
-    if ep_group is None:
-        return buffer.group
-    if (buffer.group_size, buffer.rank) != (group_size(ep_group), group_rank(ep_group)):
-        raise ValueError(
-            f"the buffer spans {buffer.group_size} ranks (this one {buffer.rank}) but ep_group has "
-            f"{group_size(ep_group)} (this one {group_rank(ep_group)})"
-        )
-    return ep_group
-
-
-def _destroy_owned_buffer(buffer: deep_ep.Buffer) -> None:
-    """Finalizer of a buffer a dispatcher created: destroy it explicitly when the dispatcher goes.
-
-    An explicit `Buffer.destroy()` joins the comm thread with the GIL released. Left to garbage collection, the
-    Buffer's runtime is destroyed holding the GIL, which can deadlock: with torch >= 2.9 the comm thread takes the
-    GIL to drop the last C++ reference to a Python-visible tensor its finished task captured, and that happens just
-    after the task's event completed. Errors are ignored (a buffer that failed earlier may refuse).
-    """
-    with contextlib.suppress(Exception):
-        buffer.destroy()
-
-
 class DeepEPDispatcher(TokenDispatcher):
     """Token dispatcher on `mtdeepep`'s normal-mode kernels (`Buffer.get_dispatch_layout/dispatch/combine`).
 
     Args:
         num_experts: E, divisible by the expert-parallel size.
-        hidden_size: H; sizes the lazily created buffer.
+        hidden_size: H; sizes the buffer it asks `ep_buffers` for.
         ep_group: expert-parallel group. None with no `buffer`: one process, no communication (the rows are
             regrouped locally). None with a `buffer`: the buffer's group.
-        buffer: an `mtdeepep.Buffer` over the EP group to use (e.g. one shared by every MoE layer); its owner
-            destroys it (with `explicitly_destroy=True` and `destroy()` once no rank uses it any more). If None, the
-            first dispatch creates one (collective: every rank of the group dispatches together) with
-            `num_nvl_bytes = nvl_bytes_hint(hidden_size, ep_size)`, owned by this dispatcher and destroyed when the
-            dispatcher is garbage-collected (run the backward of its last forward before dropping it).
-        timeout_s: bound on every wait of a created buffer (None: mtdeepep's default).
+        buffer: an `mtdeepep.Buffer` over the EP group to use always; its owner destroys it.
+        ep_buffers: the `EPBuffers` to take the group's normal-mode buffer from (at least
+            `nvl_bytes_hint(hidden_size, ep_size)` bytes; created or grown on first use, collectively). None: the
+            group's default (`moe.dispatcher.buffers.default_ep_buffers`), shared by every dispatcher given none.
     """
 
     supports_async = True
+    supports_async_combine = True
 
     def __init__(
         self,
@@ -151,26 +138,22 @@ class DeepEPDispatcher(TokenDispatcher):
         hidden_size: int,
         ep_group: dist.ProcessGroup | None = None,
         buffer: deep_ep.Buffer | None = None,
-        timeout_s: float | None = None,
+        ep_buffers: EPBuffers | None = None,
     ) -> None:
         ep_group = buffer_group(buffer, ep_group)
         super().__init__(num_experts=num_experts, ep_group=ep_group)
         self.hidden_size = hidden_size
-        self.timeout_s = timeout_s
+        self.num_nvl_bytes = nvl_bytes_hint(hidden_size, self.ep_size)
         self._buffer = buffer
+        self.ep_buffers = buffer_source(buffer, ep_buffers, ep_group)
 
     @property
     def buffer(self) -> deep_ep.Buffer | None:
-        """The `mtdeepep.Buffer` (created on first use; collective). None when there is no EP group."""
-        if self._buffer is None and self.ep_group is not None:
-            self._buffer = deep_ep.Buffer(
-                self.ep_group,
-                num_nvl_bytes=nvl_bytes_hint(self.hidden_size, self.ep_size),
-                explicitly_destroy=True,
-                timeout_s=self.timeout_s,
-            )
-            weakref.finalize(self, _destroy_owned_buffer, self._buffer)
-        return self._buffer
+        """The `mtdeepep.Buffer` the next dispatch uses: the given one, else the `ep_buffers` one (created or grown on
+        first use; collective). None when there is no EP group."""
+        if self.ep_buffers is None:
+            return self._buffer
+        return self.ep_buffers.get(self.ep_group, num_nvl_bytes=self.num_nvl_bytes)
 
     def dispatch_begin(self, hidden_TH, probs_TK, topk_idx_TK) -> _PendingFlexDispatch:
         T = hidden_TH.size(0)
@@ -180,14 +163,14 @@ class DeepEPDispatcher(TokenDispatcher):
         buffer = self.buffer
         if buffer is None:  # one process: every token is "received" as is
             counts = torch.bincount(topk_idx_TK[topk_idx_TK >= 0], minlength=self.num_experts).tolist()
-            return _PendingFlexDispatch(T, x_TH.dtype, x_TH, topk_idx_TK, weights_TK, counts, None, None)
+            return _PendingFlexDispatch(T, x_TH.dtype, x_TH, topk_idx_TK, weights_TK, counts, None, None, None)
 
-        # One path for training and inference: without autograd recording, the Function only runs its forward.
+        # One path for training and inference: without autograd recording, the op only runs its forward.
         # The received tensors are not read before `dispatch_end` waits on the event.
         recv_x, recv_idx, recv_weights, counts, comm_handle, event = deep_ep.dispatch(
             buffer, x_TH, topk_idx_TK, weights_TK, self.num_experts, async_finish=True
         )
-        return _PendingFlexDispatch(T, x_TH.dtype, recv_x, recv_idx, recv_weights, counts, comm_handle, event)
+        return _PendingFlexDispatch(T, x_TH.dtype, recv_x, recv_idx, recv_weights, counts, comm_handle, buffer, event)
 
     def dispatch_end(self, pending: _PendingFlexDispatch) -> DispatchResult:
         if pending.event is not None:
@@ -206,19 +189,29 @@ class DeepEPDispatcher(TokenDispatcher):
             recv_row_N=recv_row_N,
             weights_N=weights_N,
             comm_handle=pending.comm_handle,
+            buffer=pending.buffer,
         )
         return DispatchResult(pending.recv_x_UH.index_select(0, recv_row_N), tokens_per_expert, handle)
 
-    def combine(self, expert_output_NH: torch.Tensor, handle: FlexHandle) -> torch.Tensor:
-        """Weight `[N, H]` expert outputs in float32, sum per received token (`[U, H]` float32), send back with
-        `deep_ep.combine` (FP32 sum over ranks); returns `[T, H]` in the dispatched hidden dtype."""
+    def combine_begin(self, expert_output_NH: torch.Tensor, handle: FlexHandle) -> _PendingFlexCombine:
+        """Weight `[N, H]` expert outputs in float32, sum per received token (`[U, H]` float32), and start sending
+        the sums back with `deep_ep.combine(..., async_finish=True)` on the dispatch's buffer (FP32 sum over ranks
+        on its comm thread)."""
         partial_UH = weighted_scatter_sum(expert_output_NH, handle.weights_N, handle.recv_row_N, handle.num_recv)
         if handle.comm_handle is None:
-            return partial_UH.to(handle.dtype)
-        out_TH, _ = deep_ep.combine(self.buffer, partial_UH, handle.comm_handle)
-        return out_TH.to(handle.dtype)
+            return _PendingFlexCombine(partial_UH, handle.dtype, None)
+        combined_TH, _, event = deep_ep.combine(handle.buffer, partial_UH, handle.comm_handle, async_finish=True)
+        return _PendingFlexCombine(combined_TH, handle.dtype, event)
+
+    def combine_end(self, pending: _PendingFlexCombine) -> torch.Tensor:
+        """Wait for the combine: `[T, H]` in the dispatched hidden dtype (rounded once from the FP32 sum)."""
+        if pending.event is not None:
+            pending.event.current_stream_wait()
+        return pending.combined_TH.to(pending.dtype)
 
 
-def build_deepep(config, ep_group: dist.ProcessGroup | None) -> DeepEPDispatcher:
-    """Registry factory for 'flex': a `DeepEPDispatcher` that creates its buffer on first use."""
-    return DeepEPDispatcher(num_experts=config.num_moe_experts, hidden_size=config.hidden_size, ep_group=ep_group)
+def build_deepep(config, ep_group: dist.ProcessGroup | None, ep_buffers: EPBuffers | None) -> DeepEPDispatcher:
+    """Registry factory for 'flex': a `DeepEPDispatcher` on the buffer of `ep_buffers` (None: the group's default)."""
+    return DeepEPDispatcher(
+        num_experts=config.num_moe_experts, hidden_size=config.hidden_size, ep_group=ep_group, ep_buffers=ep_buffers
+    )

@@ -7,10 +7,11 @@ hook, called by `dispatch_end`, waits for every source rank. So with `moe_shared
 expert computes while the rows are in flight. The valid rows are packed into `[N, H]`, sorted by local expert, then
 by source rank, then token order (the order 'alltoall' gives), so any expert implementation can run on them.
 combine: the expert outputs are scattered back into their slots and `low_latency_combine` sends them home, where
-`sum_k probs[t, k] * expert_output(t, k)` is accumulated in FP32 in slot order and rounded to bfloat16 once.
+`sum_k probs[t, k] * expert_output(t, k)` is accumulated in FP32 in slot order and rounded to bfloat16 once;
+`combine_begin` issues the sends and keeps the receive hook, `combine_end` calls it.
 
-Inference only: the low-latency calls are not differentiable. `dispatch_begin` and `combine` raise RuntimeError when
-autograd would record through them (grad enabled and an input requires grad); train with 'flex'.
+Inference only: the low-latency calls are not differentiable. `dispatch_begin` and `combine_begin` raise RuntimeError
+when autograd would record through them (grad enabled and an input requires grad); train with 'flex'.
 
 Dtypes: low-latency mode moves bfloat16 rows (or FP8 with `use_fp8`), so the hidden states must be bfloat16
 (ValueError otherwise: cast the model, or use 'flex', which takes any dtype). Expert outputs are rounded to
@@ -18,9 +19,11 @@ bfloat16 for the combine; routing weights stay float32.
 
 Batch size: every rank must use the same `num_max_dispatch_tokens_per_rank` (T_max; it sizes the buffer and is
 checked by every call). A rank with more than T_max tokens raises ValueError before it communicates; the other ranks
-then wait in the dispatch until the buffer's timeout, as for any bad input to mtdeepep. The buffer does not grow:
-that would need an extra collective on every step to agree on the batch size, which is what low-latency mode
-avoids. Size T_max for the largest decode batch (DeepEP's usual value, 128, is the default).
+then wait in the dispatch until the buffer's timeout, as for any bad input to mtdeepep. A batch never grows the
+buffer: that would need an extra collective on every step to agree on the batch size, which is what low-latency mode
+avoids. Size T_max for the largest decode batch (DeepEP's usual value, 128, is the default). The buffer comes from an
+`EPBuffers` shared with the other layers, grown only when a layer's configured T_max, hidden size or expert count
+needs more (which every rank decides alike from the config).
 
 Legend: T tokens on this rank (<= T_max), K top-k slots, H hidden, E experts, R ranks, L local experts, N rows for
 the experts (one per (received token, local expert)).
@@ -28,7 +31,6 @@ the experts (one per (received token, local expert)).
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -37,12 +39,11 @@ import torch.distributed as dist
 import mtdeepep as deep_ep
 from moe.dispatcher.alltoall import AllToAllDispatcher
 from moe.dispatcher.base import DispatchResult, TokenDispatcher
-from moe.dispatcher.deepep import _destroy_owned_buffer, buffer_group
-from mtdeepep.utils.refs import per_token_cast_back, per_token_cast_to_fp8
+from moe.dispatcher.buffers import EPBuffers, buffer_group, buffer_source
+from mtdeepep.utils.fp8 import FP8_BLOCK, per_token_cast_back, per_token_cast_to_fp8
 
 DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK = 128
 _WIRE_DTYPE = torch.bfloat16  # the only non-FP8 payload of low-latency mode
-_FP8_BLOCK = 128
 
 
 @dataclass
@@ -52,6 +53,7 @@ class LowLatencyHandle:
     num_tokens: T. topk_idx_TK: `[T, K] int64` the dispatched expert ids (-1 = dropped, skipped by the combine).
     weights_TK: `[T, K] float32` routing weights. comm_handle: the `low_latency_dispatch` handle (None in one process).
     slot_row_N: `[N] int64` row of every packed expert row in the flattened `[L * R*T_max]` slots.
+    buffer: the buffer the dispatch ran on (the combine's); None in one process.
     local: the 'alltoall' handle of a single process (no buffer), else None.
     """
 
@@ -60,6 +62,7 @@ class LowLatencyHandle:
     weights_TK: torch.Tensor
     comm_handle: tuple | None
     slot_row_N: torch.Tensor | None
+    buffer: deep_ep.Buffer | None = None
     local: object | None = None
 
 
@@ -70,6 +73,16 @@ class _PendingLowLatencyDispatch:
     handle: LowLatencyHandle
     recv: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
     recv_count: torch.Tensor | None
+    hook: object | None
+    local: object | None = None
+
+
+@dataclass
+class _PendingLowLatencyCombine:
+    """A combine in flight: `combined_TH` (`[T, H] bfloat16`) is valid once `hook()` returned; `local` is the
+    single-process 'alltoall' combine instead."""
+
+    combined_TH: torch.Tensor | None
     hook: object | None
     local: object | None = None
 
@@ -108,18 +121,19 @@ class DeepEPLowLatencyDispatcher(TokenDispatcher):
         hidden_size: H; the hidden states must have this size.
         ep_group: expert-parallel group. None with no `buffer`: one process, no communication (the rows are
             regrouped locally, with the same dtype rules). None with a `buffer`: the buffer's group.
-        buffer: an `mtdeepep.Buffer(..., low_latency_mode=True)` over the EP group with at least
-            `low_latency_rdma_bytes(num_max_dispatch_tokens_per_rank, hidden_size, R, E)` bytes (e.g. one buffer
-            shared by every MoE layer; its owner destroys it). If None, the first dispatch creates one of exactly
-            that size (collective), owned by this dispatcher and destroyed when it is garbage-collected.
+        buffer: an `mtdeepep.Buffer(..., low_latency_mode=True)` over the EP group to use always, with at least
+            `low_latency_rdma_bytes(num_max_dispatch_tokens_per_rank, hidden_size, R, E)` bytes; its owner destroys it.
+        ep_buffers: the `EPBuffers` to take the group's low-latency buffer from (at least that many bytes; created or
+            grown on first use, collectively). None: the group's default
+            (`moe.dispatcher.buffers.default_ep_buffers`), shared by every dispatcher given none.
         num_max_dispatch_tokens_per_rank: T_max, the most tokens any rank dispatches in one call; the same on every
             rank. More raises ValueError (see the module docstring).
         use_fp8: send the rows as E4M3 with per-128-channel float32 scales (H must be a multiple of 128); the
             experts get them dequantised to bfloat16.
-        timeout_s: bound on every wait of a created buffer (None: mtdeepep's default).
     """
 
     supports_async = True
+    supports_async_combine = True
 
     def __init__(
         self,
@@ -128,21 +142,20 @@ class DeepEPLowLatencyDispatcher(TokenDispatcher):
         hidden_size: int,
         ep_group: dist.ProcessGroup | None = None,
         buffer: deep_ep.Buffer | None = None,
+        ep_buffers: EPBuffers | None = None,
         num_max_dispatch_tokens_per_rank: int = DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK,
         use_fp8: bool = False,
-        timeout_s: float | None = None,
     ) -> None:
         ep_group = buffer_group(buffer, ep_group)
         super().__init__(num_experts=num_experts, ep_group=ep_group)
         T_max = num_max_dispatch_tokens_per_rank
         if isinstance(T_max, bool) or not isinstance(T_max, int) or T_max <= 0:
             raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {T_max!r}")
-        if use_fp8 and hidden_size % _FP8_BLOCK:
-            raise ValueError(f"use_fp8 needs hidden_size % {_FP8_BLOCK} == 0, got hidden_size={hidden_size}")
+        if use_fp8 and hidden_size % FP8_BLOCK:
+            raise ValueError(f"use_fp8 needs hidden_size % {FP8_BLOCK} == 0, got hidden_size={hidden_size}")
         self.hidden_size = hidden_size
         self.num_max_dispatch_tokens_per_rank = T_max
         self.use_fp8 = bool(use_fp8)
-        self.timeout_s = timeout_s
         self.rdma_bytes = low_latency_rdma_bytes(T_max, hidden_size, self.ep_size, num_experts)
         if buffer is not None and not buffer.low_latency_mode:
             raise ValueError("the buffer must be created with low_latency_mode=True")
@@ -153,23 +166,18 @@ class DeepEPLowLatencyDispatcher(TokenDispatcher):
                 f"{num_experts} experts need (Buffer.get_low_latency_rdma_size_hint)"
             )
         self._buffer = buffer
+        self.ep_buffers = buffer_source(buffer, ep_buffers, ep_group)
         # One process: no buffer; the 'alltoall' dispatcher over no group regroups the rows locally.
         self._local = AllToAllDispatcher(num_experts=num_experts) if ep_group is None else None
 
     @property
     def buffer(self) -> deep_ep.Buffer | None:
-        """The low-latency `mtdeepep.Buffer` (created on first use; collective). None when there is no EP group."""
-        if self._buffer is None and self.ep_group is not None:
-            self._buffer = deep_ep.Buffer(
-                self.ep_group,
-                num_nvl_bytes=0,  # low-latency calls use only the RDMA-sized region
-                num_rdma_bytes=self.rdma_bytes,
-                low_latency_mode=True,
-                explicitly_destroy=True,
-                timeout_s=self.timeout_s,
-            )
-            weakref.finalize(self, _destroy_owned_buffer, self._buffer)
-        return self._buffer
+        """The low-latency `mtdeepep.Buffer` the next dispatch uses: the given one, else the `ep_buffers` one (created
+        or grown on first use; collective). None when there is no EP group."""
+        if self.ep_buffers is None:
+            return self._buffer
+        # Low-latency calls use only the low-latency area (num_rdma_bytes), no normal region.
+        return self.ep_buffers.get(self.ep_group, num_rdma_bytes=self.rdma_bytes, low_latency_mode=True)
 
     # -----------------------------------------------------------------------------------------------------------
     # Checks (all local, before any communication)
@@ -222,7 +230,7 @@ class DeepEPLowLatencyDispatcher(TokenDispatcher):
             use_fp8=self.use_fp8,
             return_recv_hook=True,
         )
-        handle.comm_handle = comm_handle
+        handle.comm_handle, handle.buffer = comm_handle, buffer
         return _PendingLowLatencyDispatch(handle, recv, recv_count, hook)
 
     def dispatch_end(self, pending: _PendingLowLatencyDispatch) -> DispatchResult:
@@ -253,26 +261,37 @@ class DeepEPLowLatencyDispatcher(TokenDispatcher):
             rows_NH = pending.recv.reshape(-1, self.hidden_size).index_select(0, slot_row_N)
         return DispatchResult(rows_NH, tokens_per_expert, handle)
 
-    def combine(self, expert_output_NH: torch.Tensor, handle: LowLatencyHandle) -> torch.Tensor:
-        """Scatter `[N, H]` expert outputs (rounded to bfloat16) back into their slots and `low_latency_combine`
-        them: returns `[T, H] bfloat16`, `sum_k probs[t, k] * expert_output(t, k)` accumulated in FP32."""
+    def combine_begin(self, expert_output_NH: torch.Tensor, handle: LowLatencyHandle) -> _PendingLowLatencyCombine:
+        """Scatter `[N, H]` expert outputs (rounded to bfloat16) back into their slots and start
+        `low_latency_combine` on the dispatch's buffer (sends issued, receive hook returned)."""
         self._refuse_autograd("combine", expert_output_NH)
         y_NH = expert_output_NH.to(_WIRE_DTYPE)
         if handle.local is not None:
-            return self._local.combine(y_NH, handle.local)
-        buffer = self.buffer
+            return _PendingLowLatencyCombine(None, None, self._local.combine_begin(y_NH, handle.local))
+        buffer = handle.buffer
         # Write straight into the area the zero-copy combine reads: no [L, R*T_max, H] temporary per call. Only the
         # rows the handle names are read, so the other slots need no clearing.
         slots = buffer.get_next_low_latency_combine_buffer(handle.comm_handle)
         slots.view(-1, self.hidden_size).index_copy_(0, handle.slot_row_N, y_NH)
-        combined_TH, _, _ = buffer.low_latency_combine(
-            slots, handle.topk_idx_TK, handle.weights_TK, handle.comm_handle, zero_copy=True
+        combined_TH, _, hook = buffer.low_latency_combine(
+            slots, handle.topk_idx_TK, handle.weights_TK, handle.comm_handle, zero_copy=True, return_recv_hook=True
         )
-        return combined_TH
+        return _PendingLowLatencyCombine(combined_TH, hook)
+
+    def combine_end(self, pending: _PendingLowLatencyCombine) -> torch.Tensor:
+        """Wait for every source rank: `[T, H] bfloat16`, `sum_k probs[t, k] * expert_output(t, k)` accumulated in
+        FP32 and rounded once."""
+        if pending.local is not None:
+            return self._local.combine_end(pending.local)
+        pending.hook()
+        return pending.combined_TH
 
 
-def build_deepep_ll(config, ep_group: dist.ProcessGroup | None) -> DeepEPLowLatencyDispatcher:
-    """Registry factory for 'flex_ll': a `DeepEPLowLatencyDispatcher` that creates its buffer on first use.
+def build_deepep_ll(
+    config, ep_group: dist.ProcessGroup | None, ep_buffers: EPBuffers | None
+) -> DeepEPLowLatencyDispatcher:
+    """Registry factory for 'flex_ll': a `DeepEPLowLatencyDispatcher` on the low-latency buffer of `ep_buffers` (None:
+    the group's default).
 
     T_max and FP8 come from the config fields `moe_flex_ll_num_max_dispatch_tokens_per_rank` (default 128) and
     `moe_flex_ll_use_fp8` (default False).
@@ -281,6 +300,7 @@ def build_deepep_ll(config, ep_group: dist.ProcessGroup | None) -> DeepEPLowLate
         num_experts=config.num_moe_experts,
         hidden_size=config.hidden_size,
         ep_group=ep_group,
+        ep_buffers=ep_buffers,
         num_max_dispatch_tokens_per_rank=config.moe_flex_ll_num_max_dispatch_tokens_per_rank,
         use_fp8=config.moe_flex_ll_use_fp8,
     )

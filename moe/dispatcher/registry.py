@@ -9,32 +9,39 @@ Built in (registered by `moe.dispatcher`):
   (`moe.dispatcher.deepep_ll.DeepEPLowLatencyDispatcher`), for inference/decoding only: bfloat16 (or FP8) rows,
   at most `num_max_dispatch_tokens_per_rank` tokens per rank, shared expert overlapped through the receive hook.
 
-Other backends plug in the same way:
+Other backends plug in the same way, and `MoEConfig` accepts their names once registered:
 
     @register_dispatcher("my_backend")
-    def _build(config: MoEConfig, ep_group) -> TokenDispatcher: ...
+    def _build(config: MoEConfig, ep_group, ep_buffers) -> TokenDispatcher: ...
 
-A factory takes `(config, ep_group)` and returns a `TokenDispatcher`. To pass an object the factory cannot build
-itself (e.g. one `mtdeepep.Buffer` shared by every layer), build the dispatcher and give it to
-`MoELayer(..., dispatcher=...)`.
+A factory takes `(config, ep_group, ep_buffers)` and returns a `TokenDispatcher`: `ep_group` is None for a single
+process; `ep_buffers` is the caller's `moe.dispatcher.buffers.EPBuffers` for the mtdeepep buffers the layers share,
+or None (mtdeepep dispatchers then use the group's default). To pass anything else a factory cannot build itself,
+build the dispatcher and give it to `MoELayer(..., dispatcher=...)`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from moe.config import MoEConfig
 from moe.dispatcher.base import TokenDispatcher
 
-DispatcherFactory = Callable[[MoEConfig, "dist.ProcessGroup | None"], TokenDispatcher]
+if TYPE_CHECKING:
+    from moe.config import MoEConfig
+    from moe.dispatcher.buffers import EPBuffers
+
+DispatcherFactory = Callable[["MoEConfig", "dist.ProcessGroup | None", "EPBuffers | None"], TokenDispatcher]
 
 _FACTORIES: dict[str, DispatcherFactory] = {}
 
 
 def register_dispatcher(name: str, factory: DispatcherFactory | None = None, *, overwrite: bool = False):
     """Register `factory` under `name`; usable as a decorator. Re-registering a name needs `overwrite=True`."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a token dispatcher name must be a non-empty str, got {name!r}")
 
     def _register(fn: DispatcherFactory) -> DispatcherFactory:
         if name in _FACTORIES and not overwrite:
@@ -45,16 +52,33 @@ def register_dispatcher(name: str, factory: DispatcherFactory | None = None, *, 
     return _register if factory is None else _register(factory)
 
 
+def unregister_dispatcher(name: str) -> None:
+    """Remove the factory registered under `name` (KeyError if there is none)."""
+    del _FACTORIES[name]
+
+
 def available_dispatchers() -> list[str]:
+    """The registered names, sorted."""
     return sorted(_FACTORIES)
 
 
-def build_dispatcher(config: MoEConfig, ep_group: dist.ProcessGroup | None = None) -> TokenDispatcher:
-    """The dispatcher named by `config.moe_token_dispatcher_type`, for `ep_group` (None = single process)."""
-    name = config.moe_token_dispatcher_type
+def check_dispatcher_name(name: object) -> None:
+    """ValueError, listing the registered names, if no dispatcher is registered as `name`."""
     if name not in _FACTORIES:
         raise ValueError(
-            f"no token dispatcher registered as {name!r} (available: {available_dispatchers()}); "
-            "register one with moe.dispatcher.register_dispatcher"
+            f"moe_token_dispatcher_type={name!r} names no registered token dispatcher (registered: "
+            f"{available_dispatchers()}); register one with moe.dispatcher.register_dispatcher"
         )
-    return _FACTORIES[name](config, ep_group)
+
+
+def build_dispatcher(
+    config: MoEConfig, ep_group: dist.ProcessGroup | None = None, ep_buffers: EPBuffers | None = None
+) -> TokenDispatcher:
+    """The dispatcher named by `config.moe_token_dispatcher_type`, for `ep_group` (None = single process), taking
+    its mtdeepep buffer from `ep_buffers` (None: the group's default)."""
+    name = config.moe_token_dispatcher_type
+    check_dispatcher_name(name)
+    dispatcher = _FACTORIES[name](config, ep_group, ep_buffers)
+    if not isinstance(dispatcher, TokenDispatcher):
+        raise TypeError(f"the factory of {name!r} returned {type(dispatcher).__name__}, not a TokenDispatcher")
+    return dispatcher

@@ -1,4 +1,5 @@
-"""Utilities with DeepEP's `deep_ep.utils` names (events, link check) and plain-PyTorch references (`refs`)."""
+"""Utilities with DeepEP's `deep_ep.utils` names (events, link check), plain-PyTorch references (`refs`), the block-wise
+FP8 quantiser (`fp8`) and the multi-process launcher (`testing`)."""
 
 from .event import EventHandle, EventOverlap, check_nvlink_connections
 

@@ -13,9 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-FP8_BLOCK = 128
-FP8_E4M3_MAX = 448.0
-
 
 def ref_dispatch_layout(
     topk_idx_TK: torch.Tensor, num_experts: int, num_ranks: int
@@ -124,25 +121,3 @@ def ref_combine(
             out += b.double()
     dtype = expert_out_per_rank[0].dtype
     return out.to(dtype), None if weights is None else weights.float()
-
-
-def per_token_cast_to_fp8(x_TH: torch.Tensor, round_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token, per-128-channel E4M3 cast: returns `(e4m3 [T, H], float32 scales [T, H/128])` with
-    `x ~= e4m3 * scale` block-wise. `round_scale` rounds each scale up to a power of two."""
-    num_tokens, hidden = x_TH.shape
-    if hidden % FP8_BLOCK:
-        raise ValueError(f"hidden={hidden} must be a multiple of {FP8_BLOCK} for FP8")
-    blocks = x_TH.float().view(num_tokens, hidden // FP8_BLOCK, FP8_BLOCK)
-    amax = blocks.abs().amax(dim=2).clamp(min=1e-4)
-    scale = amax / FP8_E4M3_MAX
-    if round_scale:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
-    e4m3 = (blocks / scale.unsqueeze(2)).to(torch.float8_e4m3fn).view(num_tokens, hidden)
-    return e4m3, scale
-
-
-def per_token_cast_back(e4m3_TH: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Inverse of `per_token_cast_to_fp8`, in float32."""
-    num_tokens, hidden = e4m3_TH.shape
-    blocks = e4m3_TH.float().view(num_tokens, hidden // FP8_BLOCK, FP8_BLOCK)
-    return (blocks * scales.float().unsqueeze(2)).view(num_tokens, hidden)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import mtdeepep
 from mtdeepep.elastic import ElasticBuffer
 from mtdeepep.utils import check_nvlink_connections, refs
+from mtdeepep.utils import fp8 as fp8_utils
 
 from . import clients_env
 
@@ -621,7 +622,7 @@ def elastic_fp8_dispatch(ctx):
     buffer = _elastic(ctx, capacity, hidden, use_fp8_dispatch=True)
     num_tokens = capacity - 3 * ctx.rank
     x, topk_idx, weights, _ = _elastic_inputs(ctx, num_tokens, hidden, num_experts, num_topk, 900)
-    fp8 = refs.per_token_cast_to_fp8(x)
+    fp8 = fp8_utils.per_token_cast_to_fp8(x)
     everyone = gather(ctx, (fp8[0].view(torch.uint8), fp8[1], topk_idx, weights))
     ref_data = refs.ref_dispatch([e[0] for e in everyone], [e[2] for e in everyone], None, num_experts, ctx.rank)
     ref_scales = refs.ref_dispatch([e[1] for e in everyone], [e[2] for e in everyone], None, num_experts, ctx.rank)

@@ -7,7 +7,7 @@ Each case builds inputs on every rank, gathers them, and checks what this rank r
 computation from the global view. Tolerances:
 
 - dispatch moves bytes: BF16 rows must be exact; FP8 rows must be bitwise the reference cast
-  (`refs.per_token_cast_to_fp8`; for power-of-two scales the exact "smallest power of two >= amax / 448"), and
+  (`fp8.per_token_cast_to_fp8`; for power-of-two scales the exact "smallest power of two >= amax / 448"), and
   dequantise to within E4M3's half-ulp: 2^-4 relative, plus half the subnormal spacing 2^-10 times the block scale.
 - combine sums at most K weighted bfloat16 rows in FP32 and rounds once to bfloat16: |out - ref| <=
   2^-8 |ref| (one bf16 rounding, with margin) + 2 (K + 1) 2^-24 sum_k |w_k y_k| (FP32 products and sums), against
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import mtdeepep as deep_ep
-from mtdeepep.utils import refs
+from mtdeepep.utils import fp8
 
 from .common import assert_overlaps, assert_value_errors, gather
 
@@ -88,10 +88,10 @@ def make_x(ctx, num_tokens, hidden, seed, kind="random"):
 
 
 def exact_fp8_cast(x_TH: torch.Tensor, round_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cast the sender must do: `refs.per_token_cast_to_fp8`, with power-of-two scales computed exactly
+    """The cast the sender must do: `fp8.per_token_cast_to_fp8`, with power-of-two scales computed exactly
     (the smallest power of two >= amax / 448, via frexp) when `round_scale`."""
     if not round_scale:
-        return refs.per_token_cast_to_fp8(x_TH.float())
+        return fp8.per_token_cast_to_fp8(x_TH.float())
     num_tokens, hidden = x_TH.shape
     blocks = x_TH.float().view(num_tokens, hidden // 128, 128)
     ratio = blocks.abs().amax(dim=2).clamp(min=1e-4) / 448.0
@@ -189,7 +189,7 @@ def _check_fp8_rows(rows_u8, scales, expected_bf16, round_scale, use_ue8m0):
         assert bool((mantissa == 0.5).all()), "round_scale scales must be powers of two"
     if rows_u8.numel():
         # E4M3: 3 mantissa bits (half-ulp 2^-4 relative); below 2^-6 subnormal with spacing 2^-9 (in scale units).
-        deq = refs.per_token_cast_back(rows_u8.view(torch.float8_e4m3fn), scales)
+        deq = fp8.per_token_cast_back(rows_u8.view(torch.float8_e4m3fn), scales)
         x = expected_bf16.float()
         bound = 2.0**-4 * x.abs() + 2.0**-10 * scales.repeat_interleave(128, dim=1)
         assert bool(((deq - x).abs() <= bound * 1.001).all()), "FP8 dequantisation error out of bounds"
@@ -202,7 +202,7 @@ def dequantised(recv, use_fp8):
     data, scales = recv
     if scales.dtype == torch.int32:
         scales = torch.stack([unpack_ue8m0(s, data.size(2) // 128)[0] for s in scales])
-    back = refs.per_token_cast_back(data.reshape(-1, data.size(2)), scales.reshape(-1, scales.size(2)))
+    back = fp8.per_token_cast_back(data.reshape(-1, data.size(2)), scales.reshape(-1, scales.size(2)))
     return back.view(data.shape).bfloat16()
 
 
@@ -223,7 +223,7 @@ def reference_combine(x, topk_idx, topk_weights, use_fp8=False, round_scale=Fals
     x_eff = x
     if use_fp8 and x.size(0):
         e4m3, scales = exact_fp8_cast(x, round_scale)
-        x_eff = refs.per_token_cast_back(e4m3, scales).bfloat16()
+        x_eff = fp8.per_token_cast_back(e4m3, scales).bfloat16()
     out = torch.zeros(x.shape, dtype=torch.float64)
     magnitude = torch.zeros(x.shape, dtype=torch.float64)
     for t, k in (topk_idx >= 0).nonzero().tolist():

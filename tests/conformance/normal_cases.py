@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import mtdeepep as deep_ep
-from mtdeepep.utils import refs
+from mtdeepep.utils import fp8, refs
 
 from .common import (
     assert_async_overlaps,
@@ -109,7 +109,7 @@ def expert_alignment_rounds_counts(ctx, topo):
 def fp8_dispatch_passes_through(ctx, topo):
     buffer = topo.buffer(ctx)
     x, topk_idx, topk_weights = make_inputs(ctx, 200, 256, 16, 4, seed=30)
-    e4m3, scales = refs.per_token_cast_to_fp8(x.float())
+    e4m3, scales = fp8.per_token_cast_to_fp8(x.float())
     everyone = gather(ctx, (e4m3.view(torch.uint8), scales, topk_idx, x))
     ref_data = refs.ref_dispatch([e[0] for e in everyone], [e[2] for e in everyone], None, 16, ctx.rank).recv_x
     ref_scales = refs.ref_dispatch([e[1] for e in everyone], [e[2] for e in everyone], None, 16, ctx.rank).recv_x
@@ -123,7 +123,7 @@ def fp8_dispatch_passes_through(ctx, topo):
         assert torch.equal(recv_scales, ref_scales), f"scales ({layout}-major)"
         # Dequantised rows still represent the sender's bf16 rows within FP8's precision: E4M3 keeps 3 mantissa
         # bits (half-ulp 2^-4 relative); values below 2^-6 are subnormal with spacing 2^-9, in units of the scale.
-        deq = refs.per_token_cast_back(recv_data, recv_scales)
+        deq = fp8.per_token_cast_back(recv_data, recv_scales)
         bound = 2.0**-4 * ref_x.abs() + 2.0**-10 * recv_scales.repeat_interleave(128, dim=1)
         assert bool(((deq - ref_x).abs() <= bound * 1.001).all())
         # a cached FP8 dispatch reuses the layout

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from moe import MoEConfig, MoELayer, update_expert_bias
 
-from .moe_testlib import assert_close
+from .moe_testlib import assert_close, ep_group
 
 BASE = dict(hidden_size=32, num_moe_experts=8, moe_ffn_hidden_size=16, init_method_std=0.2)
 
@@ -526,13 +526,15 @@ def _flex_overlap_is_real_under_autograd(rank, world, group):
 @case("flex_layers_share_one_buffer")
 def _flex_shared_buffer(rank, world, group):
     """Two layers on one passed-in Buffer, through `MoELayer(dispatcher=...)`, match 'alltoall'; a 'flex' layer
-    built from the config creates its own buffer lazily, sized by `nvl_bytes_hint`."""
+    built from the config takes its buffer from the group's default `EPBuffers` on first use, sized by
+    `nvl_bytes_hint`, and the buffer is destroyed when the last layer using it goes."""
     import mtdeepep as deep_ep
+    from moe.dispatcher.buffers import default_ep_buffers
     from moe.dispatcher.deepep import DeepEPDispatcher, nvl_bytes_hint
 
     H, E = BASE["hidden_size"], BASE["num_moe_experts"]
     buffer = deep_ep.Buffer(group, num_nvl_bytes=nvl_bytes_hint(H, world), explicitly_destroy=True)
-    cfg = _cfg(moe_router_topk=3)
+    cfg = _cfg(moe_router_topk=3, moe_token_dispatcher_type="alltoall")  # the 'flex' layers get their dispatcher
     x, g = make_inputs(world, None, None, seed=9)[rank]
     pairs = []
     for seed in (1, 2):
@@ -540,19 +542,22 @@ def _flex_shared_buffer(rank, world, group):
         flex = MoELayer(cfg, dispatcher=DeepEPDispatcher(num_experts=E, hidden_size=H, buffer=buffer))
         load_ep_from_ref(flex, ref)  # the same weights as `a2a`
         pairs.append((a2a, flex, forward_backward(a2a, x, g), forward_backward(flex, x, g)))
+    gc.collect()  # the default EPBuffers of earlier cases' layers are gone
     lazy = MoELayer(_cfg(moe_token_dispatcher_type="flex"), ep_group=group)
-    created_lazily = lazy.dispatcher._buffer is None
+    created_lazily = lazy.dispatcher.ep_buffers.buffers() == []
+    from_default = lazy.dispatcher.ep_buffers is default_ep_buffers(group)
     lazy(x)
     owned = lazy.dispatcher.buffer
-    del lazy  # the dispatcher destroys the buffer it created
+    del lazy  # the only layer on the default EPBuffers: they go, destroying the buffer
     buffer.destroy()  # the caller destroys the one it passed in
 
     for layer, (a2a, flex, (out_a, gx_a, _), (out_f, gx_f, _)) in enumerate(pairs):
         assert flex.dispatcher.ep_group is group and flex.dispatcher.buffer is buffer
+        assert flex.dispatcher.ep_buffers is None, "a dispatcher given a buffer takes none from EPBuffers"
         assert_close(out_f, out_a, msg=f"layer {layer} output")
         assert_close(gx_f, gx_a, msg=f"layer {layer} x grad")
         assert_close(flex.experts.w13.grad, a2a.experts.w13.grad, msg=f"layer {layer} w13 grad")
-    assert created_lazily, "the buffer is created on first use"
+    assert created_lazily and from_default, "the buffer comes from the group's default EPBuffers, on first use"
     assert owned is not buffer and owned.num_nvl_bytes == nvl_bytes_hint(H, world)
     with pytest.raises(deep_ep.CommError, match="destroyed"):
         owned.get_dispatch_layout(torch.zeros(1, 1, dtype=torch.int64), E)
@@ -564,8 +569,5 @@ def _flex_shared_buffer(rank, world, group):
 
 
 def run_case(ctx, name: str) -> None:
-    """Runs the case `name` in a rank of a `RankPool` (see test_moe_distributed.py), on an explicit EP group (not
-    the default one) created once per pool."""
-    if "ep_group" not in ctx.cache:
-        ctx.cache["ep_group"] = dist.new_group(list(range(ctx.world_size)))
-    CASES[name](ctx.rank, ctx.world_size, ctx.cache["ep_group"])
+    """Runs the case `name` in a rank of a `RankPool` (see test_moe_distributed.py), on the pool's EP group."""
+    CASES[name](ctx.rank, ctx.world_size, ep_group(ctx))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe.config import MoEConfig
@@ -169,3 +170,11 @@ def layer_grads(layer) -> dict[str, torch.Tensor | None]:
         grads["shared_w13"] = layer.shared_experts.w13.grad
         grads["shared_w2"] = layer.shared_experts.w2.grad
     return grads
+
+
+def ep_group(ctx) -> dist.ProcessGroup:
+    """The expert-parallel group of a `RankPool` rank: an explicit group of every rank (not the default one), created
+    once per pool (collective, on first use)."""
+    if "ep_group" not in ctx.cache:
+        ctx.cache["ep_group"] = dist.new_group(list(range(ctx.world_size)))
+    return ctx.cache["ep_group"]

@@ -14,32 +14,42 @@ import torch
 
 from moe import MoEConfig, MoELayer
 from moe.experts import SwiGLUExperts
-from moe.fp8 import (
-    ACT_TILE,
-    COL_TILE,
-    FP8_MAX,
-    WEIGHT_TILE,
-    Fp8SwiGLUExperts,
-    dequantize_blocks,
-    fake_quantize,
-    fp8_grouped_linear,
-    fp8_linear,
-    quantize_blocks,
-)
-from mtdeepep.utils.refs import per_token_cast_to_fp8
+from moe.fp8 import ACT_TILE, COL_TILE, WEIGHT_TILE, Fp8SwiGLUExperts, fake_quantize, fp8_grouped_linear, fp8_linear
+from mtdeepep.utils.fp8 import FP8_E4M3_MAX, dequantize_blocks, per_token_cast_to_fp8, quantize_blocks
 
 from .moe_testlib import sqnr_db
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_activation_tiles_match_reference_cast():
-    x = torch.randn(16, 384) * torch.logspace(-3, 2, 16).unsqueeze(1)
-    q, s = quantize_blocks(x, ACT_TILE)
-    q_ref, s_ref = per_token_cast_to_fp8(x)
-    assert s.shape == (16, 3) and q.dtype == torch.float8_e4m3fn
-    assert torch.equal(s, s_ref)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+def _e4m3_values() -> torch.Tensor:
+    """Every finite E4M3 value, from its 256 bit patterns (independent of torch's float -> E4M3 rounding)."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    return values[values.isfinite()].unique()
+
+
+@pytest.mark.parametrize("round_scale", [False, True], ids=["exact_scale", "pow2_scale"])
+def test_per_token_cast_is_the_nearest_e4m3_per_128_channel_block(round_scale):
+    """The activation cast (the one quantiser of mtdeepep, the dispatchers and the FP8 experts), checked by brute
+    force: per token and 128 channels, scale = max(amax, 1e-4) / 448 (or the smallest power of two >= it), and every
+    code is a nearest E4M3 value of x / scale."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(16, 384, generator=gen) * torch.logspace(-3, 2, 16).unsqueeze(1)
+    x[3, 128:256] = 0.0  # an all-zero block: the amax floor
+    q, s = per_token_cast_to_fp8(x, round_scale=round_scale)
+    assert s.shape == (16, 3) and s.dtype == torch.float32 and q.dtype == torch.float8_e4m3fn
+    amax = x.double().abs().view(16, 3, 128).amax(dim=2).clamp(min=1e-4)
+    if round_scale:
+        assert bool((torch.log2(s.double()) == torch.log2(s.double()).round()).all()), "power-of-two scales"
+        assert bool((s.double() * 448 >= amax).all() and (s.double() * 224 < amax).all()), "the smallest such"
+    else:
+        torch.testing.assert_close(s.double(), amax / 448, rtol=2**-23, atol=0)
+    target = x.view(16, 3, 128) / s.unsqueeze(2)  # what the codes stand for, in units of the scale
+    distance = (target.unsqueeze(-1) - _e4m3_values()).abs()
+    got = (target - q.float().view(16, 3, 128)).abs()
+    assert bool((got <= distance.amin(dim=-1)).all()), "a code that is not a nearest E4M3 value"
+    assert torch.count_nonzero(q[3, 128:256].float()) == 0
+    assert torch.equal(quantize_blocks(x, ACT_TILE, round_scale)[1], s), "the (1, 128) tiles of quantize_blocks"
 
 
 @pytest.mark.parametrize("tile", [ACT_TILE, WEIGHT_TILE, COL_TILE], ids=["1x128", "128x128", "128x1"])
@@ -54,7 +64,7 @@ def test_block_quantisation_error_bound(tile):
     # Normal range: half an ulp = 2^-4 relative; subnormal range: half of the 2^-9 spacing, in scaled units.
     bound = 2.0**-4 * x.abs() + 2.0**-10 * scale_full
     assert bool(((xq - x).abs() <= bound * (1 + 1e-6)).all())
-    assert float(q.float().abs().max()) <= FP8_MAX
+    assert float(q.float().abs().max()) <= FP8_E4M3_MAX
     assert sqnr_db(x, xq) > 28
 
 

@@ -6,15 +6,8 @@ import pytest
 import torch
 
 from moe import MoEConfig, MoELayer
-from moe.dispatcher import (
-    AllGatherDispatcher,
-    AllToAllDispatcher,
-    available_dispatchers,
-    build_dispatcher,
-    register_dispatcher,
-)
+from moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from moe.dispatcher.alltoall import regroup_index
-from moe.dispatcher.registry import _FACTORIES
 
 from .moe_testlib import assert_close, layer_grads, layer_params_double, ref_moe
 
@@ -149,33 +142,6 @@ def test_eval_no_grad_attaches_nothing_and_counts_nothing():
         out = layer(torch.randn(2, 8, H))
     assert not out.requires_grad
     assert float(layer.router.expert_bias.counts.sum()) == 0.0
-
-
-def test_dispatcher_registry_seam():
-    assert {"alltoall", "allgather"} <= set(available_dispatchers())
-    cfg = MoEConfig(hidden_size=H, num_moe_experts=E, moe_ffn_hidden_size=F_HID, moe_token_dispatcher_type="flex")
-    if "flex" not in _FACTORIES:
-        with pytest.raises(ValueError, match="no token dispatcher registered as 'flex'"):
-            build_dispatcher(cfg)
-    previous = _FACTORIES.get("flex")
-    built = []
-
-    def factory(config, ep_group):
-        built.append(config.moe_token_dispatcher_type)
-        return _FACTORIES["alltoall"](config, ep_group)
-
-    try:
-        register_dispatcher("flex", factory, overwrite=True)
-        with pytest.raises(ValueError, match="already registered"):
-            register_dispatcher("flex", factory)
-        layer = MoELayer(cfg)
-        assert built == ["flex"]
-        assert layer(torch.randn(4, H)).shape == (4, H)
-    finally:
-        if previous is None:
-            _FACTORIES.pop("flex", None)
-        else:
-            _FACTORIES["flex"] = previous
 
 
 def test_regroup_index_orders_chunks_by_expert():

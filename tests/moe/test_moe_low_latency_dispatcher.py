@@ -15,6 +15,8 @@ small top-k the two sums have so far come out bitwise equal; the bound is what t
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -23,8 +25,9 @@ import mtdeepep as deep_ep
 from moe import MoEConfig, MoELayer
 from moe.dispatcher import available_dispatchers, build_dispatcher
 from moe.dispatcher.alltoall import AllToAllDispatcher
+from moe.dispatcher.buffers import default_ep_buffers
 from moe.dispatcher.deepep_ll import DeepEPLowLatencyDispatcher, low_latency_rdma_bytes
-from mtdeepep.utils.refs import per_token_cast_back, per_token_cast_to_fp8
+from mtdeepep.utils.fp8 import per_token_cast_back, per_token_cast_to_fp8
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,14 +76,16 @@ LAYER_VARIANTS = {
 
 def layer_matches_alltoall(ctx, variant: str):
     """A bfloat16 MoELayer built with 'flex_ll' gives the 'alltoall' layer's output on the same weights, under
-    no_grad; one rank has no tokens. The 'flex_ll' layer comes from the registry and creates its buffer lazily."""
+    no_grad; one rank has no tokens. The 'flex_ll' layer comes from the registry, its buffer from the group's default
+    EPBuffers."""
     kw = LAYER_VARIANTS[variant]
+    gc.collect()  # the default EPBuffers of earlier cases' layers are gone
     torch.manual_seed(5)
     a2a = MoELayer(MoEConfig(**BASE, **kw), ep_group=ctx.group, dtype=torch.bfloat16)
     ll = MoELayer(ll_config(**kw), ep_group=ctx.group, dtype=torch.bfloat16)
     ll.load_state_dict(a2a.state_dict())
     disp = ll.dispatcher
-    lazy = disp._buffer is None
+    lazy = disp.ep_buffers is default_ep_buffers(ctx.group) and disp.ep_buffers.buffers() == []
     x = tokens(ctx.rank, TOKENS_PER_RANK[ctx.rank % 4], seed=len(variant))
     with torch.no_grad():
         out_a = a2a(x)
@@ -91,7 +96,7 @@ def layer_matches_alltoall(ctx, variant: str):
     total_dropped = torch.tensor([m_l.num_dropped_tokens])
     dist.all_reduce(total_dropped, group=ctx.group)
 
-    assert isinstance(disp, DeepEPLowLatencyDispatcher) and lazy, "registry-built, buffer created on first use"
+    assert isinstance(disp, DeepEPLowLatencyDispatcher) and lazy, "registry-built, default buffer made on first use"
     assert disp.buffer.low_latency_mode and disp.buffer.num_rdma_bytes == low_latency_rdma_bytes(
         T_MAX, H, ctx.world_size, E
     )

@@ -131,7 +131,7 @@ BAD_CONFIGS = [
     (dict(moe_expert_capacity_factor=0.0), "moe_expert_capacity_factor must be > 0"),
     (dict(moe_pad_expert_input_to_capacity=True), "requires moe_expert_capacity_factor"),
     (dict(moe_token_drop_policy="random"), "moe_token_drop_policy must be one of"),
-    (dict(moe_token_dispatcher_type="deepspeed"), "moe_token_dispatcher_type must be one of"),
+    (dict(moe_token_dispatcher_type="deepspeed"), "names no registered token dispatcher"),
     (dict(moe_shared_expert_overlap=True), "requires moe_shared_expert_intermediate_size"),
     (dict(fp8="e5m2"), "fp8 must be one of"),
     (dict(fp8="e4m3", moe_padded_batch_gemm=True), "moe_padded_batch_gemm is not supported with fp8"),
