@@ -287,6 +287,34 @@ std::optional<Hook> LowLatencyProtocol::make_hook(const std::shared_ptr<Op>& op,
     });
 }
 
+void LowLatencyProtocol::check_shared_memory_call(bool async_finish, bool return_recv_hook) const {
+    runtime_->check_usable();
+    require(shared_memory_, "this buffer uses the collective transport");
+    require(!(async_finish && return_recv_hook), "async_finish and return_recv_hook cannot both be set");
+}
+
+template <typename Op>
+std::pair<EventPtr, std::optional<Hook>> LowLatencyProtocol::run(const std::shared_ptr<Op>& op,
+                                                                 void (LowLatencyProtocol::*send)(Op&),
+                                                                 void (LowLatencyProtocol::*receive)(Op&),
+                                                                 bool async_finish, bool return_recv_hook) {
+    auto self = shared_from_this();
+    if (return_recv_hook) {
+        // Only the sends are issued, on the comm thread; the hook waits for them and receives.
+        EventPtr sent = runtime_->launch(true, [self, op, send] {
+            make_background_thread();
+            ((*self).*send)(*op);
+        });
+        return {nullptr, make_hook(op, sent, receive)};
+    }
+    EventPtr event = runtime_->launch(async_finish, [self, op, send, receive] {
+        if (on_comm_thread()) make_background_thread();
+        ((*self).*send)(*op);
+        ((*self).*receive)(*op);
+    });
+    return {event, std::nullopt};
+}
+
 void LowLatencyProtocol::wait_for(std::vector<int> peers, const std::function<bool(int)>& ready,
                                   const std::string& phase, uint64_t seq, int64_t* wait_ns) const {
     MTDEEPEP_HOST_ASSERT(shared_memory_);  // only the shared-memory transport waits on flags
@@ -387,28 +415,11 @@ LowLatencyDispatchResult LowLatencyProtocol::dispatch(const at::Tensor& x, const
                                                       int num_max_dispatch_tokens_per_rank, int num_experts,
                                                       bool use_fp8, bool round_scale, bool use_ue8m0, bool async_finish,
                                                       bool return_recv_hook) {
-    runtime_->check_usable();
-    require(shared_memory_, "this buffer uses the collective transport");
-    require(!(async_finish && return_recv_hook), "async_finish and return_recv_hook cannot both be set");
+    check_shared_memory_call(async_finish, return_recv_hook);
     auto op = make_dispatch(x, topk_idx, cumulative_stats, wait_stats, num_max_dispatch_tokens_per_rank, num_experts,
                             use_fp8, round_scale, use_ue8m0, return_recv_hook);
-    auto self = shared_from_this();
-    EventPtr event;
-    std::optional<Hook> hook;
-    if (return_recv_hook) {
-        // Only the sends are issued, on the comm thread; the hook waits for them and receives.
-        EventPtr sent = runtime_->launch(true, [self, op] {
-            make_background_thread();
-            self->send_dispatch(*op);
-        });
-        hook = make_hook(op, sent, &LowLatencyProtocol::receive_dispatch);
-    } else {
-        event = runtime_->launch(async_finish, [self, op] {
-            if (on_comm_thread()) make_background_thread();
-            self->send_dispatch(*op);
-            self->receive_dispatch(*op);
-        });
-    }
+    auto [event, hook] = run(op, &LowLatencyProtocol::send_dispatch, &LowLatencyProtocol::receive_dispatch,
+                             async_finish, return_recv_hook);
     return {op->recv_x,
             op->recv_scales,
             op->recv_count,
@@ -562,28 +573,12 @@ LowLatencyCombineResult LowLatencyProtocol::combine(const at::Tensor& x, const a
                                                     int num_max_dispatch_tokens_per_rank, int num_experts,
                                                     int64_t dispatch_uid, int64_t dispatch_seq, bool zero_copy,
                                                     bool async_finish, bool return_recv_hook, const OptTensor& out) {
-    runtime_->check_usable();
-    require(shared_memory_, "this buffer uses the collective transport");
-    require(!(async_finish && return_recv_hook), "async_finish and return_recv_hook cannot both be set");
+    check_shared_memory_call(async_finish, return_recv_hook);
     auto op =
         make_combine(x, topk_idx, topk_weights, src_info, layout_range, wait_stats, num_max_dispatch_tokens_per_rank,
                      num_experts, dispatch_uid, dispatch_seq, zero_copy, out, return_recv_hook);
-    auto self = shared_from_this();
-    EventPtr event;
-    std::optional<Hook> hook;
-    if (return_recv_hook) {
-        EventPtr sent = runtime_->launch(true, [self, op] {
-            make_background_thread();
-            self->send_combine(*op);
-        });
-        hook = make_hook(op, sent, &LowLatencyProtocol::receive_combine);
-    } else {
-        event = runtime_->launch(async_finish, [self, op] {
-            if (on_comm_thread()) make_background_thread();
-            self->send_combine(*op);
-            self->receive_combine(*op);
-        });
-    }
+    auto [event, hook] = run(op, &LowLatencyProtocol::send_combine, &LowLatencyProtocol::receive_combine, async_finish,
+                             return_recv_hook);
     return {op->combined, event, hook};
 }
 

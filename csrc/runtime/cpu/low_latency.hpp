@@ -26,6 +26,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/exception.hpp"
@@ -121,6 +122,14 @@ class LowLatencyProtocol : public std::enable_shared_from_this<LowLatencyProtoco
     void check_signatures(uint64_t seq, const ll::CallSignature& expected, const std::vector<ll::CallSignature>& seen,
                           const char* phase) const;
 
+    // The checks every shared-memory call starts with.
+    void check_shared_memory_call(bool async_finish, bool return_recv_hook) const;
+    // Runs `op`: send and receive now or on the comm thread (`async_finish`: returns the event), or only the send,
+    // returning the hook that receives.
+    template <typename Op>
+    std::pair<EventPtr, std::optional<Hook>> run(const std::shared_ptr<Op>& op, void (LowLatencyProtocol::*send)(Op&),
+                                                 void (LowLatencyProtocol::*receive)(Op&), bool async_finish,
+                                                 bool return_recv_hook);
     template <typename Op>
     std::optional<Hook> make_hook(const std::shared_ptr<Op>& op, EventPtr sent,
                                   void (LowLatencyProtocol::*receive)(Op&));
