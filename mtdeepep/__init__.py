@@ -19,7 +19,9 @@ def _release_at_exit() -> None:
     # Abort the waits of every live runtime and join its comm thread while the interpreter can still run it: a comm
     # thread that needed the GIL during finalisation would abort the process.
     from ._C import shutdown_all_runtimes
+    from ._internode import shutdown_all_engines
 
+    shutdown_all_engines()  # Python workers first: their node runtimes go next
     shutdown_all_runtimes()
 
 

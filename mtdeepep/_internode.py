@@ -37,6 +37,8 @@ import contextlib
 import itertools
 import math
 import os
+import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,6 +60,10 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _ROW_ALIGNMENT = 16  # network rows are padded to this many bytes (int64 views, float32 view for the node stage)
 _CHUNK_BYTES = 8 << 20  # network bytes per pipelined chunk of the largest sender
 _MAX_CHUNKS = int(os.environ.get("MTDEEPEP_MAX_CHUNKS", 8))
+_WAIT_SLICE_S = 0.05  # network waits check for failures (this rank's, or published by a peer) this often
+
+# Every internode engine of this process that was not destroyed, for the exit hook (`shutdown_all_engines`).
+_LIVE_ENGINES: weakref.WeakSet[InternodeEngine] = weakref.WeakSet()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -207,6 +213,9 @@ class InternodeEngine(Engine):
         self._ops = 0  # operations started on the worker, recorded in the store for timeout reports
         self._store = dist.distributed_c10d._get_default_store()
         self._progress_prefix = f"mtdeepep/progress/{uid}"
+        self._failure_key = f"mtdeepep/failed/{uid}"
+        self._failure: str | None = None  # set once the ranks may be out of step: no further work
+        self._busy = 0  # operations queued on the worker and not finished
         self._scratch = _Scratch()  # used by the worker only
         self.node_group, self.rdma_group, self.world_group = self._new_groups(group)
         self.low_latency = None
@@ -215,6 +224,7 @@ class InternodeEngine(Engine):
         # Low-latency calls whose exchange may still run on the worker: [event, hook called].
         self._ll_in_flight: deque[list] = deque()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mtdeepep-internode-{self.rank}")
+        _LIVE_ENGINES.add(self)
 
     def _new_groups(self, group: dist.ProcessGroup):
         ranks = group_ranks(group)
@@ -237,6 +247,7 @@ class InternodeEngine(Engine):
         self.node.set_timeout(timeout_s)
 
     def interrupt(self, reason: str) -> None:
+        self._fail(reason)
         self.node.interrupt(reason)
 
     def destroy(self) -> None:
@@ -244,6 +255,7 @@ class InternodeEngine(Engine):
         process groups (nothing in a forked child)."""
         if os.getpid() != self._creator_pid:
             return
+        _LIVE_ENGINES.discard(self)
         self._worker.shutdown(wait=True)
         self._scratch.clear()
         self.node.destroy()
@@ -264,6 +276,26 @@ class InternodeEngine(Engine):
     # -----------------------------------------------------------------------------------------------------------
     # Execution on the worker, waits, identity
 
+    def _task(self, body: Callable[[], None]) -> Callable[[], None]:
+        """Wraps an operation for the worker: it records its number in the store (for timeout reports) and, if it
+        fails in a way that leaves the ranks out of step, makes this engine refuse further work and tells the peers
+        (a GroupMismatchError, which every rank raises alike, does not)."""
+
+        def run() -> None:
+            self._check_usable()
+            self._ops += 1
+            self._store.set(f"{self._progress_prefix}/{self.rank}", str(self._ops))
+            try:
+                with torch.no_grad():  # communication is not differentiable (see mtdeepep.autograd)
+                    body()
+            except _C.GroupMismatchError:
+                raise
+            except (_C.CommError, RuntimeError) as error:
+                self._fail(str(error))
+                raise
+
+        return run
+
     def _run(self, operation: Callable[[Callable[[tuple], None]], None], previous: Event | None,
              async_finish: bool) -> tuple[tuple, Event | None]:  # fmt: skip
         """Queues `operation(notify)` on the worker (after `previous`) and waits until it calls `notify(outputs)`.
@@ -271,20 +303,23 @@ class InternodeEngine(Engine):
         Returns `(outputs, event)`: without `async_finish` the caller also waits for the rest of the operation (the
         event is then None). An error before `notify` is raised here, one after it by the event's wait.
         """
+        self._check_usable()
         notified: Future = Future()
         done = _C.EventHandle.pending()
 
-        def task() -> None:
+        def body() -> None:
+            if previous is not None:
+                previous.wait()
+            operation(notified.set_result)
+            if not notified.done():
+                raise RuntimeError("mtdeepep: internal error: the operation never notified")
+
+        task = self._task(body)
+
+        def run() -> None:
             error = None
             try:
-                self._ops += 1
-                self._store.set(f"{self._progress_prefix}/{self.rank}", str(self._ops))
-                if previous is not None:
-                    previous.wait()
-                with torch.no_grad():  # communication is not differentiable (see mtdeepep.autograd)
-                    operation(notified.set_result)
-                if not notified.done():
-                    raise RuntimeError("mtdeepep: internal error: the operation never notified")
+                task()
             except BaseException as failure:  # noqa: BLE001 - handed to the waiters
                 if notified.done():
                     error = failure
@@ -292,9 +327,15 @@ class InternodeEngine(Engine):
                     notified.set_exception(failure)
             done.complete(error)
 
-        self._worker.submit(task)
+        return self._submit(run, lambda: (notified.result(), done), async_finish)
+
+    def _submit(self, run: Callable[[], None], wait: Callable[[], tuple], async_finish: bool):
+        """Queues `run` on the worker and waits as `wait` says; a Ctrl-C during the wait stops this engine on every
+        rank (the worker's network waits end at once, the peers are told)."""
+        self._busy += 1
+        self._worker.submit(self._finishing(run))
         try:
-            outputs = notified.result()
+            outputs, done = wait()
             if not async_finish:
                 done.wait()
                 return outputs, None
@@ -302,6 +343,46 @@ class InternodeEngine(Engine):
             self.interrupt(f"rank {self.rank} was interrupted (KeyboardInterrupt)")
             raise
         return outputs, done
+
+    def _finishing(self, run: Callable[[], None]) -> Callable[[], None]:
+        def task() -> None:
+            try:
+                run()
+            finally:
+                self._busy -= 1
+
+        return task
+
+    # ---- failure state ----
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise _C.CommError(
+                f"mtdeepep: rank {self.rank}: the internode buffer is unusable after an earlier failure (destroy it): "
+                f"{self._failure}"
+            )
+
+    def _fail(self, reason: str, timed_out: bool = False) -> None:
+        """The ranks are out of step: refuse further work (no collective of this engine's groups may be issued
+        again), and publish the reason in the store, where the peers' network waits look for it (the first
+        failure published stays: the peers that stop because of it do not replace it)."""
+        if self._failure is not None:
+            return
+        self._failure = reason
+        if not reason.startswith("mtdeepep: rank"):
+            reason = f"rank {self.rank}: {reason}"
+        with contextlib.suppress(Exception):  # the store may be gone (its host exited)
+            self._store.compare_set(self._failure_key, "", ("T|" if timed_out else "E|") + reason)
+
+    def _peer_failure(self) -> tuple[str, bool] | None:
+        """A failure some rank published, and whether it was a timeout (None if none)."""
+        try:
+            if self._store.check([self._failure_key]):
+                kind, _, reason = self._store.get(self._failure_key).decode().partition("|")
+                return reason, kind == "T"
+        except (RuntimeError, dist.DistError) as error:
+            return f"the rendezvous store is lost (its host, usually global rank 0, may have exited: {error})", False
+        return None
 
     def _exchange(self, output: torch.Tensor, input_: torch.Tensor, output_splits: list[int],
                   input_splits: list[int], phase: str, group=None) -> None:  # fmt: skip
@@ -311,24 +392,38 @@ class InternodeEngine(Engine):
                    phase)  # fmt: skip
 
     def _wait(self, work: dist.Work, phase: str) -> None:
-        """Waits for a collective of one of this engine's groups at most the timeout; a timeout names the ranks that
-        did not reach the current operation (from the store), a failure the backend's error."""
-        timeout_s = self.timeout_s
+        """Waits for a collective of one of this engine's groups, at most the timeout, in short slices: between
+        them a failure of this rank (Ctrl-C, exit) or one a peer published ends the wait at once, naming it. A
+        timeout names the ranks that did not reach the current operation (from the store)."""
         where = f"mtdeepep: rank {self.rank}: internode {phase} (network stage, operation #{self._ops})"
-        failure = None
-        try:
-            finished = work.wait(timeout=timedelta(seconds=timeout_s))
-        except RuntimeError as error:
-            failure, finished = str(error), False
-        # A failed operation must not outlive this call in the frames of the exception raised below: its process
+        deadline = time.monotonic() + self.timeout_s
+        failure = stop = None
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                if work.wait(timeout=timedelta(seconds=max(0.001, min(_WAIT_SLICE_S, remaining)))):
+                    return
+            except RuntimeError as error:
+                if "timed out" not in str(error).lower():
+                    failure = str(error)
+                    break
+            stop = (self._failure, False) if self._failure is not None else self._peer_failure()
+            if stop is not None or remaining <= 0:
+                break
+        # A pending operation must not outlive this call in the frames of the exception raised below: its process
         # group cannot be torn down while it is pending, and a garbage collection that frees it later would block
         # one rank at a random point.
         del work
-        if failure is not None and "timed out" not in failure.lower():
-            raise _C.CommError(f"{where} failed: {failure}")
-        if not finished:
-            detail = f" (backend: {failure})" if failure else ""
-            raise _C.CommTimeoutError(f"{where} did not finish within {timeout_s} s: {self._missing_ranks()}{detail}")
+        if failure is not None:
+            culprit = self._peer_failure()
+            raise _C.CommError(f"{where} failed: {culprit[0] if culprit else failure}")
+        if stop is not None:
+            reason, timed_out = stop
+            # Another rank already timed out waiting for the same missing rank: the same error, sooner.
+            raise (_C.CommTimeoutError if timed_out else _C.CommError)(f"{where} stopped: {reason}")
+        message = f"{where} did not finish within {self.timeout_s} s: {self._missing_ranks()}"
+        self._fail(message, timed_out=True)
+        raise _C.CommTimeoutError(message)
 
     def _missing_ranks(self) -> str:
         """Which ranks have not reached this rank's current operation, from the progress each records in the store."""
@@ -721,18 +816,20 @@ class InternodeEngine(Engine):
     def _background(self, body: Callable[[], None]) -> Event:
         """Runs `body` on the worker (in order with every other operation of this engine, so every rank issues its
         collectives in the same order); returns the event it completes."""
+        self._check_usable()
         done = _C.EventHandle.pending()
+        task = self._task(body)
 
-        def task() -> None:
+        def run() -> None:
             error = None
             try:
-                with torch.no_grad():
-                    body()
+                task()
             except BaseException as failure:  # noqa: BLE001 - handed to the waiters
                 error = failure
             done.complete(error)
 
-        self._worker.submit(task)
+        self._busy += 1
+        self._worker.submit(self._finishing(run))
         return done
 
     def _ll_launch(self, exchange: Callable[[], None], async_finish: bool, return_recv_hook: bool):
@@ -888,3 +985,13 @@ def _runs(counts: list[int]) -> list[tuple[int, int]]:
     """`[begin, end)` of each consecutive block of rows, from the blocks' sizes."""
     ends = list(itertools.accumulate(counts))
     return list(zip([0, *ends[:-1]], ends))
+
+
+def shutdown_all_engines() -> None:
+    """At exit: every live internode engine with work in flight fails ("exiting") so its network waits end at once
+    and its peers are told, then each is destroyed (the worker joined) while the interpreter can still run it."""
+    for engine in list(_LIVE_ENGINES):
+        with contextlib.suppress(Exception):
+            if engine._busy:
+                engine.interrupt(f"rank {engine.rank} is exiting with operations in flight")
+            engine.destroy()

@@ -274,7 +274,10 @@ def test_exit_with_a_wait_in_flight_is_clean_and_the_peer_is_told(modes):
         problems.append(f"exit codes {finished.exitcodes}")
     if "terminate called" in stderr or "Abort" in stderr:
         problems.append(f"stderr of the exiting process: {stderr[-1000:]!r}")
-    if exited_after >= 3.0:
+    # Intranode the exit is prompt. Internode, a network operation still pending in gloo holds the process group's
+    # teardown until gloo's own timeout (the buffer's, given to the groups): the exit stays bounded by it.
+    limit = 3.0 if "intranode" in modes else EXIT_TIMEOUT_S + 2.0
+    if exited_after >= limit:
         problems.append(f"the exiting process took {exited_after:.1f} s to exit (timeout {EXIT_TIMEOUT_S} s)")
     # The peer's next calls raise CommError naming rank 1 at once (a low-latency combine whose rows had all arrived
     # before rank 1 left completes, exactly; the call after it cannot).

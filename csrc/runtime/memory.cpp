@@ -18,11 +18,9 @@ RegionArena::Block RegionArena::reserve_largest() {
     return block;
 }
 
-size_t RegionArena::largest_free() const {
+size_t RegionArena::held_headroom() const {
     std::lock_guard<std::mutex> lock(mutex_);
-    size_t best = 0;
-    for (const auto& [offset, size] : free_) best = std::max(best, size);
-    return best;
+    return headrooms_.empty() ? 0 : *headrooms_.rbegin();
 }
 
 void RegionArena::release(Block block, size_t keep) {
@@ -32,9 +30,19 @@ void RegionArena::release(Block block, size_t keep) {
     }
 }
 
-std::shared_ptr<void> RegionArena::hold(Block block) {
+std::shared_ptr<void> RegionArena::hold(Block block, size_t headroom) {
     auto self = shared_from_this();
-    return std::shared_ptr<void>(nullptr, [self, block](void*) { self->release(block); });
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        headrooms_.insert(headroom);
+    }
+    return std::shared_ptr<void>(nullptr, [self, block, headroom](void*) {
+        {
+            std::lock_guard<std::mutex> lock(self->mutex_);
+            self->headrooms_.erase(self->headrooms_.find(headroom));
+        }
+        self->release(block);
+    });
 }
 
 void RegionArena::free_range(size_t offset, size_t size) {

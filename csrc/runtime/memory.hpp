@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 
 namespace mtdeepep {
 
@@ -28,18 +29,21 @@ class RegionArena : public std::enable_shared_from_this<RegionArena> {
     };
     // Takes the largest free block (possibly empty) for the duration of one operation.
     Block reserve_largest();
-    // The largest free block's size.
-    size_t largest_free() const;
     // Gives back [offset + keep, offset + size) of a reservation, or all of it with keep = 0.
     void release(Block block, size_t keep = 0);
     // A reference-counted hold on [offset, offset + size): the bytes return to the arena when the last holder goes.
-    std::shared_ptr<void> hold(Block block);
+    // `headroom`: bytes that must stay free in one block while the hold lives (to stage the combine that will
+    // consume these outputs); see `held_headroom`.
+    std::shared_ptr<void> hold(Block block, size_t headroom = 0);
+    // The largest headroom a live hold needs (0 when none): a new placement must leave it free.
+    size_t held_headroom() const;
 
   private:
     void free_range(size_t offset, size_t size);
     std::shared_ptr<void> mapping_;
     mutable std::mutex mutex_;
-    std::map<size_t, size_t> free_;  // offset -> size, coalesced
+    std::map<size_t, size_t> free_;    // offset -> size, coalesced
+    std::multiset<size_t> headrooms_;  // one per live hold
 };
 
 class HostPool : public std::enable_shared_from_this<HostPool> {

@@ -581,7 +581,8 @@ def bad_input_on_one_rank_times_out_the_others(ctx, topo, timeout_s):
         except deep_ep.CommTimeoutError as error:
             elapsed = time.perf_counter() - start
             assert ctx.rank != 1
-            assert timeout_s <= elapsed < 2 * timeout_s, elapsed
+            # About the timeout: a rank that another rank's published timeout stops may end a little before its own.
+            assert 0.8 * timeout_s <= elapsed < 2 * timeout_s, elapsed
             outcome = _timeout_outcome(topo, error, "dispatch")
             assert not outcome.startswith("network") or "chunk count" in str(error), error
             return outcome

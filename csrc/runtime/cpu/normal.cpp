@@ -373,8 +373,12 @@ void NormalProtocol::run_dispatch(DispatchArgs& a) {
 
     // Phase 1: publish this rank's counts (non-cached) and the block of its region it lends to this operation,
     // then agree. The block will hold its outputs if they fit (senders write them directly), else it stages rounds.
+    // Outputs still held in the region (earlier dispatches not combined yet) need room to stage their combines:
+    // outputs may be placed only in the part of the block that leaves the largest such headroom free (staging,
+    // which ends with this operation, may use all of it).
     ReservationGuard reservation{*arena_, arena_->reserve_largest()};
-    publish_reservation(reservation.block);
+    const size_t held = arena_->held_headroom();
+    publish_reservation({reservation.block, reservation.block.size > held ? reservation.block.size - held : 0});
     TrafficMatrix traffic{num_ranks_, {}};
     std::vector<int32_t> signature = {cached ? kCachedDispatchOp : kDispatchOp,
                                       static_cast<int32_t>(format.x_bytes),
@@ -422,12 +426,13 @@ void NormalProtocol::run_dispatch(DispatchArgs& a) {
     std::vector<bool> direct(num_ranks_);
     std::vector<uint8_t*> block_base(num_ranks_);
     for (int j = 0; j < num_ranks_; ++j) {
-        const RegionArena::Block block = read_reservation(j);
+        const Reservation lent = read_reservation(j);
+        const RegionArena::Block& block = lent.block;
         const int64_t rows = a.num_worst_tokens > 0 ? a.num_worst_tokens : traffic.total_received(j);
         output_layout[j] = RegionLayout::for_rows(format, rows);
         // Outputs live in the region only if they leave room to stage one row of the matching combine: its rows are
         // at most float32 with the same top-k weights, and the outputs stay there until after that combine.
-        direct[j] = output_layout[j].total_bytes + combine_headroom <= block.size;
+        direct[j] = output_layout[j].total_bytes + combine_headroom <= lent.placeable;
         staging_layout[j] = RegionLayout::fitting(format, block.size);
         block_base[j] = data_region(j) + block.offset;
         if (!direct[j] && traffic.remote_received(j) > 0 && staging_layout[j].capacity == 0)
@@ -443,7 +448,7 @@ void NormalProtocol::run_dispatch(DispatchArgs& a) {
     if (direct[rank_]) {
         // The outputs are views of this rank's region; the block returns to the arena with the last of them.
         reservation.keep = output_layout[rank_].total_bytes;
-        auto owner = arena_->hold({reservation.block.offset, reservation.keep});
+        auto owner = arena_->hold({reservation.block.offset, reservation.keep}, combine_headroom);
         const RowArrays views = output_layout[rank_].arrays(block_base[rank_]);
         auto view = [&](void* ptr, at::IntArrayRef sizes, at::ScalarType dtype) {
             return at::from_blob(ptr, sizes, [owner](void*) {}, at::TensorOptions().dtype(dtype));
@@ -573,15 +578,17 @@ void NormalProtocol::fill_dispatch_metadata(DispatchArgs& a, const TrafficMatrix
         count = static_cast<int>(ceil_div(count, a.expert_alignment) * a.expert_alignment);
 }
 
-void NormalProtocol::publish_reservation(const RegionArena::Block& block) {
-    const int64_t values[2] = {static_cast<int64_t>(block.offset), static_cast<int64_t>(block.size)};
+void NormalProtocol::publish_reservation(const Reservation& reservation) {
+    const int64_t values[3] = {static_cast<int64_t>(reservation.block.offset),
+                               static_cast<int64_t>(reservation.block.size),
+                               static_cast<int64_t>(reservation.placeable)};
     std::memcpy(mailbox(rank_, runtime_->mailbox_layout().reservation_offset), values, sizeof(values));
 }
 
-RegionArena::Block NormalProtocol::read_reservation(int rank) {
-    int64_t values[2];
+NormalProtocol::Reservation NormalProtocol::read_reservation(int rank) {
+    int64_t values[3];
     std::memcpy(values, mailbox(rank, runtime_->mailbox_layout().reservation_offset), sizeof(values));
-    return {static_cast<size_t>(values[0]), static_cast<size_t>(values[1])};
+    return {{static_cast<size_t>(values[0]), static_cast<size_t>(values[1])}, static_cast<size_t>(values[2])};
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -641,7 +648,7 @@ void NormalProtocol::run_combine(CombineArgs& a) {
     const TrafficMatrix traffic = TrafficMatrix::from_prefix(a.rank_prefix_matrix);
 
     ReservationGuard reservation{*arena_, arena_->reserve_largest()};
-    publish_reservation(reservation.block);
+    publish_reservation({reservation.block, reservation.block.size});
     std::vector<int32_t> signature = {kCombineOp, static_cast<int32_t>(format.x_bytes), 0, num_topk, with_weights, 0,
                                       0};
     push_int64(signature, a.id.uid);
@@ -654,7 +661,7 @@ void NormalProtocol::run_combine(CombineArgs& a) {
     std::vector<uint8_t*> block_base(num_ranks_);
     int64_t num_rounds = 0;
     for (int i = 0; i < num_ranks_; ++i) {
-        const RegionArena::Block block = read_reservation(i);
+        const RegionArena::Block block = read_reservation(i).block;
         staging[i] = RegionLayout::fitting(format, block.size);
         block_base[i] = data_region(i) + block.offset;
         int64_t incoming = 0;

@@ -75,8 +75,13 @@ class NormalProtocol : public std::enable_shared_from_this<NormalProtocol> {
     void run_dispatch(DispatchArgs& args);
     void fill_dispatch_metadata(DispatchArgs& args, const TrafficMatrix& traffic, const SendPlan& plan,
                                 int experts_per_rank);
-    void publish_reservation(const RegionArena::Block& block);
-    RegionArena::Block read_reservation(int rank);
+    // The block of its region a rank lends to an operation, and how much of it outputs may keep.
+    struct Reservation {
+        RegionArena::Block block;
+        size_t placeable = 0;
+    };
+    void publish_reservation(const Reservation& reservation);
+    Reservation read_reservation(int rank);
     void run_combine(CombineArgs& args);
 
     uint8_t* data_region(int rank) const { return runtime_->nvl_region(rank); }
