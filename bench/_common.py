@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: time collectives, measure memcpy, save results.
+"""Helpers shared by the benchmarks: options from a config dataclass, random routing, the gloo all-to-all of
+the baselines, timing (one rank's medians, the slowest rank's row), memcpy, the table and the JSON results.
 
 Every benchmark runs its ranks with the one launcher, `mtdeepep.utils.testing.run_ranks`: processes of this host
 (spawn) joined by gloo on 127.0.0.1, each with `max(1, cores // ranks)` intra-op threads, a deadline on the whole
@@ -9,11 +10,13 @@ iterations is that rank's time.
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,30 @@ from mtdeepep.utils.testing import num_cores, run_ranks, threads_per_rank
 __all__ = ["num_cores", "run_ranks", "threads_per_rank"]  # re-exported: the benchmarks import them from here
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def make_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser whose description is the first paragraph of the benchmark's docstring."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0])
+
+
+def add_config_arguments(
+    parser: argparse.ArgumentParser,
+    defaults: Any,
+    names: Iterable[str] | None = None,
+    helps: Mapping[str, str] | None = None,
+) -> None:
+    """One option `--field-name` per field of the dataclass `defaults` in `names` (default: all, in order), typed
+    and defaulted from it; `helps` gives some of them a help text."""
+    helps = helps or {}
+    for name in names if names is not None else [f.name for f in fields(defaults)]:
+        default = getattr(defaults, name)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default, help=helps.get(name))
+
+
+def config_from_args(cls: type, args: argparse.Namespace) -> Any:
+    """The dataclass `cls` with every field that `args` holds taken from it (the others keep their defaults)."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
 
 def parse_int_list(text: str) -> list[int]:
@@ -61,6 +88,84 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
+def medians(samples: Mapping[str, Any]) -> dict[str, Any]:
+    """The same (nested) dict with every list of samples replaced by its median."""
+    return {key: medians(value) if isinstance(value, Mapping) else median(value) for key, value in samples.items()}
+
+
+def time_variants(
+    fns: dict[str, Callable[[], Any]], iters: int, warmup: int, group: dist.ProcessGroup
+) -> dict[str, dict[str, Any]]:
+    """`time_interleaved`, then a barrier: `{"seconds": {name: median}, "samples": {name: [seconds]}}`."""
+    samples = time_interleaved(fns, iters, warmup, group)
+    dist.barrier(group=group)
+    return {"seconds": medians(samples), "samples": samples}
+
+
+@dataclass
+class OpCase:
+    """One timed operation: each implementation as a closure, the bytes that count, the parity check's result."""
+
+    op: str
+    num_bytes: Any  # what the benchmark counts: a number of bytes, or a dict of them
+    fns: dict[str, Callable[[], Any]]
+    parity: dict[str, Any]
+
+
+def time_cases(cases: Sequence[OpCase], iters: int, warmup: int, group: dist.ProcessGroup) -> dict[str, Any]:
+    """Times each case's implementations interleaved (case after case), then a barrier. One rank's result:
+    `{"bytes": {op: ...}, "seconds": {op: {impl: median}}, "samples": {op: {impl: [seconds]}}, "parity": {op: ...}}`."""
+    samples = {case.op: time_interleaved(case.fns, iters, warmup, group) for case in cases}
+    dist.barrier(group=group)
+    return {
+        "bytes": {case.op: case.num_bytes for case in cases},
+        "seconds": medians(samples),
+        "samples": samples,
+        "parity": {case.op: case.parity for case in cases},
+    }
+
+
+def slowest_rank(seconds: Sequence[float]) -> int:
+    """The rank with the largest median time (the first of them on a tie)."""
+    return max(range(len(seconds)), key=seconds.__getitem__)
+
+
+def slowest_gbps(bytes_per_rank: Sequence[int], seconds: Sequence[float], slowest: int) -> dict[str, float]:
+    return {"gbps": gbps(bytes_per_rank[slowest], seconds[slowest])}
+
+
+UNIT_SCALE = {"ms": 1e3, "us": 1e6}
+
+
+def slowest_rank_timing(
+    per_rank: Sequence[dict[str, Any]],
+    op: str,
+    impl: str,
+    unit: str = "ms",
+    rates: Callable[[Sequence[Any], Sequence[float], int], dict[str, float]] = slowest_gbps,
+) -> dict[str, Any]:
+    """One implementation's numbers for one op, from the ranks' `time_cases` results: the slowest rank, its median
+    time in `unit`, `rates(bytes per rank, seconds per rank, slowest rank)`, every rank's median and samples."""
+    scale = UNIT_SCALE[unit]
+    seconds = [r["seconds"][op][impl] for r in per_rank]
+    slowest = slowest_rank(seconds)
+    return {
+        "slowest_rank": slowest,
+        f"time_{unit}": seconds[slowest] * scale,
+        **rates([r["bytes"][op] for r in per_rank], seconds, slowest),
+        f"per_rank_{unit}": [s * scale for s in seconds],
+        f"samples_{unit}": [[s * scale for s in r["samples"][op][impl]] for r in per_rank],
+    }
+
+
+def combine_parity(rows: Sequence[dict[str, Any]], inexact: str) -> str:
+    """'bit-exact' when every rank's combine matched the baseline bit for bit, else `inexact` with the worst diff."""
+    combines = [parity for row in rows if row["op"].startswith("combine") for parity in row["parity"]]
+    if all(parity["bit_exact"] for parity in combines):
+        return "bit-exact"
+    return f"{inexact} (max |diff| {max(parity['max_abs_diff'] for parity in combines):g})"
+
+
 def memcpy_seconds(num_bytes: int, iters: int, warmup: int = 2) -> float:
     """Median time of one single-threaded `copy_` of `num_bytes` between two pre-faulted uint8 tensors."""
     previous = torch.get_num_threads()
@@ -92,9 +197,53 @@ def environment() -> dict[str, Any]:
     }
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> None:
+def random_routing(
+    num_tokens: int, hidden: int, num_experts: int, num_topk: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random activations and routing: `(x [T, H] bfloat16, topk_idx [T, K] int64, topk_weights [T, K] float32)`,
+    each token taking the top-k of random expert scores, weighted by the softmax of those scores."""
+    gen = torch.Generator().manual_seed(seed)
+    x_TH = torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16)
+    scores_TE = torch.rand(num_tokens, num_experts, generator=gen)
+    top_scores_TK, topk_idx_TK = scores_TE.topk(num_topk, dim=1)
+    return x_TH, topk_idx_TK, top_scores_TK.softmax(dim=1)
+
+
+def exchange_rows(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    """all_to_all_single of 2-D rows of any dtype (moved as bytes: gloo has no float8)."""
+    out = rows.new_empty((sum(recv_splits), rows.size(1)))
+    dist.all_to_all_single(
+        out.view(torch.uint8), rows.contiguous().view(torch.uint8), recv_splits, send_splits, group=group
+    )
+    return out
+
+
+def train_step(layer: torch.nn.Module, x_TH: torch.Tensor, grad_TH: torch.Tensor, optimizer=None):
+    """One forward + backward (+ the optimizer's step) of an MoE layer, its parameter grads set to None first;
+    returns `(output [T, H], input grad [T, H])`, both float32."""
+    for param in layer.parameters():
+        param.grad = None
+    x_in = x_TH.detach().requires_grad_()
+    out_TH = layer(x_in)
+    out_TH.backward(grad_TH)
+    if optimizer is not None:
+        optimizer.step()
+    return out_TH.detach(), x_in.grad
+
+
+def save_results(path: Path, payload: dict[str, Any]) -> None:
+    """Writes the JSON and says where."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], *notes: str) -> None:
+    """The table, then the notes under it, a line each."""
+    print(format_table(headers, rows))
+    for note in notes:
+        print(note)
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

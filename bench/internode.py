@@ -31,8 +31,9 @@ Legend: T tokens per rank, H hidden, K top-k, E experts, R ranks, N nodes, L ran
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,30 +41,22 @@ import torch
 import torch.distributed as dist
 from _common import (
     RESULTS_DIR,
+    add_config_arguments,
+    config_from_args,
     environment,
-    format_table,
     gbps,
-    median,
+    make_parser,
     num_cores,
+    print_table,
     run_ranks,
+    save_results,
+    slowest_rank_timing,
     threads_per_rank,
-    time_interleaved,
-    write_json,
+    time_cases,
 )
-from intranode import (
-    RankInputs,
-    a2a_combine,
-    a2a_dispatch,
-    check_combine_parity,
-    check_dispatch_parity,
-    make_inputs,
-    payload_bytes,
-)
+from intranode import CONFIG_HELP, IMPLS, OPS, make_inputs, op_cases, parity_line, payload_bytes
 
 import mtdeepep as deep_ep
-
-OPS = ("dispatch bf16", "dispatch fp8", "combine bf16")
-IMPLS = ("mtdeepep", "all-to-all")
 
 
 @dataclass(frozen=True)
@@ -103,53 +96,14 @@ def row_bytes(x) -> int:
     return sum(t.size(1) * t.element_size() for t in parts)
 
 
+def counted_bytes(rows: tuple[int, int], x, recv_x) -> dict[str, int]:
+    """An op's bytes (see the module docstring), from this rank's `rdma_rows`, the tokens sent and those received."""
+    per_row = row_bytes(x)
+    return {"rdma": rows[0] * per_row, "rdma_leaving_node": rows[1] * per_row, "nvl": payload_bytes(recv_x)}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # One rank
-
-
-def deepep_dispatch(buffer: deep_ep.Buffer, x, inputs: RankInputs, num_experts: int):
-    """Layout + dispatch, as a training step calls them (with upstream's `num_tokens_per_rdma_rank`)."""
-    per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(inputs.topk_idx_TK, num_experts)
-    return buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=inputs.topk_idx_TK, topk_weights=inputs.topk_weights_TK,
-    )  # fmt: skip
-
-
-@dataclass
-class OpCase:
-    """One timed operation: both implementations as closures, the bytes that count, the parity check's result."""
-
-    op: str
-    rdma_bytes: int
-    rdma_leaving_bytes: int
-    nvl_bytes: int
-    fns: dict[str, Callable[[], Any]]
-    parity: dict[str, Any]
-
-
-def dispatch_case(op: str, buffer, x, inputs: RankInputs, cfg: BenchConfig, group, rows: tuple[int, int]) -> OpCase:
-    a2a_args = (inputs.topk_idx_TK, inputs.topk_weights_TK, cfg.num_experts, group)
-    ours = deepep_dispatch(buffer, x, inputs, cfg.num_experts)
-    check_dispatch_parity(op, ours, a2a_dispatch(x, *a2a_args))
-    fns = {
-        "mtdeepep": lambda: deepep_dispatch(buffer, x, inputs, cfg.num_experts),
-        "all-to-all": lambda: a2a_dispatch(x, *a2a_args),
-    }
-    per_row = row_bytes(x)
-    return OpCase(op, rows[0] * per_row, rows[1] * per_row, payload_bytes(ours[0]), fns, {"identical": True})
-
-
-def combine_case(buffer, inputs: RankInputs, cfg: BenchConfig, group, rows: tuple[int, int]) -> OpCase:
-    recv_x, _, _, _, handle, _ = deepep_dispatch(buffer, inputs.x_TH, inputs, cfg.num_experts)
-    route = a2a_dispatch(inputs.x_TH, inputs.topk_idx_TK, inputs.topk_weights_TK, cfg.num_experts, group)[3]
-    parity = check_combine_parity(buffer.combine(recv_x, handle)[0], a2a_combine(recv_x, route, cfg.num_tokens, group))
-    fns = {
-        "mtdeepep": lambda: buffer.combine(recv_x, handle),
-        "all-to-all": lambda: a2a_combine(recv_x, route, cfg.num_tokens, group),
-    }
-    per_row = row_bytes(inputs.x_TH)
-    return OpCase("combine bf16", rows[0] * per_row, rows[1] * per_row, payload_bytes(recv_x), fns, parity)
 
 
 def bench_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, cfg: BenchConfig) -> dict[str, Any]:
@@ -159,28 +113,20 @@ def bench_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, cfg: BenchCo
     buffer = deep_ep.Buffer(group, cfg.nvl_bytes, explicitly_destroy=True, num_ranks_per_node=cfg.ranks_per_node)
     try:
         assert buffer.get_num_rdma_ranks() == cfg.num_nodes
-        cases = [
-            dispatch_case("dispatch bf16", buffer, inputs.x_TH, inputs, cfg, group, rows),
-            dispatch_case("dispatch fp8", buffer, inputs.x_fp8, inputs, cfg, group, rows),
-            combine_case(buffer, inputs, cfg, group, rows),
-        ]
-        times = {case.op: time_interleaved(case.fns, cfg.iters, cfg.warmup, group) for case in cases}
-        dist.barrier(group=group)
+        cases = op_cases(buffer, inputs, cfg, group, partial(counted_bytes, rows))
+        return time_cases(cases, cfg.iters, cfg.warmup, group)
     finally:
         buffer.destroy()
-    return {
-        "bytes": {
-            case.op: {"rdma": case.rdma_bytes, "rdma_leaving_node": case.rdma_leaving_bytes, "nvl": case.nvl_bytes}
-            for case in cases
-        },
-        "seconds": {op: {impl: median(samples) for impl, samples in by_impl.items()} for op, by_impl in times.items()},
-        "samples": times,
-        "parity": {case.op: case.parity for case in cases},
-    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Report
+
+
+def rates(bytes_per_rank: Sequence[dict[str, int]], seconds: Sequence[float], slowest: int) -> dict[str, float]:
+    """The slowest rank's RDMA and NVL GB/s."""
+    counted = bytes_per_rank[slowest]
+    return {"rdma_gbps": gbps(counted["rdma"], seconds[slowest]), "nvl_gbps": gbps(counted["nvl"], seconds[slowest])}
 
 
 def summarize(cfg: BenchConfig, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -189,17 +135,7 @@ def summarize(cfg: BenchConfig, per_rank: list[dict[str, Any]]) -> list[dict[str
     for op in OPS:
         row: dict[str, Any] = {"op": op, "num_nodes": cfg.num_nodes, "ranks_per_node": cfg.ranks_per_node}
         for impl in IMPLS:
-            seconds = [r["seconds"][op][impl] for r in per_rank]
-            slowest = max(range(len(per_rank)), key=lambda i: seconds[i])
-            counted = per_rank[slowest]["bytes"][op]
-            row[impl] = {
-                "slowest_rank": slowest,
-                "time_ms": seconds[slowest] * 1e3,
-                "rdma_gbps": gbps(counted["rdma"], seconds[slowest]),
-                "nvl_gbps": gbps(counted["nvl"], seconds[slowest]),
-                "per_rank_ms": [s * 1e3 for s in seconds],
-                "samples_ms": [[s * 1e3 for s in r["samples"][op][impl]] for r in per_rank],
-            }
+            row[impl] = slowest_rank_timing(per_rank, op, impl, "ms", rates)
         row["bytes_per_rank"] = [r["bytes"][op] for r in per_rank]
         row["speedup"] = row["all-to-all"]["time_ms"] / row["mtdeepep"]["time_ms"]
         row["parity"] = [r["parity"][op] for r in per_rank]
@@ -233,34 +169,13 @@ def table_row(row: dict[str, Any]) -> list[str]:
     ]
 
 
-def parity_line(rows: list[dict[str, Any]]) -> str:
-    combines = [parity for row in rows if row["op"].startswith("combine") for parity in row["parity"]]
-    exact = all(p["bit_exact"] for p in combines)
-    worst = max(p["max_abs_diff"] for p in combines)
-    combined = "bit-exact" if exact else f"within one bf16 ulp (max |diff| {worst:g})"
-    return (
-        "parity with the all-to-all baseline (checked once on every rank): dispatched rows, top-k ids and weights "
-        f"identical; combined output {combined}"
-    )
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Entry point
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    defaults = BenchConfig()
-    parser.add_argument("--num-tokens", type=int, default=defaults.num_tokens, help="tokens per rank")
-    parser.add_argument("--hidden", type=int, default=defaults.hidden)
-    parser.add_argument("--num-experts", type=int, default=defaults.num_experts)
-    parser.add_argument("--num-topk", type=int, default=defaults.num_topk)
-    parser.add_argument("--num-nodes", type=int, default=defaults.num_nodes, help="simulated nodes")
-    parser.add_argument("--ranks-per-node", type=int, default=defaults.ranks_per_node)
-    parser.add_argument("--iters", type=int, default=defaults.iters, help="timed iterations per op")
-    parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed iterations per op")
-    parser.add_argument("--nvl-bytes", type=int, default=defaults.nvl_bytes, help="per-rank shared region")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser = make_parser(__doc__)
+    add_config_arguments(parser, BenchConfig(), helps={**CONFIG_HELP, "num_nodes": "simulated nodes"})
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed for the whole run")
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "internode.json")
     return parser.parse_args()
@@ -268,10 +183,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    cfg = BenchConfig(
-        args.num_tokens, args.hidden, args.num_experts, args.num_topk, args.num_nodes, args.ranks_per_node,
-        args.iters, args.warmup, args.nvl_bytes, args.seed,
-    )  # fmt: skip
+    cfg = config_from_args(BenchConfig, args)
     if cfg.num_nodes < 2:
         raise SystemExit("--num-nodes must be at least 2 (one node is bench/intranode.py)")
     per_rank = run_ranks(bench_rank, cfg.num_ranks, (cfg,), timeout_s=args.timeout)
@@ -281,12 +193,8 @@ def main() -> None:
         f"{cfg.ranks_per_node} ranks on one host ({num_cores()} cores, {threads_per_rank(cfg.num_ranks)} thread(s) per "
         f"rank); network stage: gloo over loopback; median of {cfg.iters} iterations"
     )
-    print(format_table(TABLE_HEADERS, [table_row(row) for row in rows]))
-    print(TABLE_NOTE)
-    print(parity_line(rows))
-    payload = {"config": asdict(cfg), "environment": environment(), "rows": rows}
-    write_json(args.json, payload)
-    print(f"wrote {args.json}")
+    print_table(TABLE_HEADERS, [table_row(row) for row in rows], TABLE_NOTE, parity_line(rows))
+    save_results(args.json, {"config": asdict(cfg), "environment": environment(), "rows": rows})
 
 
 if __name__ == "__main__":

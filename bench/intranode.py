@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -48,17 +48,24 @@ import torch
 import torch.distributed as dist
 from _common import (
     RESULTS_DIR,
+    OpCase,
+    add_config_arguments,
+    combine_parity,
+    config_from_args,
     environment,
-    format_table,
+    exchange_rows,
     gbps,
-    median,
+    make_parser,
     memcpy_seconds,
     num_cores,
     parse_int_list,
+    print_table,
+    random_routing,
     run_ranks,
+    save_results,
+    slowest_rank_timing,
     threads_per_rank,
-    time_interleaved,
-    write_json,
+    time_cases,
 )
 
 import mtdeepep as deep_ep
@@ -94,11 +101,10 @@ class RankInputs:
 
 def make_inputs(cfg: BenchConfig, rank: int) -> RankInputs:
     """Random activations and random routing: each token picks the top-k of random expert scores."""
-    gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
-    x_TH = torch.randn(cfg.num_tokens, cfg.hidden, generator=gen).to(torch.bfloat16)
-    scores_TE = torch.rand(cfg.num_tokens, cfg.num_experts, generator=gen)
-    top_scores_TK, topk_idx_TK = scores_TE.topk(cfg.num_topk, dim=1)
-    return RankInputs(x_TH, per_token_cast_to_fp8(x_TH), topk_idx_TK, top_scores_TK.softmax(dim=1))
+    x_TH, topk_idx_TK, topk_weights_TK = random_routing(
+        cfg.num_tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, cfg.seed * 1000 + rank
+    )
+    return RankInputs(x_TH, per_token_cast_to_fp8(x_TH), topk_idx_TK, topk_weights_TK)
 
 
 def payload_bytes(x: torch.Tensor | tuple[torch.Tensor, ...]) -> int:
@@ -131,15 +137,6 @@ def a2a_route(topk_idx_TK: torch.Tensor, num_experts: int, group: dist.ProcessGr
     recv_counts_R = torch.empty_like(send_counts_R)
     dist.all_to_all_single(recv_counts_R, send_counts_R, group=group)
     return A2ARoute(token_S, send_counts_R.tolist(), recv_counts_R.tolist()), dest_S
-
-
-def exchange_rows(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
-    """all_to_all_single of 2-D rows of any dtype (moved as bytes: gloo has no float8)."""
-    out = rows.new_empty((sum(recv_splits), rows.size(1)))
-    dist.all_to_all_single(
-        out.view(torch.uint8), rows.contiguous().view(torch.uint8), recv_splits, send_splits, group=group
-    )
-    return out
 
 
 def a2a_dispatch(
@@ -177,16 +174,13 @@ def a2a_combine(y_NH: torch.Tensor, route: A2ARoute, num_tokens: int, group: dis
 
 
 def deepep_dispatch(buffer: deep_ep.Buffer, x, inputs: RankInputs, num_experts: int):
-    """Layout + dispatch, as a training step calls them."""
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inputs.topk_idx_TK, num_experts)
+    """Layout + dispatch, as a training step calls them (with upstream's `num_tokens_per_rdma_rank`: None on one
+    node, the tokens per node when the buffer spans nodes)."""
+    per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(inputs.topk_idx_TK, num_experts)
     return buffer.dispatch(
-        x,
-        num_tokens_per_rank=per_rank,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=inputs.topk_idx_TK,
-        topk_weights=inputs.topk_weights_TK,
-    )
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=inputs.topk_idx_TK, topk_weights=inputs.topk_weights_TK,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -220,17 +214,15 @@ def check_combine_parity(ours: torch.Tensor, theirs: torch.Tensor) -> dict[str, 
 # One rank
 
 
-@dataclass
-class OpCase:
-    """One timed operation: both implementations as closures, the bytes that count, the parity check's result."""
-
-    op: str
-    recv_bytes: int
-    fns: dict[str, Callable[[], Any]]
-    parity: dict[str, Any]
+# The bytes an op counts, from `(x dispatched, recv_x received)`: here the received bytes; internode.py counts more.
+CountBytes = Callable[[Any, Any], Any]
 
 
-def dispatch_case(op: str, buffer: deep_ep.Buffer, x, inputs: RankInputs, cfg: BenchConfig, group) -> OpCase:
+def recv_bytes(x, recv_x) -> int:
+    return payload_bytes(recv_x)
+
+
+def dispatch_case(op: str, buffer: deep_ep.Buffer, x, inputs: RankInputs, cfg, group, count: CountBytes) -> OpCase:
     a2a_args = (inputs.topk_idx_TK, inputs.topk_weights_TK, cfg.num_experts, group)
     ours = deepep_dispatch(buffer, x, inputs, cfg.num_experts)
     check_dispatch_parity(op, ours, a2a_dispatch(x, *a2a_args))
@@ -238,11 +230,12 @@ def dispatch_case(op: str, buffer: deep_ep.Buffer, x, inputs: RankInputs, cfg: B
         "mtdeepep": lambda: deepep_dispatch(buffer, x, inputs, cfg.num_experts),
         "all-to-all": lambda: a2a_dispatch(x, *a2a_args),
     }
-    return OpCase(op, payload_bytes(ours[0]), fns, {"identical": True})
+    return OpCase(op, count(x, ours[0]), fns, {"identical": True})
 
 
-def combine_case(buffer: deep_ep.Buffer, inputs: RankInputs, cfg: BenchConfig, group) -> OpCase:
-    """Combines the bf16 rows a dispatch received (both implementations get the same rows)."""
+def combine_case(buffer: deep_ep.Buffer, inputs: RankInputs, cfg, group, count: CountBytes) -> OpCase:
+    """Combines the bf16 rows a dispatch received (both implementations get the same rows); counts the bytes of
+    that dispatch."""
     recv_x, _, _, _, handle, _ = deepep_dispatch(buffer, inputs.x_TH, inputs, cfg.num_experts)
     route = a2a_dispatch(inputs.x_TH, inputs.topk_idx_TK, inputs.topk_weights_TK, cfg.num_experts, group)[3]
     parity = check_combine_parity(buffer.combine(recv_x, handle)[0], a2a_combine(recv_x, route, cfg.num_tokens, group))
@@ -250,7 +243,17 @@ def combine_case(buffer: deep_ep.Buffer, inputs: RankInputs, cfg: BenchConfig, g
         "mtdeepep": lambda: buffer.combine(recv_x, handle),
         "all-to-all": lambda: a2a_combine(recv_x, route, cfg.num_tokens, group),
     }
-    return OpCase("combine bf16", payload_bytes(recv_x), fns, parity)
+    return OpCase("combine bf16", count(inputs.x_TH, recv_x), fns, parity)
+
+
+def op_cases(buffer: deep_ep.Buffer, inputs: RankInputs, cfg, group, count: CountBytes = recv_bytes) -> list[OpCase]:
+    """The three operations of `OPS`, each checked once against the all-to-all baseline. `cfg` is this module's
+    `BenchConfig` or internode.py's (both have `num_tokens` and `num_experts`)."""
+    return [
+        dispatch_case("dispatch bf16", buffer, inputs.x_TH, inputs, cfg, group, count),
+        dispatch_case("dispatch fp8", buffer, inputs.x_fp8, inputs, cfg, group, count),
+        combine_case(buffer, inputs, cfg, group, count),
+    ]
 
 
 def bench_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, cfg: BenchConfig) -> dict[str, Any]:
@@ -258,25 +261,13 @@ def bench_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, cfg: BenchCo
     inputs = make_inputs(cfg, rank)
     buffer = deep_ep.Buffer(group, num_nvl_bytes=cfg.nvl_bytes, explicitly_destroy=True)
     try:
-        cases = [
-            dispatch_case("dispatch bf16", buffer, inputs.x_TH, inputs, cfg, group),
-            dispatch_case("dispatch fp8", buffer, inputs.x_fp8, inputs, cfg, group),
-            combine_case(buffer, inputs, cfg, group),
-        ]
+        cases = op_cases(buffer, inputs, cfg, group)
         for case in cases:
-            case.fns["memcpy"] = memcpy_on_rank0(rank, case.recv_bytes)
-        times = {case.op: time_interleaved(case.fns, cfg.iters, cfg.warmup, group) for case in cases}
-        dist.barrier(group=group)
+            case.fns["memcpy"] = memcpy_on_rank0(rank, case.num_bytes)
+        result = time_cases(cases, cfg.iters, cfg.warmup, group)
     finally:
         buffer.destroy()
-    recv_bytes = {case.op: case.recv_bytes for case in cases}
-    return {
-        "recv_bytes": recv_bytes,
-        "seconds": {op: {impl: median(samples) for impl, samples in by_impl.items()} for op, by_impl in times.items()},
-        "samples": times,
-        "parity": {case.op: case.parity for case in cases},
-        "memcpy": measure_memcpy(rank, group, recv_bytes, cfg),
-    }
+    return {**result, "memcpy": measure_memcpy(rank, group, result["bytes"], cfg)}
 
 
 def memcpy_on_rank0(rank: int, num_bytes: int) -> Callable[[], Any]:
@@ -316,27 +307,26 @@ def measure_memcpy(rank: int, group: dist.ProcessGroup, recv_bytes: dict[str, in
 # Report
 
 
+def rates(bytes_per_rank: Sequence[int], seconds: Sequence[float], slowest: int) -> dict[str, float]:
+    """The slowest rank's GB/s, and the mean over ranks of each rank's GB/s."""
+    return {
+        "gbps": gbps(bytes_per_rank[slowest], seconds[slowest]),
+        "mean_gbps": sum(gbps(b, s) for b, s in zip(bytes_per_rank, seconds)) / len(seconds),
+    }
+
+
 def summarize(num_ranks: int, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per op: the slowest rank's numbers, plus per-rank means for the JSON."""
     rows = []
     for op in OPS:
         row: dict[str, Any] = {"num_ranks": num_ranks, "op": op}
         for impl in IMPLS:
-            seconds = [r["seconds"][op][impl] for r in per_rank]
-            slowest = max(range(num_ranks), key=lambda i: seconds[i])
-            row[impl] = {
-                "slowest_rank": slowest,
-                "time_ms": seconds[slowest] * 1e3,
-                "gbps": gbps(per_rank[slowest]["recv_bytes"][op], seconds[slowest]),
-                "mean_gbps": sum(gbps(r["recv_bytes"][op], r["seconds"][op][impl]) for r in per_rank) / num_ranks,
-                "per_rank_ms": [s * 1e3 for s in seconds],
-                "samples_ms": [[s * 1e3 for s in r["samples"][op][impl]] for r in per_rank],
-            }
+            row[impl] = slowest_rank_timing(per_rank, op, impl, "ms", rates)
         copy0 = per_rank[0]["memcpy"][op]
         concurrent = [gbps(r["memcpy"][op]["bytes"], r["memcpy"][op]["concurrent_s"]) for r in per_rank]
         row["memcpy"] = {
             "bytes": copy0["bytes"],
-            "gbps": gbps(per_rank[0]["recv_bytes"][op], per_rank[0]["seconds"][op]["memcpy"]),
+            "gbps": gbps(per_rank[0]["bytes"][op], per_rank[0]["seconds"][op]["memcpy"]),
             "after_run_gbps": gbps(copy0["bytes"], copy0["alone_s"]),
             "concurrent_gbps": min(concurrent),
             "concurrent_gbps_per_rank": concurrent,
@@ -344,7 +334,7 @@ def summarize(num_ranks: int, per_rank: list[dict[str, Any]]) -> list[dict[str, 
         row["speedup"] = row["all-to-all"]["time_ms"] / row["mtdeepep"]["time_ms"]
         row["fraction_of_memcpy"] = row["mtdeepep"]["gbps"] / row["memcpy"]["gbps"]
         row["fraction_of_concurrent_memcpy"] = row["mtdeepep"]["gbps"] / row["memcpy"]["concurrent_gbps"]
-        row["recv_bytes_per_rank"] = [r["recv_bytes"][op] for r in per_rank]
+        row["recv_bytes_per_rank"] = [r["bytes"][op] for r in per_rank]
         row["parity"] = [r["parity"][op] for r in per_rank]
         rows.append(row)
     return rows
@@ -378,12 +368,9 @@ def table_row(row: dict[str, Any]) -> list[str]:
 
 
 def parity_line(rows: list[dict[str, Any]]) -> str:
-    combines = [parity for row in rows if row["op"].startswith("combine") for parity in row["parity"]]
-    worst = max(parity["max_abs_diff"] for parity in combines)
-    combined = "bit-exact" if all(p["bit_exact"] for p in combines) else f"within one bf16 ulp (max |diff| {worst:g})"
     return (
         "parity with the all-to-all baseline (checked once on every rank): dispatched rows, top-k ids and weights "
-        f"identical; combined output {combined}"
+        f"identical; combined output {combine_parity(rows, 'within one bf16 ulp')}"
     )
 
 
@@ -419,17 +406,19 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 # Entry point
 
 
+# Help texts of the config options (internode.py's too).
+CONFIG_HELP = {
+    "num_tokens": "tokens per rank",
+    "iters": "timed iterations per op",
+    "warmup": "untimed iterations per op",
+    "nvl_bytes": "per-rank shared region",
+}
+
+
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = make_parser(__doc__)
     parser.add_argument("--num-ranks", default="2,4", help="comma-separated rank counts (default: 2,4)")
-    parser.add_argument("--num-tokens", type=int, default=BenchConfig.num_tokens, help="tokens per rank")
-    parser.add_argument("--hidden", type=int, default=BenchConfig.hidden)
-    parser.add_argument("--num-experts", type=int, default=BenchConfig.num_experts)
-    parser.add_argument("--num-topk", type=int, default=BenchConfig.num_topk)
-    parser.add_argument("--iters", type=int, default=BenchConfig.iters, help="timed iterations per op")
-    parser.add_argument("--warmup", type=int, default=BenchConfig.warmup, help="untimed iterations per op")
-    parser.add_argument("--nvl-bytes", type=int, default=BenchConfig.nvl_bytes, help="per-rank shared region")
-    parser.add_argument("--seed", type=int, default=BenchConfig.seed)
+    add_config_arguments(parser, BenchConfig(), helps=CONFIG_HELP)
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per rank count")
     parser.add_argument(
         "--thp",
@@ -451,10 +440,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    cfg = BenchConfig(
-        args.num_tokens, args.hidden, args.num_experts, args.num_topk, args.iters, args.warmup, args.nvl_bytes,
-        args.seed,
-    )  # fmt: skip
+    cfg = config_from_args(BenchConfig, args)
     if args.thp:
         os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # read by torch's CPU allocator in the spawned ranks
     rows = []
@@ -466,12 +452,9 @@ def main() -> None:
         f"T={cfg.num_tokens} H={cfg.hidden} E={cfg.num_experts} K={cfg.num_topk}; {num_cores()} cores, threads per "
         f"rank {threads}; median of {cfg.iters} iterations{'; THP_MEM_ALLOC_ENABLE=1' if args.thp else ''}"
     )
-    print(format_table(TABLE_HEADERS, [table_row(row) for row in rows]))
-    print(TABLE_NOTE)
-    print(parity_line(rows))
+    print_table(TABLE_HEADERS, [table_row(row) for row in rows], TABLE_NOTE, parity_line(rows))
     env = {**environment(), "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE")}
-    write_json(args.json, {"config": asdict(cfg), "threads_per_rank": threads, "environment": env, "rows": rows})
-    print(f"wrote {args.json}")
+    save_results(args.json, {"config": asdict(cfg), "threads_per_rank": threads, "environment": env, "rows": rows})
     if args.plot is not None:
         plot(rows, args.plot)
         print(f"wrote {args.plot}")

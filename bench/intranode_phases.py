@@ -15,7 +15,6 @@ Run: `.venv/bin/python bench/intranode_phases.py --num-ranks 2 [--thp]`
 
 from __future__ import annotations
 
-import argparse
 import os
 import resource
 import time
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import median, run_ranks
+from _common import make_parser, median, run_ranks
 from intranode import BenchConfig, make_inputs
 
 import mtdeepep as deep_ep
@@ -88,7 +87,7 @@ def phases_rank(rank: int, num_ranks: int, group, cfg: BenchConfig) -> dict[str,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = make_parser(__doc__)
     parser.add_argument("--num-ranks", type=int, default=2)
     parser.add_argument("--iters", type=int, default=8)
     parser.add_argument("--thp", action="store_true", help="set THP_MEM_ALLOC_ENABLE=1 in the ranks")

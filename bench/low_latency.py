@@ -33,25 +33,28 @@ Legend: T tokens per rank, H hidden, K top-k, E experts, R ranks, E_local = E / 
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from _common import (
     RESULTS_DIR,
+    OpCase,
+    add_config_arguments,
+    combine_parity,
+    config_from_args,
     environment,
-    format_table,
-    gbps,
-    median,
+    exchange_rows,
+    make_parser,
     parse_int_list,
+    print_table,
+    random_routing,
     run_ranks,
+    save_results,
+    slowest_rank_timing,
     threads_per_rank,
-    time_interleaved,
-    write_json,
+    time_cases,
 )
 
 import mtdeepep as deep_ep
@@ -85,11 +88,7 @@ class RankInputs:
 
 
 def make_inputs(cfg: BenchConfig, rank: int, num_experts: int) -> RankInputs:
-    gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
-    x_TH = torch.randn(cfg.num_tokens, cfg.hidden, generator=gen).to(torch.bfloat16)
-    scores_TE = torch.rand(cfg.num_tokens, num_experts, generator=gen)
-    top_scores_TK, topk_idx_TK = scores_TE.topk(cfg.num_topk, dim=1)
-    return RankInputs(x_TH, topk_idx_TK, top_scores_TK.softmax(dim=1))
+    return RankInputs(*random_routing(cfg.num_tokens, cfg.hidden, num_experts, cfg.num_topk, cfg.seed * 1000 + rank))
 
 
 def upstream_bytes(op: str, num_selections: int, hidden: int) -> int:
@@ -130,12 +129,6 @@ def a2a_route(inputs: RankInputs, num_experts: int, group: dist.ProcessGroup) ->
     )
 
 
-def exchange(rows_SB: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
-    out = rows_SB.new_empty((sum(recv_splits), rows_SB.size(1)))
-    dist.all_to_all_single(out, rows_SB, recv_splits, send_splits, group=group)
-    return out
-
-
 def a2a_dispatch(inputs: RankInputs, num_experts: int, use_fp8: bool, group) -> tuple[torch.Tensor, A2ARoute]:
     """Returns the received messages `[N, 16 + row bytes]` uint8 (header: int32 token, int32 local expert, 8 zero
     bytes; then the E4M3 row and its float32 scales, or the bf16 row) and the route for the combine."""
@@ -149,13 +142,13 @@ def a2a_dispatch(inputs: RankInputs, num_experts: int, use_fp8: bool, group) -> 
     header_S4[:, 0] = route.token_S
     header_S4[:, 1] = route.expert_S % (num_experts // group.size())
     messages_SB = torch.cat([header_S4.view(torch.uint8), rows_TB.index_select(0, route.token_S)], dim=1)
-    return exchange(messages_SB, route.send_splits, route.recv_splits, group), route
+    return exchange_rows(messages_SB, route.send_splits, route.recv_splits, group), route
 
 
 def a2a_combine(y_NH: torch.Tensor, route: A2ARoute, num_tokens: int, group, magnitude: bool = False):
     """The expert rows go back (reverse all-to-all); the weighted sum per token in FP32, rounded once. With
     `magnitude`, also returns sum |w y| per element (for the parity check's bound)."""
-    back_SH = exchange(y_NH.view(torch.uint8), route.recv_splits, route.send_splits, group).view(torch.bfloat16)
+    back_SH = exchange_rows(y_NH, route.recv_splits, route.send_splits, group)
     weighted_SH = back_SH.float() * route.weight_S.view(-1, 1)
     acc_TH = torch.zeros(num_tokens, y_NH.size(1), dtype=torch.float32)
     acc_TH.index_add_(0, route.token_S, weighted_SH)
@@ -244,14 +237,6 @@ def check_combine_parity(ours: torch.Tensor, theirs: torch.Tensor, magnitude: to
 # One rank
 
 
-@dataclass
-class OpCase:
-    op: str
-    num_bytes: int
-    fns: dict[str, Callable[[], Any]]
-    parity: dict[str, Any]
-
-
 def dispatch_case(op: str, buffer, inputs: RankInputs, cfg: BenchConfig, num_experts: int, group) -> OpCase:
     use_fp8 = op == "dispatch fp8"
     recv, _, handle, _, _ = buffer.low_latency_dispatch(inputs.x_TH, inputs.topk_idx_TK, cfg.num_tokens, num_experts,
@@ -299,17 +284,10 @@ def bench_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, cfg: BenchCo
     try:
         cases = [dispatch_case(op, buffer, inputs, cfg, num_experts, group) for op in OPS[:2]]
         cases.append(combine_case(buffer, inputs, cfg, num_experts, group, rank))
-        times = {case.op: time_interleaved(case.fns, cfg.iters, cfg.warmup, group) for case in cases}
-        dist.barrier(group=group)
+        result = time_cases(cases, cfg.iters, cfg.warmup, group)
     finally:
         buffer.destroy()
-    return {
-        "num_bytes": {case.op: case.num_bytes for case in cases},
-        "seconds": {op: {impl: median(samples) for impl, samples in by_impl.items()} for op, by_impl in times.items()},
-        "samples": times,
-        "parity": {case.op: case.parity for case in cases},
-        "region_bytes": hint,
-    }
+    return {**result, "region_bytes": hint}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -322,17 +300,9 @@ def summarize(num_ranks: int, per_rank: list[dict[str, Any]]) -> list[dict[str, 
     for op in OPS:
         row: dict[str, Any] = {"num_ranks": num_ranks, "op": op}
         for impl in IMPLS:
-            seconds = [r["seconds"][op][impl] for r in per_rank]
-            slowest = max(range(num_ranks), key=lambda i: seconds[i])
-            row[impl] = {
-                "slowest_rank": slowest,
-                "time_us": seconds[slowest] * 1e6,
-                "gbps": gbps(per_rank[slowest]["num_bytes"][op], seconds[slowest]),
-                "per_rank_us": [s * 1e6 for s in seconds],
-                "samples_us": [[s * 1e6 for s in r["samples"][op][impl]] for r in per_rank],
-            }
+            row[impl] = slowest_rank_timing(per_rank, op, impl, "us")
         row["speedup"] = row["all-to-all"]["time_us"] / row["mtdeepep"]["time_us"]
-        row["bytes_per_rank"] = [r["num_bytes"][op] for r in per_rank]
+        row["bytes_per_rank"] = [r["bytes"][op] for r in per_rank]
         row["parity"] = [r["parity"][op] for r in per_rank]
         rows.append(row)
     return rows
@@ -358,13 +328,7 @@ def table_row(row: dict[str, Any]) -> list[str]:
 
 
 def parity_line(rows: list[dict[str, Any]]) -> str:
-    combines = [p for row in rows if row["op"].startswith("combine") for p in row["parity"]]
-    worst = max(p["max_abs_diff"] for p in combines)
-    combined = (
-        "bit-exact"
-        if all(p["bit_exact"] for p in combines)
-        else f"within FP32 reordering + one bf16 rounding (max |diff| {worst:g})"
-    )
+    combined = combine_parity(rows, "within FP32 reordering + one bf16 rounding")
     return (
         "parity with the all-to-all baseline (checked once on every rank): every (expert, source) segment holds the "
         f"same bytes; combined output {combined}"
@@ -372,28 +336,22 @@ def parity_line(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = make_parser(__doc__)
     parser.add_argument("--num-ranks", type=parse_int_list, default=[2, 4], help="comma-separated, e.g. 2,4")
-    parser.add_argument("--iters", type=int, default=BenchConfig.iters)
-    parser.add_argument("--warmup", type=int, default=BenchConfig.warmup)
-    parser.add_argument("--experts-per-rank", type=int, default=BenchConfig.experts_per_rank)
+    add_config_arguments(parser, BenchConfig(), ("iters", "warmup", "experts_per_rank"))
     parser.add_argument("--output", default=str(RESULTS_DIR / "low_latency.json"))
     args = parser.parse_args()
-    cfg = BenchConfig(iters=args.iters, warmup=args.warmup, experts_per_rank=args.experts_per_rank)
+    cfg = config_from_args(BenchConfig, args)
 
     rows = []
     for num_ranks in args.num_ranks:
         per_rank = run_ranks(bench_rank, num_ranks, args=(cfg,))
         rows.extend(summarize(num_ranks, per_rank))
-    print(format_table(TABLE_HEADERS, [table_row(row) for row in rows]))
-    print(TABLE_NOTE)
-    print(parity_line(rows))
+    print_table(TABLE_HEADERS, [table_row(row) for row in rows], TABLE_NOTE, parity_line(rows))
     threads = {n: threads_per_rank(n) for n in args.num_ranks}
-    write_json(
-        Path(args.output),
-        {"config": asdict(cfg), "threads_per_rank": threads, "environment": environment(), "results": rows},
+    save_results(
+        args.output, {"config": asdict(cfg), "threads_per_rank": threads, "environment": environment(), "results": rows}
     )
-    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -37,15 +37,19 @@ import torch
 import torch.distributed as dist
 from _common import (
     RESULTS_DIR,
+    add_config_arguments,
+    config_from_args,
     environment,
-    format_table,
-    median,
+    make_parser,
     num_cores,
     parse_int_list,
+    print_table,
     run_ranks,
+    save_results,
+    slowest_rank,
     threads_per_rank,
-    time_interleaved,
-    write_json,
+    time_variants,
+    train_step,
 )
 
 from moe import MoEConfig, MoELayer
@@ -101,16 +105,6 @@ def build_layer(cfg: BenchConfig, dispatcher: str, experts: str, group: dist.Pro
     return MoELayer(config, ep_group=group)
 
 
-def train_step(layer: MoELayer, x_TH: torch.Tensor, grad_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward + backward; returns `(output [T, H], input grad [T, H])`, both float32."""
-    for param in layer.parameters():
-        param.grad = None
-    x_in = x_TH.detach().requires_grad_()
-    out_TH = layer(x_in)
-    out_TH.backward(grad_TH)
-    return out_TH.detach(), x_in.grad
-
-
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
@@ -136,14 +130,7 @@ def bench_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, cfg: BenchCo
     del reference
 
     fns = {name: (lambda layer=layer: train_step(layer, x_TH, grad_TH)) for name, layer in layers.items()}
-    samples = time_interleaved(fns, cfg.iters, cfg.warmup, group)
-    dist.barrier(group=group)
-    return {
-        "seconds": {name: median(values) for name, values in samples.items()},
-        "samples": samples,
-        "parity": parity,
-        "dropped": dropped,
-    }
+    return {**time_variants(fns, cfg.iters, cfg.warmup, group), "parity": parity, "dropped": dropped}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -157,7 +144,7 @@ def summarize(cfg: BenchConfig, num_ranks: int, per_rank: list[dict[str, Any]]) 
     for dispatcher, experts in cfg.variants():
         name = variant_name(dispatcher, experts)
         seconds = [r["seconds"][name] for r in per_rank]
-        slowest = max(range(num_ranks), key=lambda i: seconds[i])
+        slowest = slowest_rank(seconds)
         rows.append(
             {
                 "ep": num_ranks,
@@ -216,13 +203,16 @@ def _choices(text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
 
 def parse_args() -> argparse.Namespace:
     defaults = BenchConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = make_parser(__doc__)
     parser.add_argument("--ep", default="1,2,4", help="comma-separated expert-parallel sizes (default: 1,2,4)")
-    parser.add_argument("--tokens", type=int, default=defaults.tokens, help="tokens per rank")
-    parser.add_argument("--hidden", type=int, default=defaults.hidden)
-    parser.add_argument("--ffn", type=int, default=defaults.ffn, help="expert FFN hidden size")
-    parser.add_argument("--experts", type=int, default=defaults.experts, help="routed experts in total")
-    parser.add_argument("--topk", type=int, default=defaults.topk)
+    helps = {
+        "tokens": "tokens per rank",
+        "ffn": "expert FFN hidden size",
+        "experts": "routed experts in total",
+        "iters": "timed iterations per variant",
+        "warmup": "untimed iterations per variant",
+    }
+    add_config_arguments(parser, defaults, ("tokens", "hidden", "ffn", "experts", "topk"), helps)
     parser.add_argument(
         "--dispatchers",
         type=lambda s: _choices(s, DISPATCHERS),
@@ -236,9 +226,7 @@ def parse_args() -> argparse.Namespace:
         help="comma-separated (default: grouped,padded,loop)",
     )
     parser.add_argument("--grid", action="store_true", help="every (dispatcher, experts) pair")
-    parser.add_argument("--iters", type=int, default=defaults.iters, help="timed iterations per variant")
-    parser.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed iterations per variant")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
+    add_config_arguments(parser, defaults, ("iters", "warmup", "seed"), helps)
     parser.add_argument("--timeout", type=float, default=400, help="seconds allowed per EP size")
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "moe_layer.json")
     return parser.parse_args()
@@ -246,19 +234,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    cfg = BenchConfig(
-        tokens=args.tokens,
-        hidden=args.hidden,
-        ffn=args.ffn,
-        experts=args.experts,
-        topk=args.topk,
-        dispatchers=args.dispatchers,
-        expert_impls=args.expert_impls,
-        grid=args.grid,
-        iters=args.iters,
-        warmup=args.warmup,
-        seed=args.seed,
-    )
+    cfg = config_from_args(BenchConfig, args)
     ep_sizes = parse_int_list(args.ep)
     rows, wall = [], {}
     for num_ranks in ep_sizes:
@@ -273,13 +249,14 @@ def main() -> None:
         f"{num_cores()} cores, threads per rank {threads}; median of {cfg.iters} iterations after {cfg.warmup} "
         f"warm-up(s); slowest rank"
     )
-    print(format_table(TABLE_HEADERS, [table_row(row) for row in rows]))
     worst = worst_parity(rows)
-    print(
+    print_table(
+        TABLE_HEADERS,
+        [table_row(row) for row in rows],
         "'vs first row' = time of the first row of the same EP size / this row's time. Parity with the first "
-        f"variant (output and input grad, every rank): worst relative error {worst:.1e}"
+        f"variant (output and input grad, every rank): worst relative error {worst:.1e}",
     )
-    write_json(
+    save_results(
         args.json,
         {
             "config": asdict(cfg),
@@ -289,7 +266,6 @@ def main() -> None:
             "rows": rows,
         },
     )
-    print(f"wrote {args.json}")
     if worst > 1e-4:
         raise SystemExit(f"parity check failed: relative error {worst:.1e} > 1e-4")
 

@@ -19,14 +19,21 @@ Run (about a minute on a 2-core machine):
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from _common import RESULTS_DIR, environment, format_table, write_json
+from _common import (
+    RESULTS_DIR,
+    add_config_arguments,
+    config_from_args,
+    environment,
+    make_parser,
+    print_table,
+    save_results,
+)
 from torch import nn
 
 from moe import MoEConfig, MoELayer
@@ -75,13 +82,11 @@ def step(stack: nn.Sequential, x: torch.Tensor):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    defaults = BenchConfig()
-    for field in ("layers", "tokens", "hidden", "ffn", "shared", "experts", "topk", "iters", "seed"):
-        parser.add_argument(f"--{field}", type=int, default=getattr(defaults, field))
+    parser = make_parser(__doc__)
+    add_config_arguments(parser, BenchConfig())
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "moe_recompute.json")
     args = parser.parse_args()
-    cfg = BenchConfig(**{field: getattr(args, field) for field in asdict(defaults)})
+    cfg = config_from_args(BenchConfig, args)
 
     stacks = {name: build_stack(cfg, extra) for name, extra in variants(cfg).items()}
     x = torch.randn(cfg.tokens, cfg.hidden, generator=torch.Generator().manual_seed(cfg.seed + 1))
@@ -117,13 +122,12 @@ def main() -> None:
         f"K={cfg.topk}, float32, one process, {torch.get_num_threads()} threads; median of {cfg.iters}; outputs and "
         "gradients identical to 'none' (checked)"
     )
-    print(format_table(
+    print_table(
         ["variant", "experts recompute", "peak MiB", "peak vs none", "step ms", "time vs none"],
         [[r["variant"], str(r["expert_recompute"]), f"{r['peak_mib']:.0f}", f"{r['peak_vs_none']:.2f}",
           f"{r['ms']:.0f}", f"{r['time_vs_none']:.2f}"] for r in rows],
-    ))  # fmt: skip
-    write_json(args.json, {"config": asdict(cfg), "environment": environment(), "rows": rows})
-    print(f"wrote {args.json}")
+    )  # fmt: skip
+    save_results(args.json, {"config": asdict(cfg), "environment": environment(), "rows": rows})
 
 
 if __name__ == "__main__":

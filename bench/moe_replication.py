@@ -23,7 +23,6 @@ Run (about a minute on a 2-core machine):
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,13 +32,16 @@ import torch
 import torch.distributed as dist
 from _common import (
     RESULTS_DIR,
+    add_config_arguments,
+    config_from_args,
     environment,
-    format_table,
-    median,
+    make_parser,
     parse_int_list,
+    print_table,
     run_ranks,
-    time_interleaved,
-    write_json,
+    save_results,
+    time_variants,
+    train_step,
 )
 
 from moe import MoEConfig, MoELayer
@@ -84,16 +86,6 @@ def make_inputs(cfg: BenchConfig, rank: int) -> tuple[torch.Tensor, torch.Tensor
     return x, torch.randn(cfg.tokens, cfg.hidden, generator=gen)
 
 
-def train_step(layer: MoELayer, optimizer, x: torch.Tensor, grad: torch.Tensor):
-    for param in layer.parameters():
-        param.grad = None
-    x_in = x.detach().requires_grad_()
-    out = layer(x_in)
-    out.backward(grad)
-    optimizer.step()
-    return out.detach(), x_in.grad
-
-
 def step_bytes(layer: MoELayer, rank: int, cfg: BenchConfig) -> tuple[int, int]:
     """(token bytes, replica bytes) of this rank's last step (see the module docstring)."""
     counts = layer.metrics.tokens_per_expert
@@ -113,22 +105,20 @@ def bench_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, cfg: BenchCo
     optimizers = {name: torch.optim.SGD(layer.parameters(), lr=1e-4) for name, layer in layers.items()}
     # One step counts the load; the update makes the skewed experts hot.
     for name, layer in layers.items():
-        train_step(layer, optimizers[name], x, grad)
+        train_step(layer, x, grad, optimizers[name])
     hot = update_hot_experts(list(layers.values()))
     # Parity: plain and replicated layers hold the same weights again after one identical step each.
     parity, outputs = {}, {}
     for name, layer in layers.items():
-        outputs[name] = train_step(layer, optimizers[name], x, grad)
+        outputs[name] = train_step(layer, x, grad, optimizers[name])
     for name in layers:
         plain = name.split(" + ")[0]
         parity[name] = max(float((a - b).norm() / b.norm()) for a, b in zip(outputs[name], outputs[plain]))
     bytes_ = {name: step_bytes(layer, rank, cfg) for name, layer in layers.items()}
     replicated_slots = {name: layer.metrics.num_replicated_slots for name, layer in layers.items()}
-    fns = {name: (lambda n=name: train_step(layers[n], optimizers[n], x, grad)) for name in layers}
-    samples = time_interleaved(fns, cfg.iters, cfg.warmup, group)
-    dist.barrier(group=group)
+    fns = {name: (lambda n=name: train_step(layers[n], x, grad, optimizers[n])) for name in layers}
     return {
-        "seconds": {name: median(v) for name, v in samples.items()},
+        **time_variants(fns, cfg.iters, cfg.warmup, group),
         "bytes": bytes_,
         "parity": parity,
         "hot": {name: h for name, h in hot.items()},
@@ -160,16 +150,13 @@ HEADERS = ["EP", "variant", "step ms", "vs plain", "token MB/rank", "replica MB"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    defaults = BenchConfig()
+    parser = make_parser(__doc__)
     parser.add_argument("--ep", default="2,4", help="expert-parallel sizes, comma-separated")
-    for field in ("tokens", "hidden", "ffn", "experts", "topk", "iters", "warmup", "seed"):
-        parser.add_argument(f"--{field}", type=int, default=getattr(defaults, field))
-    parser.add_argument("--skewed-share", type=float, default=defaults.skewed_share)
+    fields = ("tokens", "hidden", "ffn", "experts", "topk", "iters", "warmup", "seed", "skewed_share")
+    add_config_arguments(parser, BenchConfig(), fields)
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "moe_replication.json")
     args = parser.parse_args()
-    cfg = BenchConfig(tokens=args.tokens, hidden=args.hidden, ffn=args.ffn, experts=args.experts, topk=args.topk,
-                      skewed_share=args.skewed_share, iters=args.iters, warmup=args.warmup, seed=args.seed)  # fmt: skip
+    cfg = config_from_args(BenchConfig, args)
     rows, hot = [], {}
     for num_ranks in parse_int_list(args.ep):
         start = time.perf_counter()
@@ -181,13 +168,12 @@ def main() -> None:
         f"T={cfg.tokens} per rank, H={cfg.hidden}, F={cfg.ffn}, E={cfg.experts}, K={cfg.topk}, float32; "
         f"{cfg.skewed_share:.0%} of tokens prefer experts 0 and 1; median of {cfg.iters} steps; slowest rank"
     )
-    print(format_table(HEADERS, [
+    print_table(HEADERS, [
         [str(r["ep"]), r["variant"], f"{r['ms']:.1f}", f"{r['speedup']:.2f}x", f"{r['token_mb']:.1f}",
          f"{r['replica_mb']:.1f}", f"{r['replicated_slots']:.0f}", f"{r['parity']:.1e}"]
         for r in rows
-    ]))  # fmt: skip
-    write_json(args.json, {"config": asdict(cfg), "hot": hot, "environment": environment(), "rows": rows})
-    print(f"wrote {args.json}")
+    ])  # fmt: skip
+    save_results(args.json, {"config": asdict(cfg), "hot": hot, "environment": environment(), "rows": rows})
     worst = max(r["parity"] for r in rows)
     if worst > 1e-4:
         raise SystemExit(f"parity check failed: relative error {worst:.1e} > 1e-4")

@@ -119,6 +119,29 @@ def assert_bounded(name: str, actual, expected, magnitudes, dtype: torch.dtype, 
     )
 
 
+def assert_layer_bounded(
+    ctx,
+    inputs,
+    results,
+    dtype: torch.dtype,
+    after: tuple[int, int, int],
+    before_x: int = 0,
+    names: tuple[str, str, str] = ("output", "x.grad", "probs.grad"),
+) -> None:
+    """A client's MoE layer against `Reference(*inputs)`, `inputs = (x [T, H], topk_idx [T, K], probs [T, K],
+    weights [E, H, H], grad_out [T, H])`: `results = (output, grad x, grad probs)`, each within `assert_bounded` with
+    its count of roundings after (`after`) and, for grad x, before (`before_x`) the matmuls, and the accumulation
+    term `H + R + K`."""
+    ref = Reference(*inputs)
+    x, topk_idx = inputs[:2]
+    extra = x.size(1) + ctx.world_size + topk_idx.size(1)
+    expected = (ref.out, ref.grad_x, ref.grad_probs)
+    magnitudes = (ref.mag_out, ref.mag_grad_x, ref.mag_grad_probs)
+    checks = zip(names, results, expected, magnitudes, after, (0, before_x, 0), strict=True)
+    for name, actual, exp, mags, rounded, before in checks:
+        assert_bounded(name, actual, exp, mags, dtype, rounded, extra, before)
+
+
 def apply_experts(recv_x, recv_idx, recv_probs, weights, first_expert: int, num_local: int) -> torch.Tensor:
     """The receiving side of the reference layer, in FP32: `y[n] = sum_k p[n, k] * (x[n] @ W[first + id])` over the
     local ids, rounded once to `recv_x`'s dtype."""
@@ -142,10 +165,14 @@ def apply_grouped_experts(tokens, tokens_per_expert, weights, first_expert: int)
     return torch.cat([*outputs, padding])
 
 
+def reference_dispatch(ctx, everyone, num_experts: int, expert_alignment: int = 1) -> refs.RefDispatchResult:
+    """`refs.ref_dispatch` seen from this rank, over every rank's `(x, topk_idx, weights)` (from `gather`)."""
+    return refs.ref_dispatch(*[[e[i] for e in everyone] for i in range(3)], num_experts, ctx.rank, expert_alignment)
+
+
 def check_dispatch_rows(ctx, recv_x, recv_idx, recv_probs, x, topk_idx, probs, num_experts):
     """V1 dispatch results equal `refs.ref_dispatch` over every rank's inputs (bit for bit)."""
-    everyone = gather(ctx, (x.detach(), topk_idx, probs.detach()))
-    ref = refs.ref_dispatch(*[[e[i] for e in everyone] for i in range(3)], num_experts, ctx.rank)
+    ref = reference_dispatch(ctx, gather(ctx, (x.detach(), topk_idx, probs.detach())), num_experts)
     assert torch.equal(recv_x.detach(), ref.recv_x), "recv_x differs from the reference dispatch"
     assert torch.equal(recv_idx, ref.recv_topk_idx), "recv_topk_idx differs from the reference dispatch"
     assert torch.equal(recv_probs.detach(), ref.recv_topk_weights), "recv probabilities differ from the reference"
@@ -191,13 +218,12 @@ def megatron_fused_dispatch_combine(ctx, dtype_name: str, async_finish: bool, al
     assert tokens_per_expert.tolist() == ref_dispatch.num_recv_tokens_per_expert
     (combined.float() * grad_out).sum().backward()
 
-    ref = Reference(x, topk_idx, probs, weights, grad_out)
-    extra = hidden + ctx.world_size + num_topk
     assert combined.dtype == dtype
-    assert_bounded("combined", combined, ref.out, ref.mag_out, dtype, 2, extra)
     assert x.grad.dtype == dtype
-    assert_bounded("x.grad", x.grad, ref.grad_x, ref.mag_grad_x, dtype, 2, extra)
-    assert_bounded("probs.grad", probs.grad, ref.grad_probs, ref.mag_grad_probs, dtype, 0, extra)
+    assert_layer_bounded(
+        ctx, (x, topk_idx, probs, weights, grad_out), (combined, x.grad, probs.grad), dtype, (2, 2, 0),
+        names=("combined", "x.grad", "probs.grad"),
+    )  # fmt: skip
 
 
 def megatron_backward_after_buffer_replaced(ctx):
@@ -224,11 +250,10 @@ def megatron_backward_after_buffer_replaced(ctx):
     loss = sum((combined.float() * grad_out).sum() for *_, grad_out, combined in layers)
     loss.backward()
     for x, topk_idx, probs, weights, grad_out, combined in layers:
-        ref = Reference(x, topk_idx, probs, weights, grad_out)
-        extra = x.size(1) + ctx.world_size + num_topk
-        assert_bounded("combined", combined, ref.out, ref.mag_out, dtype, 2, extra)
-        assert_bounded("x.grad", x.grad, ref.grad_x, ref.mag_grad_x, dtype, 2, extra)
-        assert_bounded("probs.grad", probs.grad, ref.grad_probs, ref.mag_grad_probs, dtype, 0, extra)
+        assert_layer_bounded(
+            ctx, (x, topk_idx, probs, weights, grad_out), (combined, x.grad, probs.grad), dtype, (2, 2, 0),
+            names=("combined", "x.grad", "probs.grad"),
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -288,15 +313,14 @@ def megatron_flex_dispatcher_round_trip(ctx, dtype_name: str):
     grad_out = random_like_dtype((seq, batch, hidden), dtype, seed=97 + ctx.rank)
     (output.float() * grad_out).sum().backward()
 
-    ref = Reference(hidden_states.view(num_tokens, hidden), topk_idx, topk_probs, weights, grad_out.view(-1, hidden))
-    extra = hidden + ctx.world_size + num_topk
     assert output.shape == hidden_states.shape and output.dtype == dtype
-    assert_bounded("output", output.view(num_tokens, hidden), ref.out, ref.mag_out, dtype, num_topk + 2, extra)
-    grad_x = hidden_states.grad.view(num_tokens, hidden)
-    assert_bounded("hidden_states.grad", grad_x, ref.grad_x, ref.mag_grad_x, dtype, num_topk + 1, extra, before=1)
-    grad_probs = probs.grad.gather(1, topk_idx)
     assert bool((probs.grad.scatter(1, topk_idx, 0.0) == 0).all()), "gradient on probabilities of unrouted experts"
-    assert_bounded("probs.grad", grad_probs, ref.grad_probs, ref.mag_grad_probs, dtype, 1, extra)
+    assert_layer_bounded(
+        ctx,
+        (hidden_states.view(num_tokens, hidden), topk_idx, topk_probs, weights, grad_out.view(-1, hidden)),
+        (output.view(num_tokens, hidden), hidden_states.grad.view(num_tokens, hidden), probs.grad.gather(1, topk_idx)),
+        dtype, (num_topk + 2, num_topk + 1, 1), before_x=1, names=("output", "hidden_states.grad", "probs.grad"),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -320,6 +344,19 @@ def _titan_inputs(ctx, dtype, num_tokens, hidden, num_experts, num_topk, seed):
     return weights, topk_idx, ids, scores, x, grad_out
 
 
+def _titan_layer(titan, ctx, x, ids, scores, weights, num_experts: int, capacity: int, **dispatch_kwargs):
+    """torchtitan's MoE communication around the reference experts: `dispatch_tokens`, grouped experts,
+    `combine_tokens`, `sync_combine`. Returns `(output, routed rows, tokens per expert, dispatch state)`."""
+    num_local = num_experts // ctx.world_size
+    routed, tokens_per_expert, state = titan.dispatch_tokens(
+        x, ids, scores, num_local, num_experts, num_tokens_per_rank=capacity, **dispatch_kwargs
+    )
+    expert_out = apply_grouped_experts(routed, tokens_per_expert, weights, ctx.rank * num_local)
+    output = titan.combine_tokens(expert_out, state)
+    titan.sync_combine()
+    return output, routed, tokens_per_expert, state
+
+
 def _spare_experts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     """For each masked slot, an expert id the token does not use otherwise (torchtitan's input has no -1 ids)."""
     spare = topk_idx.clone()
@@ -337,7 +374,6 @@ def torchtitan_training_round_trip(ctx, dtype_name: str):
     titan = clients_env.prepare_torchtitan()
     dtype = DTYPES[dtype_name]
     capacity, hidden, num_experts, num_topk = 64, 128, 8, 3
-    num_local = num_experts // ctx.world_size
     num_tokens = capacity - 5 * ctx.rank
     weights, topk_idx, ids, scores, x, grad_out = _titan_inputs(
         ctx, dtype, num_tokens, hidden, num_experts, num_topk, 300
@@ -346,28 +382,20 @@ def torchtitan_training_round_trip(ctx, dtype_name: str):
     scores.requires_grad_()
     titan.get_buffer(ctx.group, hidden=hidden, num_max_tokens_per_rank=capacity, num_topk=num_topk)
 
-    routed, tokens_per_expert, state = titan.dispatch_tokens(
-        x, ids, scores, num_local, num_experts, num_tokens_per_rank=capacity
-    )
+    output, routed, tokens_per_expert, _ = _titan_layer(titan, ctx, x, ids, scores, weights, num_experts, capacity)
     # Routed rows: the reference dispatch's rows, repeated once per local expert, in expert-major order.
-    everyone = gather(ctx, (x.detach(), topk_idx, scores.detach()))
-    ref_dispatch = refs.ref_dispatch(*[[e[i] for e in everyone] for i in range(3)], num_experts, ctx.rank)
+    ref_dispatch = reference_dispatch(ctx, gather(ctx, (x.detach(), topk_idx, scores.detach())), num_experts)
     rows, slots = (ref_dispatch.recv_topk_idx >= 0).nonzero(as_tuple=True)
     order = torch.argsort(ref_dispatch.recv_topk_idx[rows, slots], stable=True)
     assert torch.equal(routed.detach(), ref_dispatch.recv_x[rows[order]]), "routed rows differ from the reference"
     assert tokens_per_expert.tolist() == ref_dispatch.num_recv_tokens_per_expert
-
-    expert_out = apply_grouped_experts(routed, tokens_per_expert, weights, ctx.rank * num_local)
-    output = titan.combine_tokens(expert_out, state)
-    titan.sync_combine()
     (output.float() * grad_out).sum().backward()
 
-    ref = Reference(x, topk_idx, scores, weights, grad_out)
-    extra = hidden + ctx.world_size + num_topk
     assert output.dtype == dtype and output.shape == x.shape
-    assert_bounded("output", output, ref.out, ref.mag_out, dtype, num_topk + 3, extra)
-    assert_bounded("x.grad", x.grad, ref.grad_x, ref.mag_grad_x, dtype, num_topk + 1, extra, before=2)
-    assert_bounded("scores.grad", scores.grad, ref.grad_probs, ref.mag_grad_probs, dtype, 3, extra)
+    assert_layer_bounded(
+        ctx, (x, topk_idx, scores, weights, grad_out), (output, x.grad, scores.grad), dtype,
+        (num_topk + 3, num_topk + 1, 3), before_x=2, names=("output", "x.grad", "scores.grad"),
+    )  # fmt: skip
     assert not titan._handle_cache, "torchtitan's handle cache should be empty after the backward"
 
 
@@ -384,18 +412,14 @@ def torchtitan_inference_expanded_layout(ctx):
     )
     buffer = titan.get_buffer(ctx.group, hidden=hidden, num_max_tokens_per_rank=capacity, num_topk=num_topk)
     with torch.no_grad():
-        routed, tokens_per_expert, state = titan.dispatch_tokens(
-            x, ids, scores, num_local, num_experts, num_tokens_per_rank=capacity, cudagraphable=True
+        output, routed, tokens_per_expert, state = _titan_layer(
+            titan, ctx, x, ids, scores, weights, num_experts, capacity, cudagraphable=True
         )
         assert state.cudagraphable, "the expanded (inference) path was not taken"
         worst = ctx.world_size * capacity * min(num_topk, num_local)
         assert routed.size(0) == worst, (routed.size(0), worst)
-        everyone = gather(ctx, (x, topk_idx, scores))
-        ref_dispatch = refs.ref_dispatch(*[[e[i] for e in everyone] for i in range(3)], num_experts, ctx.rank)
+        ref_dispatch = reference_dispatch(ctx, gather(ctx, (x, topk_idx, scores)), num_experts)
         assert tokens_per_expert.tolist() == ref_dispatch.num_recv_tokens_per_expert
-        expert_out = apply_grouped_experts(routed, tokens_per_expert, weights, ctx.rank * num_local)
-        output = titan.combine_tokens(expert_out, state)
-        titan.sync_combine()
     assert buffer is titan._buffer
     ref = Reference(x, topk_idx, scores, weights, grad_out)
     # Expert rows (1), score product (2: score and product), the expert-rank reduction of a row's slots (1),
@@ -408,7 +432,6 @@ def torchtitan_backward_after_buffer_replaced(ctx):
     first layer's backward runs with its old handle on the new buffer (as DeepEP allows)."""
     titan = clients_env.prepare_torchtitan()
     dtype, num_experts, num_topk = torch.float32, 8, 2
-    num_local = num_experts // ctx.world_size
     layers, buffers = [], []
     # The second layer needs more than the first buffer (2 MiB): R * 640 rows of 1024 values.
     for i, (capacity, hidden) in enumerate(((32, 64), (640, 1024))):
@@ -419,21 +442,15 @@ def torchtitan_backward_after_buffer_replaced(ctx):
         x.requires_grad_()
         scores.requires_grad_()
         buffers.append(titan.get_buffer(ctx.group, hidden=hidden, num_max_tokens_per_rank=capacity, num_topk=num_topk))
-        routed, tokens_per_expert, state = titan.dispatch_tokens(
-            x, ids, scores, num_local, num_experts, num_tokens_per_rank=capacity
-        )
-        expert_out = apply_grouped_experts(routed, tokens_per_expert, weights, ctx.rank * num_local)
-        output = titan.combine_tokens(expert_out, state)
-        titan.sync_combine()
+        output = _titan_layer(titan, ctx, x, ids, scores, weights, num_experts, capacity)[0]
         layers.append((x, topk_idx, scores, weights, grad_out, output))
     assert buffers[0] is not buffers[1], "the second layer did not replace torchtitan's buffer (test premise)"
     sum((output * grad_out).sum() for *_, grad_out, output in layers).backward()
     for x, topk_idx, scores, weights, grad_out, output in layers:
-        ref = Reference(x, topk_idx, scores, weights, grad_out)
-        extra = x.size(1) + ctx.world_size + num_topk
-        assert_bounded("output", output, ref.out, ref.mag_out, dtype, 0, extra)
-        assert_bounded("x.grad", x.grad, ref.grad_x, ref.mag_grad_x, dtype, 0, extra)
-        assert_bounded("scores.grad", scores.grad, ref.grad_probs, ref.mag_grad_probs, dtype, 0, extra)
+        assert_layer_bounded(
+            ctx, (x, topk_idx, scores, weights, grad_out), (output, x.grad, scores.grad), dtype, (0, 0, 0),
+            names=("output", "x.grad", "scores.grad"),
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -473,7 +490,7 @@ def elastic_dispatch_matches_reference(ctx, num_ranks_per_node: int | None = Non
             cumulative_local_expert_recv_stats=stats,
         )  # fmt: skip
         assert event.query()
-        ref = refs.ref_dispatch(*[[e[i] for e in everyone] for i in range(3)], num_experts, ctx.rank, alignment)
+        ref = reference_dispatch(ctx, everyone, num_experts, alignment)
         assert torch.equal(recv_x, ref.recv_x) and torch.equal(recv_idx, ref.recv_topk_idx)
         assert torch.equal(recv_w, ref.recv_topk_weights)
         counts = torch.tensor([int((ref.recv_topk_idx == e).any(dim=1).sum()) for e in range(num_local)])
@@ -512,7 +529,7 @@ def elastic_expanded_layout_matches_reference(ctx):
     num_local = num_experts // ctx.world_size
     num_tokens = capacity - 11 * ctx.rank
     x, topk_idx, weights, everyone = _elastic_inputs(ctx, num_tokens, hidden, num_experts, num_topk, 700)
-    ref = refs.ref_dispatch(*[[e[i] for e in everyone] for i in range(3)], num_experts, ctx.rank)
+    ref = reference_dispatch(ctx, everyone, num_experts)
     counts = [int((ref.recv_topk_idx == e).any(dim=1).sum()) for e in range(num_local)]
     starts = [sum(-(-c // alignment) * alignment for c in counts[:e]) for e in range(num_local)]
     for do_cpu_sync in (True, False):
@@ -578,7 +595,7 @@ def elastic_combine_matches_reference(ctx):
     buffer = _elastic(ctx, capacity, hidden)
     num_tokens = capacity - 6 * ctx.rank
     x, topk_idx, weights, everyone = _elastic_inputs(ctx, num_tokens, hidden, num_experts, num_topk, 800)
-    ref = refs.ref_dispatch(*[[e[i] for e in everyone] for i in range(3)], num_experts, ctx.rank)
+    ref = reference_dispatch(ctx, everyone, num_experts)
     generator = torch.Generator().manual_seed(810 + ctx.rank)
     bias = tuple(torch.randn(num_tokens, hidden, generator=generator).to(torch.bfloat16) for _ in range(2))
     for do_cpu_sync in (True, False):

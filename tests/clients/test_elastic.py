@@ -10,18 +10,10 @@ import pytest
 
 import mtdeepep
 from mtdeepep import compat
-from mtdeepep.utils.testing import RankPool
 
 from . import client_cases as cases
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    ranks = RankPool(2, timeout_s=180)
-    yield ranks
-    ranks.close()
 
 
 @pytest.mark.parametrize(

@@ -8,18 +8,9 @@ clients_env.py. The rank processes start once for the module and run every case.
 
 import pytest
 
-from mtdeepep.utils.testing import RankPool
-
 from . import client_cases as cases
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    ranks = RankPool(2, timeout_s=180)
-    yield ranks
-    ranks.close()
 
 
 @pytest.mark.parametrize(

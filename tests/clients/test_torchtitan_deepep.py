@@ -8,18 +8,9 @@ torchtitan registers its custom ops for the CUDA key only; clients_env.py regist
 
 import pytest
 
-from mtdeepep.utils.testing import RankPool
-
 from . import client_cases as cases
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def pool():
-    ranks = RankPool(2, timeout_s=180)
-    yield ranks
-    ranks.close()
 
 
 @pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])

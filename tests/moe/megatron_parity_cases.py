@@ -16,22 +16,18 @@ import torch.distributed as dist
 from moe import MoEConfig, MoELayer, reset_global_aux_loss_tracker
 
 from . import megatron_ref as mr
-from .moe_testlib import assert_close
+from .moe_testlib import assert_close, moe_config
 
 H, E, K = 32, 16, 4
 LOSS_RTOL = 1e-5
+# The layer of the parity tests (test_megatron_parity.py's too). No expert parallelism: only the router matters.
+ROUTER_PARITY_LAYER = dict(
+    hidden_size=H, num_moe_experts=E, moe_ffn_hidden_size=16, init_method_std=0.2, moe_token_dispatcher_type="alltoall"
+)
 
 
 def _cfg(**overrides) -> MoEConfig:
-    base = dict(
-        hidden_size=H,
-        num_moe_experts=E,
-        moe_ffn_hidden_size=16,
-        moe_router_topk=K,
-        init_method_std=0.2,
-        moe_token_dispatcher_type="alltoall",  # no expert parallelism here: only the router matters
-    )
-    return MoEConfig(**{**base, **overrides})
+    return moe_config(ROUTER_PARITY_LAYER, **{"moe_router_topk": K, **overrides})
 
 
 def _own_groups(ctx) -> dist.ProcessGroup:
@@ -39,16 +35,22 @@ def _own_groups(ctx) -> dist.ProcessGroup:
     return [dist.new_group([r]) for r in range(ctx.world_size)][ctx.rank]
 
 
-def _step(layer: MoELayer, megatron, x_BSH: torch.Tensor, tp_cp_size: int) -> dict[str, float]:
-    """One micro-batch through both; returns the largest differences, asserts agreement."""
+def backward_attached_losses(layer: MoELayer, megatron, x_BSH: torch.Tensor) -> None:
+    """One micro-batch through both, back-propagating only their attached losses (router grads set to None first)."""
     layer.router.weight.grad = None
     megatron.weight.grad = None
     (layer(x_BSH) * 0).sum().backward()
     probs, _ = mr.run_router(megatron, x_BSH.transpose(0, 1).contiguous())
     (probs * 0).sum().backward()
+
+
+def compare_step(layer: MoELayer, megatron, x_BSH: torch.Tensor, tp_cp_size: int = 1) -> dict[str, float]:
+    """One micro-batch through both; asserts that the losses (there are some) and the router gradients agree,
+    returns the largest differences (absolute for the losses, relative to the largest gradient for the gradient)."""
+    backward_attached_losses(layer, megatron, x_BSH)
     cfg = layer.config
     expected = mr.recorded_losses(cfg.aux_loss_coeffs, cfg.moe_z_loss_coeff, tp_cp_size)
-    assert set(layer.metrics.losses) == set(expected), (layer.metrics.losses, expected)
+    assert set(layer.metrics.losses) == set(expected) and expected, (layer.metrics.losses, expected)
     diffs = {}
     for name, value in expected.items():
         got = layer.metrics.losses[name]
@@ -80,7 +82,7 @@ def dp2_global_aux_loss(ctx) -> list[dict[str, float]]:
             assert reset_global_aux_loss_tracker(layer) == 1
             megatron.reset_global_aux_loss_tracker()
         x = torch.randn(B, S, H, generator=gen) + 0.3 * step  # shifted, so the micro-batches route differently
-        diffs.append(_step(layer, megatron, x, tp_cp_size=1))
+        diffs.append(compare_step(layer, megatron, x))
         values.append(layer.metrics.losses["global_aux_loss"])
 
     # Megatron's convention, written out for the last micro-batch (right after the reset): f from the counts of
@@ -113,7 +115,7 @@ def tp2_sequence_split_losses(ctx) -> list[dict[str, float]]:
     x_full = torch.randn(B, S, H, generator=torch.Generator().manual_seed(7))  # the same on both ranks
     half = S // ctx.world_size
     x = x_full[:, ctx.rank * half : (ctx.rank + 1) * half].contiguous()
-    diffs = [_step(layer, megatron, x, tp_cp_size=ctx.world_size)]
+    diffs = [compare_step(layer, megatron, x, tp_cp_size=ctx.world_size)]
 
     losses = torch.stack([layer.metrics.losses[name] for name in ("aux_loss", "seq_aux_loss", "z_loss")])
     summed_losses = losses.clone()

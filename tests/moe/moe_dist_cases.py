@@ -20,9 +20,7 @@ import torch.distributed as dist
 
 from moe import MoEConfig, MoELayer, update_expert_bias
 
-from .moe_testlib import assert_close, ep_group
-
-BASE = dict(hidden_size=32, num_moe_experts=8, moe_ffn_hidden_size=16, init_method_std=0.2)
+from .moe_testlib import SIGMOID_V3, SMALL_LAYER, assert_close, ep_group, moe_config
 
 CASES: dict[str, Callable[[int, int, dist.ProcessGroup], None]] = {}
 
@@ -70,7 +68,7 @@ def load_ep_from_ref(ep: MoELayer, ref: MoELayer) -> MoELayer:
 def make_inputs(world: int, sizes: list[int] | None, seq: tuple[int, int] | None, seed: int = 7, skew=False):
     """Every rank's `(x, grad_out)`, generated identically on all ranks."""
     gen = torch.Generator().manual_seed(seed)
-    H = BASE["hidden_size"]
+    H = SMALL_LAYER["hidden_size"]
     chunks = []
     for r in range(world):
         shape = (*seq, H) if seq is not None else ((sizes[r] if sizes else 12), H)
@@ -156,77 +154,54 @@ def compare_with_ep1(
 
 
 def _cfg(**overrides) -> MoEConfig:
-    return MoEConfig(**{**BASE, **overrides})
+    return moe_config(SMALL_LAYER, **overrides)
+
+
+def compare_case(name: str, cfg: MoEConfig, **kwargs) -> None:
+    """Registers the case `name`: `compare_with_ep1` of `cfg`, with `kwargs` (sizes, skew, ...)."""
+    case(name)(lambda rank, world, group: compare_with_ep1(rank, world, group, cfg, **kwargs))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Cases: EP n == EP 1
 # ---------------------------------------------------------------------------------------------------------------
 
-SIGMOID_V3 = dict(
-    moe_router_score_function="sigmoid",
-    moe_router_topk=4,
-    moe_router_num_groups=4,
-    moe_router_group_topk=2,
-    moe_router_topk_scaling_factor=2.5,
-    moe_router_enable_expert_bias=True,
-    moe_router_load_balancing_type="seq_aux_loss",
-    moe_aux_loss_coeff=0.05,
-)
-
 for _disp in ("alltoall", "allgather", "flex"):
     _p = {"alltoall": "a2a", "allgather": "ag", "flex": "flex"}[_disp]
+    compare_case(
+        f"{_p}_softmax_aux_z", _cfg(moe_token_dispatcher_type=_disp, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3)
+    )
+    compare_case(
+        f"{_p}_sigmoid_v3_seq_aux_bias_update",
+        _cfg(moe_token_dispatcher_type=_disp, **SIGMOID_V3),
+        seq=(2, 6),
+        bias_update=True,
+    )
+    compare_case(
+        f"{_p}_uneven_tokens_per_rank",
+        _cfg(moe_token_dispatcher_type=_disp, moe_aux_loss_coeff=0.01),
+        sizes=[5, 12, 1, 9],
+    )
+    compare_case(f"{_p}_skewed_idle_ranks", _cfg(moe_token_dispatcher_type=_disp), skew=True)
+    compare_case(
+        f"{_p}_capacity_probs_shared",
+        _cfg(
+            moe_token_dispatcher_type=_disp,
+            moe_expert_capacity_factor=0.75,
+            moe_shared_expert_intermediate_size=24,
+            moe_aux_loss_coeff=0.01,
+        ),
+    )
 
-    def _mk(fn, **kw):
-        return lambda rank, world, group: fn(rank, world, group, **kw)
-
-    case(f"{_p}_softmax_aux_z")(
-        _mk(compare_with_ep1, cfg=_cfg(moe_token_dispatcher_type=_disp, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3))
-    )
-    case(f"{_p}_sigmoid_v3_seq_aux_bias_update")(
-        _mk(compare_with_ep1, cfg=_cfg(moe_token_dispatcher_type=_disp, **SIGMOID_V3), seq=(2, 6), bias_update=True)
-    )
-    case(f"{_p}_uneven_tokens_per_rank")(
-        _mk(compare_with_ep1, cfg=_cfg(moe_token_dispatcher_type=_disp, moe_aux_loss_coeff=0.01), sizes=[5, 12, 1, 9])
-    )
-    case(f"{_p}_skewed_idle_ranks")(_mk(compare_with_ep1, cfg=_cfg(moe_token_dispatcher_type=_disp), skew=True))
-    case(f"{_p}_capacity_probs_shared")(
-        _mk(
-            compare_with_ep1,
-            cfg=_cfg(
-                moe_token_dispatcher_type=_disp,
-                moe_expert_capacity_factor=0.75,
-                moe_shared_expert_intermediate_size=24,
-                moe_aux_loss_coeff=0.01,
-            ),
-        )
-    )
-
-case("a2a_capacity_position_pad_to_capacity")(
-    lambda rank, world, group: compare_with_ep1(
-        rank,
-        world,
-        group,
-        _cfg(moe_expert_capacity_factor=1.0, moe_token_drop_policy="position", moe_pad_expert_input_to_capacity=True),
-    )
+compare_case(
+    "a2a_capacity_position_pad_to_capacity",
+    _cfg(moe_expert_capacity_factor=1.0, moe_token_drop_policy="position", moe_pad_expert_input_to_capacity=True),
 )
-case("a2a_shared_expert_overlap")(
-    lambda rank, world, group: compare_with_ep1(
-        rank, world, group, _cfg(moe_shared_expert_intermediate_size=24, moe_shared_expert_overlap=True)
-    )
-)
-case("a2a_padded_batch_gemm_dropless")(
-    lambda rank, world, group: compare_with_ep1(
-        rank, world, group, _cfg(moe_padded_batch_gemm=True, moe_padded_batch_gemm_alignment=4)
-    )
-)
-case("a2a_loop_experts_pre_softmax_top3")(
-    lambda rank, world, group: compare_with_ep1(
-        rank,
-        world,
-        group,
-        _cfg(moe_grouped_gemm=False, moe_router_topk=3, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.1),
-    )
+compare_case("a2a_shared_expert_overlap", _cfg(moe_shared_expert_intermediate_size=24, moe_shared_expert_overlap=True))
+compare_case("a2a_padded_batch_gemm_dropless", _cfg(moe_padded_batch_gemm=True, moe_padded_batch_gemm_alignment=4))
+compare_case(
+    "a2a_loop_experts_pre_softmax_top3",
+    _cfg(moe_grouped_gemm=False, moe_router_topk=3, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.1),
 )
 
 
@@ -295,40 +270,28 @@ def _global_aux_loss(rank, world, group):
 # 'flex' (mtdeepep) dispatcher against 'alltoall'
 # ---------------------------------------------------------------------------------------------------------------
 
-case("flex_shared_expert_overlap_top3")(
-    lambda rank, world, group: compare_with_ep1(
-        rank,
-        world,
-        group,
-        _cfg(
-            moe_token_dispatcher_type="flex",
-            moe_router_topk=3,
-            moe_shared_expert_intermediate_size=24,
-            moe_shared_expert_overlap=True,
-        ),
-    )
+compare_case(
+    "flex_shared_expert_overlap_top3",
+    _cfg(
+        moe_token_dispatcher_type="flex",
+        moe_router_topk=3,
+        moe_shared_expert_intermediate_size=24,
+        moe_shared_expert_overlap=True,
+    ),
 )
-case("flex_padded_batch_gemm_dropless")(
-    lambda rank, world, group: compare_with_ep1(
-        rank,
-        world,
-        group,
-        _cfg(moe_token_dispatcher_type="flex", moe_padded_batch_gemm=True, moe_padded_batch_gemm_alignment=4),
-    )
+compare_case(
+    "flex_padded_batch_gemm_dropless",
+    _cfg(moe_token_dispatcher_type="flex", moe_padded_batch_gemm=True, moe_padded_batch_gemm_alignment=4),
 )
-case("flex_loop_experts_pad_to_capacity")(
-    lambda rank, world, group: compare_with_ep1(
-        rank,
-        world,
-        group,
-        _cfg(
-            moe_token_dispatcher_type="flex",
-            moe_grouped_gemm=False,
-            moe_expert_capacity_factor=1.0,
-            moe_token_drop_policy="position",
-            moe_pad_expert_input_to_capacity=True,
-        ),
-    )
+compare_case(
+    "flex_loop_experts_pad_to_capacity",
+    _cfg(
+        moe_token_dispatcher_type="flex",
+        moe_grouped_gemm=False,
+        moe_expert_capacity_factor=1.0,
+        moe_token_drop_policy="position",
+        moe_pad_expert_input_to_capacity=True,
+    ),
 )
 
 
@@ -532,7 +495,7 @@ def _flex_shared_buffer(rank, world, group):
     from moe.dispatcher.buffers import default_ep_buffers
     from moe.dispatcher.deepep import DeepEPDispatcher, nvl_bytes_hint
 
-    H, E = BASE["hidden_size"], BASE["num_moe_experts"]
+    H, E = SMALL_LAYER["hidden_size"], SMALL_LAYER["num_moe_experts"]
     buffer = deep_ep.Buffer(group, num_nvl_bytes=nvl_bytes_hint(H, world), explicitly_destroy=True)
     cfg = _cfg(moe_router_topk=3, moe_token_dispatcher_type="alltoall")  # the 'flex' layers get their dispatcher
     x, g = make_inputs(world, None, None, seed=9)[rank]

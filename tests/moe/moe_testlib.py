@@ -7,12 +7,36 @@ every differentiable quantity is float64.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe.config import MoEConfig
+
+# The small layer of the single-process and expert-parallel layer tests: hidden 32, 8 experts of FFN 16.
+SMALL_LAYER = dict(hidden_size=32, num_moe_experts=8, moe_ffn_hidden_size=16, init_method_std=0.2)
+
+# DeepSeek-V3-style routing: sigmoid scores, group-limited top-4, scaled weights, expert bias (aux-loss-free
+# balancing) and the sequence aux loss.
+SIGMOID_V3 = dict(
+    moe_router_score_function="sigmoid",
+    moe_router_topk=4,
+    moe_router_num_groups=4,
+    moe_router_group_topk=2,
+    moe_router_topk_scaling_factor=2.5,
+    moe_router_enable_expert_bias=True,
+    moe_router_load_balancing_type="seq_aux_loss",
+    moe_aux_loss_coeff=0.05,
+)
+
+
+def moe_config(base: Mapping[str, Any], **overrides: Any) -> MoEConfig:
+    """The tests' one config builder: `MoEConfig` of a test module's `base` fields, `overrides` replacing or adding
+    fields."""
+    return MoEConfig(**{**base, **overrides})
 
 
 def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:

@@ -22,13 +22,12 @@ from moe.balancing import aux_loss_topk, global_aux_loss, z_loss
 
 from . import megatron_parity_cases as cases
 from . import megatron_ref as mr
-from .moe_testlib import assert_close
+from .moe_testlib import assert_close, moe_config
 
 pytestmark = pytest.mark.timeout(180)
 
-H, E = 32, 16
+H, E = cases.H, cases.E
 B, S = 3, 8
-LOSS_RTOL = cases.LOSS_RTOL
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +45,7 @@ def pool(rank_pools):
 
 
 def _cfg(**overrides) -> MoEConfig:
-    base = dict(
-        hidden_size=H,
-        num_moe_experts=E,
-        moe_ffn_hidden_size=16,
-        init_method_std=0.2,
-        moe_token_dispatcher_type="alltoall",  # one process: the dispatcher does not enter the router's numerics
-    )
-    return MoEConfig(**{**base, **overrides})
+    return moe_config(cases.ROUTER_PARITY_LAYER, **overrides)
 
 
 def _pair(cfg: MoEConfig, world, seed: int = 0, **layer_kwargs):
@@ -68,28 +60,6 @@ def _pair(cfg: MoEConfig, world, seed: int = 0, **layer_kwargs):
         cfg, layer.router.weight.detach(), tp_cp_group=world, tp_dp_cp_group=world, expert_bias=bias
     )
     return layer, megatron
-
-
-def _compare_step(layer: MoELayer, megatron, x_BSH: torch.Tensor) -> tuple[float, float]:
-    """One micro-batch through both; asserts the losses and router gradients agree, returns the largest
-    relative differences (losses, gradient)."""
-    layer.router.weight.grad = None
-    megatron.weight.grad = None
-    (layer(x_BSH) * 0).sum().backward()
-    probs, _ = mr.run_router(megatron, x_BSH.transpose(0, 1).contiguous())
-    (probs * 0).sum().backward()
-    cfg = layer.config
-    expected = mr.recorded_losses(cfg.aux_loss_coeffs, cfg.moe_z_loss_coeff)
-    assert set(layer.metrics.losses) == set(expected) and expected
-    loss_diff = 0.0
-    for name, value in expected.items():
-        assert_close(layer.metrics.losses[name], value, rtol=LOSS_RTOL, atol=0.0, msg=name)
-        loss_diff = max(loss_diff, float((layer.metrics.losses[name].double() / value.double() - 1).abs()))
-    ours, theirs = layer.router.weight.grad, megatron.weight.grad
-    scale = float(theirs.abs().max())
-    assert scale > 0
-    assert_close(ours, theirs, rtol=0.0, atol=1e-5 * scale, msg="router grad")
-    return loss_diff, float((ours - theirs).abs().max()) / scale
 
 
 GROUPS = dict(moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2)
@@ -128,7 +98,7 @@ def test_losses_and_router_grad_match_megatron(world, variant):
     cfg = _cfg(**VARIANTS[variant])
     layer, megatron = _pair(cfg, world)
     x = torch.randn(B, S, H, generator=torch.Generator().manual_seed(1))
-    _compare_step(layer, megatron, x)
+    cases.compare_step(layer, megatron, x)
 
     # The routing itself (before any capacity limit) agrees too.
     with torch.no_grad(), mr.on_cpu():
@@ -165,7 +135,7 @@ def test_global_aux_loss_averages_counts_over_the_global_batch_like_megatron(wor
             assert reset_global_aux_loss_tracker([layer]) == 1
             megatron.reset_global_aux_loss_tracker()
         x = torch.randn(B, S, H, generator=gen) + 0.3 * step  # shifted, so the micro-batches route differently
-        _compare_step(layer, megatron, x)
+        cases.compare_step(layer, megatron, x)
         route = layer.router(x.view(-1, H))
         this_batch_only = 0.1 * global_aux_loss(route.aux_scores_TE, aux_loss_topk(route.aux_scores_TE, 4), E)
         averaged = step in (1, 2)  # steps 0 and 3 are the first micro-batch of their global batch
@@ -221,11 +191,7 @@ def test_eval_mode_attaches_no_loss_like_megatron(world):
     for training in (True, False):
         layer.train(training)
         megatron.train(training)
-        layer.router.weight.grad = None
-        megatron.weight.grad = None
-        (layer(x) * 0).sum().backward()
-        probs, _ = mr.run_router(megatron, x.transpose(0, 1).contiguous())
-        (probs * 0).sum().backward()
+        cases.backward_attached_losses(layer, megatron, x)
         grads[training] = (layer.router.weight.grad, megatron.weight.grad)
         if not training:
             assert layer.metrics.losses == {}

@@ -9,31 +9,23 @@ import pytest
 import torch
 
 import mtdeepep as deep_ep
-from moe import MoEConfig, MoELayer
+from moe import MoELayer
 from moe.dispatcher import build_dispatcher
 from moe.dispatcher.alltoall import AllToAllDispatcher
 from moe.dispatcher.deepep import DeepEPDispatcher, expand_by_local_expert, nvl_bytes_hint
 
-from .moe_testlib import assert_close
+from .moe_testlib import SIGMOID_V3, SMALL_LAYER, assert_close, moe_config
 
 pytestmark = pytest.mark.timeout(120)
 
-H, F_HID, E = 32, 16, 8
+H, E = SMALL_LAYER["hidden_size"], SMALL_LAYER["num_moe_experts"]
 
 VARIANTS = {
     "top2_aux_z": dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3),
     "top3_shared_overlap": dict(
         moe_router_topk=3, moe_shared_expert_intermediate_size=24, moe_shared_expert_overlap=True
     ),
-    "sigmoid_v3_groups": dict(
-        moe_router_score_function="sigmoid",
-        moe_router_topk=4,
-        moe_router_num_groups=4,
-        moe_router_group_topk=2,
-        moe_router_topk_scaling_factor=2.5,
-        moe_router_load_balancing_type="seq_aux_loss",
-        moe_aux_loss_coeff=0.05,
-    ),
+    "sigmoid_v3_groups": {**SIGMOID_V3, "moe_router_enable_expert_bias": False},
     "capacity_probs": dict(moe_expert_capacity_factor=0.5, moe_aux_loss_coeff=0.01),
     "padded_bmm": dict(moe_padded_batch_gemm=True, moe_padded_batch_gemm_alignment=8),
     "loop_experts_top1": dict(moe_grouped_gemm=False, moe_router_topk=1, moe_router_pre_softmax=True),
@@ -41,14 +33,7 @@ VARIANTS = {
 
 
 def _layer(dispatcher: str, variant: str, dtype=torch.float32) -> MoELayer:
-    cfg = MoEConfig(
-        hidden_size=H,
-        num_moe_experts=E,
-        moe_ffn_hidden_size=F_HID,
-        init_method_std=0.2,
-        moe_token_dispatcher_type=dispatcher,
-        **VARIANTS[variant],
-    )
+    cfg = moe_config(SMALL_LAYER, moe_token_dispatcher_type=dispatcher, **VARIANTS[variant])
     torch.manual_seed(0)
     return MoELayer(cfg, dtype=dtype)
 
@@ -122,7 +107,7 @@ def test_flex_layer_bf16_matches_alltoall():
 
 
 def test_registry_and_layer_seam():
-    cfg = MoEConfig(hidden_size=H, num_moe_experts=E, moe_ffn_hidden_size=F_HID, moe_token_dispatcher_type="flex")
+    cfg = moe_config(SMALL_LAYER, moe_token_dispatcher_type="flex")
     disp = build_dispatcher(cfg)
     assert isinstance(disp, DeepEPDispatcher) and disp.hidden_size == H and disp.num_local_experts == E
     own = DeepEPDispatcher(num_experts=E, hidden_size=H)

@@ -9,11 +9,11 @@ from moe import MoEConfig, MoELayer
 from moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from moe.dispatcher.alltoall import regroup_index
 
-from .moe_testlib import assert_close, layer_grads, layer_params_double, ref_moe
+from .moe_testlib import SIGMOID_V3, SMALL_LAYER, assert_close, layer_grads, layer_params_double, moe_config, ref_moe
 
 pytestmark = pytest.mark.timeout(120)
 
-H, F_HID, E = 32, 16, 8
+H, E = SMALL_LAYER["hidden_size"], SMALL_LAYER["num_moe_experts"]
 
 VARIANTS = {
     "softmax_top2_aux": dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3),
@@ -21,16 +21,7 @@ VARIANTS = {
         moe_router_topk=3, moe_router_pre_softmax=True, moe_router_topk_scaling_factor=1.5, moe_aux_loss_coeff=0.1
     ),
     "softmax_groups": dict(moe_router_num_groups=4, moe_router_group_topk=2, moe_aux_loss_coeff=0.01),
-    "sigmoid_v3": dict(
-        moe_router_score_function="sigmoid",
-        moe_router_topk=4,
-        moe_router_num_groups=4,
-        moe_router_group_topk=2,
-        moe_router_topk_scaling_factor=2.5,
-        moe_router_enable_expert_bias=True,
-        moe_router_load_balancing_type="seq_aux_loss",
-        moe_aux_loss_coeff=0.05,
-    ),
+    "sigmoid_v3": SIGMOID_V3,
     "sigmoid_top1": dict(moe_router_score_function="sigmoid", moe_router_topk=1, moe_aux_loss_coeff=0.01),
     "capacity_probs": dict(moe_expert_capacity_factor=0.75, moe_token_drop_policy="probs", moe_aux_loss_coeff=0.01),
     "capacity_position_padded": dict(
@@ -44,9 +35,7 @@ VARIANTS = {
 
 
 def _make(variant: str, seed: int = 0) -> tuple[MoEConfig, MoELayer]:
-    cfg = MoEConfig(
-        hidden_size=H, num_moe_experts=E, moe_ffn_hidden_size=F_HID, init_method_std=0.2, **VARIANTS[variant]
-    )
+    cfg = moe_config(SMALL_LAYER, **VARIANTS[variant])
     torch.manual_seed(seed)
     layer = MoELayer(cfg)
     if layer.router.expert_bias is not None:
@@ -85,9 +74,8 @@ def test_layer_matches_dense_reference(variant):
 
 
 def test_layer_2d_input_and_bf16_weights():
-    cfg = MoEConfig(hidden_size=H, num_moe_experts=E, moe_ffn_hidden_size=F_HID, init_method_std=0.2)
     torch.manual_seed(0)
-    layer = MoELayer(cfg, dtype=torch.bfloat16)
+    layer = MoELayer(moe_config(SMALL_LAYER), dtype=torch.bfloat16)
     x = torch.randn(10, H, dtype=torch.bfloat16, requires_grad=True)
     out = layer(x)
     assert out.shape == x.shape and out.dtype == torch.bfloat16
@@ -96,42 +84,36 @@ def test_layer_2d_input_and_bf16_weights():
     assert layer.experts.w13.grad.dtype == torch.bfloat16
 
 
-def test_shared_expert_overlap_does_not_change_results():
+def _with_and_without(option: str, num_tokens: int, expert_grad, **overrides) -> list[tuple[torch.Tensor, ...]]:
+    """`(output, input grad, expert_grad(layer))` of one forward + backward (a sum of squares) with the boolean
+    `option` off, then on; same weights (MoEConfig's default init) and tokens."""
     results = []
-    for overlap in (False, True):
-        cfg = MoEConfig(
-            hidden_size=H,
-            num_moe_experts=E,
-            moe_ffn_hidden_size=F_HID,
-            moe_shared_expert_intermediate_size=24,
-            moe_shared_expert_overlap=overlap,
-        )
+    for value in (False, True):
         torch.manual_seed(0)
-        layer = MoELayer(cfg)
-        x = torch.randn(12, H, generator=torch.Generator().manual_seed(3), requires_grad=True)
-        layer(x).square().sum().backward()
-        results.append((layer(x).detach(), x.grad, layer.shared_experts.w13.grad))
-    for a, b in zip(*results):
+        layer = MoELayer(
+            moe_config(SMALL_LAYER, init_method_std=MoEConfig.init_method_std, **{option: value}, **overrides)
+        )
+        x = torch.randn(num_tokens, H, generator=torch.Generator().manual_seed(3), requires_grad=True)
+        out = layer(x)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad, expert_grad(layer)))
+    return results
+
+
+def test_shared_expert_overlap_does_not_change_results():
+    off, on = _with_and_without(
+        "moe_shared_expert_overlap", 12, lambda layer: layer.shared_experts.w13.grad,
+        moe_shared_expert_intermediate_size=24,
+    )  # fmt: skip
+    for a, b in zip(off, on):
         assert torch.equal(a, b)
 
 
 def test_padding_to_capacity_matches_unpadded():
-    outs = []
-    for pad in (False, True):
-        cfg = MoEConfig(
-            hidden_size=H,
-            num_moe_experts=E,
-            moe_ffn_hidden_size=F_HID,
-            moe_expert_capacity_factor=1.25,
-            moe_pad_expert_input_to_capacity=pad,
-        )
-        torch.manual_seed(0)
-        layer = MoELayer(cfg)
-        x = torch.randn(16, H, generator=torch.Generator().manual_seed(3), requires_grad=True)
-        out = layer(x)
-        out.square().sum().backward()
-        outs.append((out.detach(), x.grad, layer.experts.w13.grad))
-    for a, b in zip(*outs):
+    off, on = _with_and_without(
+        "moe_pad_expert_input_to_capacity", 16, lambda layer: layer.experts.w13.grad, moe_expert_capacity_factor=1.25
+    )
+    for a, b in zip(off, on):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 

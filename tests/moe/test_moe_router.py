@@ -9,11 +9,12 @@ import torch.nn.functional as F
 from moe import MoEConfig, TopKRouter, node_limited_routing
 from moe.router import group_limited_topk
 
-from .moe_testlib import assert_close, ref_route_token
+from .moe_testlib import assert_close, moe_config, ref_route_token
 
 pytestmark = pytest.mark.timeout(60)
 
 H, E = 24, 16
+ROUTER_LAYER = dict(hidden_size=H, num_moe_experts=E, moe_ffn_hidden_size=8)  # the experts do not matter here
 
 ROUTERS = {
     "softmax_top2": dict(),
@@ -39,7 +40,7 @@ ROUTERS = {
 
 @pytest.mark.parametrize("name", sorted(ROUTERS))
 def test_router_matches_reference(name):
-    cfg = MoEConfig(hidden_size=H, num_moe_experts=E, moe_ffn_hidden_size=8, init_method_std=0.5, **ROUTERS[name])
+    cfg = moe_config(ROUTER_LAYER, init_method_std=0.5, **ROUTERS[name])
     torch.manual_seed(0)
     router = TopKRouter(cfg)
     bias = None
@@ -71,8 +72,7 @@ def test_router_matches_reference(name):
 
 
 def test_router_gates_in_float32_for_bf16_input():
-    cfg = MoEConfig(hidden_size=H, num_moe_experts=E, moe_ffn_hidden_size=8)
-    router = TopKRouter(cfg)
+    router = TopKRouter(moe_config(ROUTER_LAYER))
     x = torch.randn(8, H).bfloat16()
     out = router(x)
     assert out.logits_TE.dtype == torch.float32 and out.probs_TK.dtype == torch.float32
@@ -92,7 +92,7 @@ def test_group_limited_topk_keeps_only_best_groups():
 def test_node_limited_routing_helper():
     fields = node_limited_routing(ep_size=64, ranks_per_node=8, max_nodes_per_token=4)
     assert fields == {"moe_router_num_groups": 8, "moe_router_group_topk": 4}
-    cfg = MoEConfig(hidden_size=H, num_moe_experts=256, moe_ffn_hidden_size=8, moe_router_topk=8, **fields)
+    cfg = moe_config(ROUTER_LAYER, num_moe_experts=256, moe_router_topk=8, **fields)
     router = TopKRouter(cfg)
     out = router(torch.randn(32, H))
     nodes = out.topk_idx_TK // (256 // 8)  # experts of node n are [n*32, (n+1)*32)
@@ -140,13 +140,11 @@ BAD_CONFIGS = [
 
 
 def test_aux_loss_coeffs_lists_the_enabled_losses():
-    one = MoEConfig(hidden_size=H, num_moe_experts=E, moe_ffn_hidden_size=8, moe_aux_loss_coeff=0.01)
+    one = moe_config(ROUTER_LAYER, moe_aux_loss_coeff=0.01)
     assert one.aux_loss_coeffs == {"aux_loss": 0.01}
-    assert MoEConfig(hidden_size=H, num_moe_experts=E, moe_ffn_hidden_size=8).aux_loss_coeffs == {}
-    several = MoEConfig(
-        hidden_size=H,
-        num_moe_experts=E,
-        moe_ffn_hidden_size=8,
+    assert moe_config(ROUTER_LAYER).aux_loss_coeffs == {}
+    several = moe_config(
+        ROUTER_LAYER,
         moe_router_load_balancing_type=["seq_aux_loss", "global_aux_loss", "aux_loss", "none"],
         moe_aux_loss_coeff=[1e-4, 0.0, 0.01, 0.0],
     )
@@ -155,10 +153,8 @@ def test_aux_loss_coeffs_lists_the_enabled_losses():
 
 @pytest.mark.parametrize("overrides,message", BAD_CONFIGS, ids=[m for _, m in BAD_CONFIGS])
 def test_config_rejects(overrides, message):
-    kwargs = dict(hidden_size=H, num_moe_experts=E, moe_ffn_hidden_size=8)
-    kwargs.update(overrides)
     with pytest.raises(ValueError, match=message):
-        MoEConfig(**kwargs)
+        moe_config(ROUTER_LAYER, **overrides)
 
 
 def test_config_is_keyword_only():
@@ -174,10 +170,8 @@ def test_input_jitter_is_replayed_by_recompute(level):
 
     results = []
     for recompute in (None, level):
-        cfg = MoEConfig(
-            hidden_size=H,
-            num_moe_experts=E,
-            moe_ffn_hidden_size=8,
+        cfg = moe_config(
+            ROUTER_LAYER,
             moe_input_jitter_eps=0.2,
             moe_aux_loss_coeff=0.01,
             moe_recompute_level=recompute,
