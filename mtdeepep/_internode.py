@@ -314,28 +314,15 @@ class InternodeEngine(Engine):
             if not notified.done():
                 raise RuntimeError("mtdeepep: internal error: the operation never notified")
 
-        task = self._task(body)
-
-        def run() -> None:
-            error = None
-            try:
-                task()
-            except BaseException as failure:  # noqa: BLE001 - handed to the waiters
-                if notified.done():
-                    error = failure
-                else:
-                    notified.set_exception(failure)
+        def finished(error: BaseException | None) -> None:
+            if error is not None and not notified.done():
+                notified.set_exception(error)  # raised by the caller's wait below
+                error = None
             done.complete(error)
 
-        return self._submit(run, lambda: (notified.result(), done), async_finish)
-
-    def _submit(self, run: Callable[[], None], wait: Callable[[], tuple], async_finish: bool):
-        """Queues `run` on the worker and waits as `wait` says; a Ctrl-C during the wait stops this engine on every
-        rank (the worker's network waits end at once, the peers are told)."""
-        self._busy += 1
-        self._worker.submit(self._finishing(run))
+        self._queue(body, finished)
         try:
-            outputs, done = wait()
+            outputs = notified.result()
             if not async_finish:
                 done.wait()
                 return outputs, None
@@ -344,14 +331,22 @@ class InternodeEngine(Engine):
             raise
         return outputs, done
 
-    def _finishing(self, run: Callable[[], None]) -> Callable[[], None]:
-        def task() -> None:
+    def _queue(self, body: Callable[[], None], finished: Callable[[BaseException | None], None]) -> None:
+        """Queues `body` (see `_task`) on the worker; `finished(its error or None)` runs when it ends."""
+        task = self._task(body)
+
+        def run() -> None:
+            error = None
             try:
-                run()
+                task()
+            except BaseException as failure:  # noqa: BLE001 - handed to `finished`
+                error = failure
             finally:
                 self._busy -= 1
+            finished(error)
 
-        return task
+        self._busy += 1
+        self._worker.submit(run)
 
     # ---- failure state ----
 
@@ -818,18 +813,7 @@ class InternodeEngine(Engine):
         collectives in the same order); returns the event it completes."""
         self._check_usable()
         done = _C.EventHandle.pending()
-        task = self._task(body)
-
-        def run() -> None:
-            error = None
-            try:
-                task()
-            except BaseException as failure:  # noqa: BLE001 - handed to the waiters
-                error = failure
-            done.complete(error)
-
-        self._busy += 1
-        self._worker.submit(self._finishing(run))
+        self._queue(body, done.complete)
         return done
 
     def _ll_launch(self, exchange: Callable[[], None], async_finish: bool, return_recv_hook: bool):

@@ -638,6 +638,35 @@ void LowLatencyProtocol::finish_combine(CombineOp& op) {
 // ---------------------------------------------------------------------------------------------------------------
 // Collective transport
 
+template <typename Op>
+std::shared_ptr<Op> LowLatencyProtocol::take_pending(std::map<int64_t, std::shared_ptr<Op>>& pending, int64_t op_number,
+                                                     const char* what) {
+    std::shared_ptr<Op> op;
+    {
+        std::lock_guard<std::mutex> lock(collective_mutex_);
+        auto it = pending.find(op_number);
+        require(it != pending.end(), "no pending collective ", what, " #", op_number);
+        op = it->second;
+        pending.erase(it);
+    }
+    runtime_->check_usable();
+    return op;
+}
+
+void LowLatencyProtocol::check_collective_signatures(uint64_t seq, const CallSignature& expected,
+                                                     const at::Tensor& info, const char* what) {
+    for (int source = 0; source < num_ranks_; ++source) {
+        const CallSignature theirs = read_info_row(info.data_ptr<int64_t>() + source * kCollectiveInfoColumns);
+        if (theirs == expected) continue;
+        end_receive(seq);  // nothing was unpacked; the half is free again
+        throw GroupMismatch(concat("mtdeepep: ranks disagree on low-latency op #", seq, " (collective ", what,
+                                   "): rank ", rank_, " has ", describe(expected), " but rank ", source, " has ",
+                                   describe(theirs),
+                                   "; flags: 1 FP8, 2 round_scale, 4 UE8M0; a combine carries the dispatch of its "
+                                   "handle: every rank must combine the same dispatch"));
+    }
+}
+
 CollectiveDispatchSend LowLatencyProtocol::collective_dispatch_send(const at::Tensor& x, const at::Tensor& topk_idx,
                                                                     int num_max_dispatch_tokens_per_rank,
                                                                     int num_experts, bool use_fp8, bool round_scale,
@@ -680,27 +709,9 @@ CollectiveDispatchSend LowLatencyProtocol::collective_dispatch_send(const at::Te
 
 void LowLatencyProtocol::collective_dispatch_recv(int64_t op_number, const at::Tensor& messages, const at::Tensor& info,
                                                   const OptTensor& cumulative_stats) {
-    std::shared_ptr<DispatchOp> op;
-    {
-        std::lock_guard<std::mutex> lock(collective_mutex_);
-        auto it = collective_dispatches_.find(op_number);
-        require(it != collective_dispatches_.end(), "no pending collective dispatch #", op_number);
-        op = it->second;
-        collective_dispatches_.erase(it);
-    }
-    runtime_->check_usable();
+    auto op = take_pending(collective_dispatches_, op_number, "dispatch");
+    check_collective_signatures(op->seq, op->signature(), info, "dispatch");
     const HalfLayout& l = op->layout;
-    const CallSignature expected = op->signature();
-    for (int source = 0; source < num_ranks_; ++source) {
-        const CallSignature theirs = read_info_row(info.data_ptr<int64_t>() + source * kCollectiveInfoColumns);
-        if (theirs != expected) {
-            end_receive(op->seq);  // nothing was unpacked; the half is free again
-            throw GroupMismatch(concat("mtdeepep: ranks disagree on low-latency op #", op->seq,
-                                       " (collective dispatch): rank ", rank_, " has ", describe(expected),
-                                       " but rank ", source, " has ", describe(theirs),
-                                       "; flags: 1 FP8, 2 round_scale, 4 UE8M0"));
-        }
-    }
     const uint8_t* data = messages.data_ptr<uint8_t>();
     uint8_t* mine = half(rank_, op->seq);
     auto* ranges = reinterpret_cast<int64_t*>(mine + l.layout_range);
@@ -785,28 +796,9 @@ CollectiveCombineSend LowLatencyProtocol::collective_combine_send(
 
 void LowLatencyProtocol::collective_combine_recv(int64_t op_number, const at::Tensor& messages,
                                                  const at::Tensor& info) {
-    std::shared_ptr<CombineOp> op;
-    {
-        std::lock_guard<std::mutex> lock(collective_mutex_);
-        auto it = collective_combines_.find(op_number);
-        require(it != collective_combines_.end(), "no pending collective combine #", op_number);
-        op = it->second;
-        collective_combines_.erase(it);
-    }
-    runtime_->check_usable();
+    auto op = take_pending(collective_combines_, op_number, "combine");
+    check_collective_signatures(op->seq, op->signature(), info, "combine");
     const HalfLayout& l = op->layout;
-    const CallSignature expected = op->signature();
-    for (int source = 0; source < num_ranks_; ++source) {
-        const CallSignature theirs = read_info_row(info.data_ptr<int64_t>() + source * kCollectiveInfoColumns);
-        if (theirs != expected) {
-            end_receive(op->seq);
-            throw GroupMismatch(concat("mtdeepep: ranks disagree on low-latency op #", op->seq,
-                                       " (collective combine): rank ", rank_, " has ", describe(expected), " but rank ",
-                                       source, " has ", describe(theirs),
-                                       "; a combine carries the dispatch of its handle: every rank must combine the "
-                                       "same dispatch"));
-        }
-    }
     const size_t row_bytes = sizeof(uint16_t) * l.hidden;
     const uint8_t* data = messages.data_ptr<uint8_t>();
     const int64_t num_messages = messages.numel() / static_cast<int64_t>(op->message_bytes);

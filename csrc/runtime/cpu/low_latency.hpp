@@ -119,8 +119,13 @@ class LowLatencyProtocol : public std::enable_shared_from_this<LowLatencyProtoco
     void finish_combine(ll::CombineOp& op);
     void combine_rows(const ll::CombineOp& op, int source, std::vector<int64_t>& src_rows,
                       std::vector<int64_t>& dst_rows) const;
-    void check_signatures(uint64_t seq, const ll::CallSignature& expected, const std::vector<ll::CallSignature>& seen,
-                          const char* phase) const;
+    // Collective transport: the pending op `op_number`, removed from `pending`; the sources' signatures checked
+    // against this rank's (GroupMismatch on every rank that sees a difference).
+    template <typename Op>
+    std::shared_ptr<Op> take_pending(std::map<int64_t, std::shared_ptr<Op>>& pending, int64_t op_number,
+                                     const char* what);
+    void check_collective_signatures(uint64_t seq, const ll::CallSignature& expected, const at::Tensor& info,
+                                     const char* what);
 
     // The checks every shared-memory call starts with.
     void check_shared_memory_call(bool async_finish, bool return_recv_hook) const;
