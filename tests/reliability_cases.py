@@ -44,6 +44,22 @@ from .conformance.topology import Topology
 # Helpers
 
 
+def refusals_missing(calls: dict, must_mention: str) -> list[str]:
+    """Runs every call; returns a line for each that did not raise a ValueError mentioning `must_mention`."""
+    wrong = []
+    for name, call in calls.items():
+        try:
+            call()
+        except ValueError as error:
+            if must_mention not in str(error):
+                wrong.append(f"{name}: {error}")
+        except Exception as error:  # noqa: BLE001 - reported
+            wrong.append(f"{name}: {type(error).__name__}: {error}")
+        else:
+            wrong.append(f"{name}: accepted")
+    return wrong
+
+
 def ll_buffer(ctx, topo: Topology, num_max_tokens: int, hidden: int, experts_per_rank: int = 4,
               **kwargs) -> deep_ep.Buffer:  # fmt: skip
     """A fresh low-latency buffer sized by the size hint (the caller destroys or caches it)."""
@@ -271,17 +287,7 @@ def copied_handles_are_refused(ctx, topo):
     for name, handle in ll_copies.items():
         calls[f"low_latency_combine, {name}"] = lambda h=handle: ll.low_latency_combine(recv, topk_idx, weights, h)
         calls[f"next combine buffer, {name}"] = lambda h=handle: ll.get_next_low_latency_combine_buffer(h)
-    wrong = []
-    for name, call in calls.items():
-        try:
-            call()
-        except ValueError as error:
-            if "handle" not in str(error):
-                wrong.append(f"{name}: {error}")
-        except Exception as error:  # noqa: BLE001 - reported
-            wrong.append(f"{name}: {type(error).__name__}: {error}")
-        else:
-            wrong.append(f"{name}: accepted")
+    wrong = refusals_missing(calls, "handle")
     assert not wrong, wrong
     # Still in step: the real handles work.
     combined, _, _ = buffer.combine(d.recv_x, d.handle)
@@ -898,16 +904,7 @@ def previous_event_must_be_an_event(ctx, topo):
             "cached dispatch": lambda b=bad: buffer.dispatch(d.x, handle=d.handle, previous_event=b),
             "combine": lambda b=bad: buffer.combine(d.recv_x, d.handle, previous_event=b),
         }
-        for name, call in calls.items():
-            try:
-                call()
-            except ValueError as error:
-                if "previous_event" not in str(error):
-                    wrong.append(f"{name}({bad!r}): {error}")
-            except Exception as error:  # noqa: BLE001 - reported
-                wrong.append(f"{name}({bad!r}): {type(error).__name__}: {error}")
-            else:
-                wrong.append(f"{name}({bad!r}): accepted")
+        wrong += refusals_missing({f"{name}({bad!r})": call for name, call in calls.items()}, "previous_event")
     assert not wrong, wrong
     combined, _, _ = buffer.combine(d.recv_x, d.handle)  # still in step
     assert_combine_close(combined, identity_partials(topo, d.x, d.in_rank), torch.bfloat16)
