@@ -67,6 +67,10 @@ class CpuEngine(Engine):
     def empty(self, sizes, dtype):
         return self.normal.empty(list(sizes), dtype)
 
+    def placed_empty(self, sizes, dtype, num_topk):
+        """A view of this rank's shared region (see `_C.NormalProtocol.region_empty`)."""
+        return self.normal.region_empty(list(sizes), dtype, num_topk)
+
     def local_buffer_tensor(self, dtype: torch.dtype, offset: int, use_rdma_buffer: bool) -> torch.Tensor:
         if use_rdma_buffer and self.runtime.num_ll_bytes() == 0:
             raise ValueError("mtdeepep: this buffer has no RDMA region (num_rdma_bytes is used by low-latency mode)")
@@ -90,7 +94,7 @@ class CpuEngine(Engine):
         (recv_data, recv_scales, recv_idx, recv_weights, counts, rank_prefix_matrix, channel_prefix_matrix,
          recv_channel_prefix_matrix, recv_src_idx, send_head, seq, event) = self.normal.dispatch(
             data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, None, 0, 0,
-            expert_alignment, num_worst_tokens, num_channels, previous, async_finish,
+            expert_alignment, num_worst_tokens, num_channels, previous, async_finish, None, None,
         )  # fmt: skip
         handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
                   is_token_in_rank, send_head)  # fmt: skip
@@ -103,12 +107,13 @@ class CpuEngine(Engine):
         attach(rank_prefix_matrix, record)
         return DispatchOutputs(recv_data, recv_scales, recv_idx, recv_weights, counts, handle, event)
 
-    def cached_dispatch(self, data, scales, record, num_worst_tokens, num_channels, previous, async_finish):
+    def cached_dispatch(self, data, scales, record, num_worst_tokens, num_channels, previous, async_finish, out=None):
         self._threads()
         rank_prefix_matrix, send_head = record.state
+        out_data, out_scales = (None, None) if out is None else out
         recv = self.normal.dispatch(
             data, scales, None, None, send_head, None, rank_prefix_matrix, record.uid, record.seq, 1,
-            num_worst_tokens, num_channels, previous, async_finish,
+            num_worst_tokens, num_channels, previous, async_finish, out_data, out_scales,
         )  # fmt: skip
         return recv[0], recv[1], recv[-1]
 

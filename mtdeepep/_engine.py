@@ -80,9 +80,11 @@ class Engine(ABC):
     @abstractmethod
     def cached_dispatch(
         self, data, scales, record: DispatchRecord, num_worst_tokens: int, num_channels: int, previous: Event | None,
-        async_finish: bool,
+        async_finish: bool, out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:  # fmt: skip
-        """The layout of `record`'s dispatch again: `(recv_data, recv_scales, event)`."""
+        """The layout of `record`'s dispatch again: `(recv_data, recv_scales, event)`. `out`: placed outputs
+        `(recv_data, recv_scales)` from `placed_empty` (engines that return tensors from it), which the peers write
+        directly and which are returned."""
 
     @abstractmethod
     def combine(
@@ -118,6 +120,12 @@ class Engine(ABC):
     @abstractmethod
     def empty(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An output tensor from the executor's allocator (pooled, pre-faulted memory on CPU)."""
+
+    def placed_empty(self, sizes: tuple[int, int], dtype: torch.dtype, num_topk: int) -> torch.Tensor | None:
+        """A `[rows, hidden]` output in memory the peers write directly, for `cached_dispatch(out=...)` (saves the
+        receiver's copy), keeping room for the combine of such rows with `num_topk` weights while it lives; None when
+        the engine has none (or no room left): use `empty`."""
+        return None
 
     @abstractmethod
     def local_buffer_tensor(self, dtype: torch.dtype, offset: int, use_rdma_buffer: bool) -> torch.Tensor: ...

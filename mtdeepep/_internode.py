@@ -18,8 +18,10 @@ Every operation runs on this engine's worker thread (the counterpart of upstream
 submission order, so every rank issues its collectives in the same order. The caller waits only for the *notify*
 part, as upstream's CPU does for its receive counts: the count and routing-metadata exchanges and the node-local
 dispatch of the metadata, after which every output's size is known. The token bytes then move in the background
-(`async_finish`), in chunks, so that the network transfer of one chunk overlaps the node-local stage of the previous
-one (as DeepEP overlaps its RDMA and NVLink stages). `previous_event` is waited for on the worker first.
+(`async_finish`), one source node at a time: this node's own rows go through the node-local stage while the other
+nodes' rows are on the network, and so on in a shift over the nodes (as DeepEP overlaps its RDMA and NVLink
+stages). Per source node, the node stage delivers the rows in output order, so they land in their block of the
+outputs without a reordering. `previous_event` is waited for on the worker first.
 
 Identity: combine and cached dispatch first all-gather the (buffer uid, dispatch seq) of their handle over the whole
 group; if the ranks disagree (handles of different dispatches), every rank raises `GroupMismatchError` before any row
@@ -58,8 +60,6 @@ from ._setup import group_key, group_ranks, new_group
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _ROW_ALIGNMENT = 16  # network rows are padded to this many bytes (int64 views, float32 view for the node stage)
-_CHUNK_BYTES = 8 << 20  # network bytes per pipelined chunk of the largest sender
-_MAX_CHUNKS = int(os.environ.get("MTDEEPEP_MAX_CHUNKS", 8))
 _WAIT_SLICE_S = 0.05  # network waits check for failures (this rank's, or published by a peer) this often
 
 # Every internode engine of this process that was not destroyed, for the exit hook (`shutdown_all_engines`).
@@ -79,35 +79,42 @@ class InternodeHandle(NamedTuple):
 
     is_token_in_rank: torch.Tensor  # [T, R] bool, as given to dispatch
     send_node_prefix: torch.Tensor  # [N] int32, inclusive prefix over nodes of the rows this rank sends
-    send_token_idx: torch.Tensor  # [S] int64, token of each network row, in network order (chunk, node, token)
+    send_token_idx: torch.Tensor  # [S] int64, token of each network row, grouped by destination node, token order
     fwd_recv_node_prefix: torch.Tensor  # [N] int32, inclusive prefix over nodes of the rows this rank forwards
     recv_gbl_rank_prefix_sum: torch.Tensor  # [R] int32, inclusive prefix over source ranks of the received rows
     recv_src_meta: torch.Tensor  # [N_out, 2] int32, (source rank, token index there) per output row; -1 padding
-    recv_perm: torch.Tensor  # [N_recv] int64, output row i is row recv_perm[i] of the node stage's outputs (chunks
-    # concatenated)
-    node_handle: tuple  # per chunk, the node-local stage's handle (forwarded rows -> ranks of this node)
+    recv_perm: torch.Tensor  # [N_recv] int64, output row i is row recv_perm[i] of the node stage's outputs (source
+    # nodes in order): the identity, as they come in output order
+    node_handle: tuple  # per source node, the node-local stage's handle (forwarded rows -> ranks of this node)
 
 
 @dataclass(frozen=True)
 class _Chunk:
-    """One chunk of the pipelined token movement: part of every (source, destination node) block of network rows."""
+    """The rows this rank's node forwarded from one source node: one step of the pipelined token movement.
 
-    send_splits: list[int]  # network rows this rank sends to each node in this chunk
-    recv_splits: list[int]  # network rows this rank forwards from each node in this chunk
-    node_record: DispatchRecord  # the node-local stage's dispatch of this chunk's forwarded rows
-    out_rows: torch.Tensor  # [n_c] int64, output row of each row the node stage delivers here for this chunk
+    The node stage delivers them in output order (by forwarder, i.e. by the source node's ranks, each in token order),
+    so they are output rows `[out_begin, out_begin + out_rows)` as they are.
+    """
+
+    source_node: int
+    node_record: DispatchRecord  # the node-local stage's dispatch of these rows
+    out_begin: int
+    out_rows: int
 
 
 @dataclass(frozen=True)
 class _InternodeState:
     """The private copies an internode record keeps (see mtdeepep._handles)."""
 
-    send_token_idx: torch.Tensor  # [S] int64, token of each network row, in network order (chunk, node, token)
-    chunks: list[_Chunk]
+    send_token_idx: torch.Tensor  # [S] int64, token of each network row, grouped by destination node
+    send_counts: list[int]  # network rows this rank sends to each node
+    recv_counts: list[int]  # network rows this rank forwards from each node
+    chunks: list[_Chunk]  # in step order: this node first, then node + 1, node + 2, ... (mod N)
+    num_topk: int  # the dispatch's top-k (0: none), for the room its combine needs
 
     @property
     def num_received(self) -> int:
-        return sum(chunk.out_rows.numel() for chunk in self.chunks)
+        return sum(chunk.out_rows for chunk in self.chunks)
 
 
 @dataclass(frozen=True)
@@ -269,9 +276,20 @@ class InternodeEngine(Engine):
     def empty(self, sizes, dtype):
         return self.node.empty(sizes, dtype)
 
-    def _new_recv(self, data: torch.Tensor, scales: torch.Tensor | None, num_rows: int):
+    def _new_recv(self, data: torch.Tensor, scales: torch.Tensor | None, num_rows: int, num_topk: int):
+        """`(recv_data, recv_scales, placed)`: placed in the node engine's memory, where the node stage's senders
+        write the rows directly (see `Engine.placed_empty`), when it has room; else from its allocator, and the
+        receiver copies each step's rows in."""
+        recv_data = self.node.placed_empty((num_rows, data.size(1)), data.dtype, num_topk)
+        recv_scales = None
+        if recv_data is not None and scales is not None:
+            recv_scales = self.node.placed_empty((num_rows, scales.size(1)), scales.dtype, num_topk)
+            if recv_scales is None:
+                recv_data = None
+        if recv_data is not None:
+            return recv_data, recv_scales, True
         recv_data = self.empty((num_rows, data.size(1)), data.dtype)
-        return recv_data, None if scales is None else self.empty((num_rows, scales.size(1)), scales.dtype)
+        return recv_data, None if scales is None else self.empty((num_rows, scales.size(1)), scales.dtype), False
 
     # -----------------------------------------------------------------------------------------------------------
     # Execution on the worker, waits, identity
@@ -290,7 +308,7 @@ class InternodeEngine(Engine):
                     body()
             except _C.GroupMismatchError:
                 raise
-            except (_C.CommError, RuntimeError) as error:
+            except Exception as error:  # the peers may be inside this operation: they must not wait for this rank
                 self._fail(str(error))
                 raise
 
@@ -486,33 +504,36 @@ class InternodeEngine(Engine):
         """Notify (the caller waits for it): (1) count exchange and (2) metadata exchange over the RDMA group (each
         token once per destination node, with its global top-k ids and weights, source rank and index, and its
         destination ranks in that node); (3) the forwarders' node-local dispatch of that metadata, with node-local
-        expert ids (-1 for other nodes' experts); (4) the order of the outputs: the node stage delivers rows grouped
-        by forwarder, then by source node; the outputs are grouped by global source rank (a stable sort of the
-        source ranks). Data (in the background with `async_finish`): the token bytes (and scales) take the same two
-        stages as the metadata, chunk by chunk, then are gathered into output order."""
+        expert ids (-1 for other nodes' experts), one source node at a time; (4) the outputs are the node stage's
+        rows of each source node in turn: grouped by forwarder, i.e. by global source rank, token order. Data (in
+        the background with `async_finish`): the token bytes (and scales) take the same two stages as the metadata,
+        one source node at a time, landing in their block of the outputs."""
         self._dispatches += 1
         seq = self._dispatches
 
         def full_dispatch(notify: Callable[[tuple], None]) -> None:
-            outputs = self._notify_dispatch(
+            outputs, placed = self._notify_dispatch(
                 data, scales, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                 num_worst_tokens, num_channels, seq,
             )  # fmt: skip
             notify(outputs)
-            recv, handle = outputs[:2], outputs[5]
+            recv, handle = (*outputs[:2], placed), outputs[5]
             self._move_tokens(data, scales, _record_of(handle).state, recv, num_channels, "dispatch")
 
         outputs, event = self._run(full_dispatch, previous, async_finish)
         recv_data, recv_scales, recv_idx, recv_weights, counts, handle = outputs
         return DispatchOutputs(recv_data, recv_scales, recv_idx, recv_weights, counts, handle, event)
 
-    def cached_dispatch(self, data, scales, record, num_worst_tokens, num_channels, previous, async_finish):
+    def cached_dispatch(self, data, scales, record, num_worst_tokens, num_channels, previous, async_finish, out=None):
+        if out is not None:
+            raise ValueError("mtdeepep: the internode engine has no placed outputs (placed_empty returns None)")
+
         def cached(notify: Callable[[tuple], None]) -> None:
             num_out = self._output_rows(record.state.num_received, num_worst_tokens, "cached dispatch")
-            recv_data, recv_scales = self._new_recv(data, scales, num_out)
-            notify((recv_data, recv_scales))
+            recv = self._new_recv(data, scales, num_out, record.state.num_topk)
+            notify(recv[:2])
             self._check_identity(record, "cached dispatch")  # before any row moves; raised by the event if async
-            self._move_tokens(data, scales, record.state, (recv_data, recv_scales), num_channels, "cached dispatch")
+            self._move_tokens(data, scales, record.state, recv, num_channels, "cached dispatch")
 
         (recv_data, recv_scales), event = self._run(cached, previous, async_finish)
         return recv_data, recv_scales, event
@@ -523,27 +544,21 @@ class InternodeEngine(Engine):
         node_S, token_S = self._node_of_rank(is_token_in_rank).t().nonzero(as_tuple=True)
         return token_S, node_S
 
-    def _num_chunks(self, num_rows: int, data: torch.Tensor, scales: torch.Tensor | None) -> int:
-        """How many chunks the token movement is pipelined in: enough that a chunk carries about `_CHUNK_BYTES` of
-        the largest sender's network rows (one small all-reduce over the group: every rank must use the same)."""
-        row_bytes = _row_bytes(data) + _row_bytes(scales)
-        wanted = torch.tensor([math.ceil(num_rows * row_bytes / _CHUNK_BYTES)], dtype=torch.int64)
-        self._wait(dist.all_reduce(wanted, op=dist.ReduceOp.MAX, group=self.world_group, async_op=True),
-                   "dispatch: chunk count")  # fmt: skip
-        return max(1, min(int(wanted), _MAX_CHUNKS))
+    def _steps(self) -> list[int]:
+        """The source nodes in step order: this rank's node first (its rows need no network), then the others."""
+        return [(self.node_index + k) % self.num_nodes for k in range(self.num_nodes)]
 
     def _notify_dispatch(self, data, scales, is_token_in_rank, per_expert, topk_idx, topk_weights, expert_alignment,
                          num_worst_tokens, num_channels, seq) -> tuple:  # fmt: skip
-        """Stages (1)-(4) of `dispatch` and the outputs' allocation: `(recv_data (not yet written), recv_scales,
-        recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)`. The metadata crosses the
-        network at once; the node-local stage dispatches it chunk by chunk, so that the token bytes can later move
-        in the same chunks."""
+        """Stages (1)-(4) of `dispatch` and the outputs' allocation: `((recv_data (not yet written), recv_scales,
+        recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle), placed)` (see `_new_recv`). The
+        metadata crosses the network at once; the node-local stage dispatches it one source node at a time, so that
+        the token bytes can later move in the same steps."""
         L, N = self.num_ranks_per_node, self.num_nodes
         fmt = _RowFormat(num_topk=0 if topk_idx is None else topk_idx.size(1), has_weights=topk_weights is not None,
                          meta_ranks=L, scale_bytes=0, x_bytes=0)  # fmt: skip
         token_S, node_S = self._send_plan(is_token_in_rank)
         send_counts = torch.bincount(node_S, minlength=N)
-        num_chunks = self._num_chunks(token_S.numel(), data, scales)
 
         # Stage 1: counts. Per destination node: rows, then this rank's token count of each of its L * E_r experts.
         send_info = torch.cat([send_counts.unsqueeze(1), per_expert.reshape(N, -1).long()], dim=1)
@@ -551,58 +566,49 @@ class InternodeEngine(Engine):
         self._exchange(recv_info, send_info, [1] * N, [1] * N, "dispatch: count exchange")
         recv_counts = recv_info[:, 0]
 
-        # Stage 2: metadata, node-major; then the network order (chunk, node, token) on both sides.
+        # Stage 2: metadata, grouped by source node.
         rows_S = self._pack(fmt, None, None, topk_idx, topk_weights, is_token_in_rank, token_S, node_S)
         rows_M = self._scratch.get(1, (int(recv_counts.sum()), fmt.row_bytes), torch.uint8)
         self._exchange(rows_M, rows_S, recv_counts.tolist(), send_counts.tolist(), "dispatch: metadata exchange")
-        send_parts, send_order = _chunk_plan(send_counts.tolist(), num_chunks)
-        recv_parts, recv_order = _chunk_plan(recv_counts.tolist(), num_chunks)
-        token_S = token_S[send_order]
-        rows_M = rows_M[recv_order]
+        recv_blocks = _blocks(recv_counts.tolist())
 
-        # Stage 3: the node-local stage, chunk by chunk, with node-local expert ids.
-        node_per_expert = recv_info[:, 1:].sum(dim=0).int()
-        node_chunks, begin = [], 0
-        for splits in recv_parts:
-            rows_c = rows_M[begin : begin + sum(splits)]
-            begin += sum(splits)
-            node_in_rank = _columns(rows_c, fmt.routing_offset, L, torch.bool).contiguous()
+        # Stage 3: the node-local stage, one source node at a time (in step order), with node-local expert ids.
+        delivered = {}
+        for n in self._steps():
+            rows_n = rows_M[recv_blocks[n][0] : recv_blocks[n][1]]
+            node_in_rank = _columns(rows_n, fmt.routing_offset, L, torch.bool).contiguous()
             node_topk_idx = node_weights = None
             if topk_idx is not None:
-                node_topk_idx = self._node_local_ids(_columns(rows_c, 0, 8 * fmt.num_topk, torch.int64), per_expert)
+                node_topk_idx = self._node_local_ids(_columns(rows_n, 0, 8 * fmt.num_topk, torch.int64), per_expert)
             if topk_weights is not None:
-                node_weights = _columns(rows_c, fmt.weights_offset, 4 * fmt.num_topk, torch.float32).contiguous()
+                node_weights = _columns(rows_n, fmt.weights_offset, 4 * fmt.num_topk, torch.float32).contiguous()
             with self._node_stage("dispatch"):
-                # Counts per chunk, aligned once below: per_expert only sizes the count list here.
-                node_chunks.append(self.node.dispatch(
-                    rows_c.view(torch.float32), None, node_topk_idx, node_weights, node_in_rank, node_per_expert, 1,
-                    0, num_channels, None, False,
-                ))  # fmt: skip
+                # The source node's count per expert of this node; aligned once, over all steps, below.
+                delivered[n] = self.node.dispatch(
+                    rows_n.view(torch.float32), None, node_topk_idx, node_weights, node_in_rank,
+                    recv_info[n, 1:].int(), 1, 0, num_channels, None, False,
+                )  # fmt: skip
 
-        # Stage 4: the output order, grouped by global source rank (a stable sort keeps chunk, then token order).
-        src_rank_token = torch.cat([_columns(c.recv_x.view(torch.uint8), fmt.src_offset, 8, torch.int32)
-                                    for c in node_chunks])  # fmt: skip
-        src_rank = src_rank_token[:, 0]
-        perm = torch.sort(src_rank, stable=True).indices
-        out_row = torch.empty_like(perm)
-        out_row[perm] = torch.arange(perm.numel())
-        num_out = self._output_rows(perm.numel(), num_worst_tokens, "dispatch")
-        chunk_rows = [c.recv_x.size(0) for c in node_chunks]
-        chunks = [
-            _Chunk(sent, received, _record_of(node.handle), rows)
-            for sent, received, node, rows in zip(send_parts, recv_parts, node_chunks, out_row.split(chunk_rows))
-        ]
+        # Stage 4: the outputs are the steps' rows in source-node order: grouped by global source rank, token order.
+        in_order = [delivered[n] for n in range(N)]
+        src_rank_token = torch.cat([_columns(d.recv_x.view(torch.uint8), fmt.src_offset, 8, torch.int32)
+                                    for d in in_order])  # fmt: skip
+        num_recv = src_rank_token.size(0)
+        num_out = self._output_rows(num_recv, num_worst_tokens, "dispatch")
+        out_begin = dict(zip(range(N), itertools.accumulate([0] + [d.recv_x.size(0) for d in in_order])))
+        chunks = [_Chunk(n, _record_of(delivered[n].handle), out_begin[n], delivered[n].recv_x.size(0))
+                  for n in self._steps()]  # fmt: skip
         handle = InternodeHandle(
             is_token_in_rank=is_token_in_rank,
             send_node_prefix=send_counts.cumsum(dim=0).int(),
             send_token_idx=token_S,
             fwd_recv_node_prefix=recv_counts.cumsum(dim=0).int(),
-            recv_gbl_rank_prefix_sum=torch.bincount(src_rank, minlength=self.num_ranks).cumsum(dim=0).int(),
-            recv_src_meta=_gather_rows(src_rank_token, perm, num_out, -1),
-            recv_perm=perm,
-            node_handle=tuple(node.handle for node in node_chunks),
+            recv_gbl_rank_prefix_sum=torch.bincount(src_rank_token[:, 0], minlength=self.num_ranks).cumsum(0).int(),
+            recv_src_meta=_padded(src_rank_token, num_out, -1),
+            recv_perm=torch.arange(num_recv),
+            node_handle=tuple(d.handle for d in in_order),
         )
-        state = _InternodeState(send_token_idx=token_S.clone(), chunks=chunks)
+        state = _InternodeState(token_S.clone(), send_counts.tolist(), recv_counts.tolist(), chunks, fmt.num_topk)
         record = DispatchRecord(
             kind=self.handle_kind, group=self.group, uid=self.uid, seq=seq, num_tokens=is_token_in_rank.size(0),
             num_recv=num_out, state=state,
@@ -610,79 +616,91 @@ class InternodeEngine(Engine):
         attach(handle.recv_gbl_rank_prefix_sum, record)
         out_idx = out_weights = None
         if topk_idx is not None:
-            out_idx = _gather_rows(torch.cat([c.recv_topk_idx for c in node_chunks]), perm, num_out, -1)
+            out_idx = _padded(torch.cat([d.recv_topk_idx for d in in_order]), num_out, -1)
         if topk_weights is not None:
-            out_weights = _gather_rows(torch.cat([c.recv_topk_weights for c in node_chunks]), perm, num_out, 0)
+            out_weights = _padded(torch.cat([d.recv_topk_weights for d in in_order]), num_out, 0)
         counts = []
         if num_worst_tokens == 0:
-            unaligned = torch.tensor([c.num_recv_tokens_per_expert for c in node_chunks]).sum(dim=0)
+            unaligned = torch.tensor([d.num_recv_tokens_per_expert for d in in_order]).sum(dim=0)
             counts = ((unaligned + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
-        recv_data, recv_scales = self._new_recv(data, scales, num_out)
-        return recv_data, recv_scales, out_idx, out_weights, counts, handle
+        recv_data, recv_scales, placed = self._new_recv(data, scales, num_out, fmt.num_topk)
+        return (recv_data, recv_scales, out_idx, out_weights, counts, handle), placed
 
     def _move_tokens(self, data, scales, state: _InternodeState, recv: tuple, num_channels: int, phase: str) -> None:
-        """The data part of a dispatch: x (and scales) through both stages, chunk by chunk, each chunk's network
-        transfer in flight while the node-local stage moves the previous one; rows land in output order."""
+        """The data part of a dispatch: x (and scales) through both stages, one source node at a time: this node's
+        rows go through the node stage while the other nodes' rows are on the network; each step's rows land in
+        their block of the outputs: written there by the node stage's senders when `recv` is placed (`_new_recv`),
+        else copied in from the node stage's outputs."""
         fmt = _RowFormat(0, False, 0, _row_bytes(scales), _row_bytes(data))
         rows_S = self._pack(fmt, data, scales, None, None, None, state.send_token_idx, None)
-        num_forwarded = sum(sum(chunk.recv_splits) for chunk in state.chunks)
-        rows_M = self._scratch.get(1, (num_forwarded, fmt.row_bytes), torch.uint8)
-        recv_data, recv_scales = recv
-        out_data = recv_data.view(torch.uint8)
-        out_scales = None if recv_scales is None else recv_scales.view(torch.uint8)
+        rows_M = self._scratch.get(1, (sum(state.recv_counts), fmt.row_bytes), torch.uint8)
+        recv_data, recv_scales, placed = recv
+        send_blocks, recv_blocks = _blocks(state.send_counts), _blocks(state.recv_counts)
 
-        def deliver(chunk: _Chunk, rows_c: torch.Tensor) -> None:
+        def transfer(step: int):
+            """Starts step `step`'s exchange (None for this node's rows, already here); returns (work, rows)."""
+            n = state.chunks[step].source_node
+            if n == self.node_index:
+                return None, rows_S[send_blocks[n][0] : send_blocks[n][1]]
+            to_node = (2 * self.node_index - n) % self.num_nodes  # the node whose step `step` is this node
+            received = rows_M[recv_blocks[n][0] : recv_blocks[n][1]]
+            sent = rows_S[send_blocks[to_node][0] : send_blocks[to_node][1]]
+            return self._shift(received, sent, n, to_node), received
+
+        def deliver(step: int, rows_n: torch.Tensor) -> None:
+            chunk = state.chunks[step]
+            out = slice(chunk.out_begin, chunk.out_begin + chunk.out_rows)
+            if placed:
+                # The network rows' x and scales columns go to the node stage as they are (strided views).
+                x_n = _columns(rows_n, fmt.x_offset, fmt.x_bytes, data.dtype)
+                scales_n = (
+                    None if scales is None else _columns(rows_n, fmt.scales_offset, fmt.scale_bytes, scales.dtype)
+                )
+                out_scales = None if recv_scales is None else recv_scales[out]
+                with self._node_stage(phase):
+                    self.node.cached_dispatch(x_n, scales_n, chunk.node_record, 0, num_channels, None, False,
+                                              out=(recv_data[out], out_scales))  # fmt: skip
+                return
             with self._node_stage(phase):
-                node_rows, _, _ = self.node.cached_dispatch(rows_c.view(torch.float32), None, chunk.node_record, 0,
+                node_rows, _, _ = self.node.cached_dispatch(rows_n.view(torch.float32), None, chunk.node_record, 0,
                                                             num_channels, None, False)  # fmt: skip
             node_rows = node_rows.view(torch.uint8)
-            _copy_rows_to(out_data, chunk.out_rows, node_rows, fmt.x_offset, fmt.x_bytes)
-            if out_scales is not None:
-                _copy_rows_to(out_scales, chunk.out_rows, node_rows, fmt.scales_offset, fmt.scale_bytes)
+            import os
 
-        self._pipeline(state.chunks, rows_S, rows_M, lambda c: (c.send_splits, c.recv_splits), deliver,
-                       f"{phase}: token exchange")  # fmt: skip
-        if out_data.size(0) > state.num_received:  # num_worst_tokens padding
-            out_data[state.num_received :] = 0
-            if out_scales is not None:
-                out_scales[state.num_received :] = 0
+            if not os.environ.get("SKIPCOPY"):
+                recv_data.view(torch.uint8)[out].copy_(node_rows[:, fmt.x_offset : fmt.x_offset + fmt.x_bytes])
+            if recv_scales is not None:
+                recv_scales.view(torch.uint8)[out].copy_(
+                    node_rows[:, fmt.scales_offset : fmt.scales_offset + fmt.scale_bytes]
+                )
 
-    def _pipeline(self, chunks: list[_Chunk], sent: torch.Tensor, received: torch.Tensor, splits: Callable,
-                  consume: Callable[[_Chunk, torch.Tensor], None], phase: str,
-                  produce: Callable[[_Chunk, torch.Tensor], None] | None = None) -> None:  # fmt: skip
-        """Moves `sent` (rows in chunk order) over the RDMA group into `received`, chunk by chunk: `produce(chunk,
-        its rows of sent)` (if given) fills a chunk just before its transfer starts, `consume(chunk, its rows of
-        received)` runs once it arrived. One chunk is always in flight (or being produced) while the previous one
-        is consumed, so the network stage overlaps the node-local one."""
-        bounds, send_begin, recv_begin = [], 0, 0
-        for chunk in chunks:
-            send_splits, recv_splits = splits(chunk)
-            bounds.append((send_begin, recv_begin, send_splits, recv_splits))
-            send_begin += sum(send_splits)
-            recv_begin += sum(recv_splits)
+        self._in_steps(len(state.chunks), transfer, deliver, f"{phase}: token exchange")
+        if recv_data.size(0) > state.num_received:  # num_worst_tokens padding
+            recv_data[state.num_received :] = 0
+            if recv_scales is not None:
+                recv_scales[state.num_received :] = 0
 
-        def rows_of(tensor: torch.Tensor, i: int, sending: bool) -> torch.Tensor:
-            begin = bounds[i][0 if sending else 1]
-            return tensor[begin : begin + sum(bounds[i][2 if sending else 3])]
+    def _shift(self, received: torch.Tensor, sent: torch.Tensor, from_node: int, to_node: int) -> dist.Work:
+        """One step of a shift over the RDMA group: `sent` to the rank of `to_node`, `received` from `from_node`."""
+        send_splits = [sent.size(0) if n == to_node else 0 for n in range(self.num_nodes)]
+        recv_splits = [received.size(0) if n == from_node else 0 for n in range(self.num_nodes)]
+        return dist.all_to_all_single(received.view(torch.uint8), sent.contiguous().view(torch.uint8), recv_splits,
+                                      send_splits, group=self.rdma_group, async_op=True)  # fmt: skip
 
-        pending: dict[int, dist.Work] = {}
-
-        def start(i: int) -> None:
-            if produce is not None:
-                produce(chunks[i], rows_of(sent, i, True))
-            _, _, send_splits, recv_splits = bounds[i]
-            pending[i] = dist.all_to_all_single(
-                rows_of(received, i, False).view(torch.uint8), rows_of(sent, i, True).view(torch.uint8), recv_splits,
-                send_splits, group=self.rdma_group, async_op=True,
-            )  # fmt: skip
-
-        if chunks:
-            start(0)
-        for i, chunk in enumerate(chunks):
-            if i + 1 < len(chunks):
-                start(i + 1)
-            self._wait(pending.pop(i), f"{phase} (chunk {i + 1} of {len(chunks)})")
-            consume(chunk, rows_of(received, i, False))
+    def _in_steps(
+        self, num_steps: int, start: Callable[[int], tuple], finish: Callable[[int, torch.Tensor], None], phase: str
+    ) -> None:
+        """Runs `num_steps` steps: `start(i)` begins step i's transfer and returns `(work or None, its rows)`,
+        `finish(i, rows)` runs once they arrived. Step i + 1 is started before step i finishes, so one transfer is
+        in flight while the node stage works on the previous rows."""
+        pending = {0: start(0)} if num_steps else {}
+        for i in range(num_steps):
+            if i + 1 < num_steps:
+                pending[i + 1] = start(i + 1)
+            work, rows = pending.pop(i)
+            if work is not None:
+                self._wait(work, f"{phase} (step {i + 1} of {num_steps})")
+            finish(i, rows)
 
     def recv_sources(self, handle):
         handle = InternodeHandle(*handle)
@@ -762,46 +780,47 @@ class InternodeEngine(Engine):
         return combined, combined_w, event
 
     def _combine(self, x, state: _InternodeState, topk_weights, biases, num_channels, combined, combined_w) -> None:
-        """The four stages of `combine`, in the dispatch's chunks: the node-local stage sums a chunk while the
-        previous chunk's partial sums travel home. Writes `combined` `[T, H]` and `combined_w` `[T, K]` (or None)."""
-        num_tokens, hidden = combined.size(0), x.size(1)
-        num_forwarded = sum(sum(chunk.recv_splits) for chunk in state.chunks)
-        partial_M = self._scratch.get(2, (num_forwarded, hidden), x.dtype)
+        """The stages of `combine`, one source node at a time: the other nodes' partial sums are computed first and
+        sent home while this node's own are computed. Writes `combined` `[T, H]` and `combined_w` `[T, K]`."""
+        num_tokens, hidden, N = combined.size(0), x.size(1), self.num_nodes
         partial_S = self._scratch.get(0, (state.send_token_idx.numel(), hidden), x.dtype)
-        partial_w_M = None if topk_weights is None else torch.empty(num_forwarded, topk_weights.size(1))
+        send_blocks, recv_blocks = _blocks(state.send_counts), _blocks(state.recv_counts)
+        partial_w_M = None if topk_weights is None else torch.empty(sum(state.recv_counts), topk_weights.size(1))
         acc = self._scratch.get(1, (num_tokens, hidden), torch.float32)
         acc.zero_()
         token_S = state.send_token_idx.int()
-        forwarded_before, sent_before = [0], [0]
+        order = [*range(1, len(state.chunks)), 0]  # this node's own partials last: they need no network
 
-        def node_sums(chunk: _Chunk, partial_c: torch.Tensor) -> None:
-            # Stages 1-2: the chunk's rows of x in the node stage's order, summed per forwarded token (FP32, rounded
-            # once to x's dtype) at the forwarders.
-            w_node = None if topk_weights is None else topk_weights.index_select(0, chunk.out_rows)
+        def node_sums(i: int):
+            # Stages 1-2: the rows of one source node are a block of x already in the node stage's order; their sums
+            # per forwarded token (FP32, rounded once to x's dtype) go home to that node (stage 3).
+            chunk = state.chunks[order[i]]
+            rows = slice(chunk.out_begin, chunk.out_begin + chunk.out_rows)
+            w_node = None if topk_weights is None else topk_weights[rows]
             with self._node_stage("combine"):
-                partial, partial_w, _ = self.node.combine(x.index_select(0, chunk.out_rows), w_node, None, None,
-                                                          chunk.node_record, num_channels, None, False)  # fmt: skip
-            partial_c.copy_(partial)
+                partial, partial_w, _ = self.node.combine(x[rows], w_node, None, None, chunk.node_record, num_channels,
+                                                          None, False)  # fmt: skip
+            n = chunk.source_node
             if partial_w is not None:
-                partial_w_M[forwarded_before[0] : forwarded_before[0] + partial.size(0)] = partial_w
-            forwarded_before[0] += partial.size(0)
+                partial_w_M[recv_blocks[n][0] : recv_blocks[n][1]] = partial_w
+            from_node = (2 * self.node_index - n) % N  # the node whose partials for this rank's tokens arrive now
+            received = partial_S[send_blocks[from_node][0] : send_blocks[from_node][1]]
+            if n == self.node_index:
+                received.copy_(partial)
+                return None, (received, from_node)
+            return self._shift(received, partial, from_node, n), (received, from_node)
 
-        def accumulate(chunk: _Chunk, rows_c: torch.Tensor) -> None:
-            # Stage 4: FP32 sums of the node partials as they arrive, node by node (a token once per node per call).
-            first = sent_before[0]
-            for lo, hi in _runs(chunk.send_splits):
-                _C.accumulate_rows(rows_c[lo:hi], token_S[first + lo : first + hi], acc)
-            sent_before[0] += sum(chunk.send_splits)
+        def accumulate(i: int, arrived) -> None:
+            # Stage 4: FP32 sum of the node partials as they arrive (a token appears once per node).
+            received, from_node = arrived
+            _C.accumulate_rows(received, token_S[send_blocks[from_node][0] : send_blocks[from_node][1]], acc)
 
-        # Stage 3: the partials go home over the network, chunk by chunk.
-        self._pipeline(state.chunks, partial_M, partial_S, lambda c: (c.recv_splits, c.send_splits), accumulate,
-                       "combine: partial-sum return", produce=node_sums)  # fmt: skip
+        self._in_steps(len(order), node_sums, accumulate, "combine: partial-sum return")
         _C.finish_accumulation(acc, biases[0], biases[1], combined)
         if partial_w_M is not None:
             # Each slot's weight comes from the one node that owns its expert (the others sent 0): any order is exact.
             partial_w_S = torch.empty(state.send_token_idx.numel(), partial_w_M.size(1))
-            self._pipeline(state.chunks, partial_w_M, partial_w_S, lambda c: (c.recv_splits, c.send_splits),
-                           lambda chunk, rows: None, "combine: weight return")  # fmt: skip
+            self._exchange(partial_w_S, partial_w_M, state.send_counts, state.recv_counts, "combine: weight return")
             combined_w.zero_()
             combined_w.index_add_(0, state.send_token_idx, partial_w_S)
 
@@ -932,43 +951,17 @@ def _row_bytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.size(1) * tensor.element_size()
 
 
-def _gather_rows(rows: torch.Tensor, perm: torch.Tensor, num_out: int, fill: float) -> torch.Tensor:
-    """`rows[perm]` (rows may be a strided view), padded with `fill` up to `num_out` rows."""
-    return _gather_rows_into(rows.new_empty((num_out, *rows.shape[1:])), rows, perm, fill)
-
-
-def _gather_rows_into(out: torch.Tensor, rows: torch.Tensor, perm: torch.Tensor, fill: float) -> torch.Tensor:
-    """Writes `rows[perm]` into the first rows of `out` and `fill` into the others; returns `out`."""
-    torch.index_select(rows, 0, perm, out=out[: perm.numel()])
-    out[perm.numel() :] = fill
-    return out
-
-
-def _chunk_plan(counts: list[int], num_chunks: int) -> tuple[list[list[int]], torch.Tensor]:
-    """Splits every node's block of `counts[n]` rows (node-major) into `num_chunks` consecutive parts. Returns each
-    chunk's rows per node and the permutation from node-major to network order (chunk, node, row)."""
-    starts = [0, *itertools.accumulate(counts)][:-1]
-    parts = [[(c + 1) * n // num_chunks - c * n // num_chunks for n in counts] for c in range(num_chunks)]
-    order = [
-        torch.arange(start + c * n // num_chunks, start + (c + 1) * n // num_chunks)
-        for c in range(num_chunks)
-        for start, n in zip(starts, counts)
-    ]
-    return parts, torch.cat(order) if order else torch.empty(0, dtype=torch.int64)
-
-
-def _copy_rows_to(out: torch.Tensor, out_rows: torch.Tensor, rows: torch.Tensor, offset: int, num_bytes: int) -> None:
-    """`out[out_rows[i]] = bytes [offset, offset + num_bytes) of rows[i]` (`out` `[n, num_bytes]` uint8), moving the
-    widest words the alignment allows (a byte-wise index_copy is five times slower)."""
-    word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
-                if offset % w.itemsize == 0 and num_bytes % w.itemsize == 0)  # fmt: skip
-    out.view(word).index_copy_(0, out_rows, _columns(rows, offset, num_bytes, word))
-
-
-def _runs(counts: list[int]) -> list[tuple[int, int]]:
+def _blocks(counts: list[int]) -> list[tuple[int, int]]:
     """`[begin, end)` of each consecutive block of rows, from the blocks' sizes."""
     ends = list(itertools.accumulate(counts))
     return list(zip([0, *ends[:-1]], ends))
+
+
+def _padded(rows: torch.Tensor, num_out: int, fill: float) -> torch.Tensor:
+    """`rows` with rows of `fill` appended up to `num_out` rows (num_worst_tokens)."""
+    if rows.size(0) == num_out:
+        return rows
+    return torch.cat([rows, rows.new_full((num_out - rows.size(0), *rows.shape[1:]), fill)])
 
 
 def shutdown_all_engines() -> None:

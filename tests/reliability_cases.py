@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import mtdeepep as deep_ep
-from mtdeepep._handles import flatten_handle, unflatten_handle
+from mtdeepep._handles import flatten_handle, record_of, unflatten_handle
 
 from .conformance.common import (
     assert_combine_close,
@@ -838,6 +838,53 @@ def smaller_dispatch_held_after_a_filling_one(ctx, topo, boundary: int, counts: 
     for n2 in counts:
         one(n2)
     return failures
+
+
+def placed_outputs_are_checked(ctx, topo):
+    """The node engine's placed outputs (where the internode dispatch's node stage writes recv_x straight into the
+    receiver's region; the peers write them without further checks): a tensor outside the region, too few rows,
+    another dtype or width, or scales that x lacks are refused with ValueError on the rank that passed them, before
+    anything moves (the peers are not involved). Then a placed cached dispatch, by rank 0 only and then by every rank,
+    returns the given tensors filled as the plain cached dispatch fills its own; a request larger than the region is
+    answered None; the held placed tensors leave room for the buffer's combine. Returns the refusals' messages."""
+    buffer = topo.new_buffer(ctx, 4 << 20, explicitly_destroy=True)
+    try:
+        engine = buffer._engine
+        d = check_dispatch(ctx, topo, buffer, 300, 512, 16, 4, seed=3)
+        record = record_of(d.handle, engine.handle_kind, engine.group, "placed outputs")
+        rows, hidden = d.recv_x.shape
+        before, _, _ = buffer.combine(d.recv_x, d.handle, topk_weights=d.recv_w)
+        placed = engine.placed_empty((rows, hidden), d.x.dtype, 4)
+        assert placed is not None and placed.shape == (rows, hidden)
+        assert engine.placed_empty((1 << 20, hidden), torch.float32, 4) is None  # 2 GiB: more than the region
+        refused = {}
+        attempts = {
+            "outside the region": (torch.empty(rows, hidden, dtype=d.x.dtype), None),
+            "too few rows": (placed[: rows - 1], None),
+            "another dtype": (placed.view(torch.float16), None),
+            "another width": (placed.view(-1)[: rows * (hidden // 2)].view(rows, hidden // 2), None),
+            "scales x lacks": (placed, placed[:, :4]),
+        }
+        for name, out in attempts.items():
+            try:
+                engine.cached_dispatch(d.x, None, record, 0, 1, None, False, out=out)
+            except ValueError as error:
+                refused[name] = str(error)
+        assert set(refused) == set(attempts), f"accepted: {set(attempts) - set(refused)}"
+        plain, _, _ = engine.cached_dispatch(d.x, None, record, 0, 1, None, False)
+        assert torch.equal(plain, d.recv_x)
+        for placing_ranks in ([0], list(range(ctx.world_size))):
+            placed.zero_()
+            out = (placed, None) if ctx.rank in placing_ranks else None
+            recv, _, _ = engine.cached_dispatch(d.x, None, record, 0, 1, None, False, out=out)
+            assert torch.equal(recv, d.recv_x), f"placed by ranks {placing_ranks}: rows differ"
+            if out is not None:
+                assert recv.data_ptr() == placed.data_ptr()
+        combined, _, _ = buffer.combine(recv, d.handle, topk_weights=d.recv_w)  # with the placed tensor held
+        assert torch.equal(combined, before)
+        return refused
+    finally:
+        buffer.destroy()
 
 
 # ---------------------------------------------------------------------------------------------------------------

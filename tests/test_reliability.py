@@ -60,10 +60,16 @@ def _processes(target, num_processes, args, timeout_s=90):
 
 
 @pytest.mark.parametrize("release", ["destroy", "collect"])
-def test_views_of_the_region_outlive_the_buffer(pool, release):
-    in_regions = pool.run(cases.views_outlive_the_buffer, INTRANODE, release)
+@pytest.mark.parametrize(
+    "topology, in_region",
+    [pytest.param(INTRANODE, {"recv_x", "recv_topk_idx", "handle[3]", "ll_recv_x"}, id="intranode-2"),
+     # internode: the node stage writes recv_x straight into the receiver's region (placed outputs)
+     pytest.param(INTERNODE, {"recv_x"}, id="internode-2x1")],
+)  # fmt: skip
+def test_views_of_the_region_outlive_the_buffer(pool, release, topology, in_region):
+    in_regions = pool.run(cases.views_outlive_the_buffer, topology, release)
     for names in in_regions:  # the scenario read views of the shared regions, as the attack did
-        assert {"recv_x", "recv_topk_idx", "handle[3]", "ll_recv_x"} <= set(names), names
+        assert in_region <= set(names), names
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -195,6 +201,13 @@ def test_a_smaller_dispatch_held_after_a_filling_one_still_combines(pool):
     assert boundary is not None
     failures = pool.run(cases.smaller_dispatch_held_after_a_filling_one, INTRANODE, boundary, list(range(20, 260, 8)))
     assert not failures[0], "\n".join(failures[0])
+
+
+def test_placed_outputs_are_checked_before_peers_write_them(pool):
+    refused = pool.run(cases.placed_outputs_are_checked, INTRANODE)
+    for messages in refused:
+        assert "region" in messages["outside the region"] and "out_x" in messages["too few rows"], messages
+        assert "out_scales" in messages["scales x lacks"], messages
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -100,7 +100,13 @@ inline void register_runtime(py::module_& m) {
             [](NormalProtocol& self, const std::vector<int64_t>& sizes, const py::object& dtype) {
                 return self.empty(sizes, torch::python::detail::py_object_to_dtype(dtype));
             },
-            py::arg("sizes"), py::arg("dtype"));
+            py::arg("sizes"), py::arg("dtype"))
+        .def(
+            "region_empty",
+            [](NormalProtocol& self, const std::vector<int64_t>& sizes, const py::object& dtype, int num_topk) {
+                return self.region_empty(sizes, torch::python::detail::py_object_to_dtype(dtype), num_topk);
+            },
+            py::arg("sizes"), py::arg("dtype"), py::arg("num_topk"));
 
     using cpu::LowLatencyProtocol;
     py::class_<LowLatencyProtocol, std::shared_ptr<LowLatencyProtocol>>(m, "LowLatencyProtocol")

@@ -42,7 +42,7 @@ MailboxLayout::MailboxLayout(int num_ranks) : num_ranks(num_ranks) {
     signature_offset = offset;
     offset = round_up(offset + kOpSignatureInts * sizeof(int32_t), 64);
     reservation_offset = offset;
-    offset = round_up(offset + 3 * sizeof(int64_t), 64);
+    offset = round_up(offset + 5 * sizeof(int64_t), 64);
     rank_counts_offset = offset;
     offset = round_up(offset + num_ranks * sizeof(int32_t), 64);
     channel_counts_offset = offset;

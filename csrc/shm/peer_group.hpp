@@ -46,7 +46,8 @@ struct alignas(64) ControlHeader {
 struct MailboxLayout {
     int num_ranks;
     size_t signature_offset;       // int32[kOpSignatureInts]: what the operation is, checked across ranks
-    size_t reservation_offset;     // int64[3]: offset, size and placeable bytes of the block lent to this operation
+    size_t reservation_offset;     // int64[5]: offset, size and placeable bytes of the block lent to this operation,
+                                   // then the region offsets of placed outputs (x, scales; -1 when none)
     size_t rank_counts_offset;     // int32[R]: tokens this rank sends to each rank
     size_t channel_counts_offset;  // int32[R * kMaxChannels]: the same per sender channel
     size_t expert_counts_offset;   // int32[kMaxExperts]: tokens this rank sends to each expert

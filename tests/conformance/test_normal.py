@@ -82,8 +82,8 @@ def test_async_finish_overlaps_the_transfer(pool, topology):
 BAD_INPUT_OUTCOMES = {
     "intranode-2": ["node-local [1]", "value-error"],
     "intranode-4": ["node-local [1]", "value-error", "node-local [1]", "node-local [1]"],
-    # Internode dispatch starts with the chunk count agreed over the whole group: every rank names rank 1.
-    "internode-2x2": ["network [1]", "value-error", "network [1]", "network [1]"],
+    # 2x2: rank 3 waits for rank 1 on the network; ranks 0 and 2 finish it and wait in their node.
+    "internode-2x2": ["node-local [1]", "value-error", "node-local [3]", "network [1]"],
     "internode-4x1": ["network [1]", "value-error", "network [1]", "network [1]"],
 }
 MISSING_IN_COMBINE_OUTCOMES = {

@@ -39,6 +39,16 @@ struct RowFormat {
     size_t min_block_bytes() const { return 5 * kFieldAlignment + row_bytes(); }
 };
 
+// Room a held dispatch output keeps free to stage its combine: rows of `hidden` float32 values (the widest a combine's
+// x is) with `num_topk` weights; its outputs stay held until after that combine.
+size_t combine_headroom(int64_t hidden, int num_topk) {
+    RowFormat combine_row;
+    combine_row.x_bytes = static_cast<size_t>(hidden) * sizeof(float);
+    combine_row.num_topk = std::max(num_topk, 1);
+    combine_row.with_weights = true;
+    return combine_row.min_block_bytes();
+}
+
 // Struct-of-arrays placement of `capacity` rows inside a block; every rank computes the same one.
 struct RegionLayout {
     size_t capacity = 0;
@@ -281,6 +291,7 @@ struct NormalProtocol::DispatchArgs {
     DispatchId id;
     int32_t checksum = 0;
     int expert_alignment, num_worst_tokens, num_channels;
+    OptTensor out_x, out_scales;  // placed outputs (cached mode), views of this rank's region
     // Outputs, published through `allocated` before the data moves.
     at::Tensor recv_x, send_head, rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx;
     OptTensor recv_x_scales, recv_topk_idx, recv_topk_weights;
@@ -293,15 +304,27 @@ DispatchResult NormalProtocol::dispatch(const at::Tensor& x, const OptTensor& x_
                                         const OptTensor& num_tokens_per_expert,
                                         const OptTensor& cached_rank_prefix_matrix, int64_t cached_uid,
                                         int64_t cached_seq, int expert_alignment, int num_worst_tokens,
-                                        int num_channels, const EventPtr& previous_event, bool async_finish) {
+                                        int num_channels, const EventPtr& previous_event, bool async_finish,
+                                        const OptTensor& out_x, const OptTensor& out_scales) {
     runtime_->check_usable();
     auto args = std::make_shared<DispatchArgs>();
+    require(cached_rank_prefix_matrix || !(out_x || out_scales), "placed outputs need a cached dispatch");
     if (cached_rank_prefix_matrix) {
         // Cached mode routes by the handle's send_head (passed as `routing`), checked against its traffic matrix.
         const TrafficMatrix traffic = checked_traffic(*cached_rank_prefix_matrix, num_ranks_);
         check_send_head(routing, traffic, rank_, x.size(0));
         args->id = {cached_uid, cached_seq};
         args->checksum = traffic_checksum(*cached_rank_prefix_matrix);
+        if (out_x || out_scales) {
+            // Peers will write these rows without further checks: they must fit, and lie in this rank's region.
+            require(out_x && out_scales.has_value() == x_scales.has_value(),
+                    "placed outputs need out_x, and out_scales exactly when x_scales is given");
+            const int64_t rows = num_worst_tokens > 0 ? num_worst_tokens : traffic.total_received(rank_);
+            check_placed(*out_x, x, rows, "out_x");
+            if (out_scales) check_placed(*out_scales, *x_scales, rows, "out_scales");
+            args->out_x = out_x;
+            args->out_scales = out_scales;
+        }
     } else {
         args->id = {static_cast<int64_t>(runtime_->uid()), ++dispatches_};
     }
@@ -378,7 +401,9 @@ void NormalProtocol::run_dispatch(DispatchArgs& a) {
     // which ends with this operation, may use all of it).
     ReservationGuard reservation{*arena_, arena_->reserve_largest()};
     const size_t held = arena_->held_headroom();
-    publish_reservation({reservation.block, reservation.block.size > held ? reservation.block.size - held : 0});
+    const bool placed = a.out_x.has_value();
+    publish_reservation({reservation.block, reservation.block.size > held ? reservation.block.size - held : 0,
+                         placed ? region_offset(*a.out_x) : -1, a.out_scales ? region_offset(*a.out_scales) : -1});
     TrafficMatrix traffic{num_ranks_, {}};
     std::vector<int32_t> signature = {cached ? kCachedDispatchOp : kDispatchOp,
                                       static_cast<int32_t>(format.x_bytes),
@@ -416,25 +441,32 @@ void NormalProtocol::run_dispatch(DispatchArgs& a) {
                                            " tokens, more than num_worst_tokens=", a.num_worst_tokens));
     }
 
-    // Every rank derives, for every receiver, where its rows go: straight into its outputs, or via staging.
-    RowFormat combine_row;
-    combine_row.x_bytes = static_cast<size_t>(a.x.size(1)) * sizeof(float);
-    combine_row.num_topk = std::max(num_topk, 1);
-    combine_row.with_weights = true;
-    const size_t combine_headroom = combine_row.min_block_bytes();
+    // Every rank derives, for every receiver, where its rows go: straight into its outputs (placed by the receiver,
+    // or laid out in the block it lent), or via staging.
+    const size_t headroom = combine_headroom(a.x.size(1), num_topk);
     std::vector<RegionLayout> output_layout(num_ranks_), staging_layout(num_ranks_);
     std::vector<bool> direct(num_ranks_);
     std::vector<uint8_t*> block_base(num_ranks_);
+    std::vector<RowArrays> direct_arrays(num_ranks_);
     for (int j = 0; j < num_ranks_; ++j) {
         const Reservation lent = read_reservation(j);
         const RegionArena::Block& block = lent.block;
         const int64_t rows = a.num_worst_tokens > 0 ? a.num_worst_tokens : traffic.total_received(j);
         output_layout[j] = RegionLayout::for_rows(format, rows);
+        block_base[j] = data_region(j) + block.offset;
+        if (lent.placed_x >= 0) {
+            // Placed outputs: x (and scales) only; a cached dispatch carries no top-k and returns no source index.
+            direct[j] = true;
+            direct_arrays[j] = {data_region(j) + lent.placed_x,
+                                lent.placed_scales >= 0 ? data_region(j) + lent.placed_scales : nullptr, nullptr,
+                                nullptr, nullptr};
+            continue;
+        }
         // Outputs live in the region only if they leave room to stage one row of the matching combine: its rows are
         // at most float32 with the same top-k weights, and the outputs stay there until after that combine.
-        direct[j] = output_layout[j].total_bytes + combine_headroom <= lent.placeable;
+        direct[j] = output_layout[j].total_bytes + headroom <= lent.placeable;
+        direct_arrays[j] = output_layout[j].arrays(block_base[j]);
         staging_layout[j] = RegionLayout::fitting(format, block.size);
-        block_base[j] = data_region(j) + block.offset;
         if (!direct[j] && traffic.remote_received(j) > 0 && staging_layout[j].capacity == 0)
             throw GroupMismatch(concat(
                 "mtdeepep: rank ", j, " has ", block.size, " free bytes of num_nvl_bytes=", runtime_->num_nvl_bytes(),
@@ -445,10 +477,14 @@ void NormalProtocol::run_dispatch(DispatchArgs& a) {
     const int64_t num_recv = traffic.total_received(rank_);
     const int64_t num_rows = output_layout[rank_].capacity;
     const int64_t hidden = a.x.size(1);
-    if (direct[rank_]) {
+    if (placed) {
+        a.recv_x = *a.out_x;
+        a.recv_x_scales = a.out_scales;
+        a.recv_src_idx = at::empty({0}, at::kInt);
+    } else if (direct[rank_]) {
         // The outputs are views of this rank's region; the block returns to the arena with the last of them.
         reservation.keep = output_layout[rank_].total_bytes;
-        auto owner = arena_->hold({reservation.block.offset, reservation.keep}, combine_headroom);
+        auto owner = arena_->hold({reservation.block.offset, reservation.keep}, headroom);
         const RowArrays views = output_layout[rank_].arrays(block_base[rank_]);
         auto view = [&](void* ptr, at::IntArrayRef sizes, at::ScalarType dtype) {
             return at::from_blob(ptr, sizes, [owner](void*) {}, at::TensorOptions().dtype(dtype));
@@ -465,7 +501,7 @@ void NormalProtocol::run_dispatch(DispatchArgs& a) {
         if (num_topk > 0) a.recv_topk_idx = at::empty({num_rows, num_topk}, at::kLong);
         if (format.with_weights) a.recv_topk_weights = at::empty({num_rows, num_topk}, at::kFloat);
     }
-    if (num_rows > num_recv) {
+    if (num_rows > num_recv && !placed) {
         a.recv_src_idx.narrow(0, num_recv, num_rows - num_recv).fill_(-1);
         if (a.recv_topk_idx) a.recv_topk_idx->narrow(0, num_recv, num_rows - num_recv).fill_(-1);
         if (a.recv_topk_weights) a.recv_topk_weights->narrow(0, num_recv, num_rows - num_recv).zero_();
@@ -486,11 +522,13 @@ void NormalProtocol::run_dispatch(DispatchArgs& a) {
                                 a.topk_idx ? a.topk_idx->data_ptr<int64_t>() : nullptr,
                                 format.with_weights ? a.topk_weights->data_ptr<float>() : nullptr,
                                 num_topk};
-    const RowArrays outputs{static_cast<uint8_t*>(a.recv_x.data_ptr()),
-                            a.recv_x_scales ? static_cast<uint8_t*>(a.recv_x_scales->data_ptr()) : nullptr,
-                            a.recv_topk_idx ? a.recv_topk_idx->data_ptr<int64_t>() : nullptr,
-                            a.recv_topk_weights ? a.recv_topk_weights->data_ptr<float>() : nullptr,
-                            a.recv_src_idx.data_ptr<int32_t>()};
+    const RowArrays outputs =
+        placed ? direct_arrays[rank_]
+               : RowArrays{static_cast<uint8_t*>(a.recv_x.data_ptr()),
+                           a.recv_x_scales ? static_cast<uint8_t*>(a.recv_x_scales->data_ptr()) : nullptr,
+                           a.recv_topk_idx ? a.recv_topk_idx->data_ptr<int64_t>() : nullptr,
+                           a.recv_topk_weights ? a.recv_topk_weights->data_ptr<float>() : nullptr,
+                           a.recv_src_idx.data_ptr<int32_t>()};
     int64_t num_rounds = 0, remote_rows = 0;
     for (int j = 0; j < num_ranks_; ++j) {
         const int64_t first_local_expert = static_cast<int64_t>(j) * experts_per_rank;
@@ -499,9 +537,8 @@ void NormalProtocol::run_dispatch(DispatchArgs& a) {
             write_dispatch_rows(source, plan.tokens_per_rank[j].data(), 0, traffic.at(j, j), outputs,
                                 traffic.recv_offset(j, j), first_local_expert, experts_per_rank);
         } else if (direct[j]) {
-            write_dispatch_rows(source, plan.tokens_per_rank[j].data(), 0, traffic.at(rank_, j),
-                                output_layout[j].arrays(block_base[j]), traffic.recv_offset(rank_, j),
-                                first_local_expert, experts_per_rank);
+            write_dispatch_rows(source, plan.tokens_per_rank[j].data(), 0, traffic.at(rank_, j), direct_arrays[j],
+                                traffic.recv_offset(rank_, j), first_local_expert, experts_per_rank);
         }
         // Every rank must count the same rounds: include every staged receiver, this one too.
         if (!direct[j] && traffic.remote_received(j) > 0)
@@ -579,16 +616,49 @@ void NormalProtocol::fill_dispatch_metadata(DispatchArgs& a, const TrafficMatrix
 }
 
 void NormalProtocol::publish_reservation(const Reservation& reservation) {
-    const int64_t values[3] = {static_cast<int64_t>(reservation.block.offset),
-                               static_cast<int64_t>(reservation.block.size),
-                               static_cast<int64_t>(reservation.placeable)};
+    const int64_t values[5] = {
+        static_cast<int64_t>(reservation.block.offset), static_cast<int64_t>(reservation.block.size),
+        static_cast<int64_t>(reservation.placeable), reservation.placed_x, reservation.placed_scales};
     std::memcpy(mailbox(rank_, runtime_->mailbox_layout().reservation_offset), values, sizeof(values));
 }
 
 NormalProtocol::Reservation NormalProtocol::read_reservation(int rank) {
-    int64_t values[3];
+    int64_t values[5];
     std::memcpy(values, mailbox(rank, runtime_->mailbox_layout().reservation_offset), sizeof(values));
-    return {{static_cast<size_t>(values[0]), static_cast<size_t>(values[1])}, static_cast<size_t>(values[2])};
+    return {{static_cast<size_t>(values[0]), static_cast<size_t>(values[1])},
+            static_cast<size_t>(values[2]),
+            values[3],
+            values[4]};
+}
+
+int64_t NormalProtocol::region_offset(const at::Tensor& tensor) const {
+    if (tensor.numel() == 0) return 0;  // no rows to write (and no data pointer)
+    return static_cast<const uint8_t*>(tensor.data_ptr()) - data_region(rank_);
+}
+
+void NormalProtocol::check_placed(const at::Tensor& out, const at::Tensor& like, int64_t rows, const char* name) const {
+    require(out.dim() == 2 && out.scalar_type() == like.scalar_type() && out.size(1) == like.size(1) &&
+                out.size(0) >= rows && out.is_contiguous(),
+            name, " must be a contiguous [>= ", rows, ", ", like.size(1), "] tensor of the input's dtype");
+    if (out.numel() == 0) return;
+    const auto* begin = static_cast<const uint8_t*>(out.data_ptr());
+    const uint8_t* region = data_region(rank_);
+    require(begin >= region && begin + out.nbytes() <= region + runtime_->num_nvl_bytes(), name,
+            " must be a view of this rank's region (from region_empty)");
+}
+
+std::optional<at::Tensor> NormalProtocol::region_empty(at::IntArrayRef sizes, at::ScalarType dtype, int num_topk) {
+    require(sizes.size() == 2 && sizes[0] >= 0 && sizes[1] > 0, "region_empty takes [rows, hidden] sizes");
+    const size_t bytes = align_up(static_cast<size_t>(sizes[0] * sizes[1]) * c10::elementSize(dtype), kFieldAlignment);
+    if (bytes == 0) return std::nullopt;
+    const size_t headroom = combine_headroom(sizes[1], num_topk);
+    ReservationGuard reservation{*arena_, arena_->reserve_largest()};
+    // What stays free must still stage the combine of this and of every output held so far.
+    if (reservation.block.size < bytes + std::max(headroom, arena_->held_headroom())) return std::nullopt;
+    reservation.keep = bytes;
+    auto owner = arena_->hold({reservation.block.offset, bytes}, headroom);
+    return at::from_blob(
+        data_region(rank_) + reservation.block.offset, sizes, [owner](void*) {}, at::TensorOptions().dtype(dtype));
 }
 
 // ---------------------------------------------------------------------------------------------------------------

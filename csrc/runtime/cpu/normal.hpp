@@ -51,11 +51,16 @@ class NormalProtocol : public std::enable_shared_from_this<NormalProtocol> {
     // `routing`: is_token_in_rank [T, R] bool. Cached mode (no top-k, no counts): `routing` is the earlier dispatch's
     // send_head [T, R] int32, with its `cached_rank_prefix_matrix` and identity (`cached_uid`, `cached_seq`); both
     // are checked against each other before anything moves.
+    //
+    // Placed outputs (cached mode only): `out_x` [>= rows received, H] and `out_scales` (when `x_scales` is given)
+    // are views of this rank's region from `region_empty`; the senders write their rows straight into them (at this
+    // dispatch's receive offsets), and they are returned as recv_x / recv_x_scales, with an empty recv_src_idx.
     DispatchResult dispatch(const at::Tensor& x, const OptTensor& x_scales, const OptTensor& topk_idx,
                             const OptTensor& topk_weights, const at::Tensor& routing,
                             const OptTensor& num_tokens_per_expert, const OptTensor& cached_rank_prefix_matrix,
                             int64_t cached_uid, int64_t cached_seq, int expert_alignment, int num_worst_tokens,
-                            int num_channels, const EventPtr& previous_event, bool async_finish);
+                            int num_channels, const EventPtr& previous_event, bool async_finish, const OptTensor& out_x,
+                            const OptTensor& out_scales);
 
     // `rank_prefix_matrix` [R, R] int32 and `send_head` [T, R] int32 of the dispatch (uid, seq); they are checked
     // (bounds and consistency) before any row moves, so a damaged handle raises instead of reading out of range.
@@ -68,6 +73,11 @@ class NormalProtocol : public std::enable_shared_from_this<NormalProtocol> {
     // An output tensor from this protocol's pool of pre-faulted host blocks (large outputs allocated every step
     // would otherwise pay a page fault per 4 KiB on first touch).
     at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype) { return pool_->empty(sizes, dtype); }
+    // A `[rows, hidden]` tensor in this rank's region, for placed outputs of cached dispatches (peers write it
+    // directly, saving the receiver's copy). It keeps its block, and room to stage the combine of `hidden`-wide rows
+    // with `num_topk` weights, while it lives (valid after `destroy()`, as dispatch outputs are). nullopt when the
+    // region has no such room (or nothing to hold): use `empty` then.
+    std::optional<at::Tensor> region_empty(at::IntArrayRef sizes, at::ScalarType dtype, int num_topk);
 
   private:
     struct DispatchArgs;
@@ -79,7 +89,11 @@ class NormalProtocol : public std::enable_shared_from_this<NormalProtocol> {
     struct Reservation {
         RegionArena::Block block;
         size_t placeable = 0;
+        int64_t placed_x = -1, placed_scales = -1;  // region offsets of placed outputs, -1 when none
     };
+    // Checks that `out` can take `rows` rows like `like` (dtype, width) and lies in this rank's region.
+    void check_placed(const at::Tensor& out, const at::Tensor& like, int64_t rows, const char* name) const;
+    int64_t region_offset(const at::Tensor& tensor) const;
     void publish_reservation(const Reservation& reservation);
     Reservation read_reservation(int rank);
     void run_combine(CombineArgs& args);
