@@ -22,6 +22,14 @@ if ! "$VENV_PY" -c "import pybind11, numpy, pytest, pytest_timeout, pytest_bench
         setuptools wheel
 fi
 
+# The training example's dependencies (Hugging Face interop, tokenizer, progress bars); transformers is also the
+# reference model of the DeepSeek-V3 tests. None of them pulls torch.
+TRAIN_PKGS=(transformers==5.23.0 safetensors tokenizers tqdm)
+if ! "$VENV_PY" -c "import transformers, safetensors, tokenizers, tqdm; assert transformers.__version__ == '5.23.0'" 2>/dev/null; then
+    echo "[env] installing transformers, safetensors, tokenizers, tqdm"
+    "$VENV_PY" -m pip install -q "${TRAIN_PKGS[@]}"
+fi
+
 # Test dependencies: the DeepEP clients the tests run unmodified on mtdeepep (and megatron-core, the reference of the
 # MoE router parity tests). --no-deps: their requirements would pull CUDA torch; --ignore-requires-python:
 # megatron-core 0.19.2 declares >= 3.12 but its DeepEP and router code runs on 3.11. The check reads the package
