@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 
 #include "common/exception.hpp"
@@ -334,6 +335,28 @@ void LowLatencyProtocol::wait_peer_entered(int peer, uint64_t seq, const char* w
         seq, wait_ns);
 }
 
+bool LowLatencyProtocol::peer_entered(int peer, uint64_t seq) const {
+    return peer == rank_ || seq <= 2 || progress(peer)->entered.load(std::memory_order_acquire) >= seq;
+}
+
+void LowLatencyProtocol::send_when_entered(uint64_t seq, const char* what, int64_t* wait_ns,
+                                           const std::function<void(int)>& send) const {
+    // Each peer gets its rows as soon as it entered this call, in whatever order the peers do: one that is late
+    // (descheduled on an oversubscribed host, say) holds up only its own rows. With none ready, wait for the first.
+    std::vector<int> pending = send_order(rank_, num_ranks_);
+    while (!pending.empty()) {
+        std::vector<int> later;
+        for (int peer : pending) {
+            if (peer_entered(peer, seq))
+                send(peer);
+            else
+                later.push_back(peer);
+        }
+        if (!later.empty() && later.size() == pending.size()) wait_peer_entered(later.front(), seq, what, wait_ns);
+        pending = std::move(later);
+    }
+}
+
 void LowLatencyProtocol::publish(int receiver, uint64_t seq, const CallSignature& signature) const {
     Signal* signal = signal_of(receiver, seq, rank_);
     signal->call = signature;
@@ -436,9 +459,8 @@ void LowLatencyProtocol::send_dispatch(DispatchOp& op) {
     const Payload payload = prepare_payload(op);
     const CallSignature signature = op.signature();
     std::vector<RowCopy> rows;
-    for (int receiver : send_order(rank_, num_ranks_)) {
-        wait_peer_entered(receiver, op.seq, "low-latency dispatch: send",
-                          op.wait_stats ? op.wait_stats->data_ptr<int64_t>() : nullptr);
+    int64_t* wait_ns = op.wait_stats ? op.wait_stats->data_ptr<int64_t>() : nullptr;
+    send_when_entered(op.seq, "low-latency dispatch: send", wait_ns, [&](int receiver) {
         uint8_t* dst = half(receiver, op.seq);
         std::atomic<uint32_t>* counters = counters_of(receiver, op.seq);
         auto* ranges = reinterpret_cast<int64_t*>(dst + l.layout_range);
@@ -463,7 +485,7 @@ void LowLatencyProtocol::send_dispatch(DispatchOp& op) {
                                   reinterpret_cast<int32_t*>(dst + l.src_info), l.rows_per_expert()};
         write_dispatch_rows(payload.rows, rows.data(), rows.size(), slots);
         publish(receiver, op.seq, signature);
-    }
+    });
 }
 
 void LowLatencyProtocol::receive_dispatch(DispatchOp& op) {
@@ -609,14 +631,13 @@ void LowLatencyProtocol::send_combine(CombineOp& op) {
     const auto* x = static_cast<const uint8_t*>(op.x.data_ptr());
     const CallSignature signature = op.signature();
     std::vector<int64_t> src_rows, dst_rows;
-    for (int source : send_order(rank_, num_ranks_)) {
-        wait_peer_entered(source, op.seq, "low-latency combine: send",
-                          op.wait_stats ? op.wait_stats->data_ptr<int64_t>() : nullptr);
+    int64_t* wait_ns = op.wait_stats ? op.wait_stats->data_ptr<int64_t>() : nullptr;
+    send_when_entered(op.seq, "low-latency combine: send", wait_ns, [&](int source) {
         combine_rows(op, source, src_rows, dst_rows);
         copy_rows(x, row_bytes, src_rows.data(), half(source, op.seq) + l.combine_recv, row_bytes, dst_rows.data(),
                   src_rows.size(), row_bytes);
         publish(source, op.seq, signature);
-    }
+    });
 }
 
 void LowLatencyProtocol::receive_combine(CombineOp& op) {

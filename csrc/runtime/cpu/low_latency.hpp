@@ -150,6 +150,11 @@ class LowLatencyProtocol : public std::enable_shared_from_this<LowLatencyProtoco
     // Before writing op `seq` into `peer`'s half: wait until the peer has entered op `seq` (the wait is added to
     // `wait_ns[peer]` when given: time spent because of that peer).
     void wait_peer_entered(int peer, uint64_t seq, const char* what, int64_t* wait_ns) const;
+    // Whether `peer` entered call `seq` (so its half of call seq - 2 may be written).
+    bool peer_entered(int peer, uint64_t seq) const;
+    // Calls `send(peer)` for every peer once it entered call `seq`, readiest first (see the .cpp).
+    void send_when_entered(uint64_t seq, const char* what, int64_t* wait_ns,
+                           const std::function<void(int)>& send) const;
     // Tells `receiver` that this rank's writes for op `seq` are done.
     void publish(int receiver, uint64_t seq, const ll::CallSignature& signature) const;
     // Waits for every source's signal of op `seq`; returns an error message if they did not all make this call.
