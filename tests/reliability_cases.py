@@ -1026,6 +1026,9 @@ def sigint_ends_a_blocked_wait(ctx, topo, mode: str, timeout_s: float):
                 signalled.append(time.perf_counter())
                 os.kill(os.getpid(), signal.SIGINT)
 
+            # Python's own SIGINT handler, whatever the launcher left (a shell starting the suite in the background
+            # sets SIGINT to ignored, and Python then installs no handler).
+            previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
             timer = threading.Timer(0.3, interrupt)
             timer.start()
             try:
@@ -1034,6 +1037,7 @@ def sigint_ends_a_blocked_wait(ctx, topo, mode: str, timeout_s: float):
                 return time.perf_counter() - signalled[0]
             finally:
                 timer.cancel()
+                signal.signal(signal.SIGINT, previous_handler)
                 barrier(ctx)  # now rank 1 comes
             raise AssertionError("the call returned although its peer never came")
         barrier(ctx)
