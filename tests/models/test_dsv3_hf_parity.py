@@ -1,0 +1,128 @@
+"""Parity with transformers' DeepseekV3ForCausalLM (5.23) in float32, both directions of the checkpoint conversion.
+
+Tolerance: the two models do the same float32 maths in a different order (fused projections, grouped expert GEMMs,
+the combine's summation order, SDPA kernels), so results agree to float32 rounding accumulated over a few layers:
+relative 1e-5 of the logits' scale is the bound asserted (measured: a few 1e-7). The loss is compared at 1e-5
+relative as well.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe.models.deepseek_v3 import read_model_dir
+from moe.models.deepseek_v3.hf import export_hf, import_hf
+from moe.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from moe.models.deepseek_v3.model_dir import write_model_dir
+
+from .dsv3_testlib import HF_CASES, hf_model, our_model, rel_err, tiny_config, tokens
+
+pytestmark = pytest.mark.timeout(120)
+transformers = pytest.importorskip("transformers")
+
+LOGITS_RTOL = 1e-5
+LOSS_RTOL = 1e-5
+
+
+@pytest.mark.parametrize("case", sorted(HF_CASES))
+def test_import_matches_transformers(case, tmp_path):
+    config = tiny_config(**HF_CASES[case])
+    hf = hf_model(config, seed=1)
+    hf.save_pretrained(tmp_path / "hf")
+    messages = []
+    import_hf(tmp_path / "hf", tmp_path / "ckpt", log=messages.append)
+    # transformers saves no MTP layers: the import says it initialised them.
+    assert any("MTP" in m and "initialised freshly" in m for m in messages), messages
+    state, imported = read_model_dir(tmp_path / "ckpt")
+    assert imported.to_hf_dict() == config.to_hf_dict()
+    ours = our_model(config, state)
+
+    ids, labels = tokens(config, batch=3, seq=24, seed=2)
+    with torch.no_grad():
+        expected = hf(input_ids=ids, labels=labels)
+        got = ours(ids, labels)
+    assert got.logits.dtype == torch.float32
+    assert rel_err(got.logits, expected.logits) < LOGITS_RTOL
+    assert abs(float(got.loss) - float(expected.loss)) < LOSS_RTOL * float(expected.loss)
+    assert int(got.num_tokens) == int((labels[:, 1:] != -100).sum())
+
+
+def test_group_limit_changes_some_choices():
+    """The parity config's groups really mask experts: for some token the group-limited top-k differs from a
+    plain top-k of the same biased scores (so the parity test exercises the group rule)."""
+    config = tiny_config(**HF_CASES["qlora_yarn_norm_groups"])
+    hf = hf_model(config, seed=1)
+    ours = our_model(config)
+    ours.load_full_state_dict(_state_from_hf(hf, config))
+    routed = {}
+    layer = ours.layers[config.first_k_dense_replace].mlp
+    hook = layer.router.register_forward_hook(lambda m, args, out: routed.update(x=args[0], out=out))
+    ids, _ = tokens(config, batch=3, seq=24, seed=2)
+    with torch.no_grad():
+        ours(ids)
+    hook.remove()
+    scores = torch.sigmoid(routed["out"].logits_TE) + layer.router.expert_bias.bias
+    plain = scores.topk(config.num_experts_per_tok, dim=-1).indices.sort(dim=-1).values
+    grouped = routed["out"].topk_idx_TK.sort(dim=-1).values
+    assert (plain != grouped).any(dim=-1).sum() > 0
+
+
+def _state_from_hf(hf, config):
+    from moe.models.deepseek_v3.hf import from_hf_state_dict
+
+    return from_hf_state_dict(dict(hf.state_dict()), config, log=lambda m: None)
+
+
+@pytest.mark.parametrize("case", sorted(HF_CASES))
+def test_export_loads_in_transformers(case, tmp_path):
+    """Our weights, exported, give transformers the same logits; the MTP modules' weights load into
+    transformers' MtpModel under the official keys and give the same MTP logits."""
+    config = tiny_config(**HF_CASES[case])
+    torch.manual_seed(3)
+    ours = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():  # larger weights than the 0.02 init, and a non-zero expert bias
+        for name, p in ours.named_parameters():
+            p.mul_(10.0 if "norm" not in name else 1.0)
+        for layer in ours.moe_layers():
+            layer.router.expert_bias.bias.normal_(0, 0.05)
+    write_model_dir(tmp_path / "ckpt", ours.full_state_dict(), config)
+    export_hf(tmp_path / "ckpt", tmp_path / "hf", max_shard_bytes=200_000)  # several shards + an index
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert hf.dtype == torch.float32
+
+    ids, labels = tokens(config, batch=2, seq=20, seed=4)
+    with torch.no_grad():
+        expected = hf(input_ids=ids, labels=labels, output_hidden_states=True)
+        got = ours(ids, labels)
+    assert rel_err(got.logits, expected.logits) < LOGITS_RTOL
+    assert abs(float(got.loss) - float(expected.loss)) < LOSS_RTOL * float(expected.loss)
+    _check_mtp_against_transformers(hf, ours, config, ids, labels, expected.hidden_states[-1], got)
+
+
+def _check_mtp_against_transformers(hf, ours, config, ids, labels, last_hidden, got):
+    """transformers' MtpModel (depth k: embedding of token t+k at position t+k, hidden of the previous depth) on the
+    whole shifted sequence: its per-depth mean cross entropy equals ours."""
+    from transformers.modeling_layers import MtpModel
+
+    # transformers finds the MTP keys through the main model's ignore patterns, written for the 671B model's layer 61.
+    N = config.num_hidden_layers
+    hf._keys_to_ignore_on_load_unexpected = [
+        rf"model\.layers\.{N + k}\..*" for k in range(config.num_nextn_predict_layers)
+    ]
+    mtp = MtpModel.from_pretrained(hf).eval()
+    S = ids.size(1)
+    hidden = last_hidden
+    with torch.no_grad():
+        for depth in range(1, config.num_nextn_predict_layers + 1):
+            length = S - depth
+            positions = torch.arange(depth, S).unsqueeze(0)
+            hidden = mtp.forward_layer(depth - 1, hidden[:, :length], positions, None, input_ids=ids[:, depth:])
+            logits = mtp._project_to_logits(hidden)[:, : length - 1]
+            targets = labels[:, depth + 1 :]
+            expected = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
+            )
+            ours_mean = got.mtp_loss_sums[depth - 1] / got.mtp_num_tokens[depth - 1]
+            assert abs(float(ours_mean) - float(expected)) < LOSS_RTOL * float(expected), depth
