@@ -126,3 +126,36 @@ def _check_mtp_against_transformers(hf, ours, config, ids, labels, last_hidden, 
             )
             ours_mean = got.mtp_loss_sums[depth - 1] / got.mtp_num_tokens[depth - 1]
             assert abs(float(ours_mean) - float(expected)) < LOSS_RTOL * float(expected), depth
+
+
+def test_cli_round_trip_is_lossless_in_bfloat16(tmp_path):
+    """save_pretrained (bfloat16) -> `hf.py import` -> `hf.py export`: every tensor transformers wrote comes back
+    bitwise, in its dtype (no silent casts); the export adds the MTP layer the import initialised."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    config = tiny_config(num_nextn_predict_layers=1)
+    hf_model(config, seed=5).to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    script = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "hf.py"
+    for args in (["import", "--hf", tmp_path / "hf", "--out", tmp_path / "ckpt"],
+                 ["export", "--checkpoint", tmp_path / "ckpt", "--out", tmp_path / "hf2"]):  # fmt: skip
+        result = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        if args[0] == "import":
+            assert "initialised freshly" in result.stdout, result.stdout
+    state, _ = read_model_dir(tmp_path / "ckpt")
+    assert state["layers.1.self_attn.qkv_a_proj.weight"].dtype == torch.bfloat16
+    assert state["layers.1.mlp.router.expert_bias.bias"].dtype == torch.float32
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    exported = load_file(str(tmp_path / "hf2" / "model.safetensors"))
+    mtp_prefix = f"model.layers.{config.num_hidden_layers}."
+    assert set(exported) - set(original) == {k for k in exported if k.startswith(mtp_prefix)}
+    assert set(original) <= set(exported)
+    for key, value in original.items():
+        if key.endswith("e_score_correction_bias"):  # always float32 (an exact upcast of the bfloat16 values)
+            assert exported[key].dtype == torch.float32 and torch.equal(exported[key], value.float()), key
+        else:
+            assert exported[key].dtype == value.dtype and torch.equal(exported[key], value), key
