@@ -151,3 +151,12 @@ def test_meta_device_allocates_nothing():
     model = DeepseekV3ForCausalLM(config, device="meta")
     assert all(p.is_meta for p in model.parameters())
     assert all(b.is_meta for b in model.buffers())
+
+
+def test_int32_tokens_give_the_int64_result():
+    model = our_model(tiny_config())
+    ids, labels = tokens(tiny_config(), batch=2, seq=10)
+    with torch.no_grad():
+        a, b = model(ids, labels), model(ids.int(), labels.int())
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.lm_loss_sum, b.lm_loss_sum)
+    assert torch.equal(a.mtp_loss, b.mtp_loss)

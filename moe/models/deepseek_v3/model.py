@@ -134,13 +134,17 @@ class DeepseekV3ForCausalLM(nn.Module):
         def layer_moe(idx: int) -> dict | None:
             return moe_kwargs if config.is_moe_layer(idx) else None
 
-        meta = torch.device(device if device is not None else "cpu").type == "meta"
-        seed = None if meta else draw_seed()
+        target = torch.device(device if device is not None else "cpu")
+        seed = None if target.type == "meta" else draw_seed()
         # Factory calls without an explicit device (the router's weight) land on `device` too ("meta": no memory).
         # The submodules' own initialisation (replaced below) draws from the global generator as much as their
         # layout makes it draw: fork it, so that building the model takes one draw whatever the layout.
         device_ctx = torch.device(device) if device is not None else contextlib.nullcontext()
-        with device_ctx, torch.random.fork_rng(devices=[]):
+        accelerator = target.type not in ("cpu", "meta")
+        fork = torch.random.fork_rng(
+            devices=[target] if accelerator else [], device_type=target.type if accelerator else "cuda"
+        )
+        with device_ctx, fork:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
             self.rotary = RotaryEmbedding(config.rope_parameters, config.qk_rope_head_dim, device=device)
             self.layers = nn.ModuleList(
@@ -192,6 +196,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                 ignored). With labels, the MTP modules run and their losses are returned too.
         """
         self._check_inputs(input_ids, labels)
+        labels = labels.long() if labels is not None else None
         B, S = input_ids.shape
         dtype = self.embed_tokens.weight.dtype
         cos_SP, sin_SP = self.rotary(torch.arange(S, device=input_ids.device), dtype)
