@@ -61,17 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_model_layout(model_cfg, train_cfg: TrainingConfig, layout: Layout) -> None:
-    """What the layout and the batch ask of the model config (ValueError, before any process group)."""
+    """What the layout and the batch ask of the model config (ValueError, before any process group). The routing
+    settings themselves (e.g. a top-k larger than the experts of the allowed groups) are checked by
+    `DeepseekV3Config`."""
     layout.check_experts(model_cfg.n_routed_experts)
     layout.check_batch(train_cfg.global_batch, train_cfg.micro_batches)
     if model_cfg.num_attention_heads % layout.tp:
         raise ValueError(f"num_attention_heads={model_cfg.num_attention_heads} is not divisible by --tp {layout.tp}")
-    per_group = model_cfg.n_routed_experts // model_cfg.n_group
-    if model_cfg.num_experts_per_tok > model_cfg.topk_group * per_group:
-        raise ValueError(
-            f"num_experts_per_tok={model_cfg.num_experts_per_tok} exceeds the {model_cfg.topk_group * per_group} "
-            f"experts of the topk_group={model_cfg.topk_group} groups a token may use"
-        )
     if train_cfg.seq_len > model_cfg.max_position_embeddings:
         raise ValueError(
             f"seq_len={train_cfg.seq_len} exceeds max_position_embeddings={model_cfg.max_position_embeddings}"
@@ -147,12 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     # Step 2: the process groups, then the model (same initial weights for every layout of a seed).
     parallel = ParallelState.initialize(layout, timeout_s=args.timeout)
     ep_buffers = EPBuffers(timeout_s=args.timeout)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # the model draws its initialisation seed from it (every tensor, expert by name)
     model = DeepseekV3ForCausalLM(model_cfg, ep_group=parallel.ep_group, ep_buffers=ep_buffers,
                                   aux_loss_group=parallel.dp_group, dtype=DTYPES[train_cfg.dtype])  # fmt: skip
-    # Initialise from the seed itself: every tensor and expert by name (the constructor's own draw follows torch's
-    # generator, which the layers' default initialisation has advanced by an amount that depends on the layout).
-    model.init_weights(args.seed)
 
     def load_model(path: Path) -> None:
         state_dict, _ = _read_model(read_model_dir, path)
