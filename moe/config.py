@@ -36,6 +36,10 @@ class MoEConfig:
     moe_router_topk_scaling_factor: float | None = None
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
+    moe_router_group_score_topk: int | None = None  # (ours) a group's score is the sum of its top-n expert scores;
+    # None = Megatron's n = moe_router_topk // moe_router_group_topk; transformers' DeepSeek-V3 router uses n = 2
+    moe_router_norm_topk_prob: bool | None = None  # (ours) sigmoid routing: divide the k chosen scores by their sum;
+    # None = when moe_router_topk > 1 (Megatron), True = always, False = never (transformers' norm_topk_prob)
     moe_router_dtype: str | None = None  # 'fp32' or 'fp64': gate GEMM and scores in that dtype; None = float32
     # (Megatron's None routes in the input dtype; this router never routes in bf16, see moe/router.py)
     moe_input_jitter_eps: float | None = None  # training only: router input *= U(1 - eps, 1 + eps)
@@ -116,9 +120,22 @@ class MoEConfig:
             raise ValueError(f"moe_router_topk_scaling_factor must be > 0, got {self.moe_router_topk_scaling_factor}")
         if not self.init_method_std > 0:
             raise ValueError(f"init_method_std must be > 0, got {self.init_method_std}")
+        if self.moe_router_norm_topk_prob is not None:
+            if not isinstance(self.moe_router_norm_topk_prob, bool):
+                raise ValueError(
+                    f"moe_router_norm_topk_prob must be None or a bool, got {self.moe_router_norm_topk_prob!r}"
+                )
+            if self.moe_router_score_function != "sigmoid":
+                raise ValueError(
+                    "moe_router_norm_topk_prob applies to the sigmoid score function (softmax weights are normalised "
+                    "by the softmax itself)"
+                )
         groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
         if (groups is None) != (group_topk is None):
             raise ValueError("moe_router_num_groups and moe_router_group_topk must be set together")
+        score_topk = self.moe_router_group_score_topk
+        if score_topk is not None and groups is None:
+            raise ValueError("moe_router_group_score_topk needs moe_router_num_groups and moe_router_group_topk")
         if groups is None:
             return
         _require_positive_int("moe_router_num_groups", groups)
@@ -130,12 +147,18 @@ class MoEConfig:
         if group_topk > groups:
             raise ValueError(f"moe_router_group_topk={group_topk} exceeds moe_router_num_groups={groups}")
         experts_per_group = self.num_moe_experts // groups
-        if self.moe_router_topk < group_topk:
+        if score_topk is not None:
+            _require_positive_int("moe_router_group_score_topk", score_topk)
+            if score_topk > experts_per_group:
+                raise ValueError(
+                    f"moe_router_group_score_topk={score_topk} exceeds the {experts_per_group} experts of a group"
+                )
+        elif self.moe_router_topk < group_topk:
             raise ValueError(
                 f"moe_router_topk={self.moe_router_topk} must be >= moe_router_group_topk={group_topk} "
                 "(a group's score is the sum of its top (topk // group_topk) experts)"
             )
-        if self.moe_router_topk // group_topk > experts_per_group:
+        elif self.moe_router_topk // group_topk > experts_per_group:
             raise ValueError(
                 f"topk // group_topk = {self.moe_router_topk // group_topk} exceeds the {experts_per_group} experts "
                 "of a group"

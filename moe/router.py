@@ -35,16 +35,18 @@ class RouterOutput:
 
 
 def group_limited_topk(
-    scores_TE: torch.Tensor, topk: int, num_groups: int, group_topk: int
+    scores_TE: torch.Tensor, topk: int, num_groups: int, group_topk: int, group_score_topk: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k restricted to the best `group_topk` of `num_groups` contiguous expert groups.
 
-    A group's score is the sum of its top `topk // group_topk` expert scores. Returns `(values [T, K],
-    indices [T, K] int64)` of `scores_TE` after masking the other groups to -inf.
+    A group's score is the sum of its top `group_score_topk` expert scores (None: `topk // group_topk`, Megatron's
+    rule; transformers' DeepSeek-V3 router sums the top 2). Returns `(values [T, K], indices [T, K] int64)` of
+    `scores_TE` after masking the other groups to -inf.
     """
     T, E = scores_TE.shape
     scores_TGX = scores_TE.view(T, num_groups, E // num_groups)
-    group_scores_TG = scores_TGX.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
+    n = topk // group_topk if group_score_topk is None else group_score_topk
+    group_scores_TG = scores_TGX.topk(n, dim=-1).values.sum(dim=-1)
     best_groups_TG = group_scores_TG.topk(group_topk, dim=-1).indices
     group_mask_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter_(1, best_groups_TG, True)
     expert_mask_TE = group_mask_TG.unsqueeze(-1).expand_as(scores_TGX).reshape(T, E)
@@ -75,7 +77,8 @@ class TopKRouter(nn.Module):
       - softmax: top-k on the logits, then softmax over the k chosen (default); with `moe_router_pre_softmax`,
         softmax over all experts first, then top-k of the probabilities.
       - sigmoid (DeepSeek-V3): scores = sigmoid(logits); selection uses scores + expert_bias (if enabled); the
-        weights are the unbiased scores of the chosen experts normalised over the k.
+        weights are the unbiased scores of the chosen experts, normalised over the k (`moe_router_norm_topk_prob`:
+        None = when k > 1, as Megatron; True = always; False = never, as transformers' `norm_topk_prob=False`).
     All weights are then multiplied by `moe_router_topk_scaling_factor` (if set). Group-limited routing
     (`moe_router_num_groups`, `moe_router_group_topk`) restricts the selection to the best groups.
 
@@ -123,7 +126,10 @@ class TopKRouter(nn.Module):
     def _topk(self, scores_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
         if cfg.moe_router_num_groups is not None:
-            return group_limited_topk(scores_TE, self.topk, cfg.moe_router_num_groups, cfg.moe_router_group_topk)
+            return group_limited_topk(
+                scores_TE, self.topk, cfg.moe_router_num_groups, cfg.moe_router_group_topk,
+                cfg.moe_router_group_score_topk,
+            )  # fmt: skip
         return scores_TE.topk(self.topk, dim=-1)
 
     def route(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -145,7 +151,8 @@ class TopKRouter(nn.Module):
                 probs_TK = scores_TE.gather(1, topk_idx_TK)
             else:
                 probs_TK, topk_idx_TK = self._topk(scores_TE)
-            if self.topk > 1:
+            normalise = self.topk > 1 if cfg.moe_router_norm_topk_prob is None else cfg.moe_router_norm_topk_prob
+            if normalise:
                 probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
         if cfg.moe_router_topk_scaling_factor is not None:
             probs_TK = probs_TK * cfg.moe_router_topk_scaling_factor

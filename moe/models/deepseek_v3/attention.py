@@ -1,0 +1,87 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3), causal, through `F.scaled_dot_product_attention`.
+
+Legend: B batch, S positions, H hidden, N heads, Dn / Dr / Dv the per-head no-rope key, rope key and value dims,
+Dq = Dn + Dr, Q `q_lora_rank`, C `kv_lora_rank`.
+
+    a        = x @ W_a                                  one GEMM for the query input and the kv latent (see below)
+    q        = q_b_proj(RMSNorm(a_q))  [B, S, N, Dq]    or a_q itself when q_lora_rank is None (a plain q_proj)
+    c, k_r   = a_kv                    [B, S, C], [B, S, Dr]   (k_r is one rope key shared by all heads)
+    k_n, v   = kv_b_proj(RMSNorm(c))   [B, S, N, Dn], [B, S, N, Dv]
+    q_r, k_r = RoPE(q_r), RoPE(k_r);   k = [k_n | k_r broadcast over heads]
+    out      = o_proj(softmax(q k^T * scale + causal) v)
+
+Parameters (state-dict names under `self_attn.`): `qkv_a_proj` fuses transformers' `q_a_proj` (or `q_proj`) and
+`kv_a_proj_with_mqa` row-wise (`[Q + C + Dr, H]`, or `[N*Dq + C + Dr, H]`): both read the same input, so one GEMM
+does both. Only when `q_lora_rank` is None and `attention_bias` is set (transformers' `q_proj` has no bias while
+`kv_a_proj_with_mqa` has one) are they kept apart as `q_proj` and `kv_a_proj_with_mqa`. The other names are
+transformers': `q_a_layernorm`, `q_b_proj`, `kv_a_layernorm`, `kv_b_proj` (rows per head: Dn key rows then Dv value
+rows), `o_proj`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe.models.deepseek_v3.config import DeepseekV3Config
+from moe.models.deepseek_v3.norm import RMSNorm
+from moe.models.deepseek_v3.rope import apply_rope, softmax_scale
+
+
+def fuses_input_projections(config: DeepseekV3Config) -> bool:
+    """Whether the query input and kv latent projections are one `qkv_a_proj` (see the module docstring)."""
+    return config.q_lora_rank is not None or not config.attention_bias
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(self, config: DeepseekV3Config, *, dtype: torch.dtype = torch.float32, device=None) -> None:
+        super().__init__()
+        c = config
+        self.num_heads = c.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.kv_lora_rank = c.kv_lora_rank
+        self.rope_interleave = c.rope_interleave
+        self.scale = softmax_scale(c.rope_parameters, c.qk_head_dim)
+        q_heads_dim = self.num_heads * c.qk_head_dim
+        self.q_in_dim = c.q_lora_rank if c.q_lora_rank is not None else q_heads_dim
+        kv_a_dim = c.kv_lora_rank + c.qk_rope_head_dim
+        kw = dict(dtype=dtype, device=device)
+        self.fused = fuses_input_projections(c)
+        if self.fused:
+            self.qkv_a_proj = nn.Linear(c.hidden_size, self.q_in_dim + kv_a_dim, bias=c.attention_bias, **kw)
+        else:
+            self.q_proj = nn.Linear(c.hidden_size, q_heads_dim, bias=False, **kw)
+            self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, kv_a_dim, bias=c.attention_bias, **kw)
+        if c.q_lora_rank is not None:
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, **kw)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, q_heads_dim, bias=False, **kw)
+        else:
+            self.q_a_layernorm = self.q_b_proj = None
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, **kw)
+        kv_b_dim = self.num_heads * (c.qk_nope_head_dim + c.v_head_dim)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, kv_b_dim, bias=False, **kw)
+        self.o_proj = nn.Linear(self.num_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias, **kw)
+
+    def forward(self, x_BSH: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention over `x [B, S, H]` with rotary tables `[S, Dr/2]`; returns `[B, S, H]`."""
+        B, S, _ = x_BSH.shape
+        N, Dn, Dr, Dv = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim
+        if self.fused:
+            q_in, c_BSC, k_rope = self.qkv_a_proj(x_BSH).split([self.q_in_dim, self.kv_lora_rank, Dr], dim=-1)
+        else:
+            q_in = self.q_proj(x_BSH)
+            c_BSC, k_rope = self.kv_a_proj_with_mqa(x_BSH).split([self.kv_lora_rank, Dr], dim=-1)
+        q = self.q_b_proj(self.q_a_layernorm(q_in)) if self.q_b_proj is not None else q_in
+        q_nope, q_rope = q.view(B, S, N, Dn + Dr).split([Dn, Dr], dim=-1)
+        k_nope, v_BSNV = self.kv_b_proj(self.kv_a_layernorm(c_BSC)).view(B, S, N, Dn + Dv).split([Dn, Dv], dim=-1)
+
+        q_rope = apply_rope(q_rope, cos_SP, sin_SP, self.rope_interleave)
+        k_rope = apply_rope(k_rope.view(B, S, 1, Dr), cos_SP, sin_SP, self.rope_interleave)
+        q_BSNQ = torch.cat((q_nope, q_rope), dim=-1)
+        k_BSNQ = torch.cat((k_nope, k_rope.expand(B, S, N, Dr)), dim=-1)
+
+        out_BNSV = F.scaled_dot_product_attention(
+            q_BSNQ.transpose(1, 2), k_BSNQ.transpose(1, 2), v_BSNV.transpose(1, 2), is_causal=True, scale=self.scale
+        )
+        return self.o_proj(out_BNSV.transpose(1, 2).reshape(B, S, N * Dv))

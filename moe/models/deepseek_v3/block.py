@@ -1,0 +1,49 @@
+"""One decoder layer: pre-norm MLA and a pre-norm feed-forward (dense SwiGLU, or DeepSeekMoE on `moe.MoELayer`).
+
+State-dict names (under `layers.{i}.`): `input_layernorm`, `self_attn.*` (see attention.py),
+`post_attention_layernorm`, and `mlp.*`: dense layers `mlp.w13 [H, 2F]` (gate columns, then up) and
+`mlp.w2 [F, H]` (`moe.SwiGLUMLP`); MoE layers `mlp.router.weight [E, H]` (float32),
+`mlp.router.expert_bias.bias [E]` (float32, transformers' `e_score_correction_bias`), `mlp.experts.w13 [E, H, 2F]`,
+`mlp.experts.w2 [E, F, H]` (this rank's slice in the module, every expert in `full_state_dict`),
+`mlp.shared_experts.w13`, `mlp.shared_experts.w2`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe.experts import SwiGLUMLP
+from moe.layer import MoELayer
+from moe.models.deepseek_v3.attention import MultiHeadLatentAttention
+from moe.models.deepseek_v3.config import DeepseekV3Config
+from moe.models.deepseek_v3.norm import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    """`x + attn(norm(x))`, then `+ mlp(norm(.))`. `moe_layer_kwargs` builds the MoE layer (None = dense)."""
+
+    def __init__(
+        self,
+        config: DeepseekV3Config,
+        layer_idx: int,
+        *,
+        moe_layer_kwargs: dict | None,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        kw = dict(dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.self_attn = MultiHeadLatentAttention(config, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        if moe_layer_kwargs is not None:
+            self.mlp: nn.Module = MoELayer(**moe_layer_kwargs, **kw)
+        else:
+            self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, init_std=config.initializer_range, **kw)
+
+    def forward(self, x_BSH: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor) -> torch.Tensor:
+        """`[B, S, H] -> [B, S, H]`; rotary tables `[S, Dr/2]` for the positions of the S tokens."""
+        x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos_SP, sin_SP)
+        return x_BSH + self.mlp(self.post_attention_layernorm(x_BSH))

@@ -1,0 +1,246 @@
+"""`DeepseekV3ForCausalLM`: DeepSeek-V3 (MLA, DeepSeekMoE on `moe.MoELayer`, multi-token prediction) for training.
+
+Legend: B sequences, S tokens per sequence, H hidden, V vocabulary, D MTP depths.
+
+Layout (state-dict names, see `full_state_dict`):
+    embed_tokens.weight [V, H]
+    layers.{i}.*                         decoder layers (block.py: input_layernorm, self_attn.*,
+                                         post_attention_layernorm, mlp.*)
+    norm.weight [H]                      final norm
+    lm_head.weight [V, H]                output head (absent with tie_word_embeddings: the embedding is the head)
+    mtp.{k}.*                            MTP depth k+1 (mtp.py)
+transformers' names are `model.` + these for the main model (fused / transposed weights differ: see hf.py), and
+`model.layers.{num_hidden_layers + k}.*` for the MTP modules.
+
+Expert parallelism: with an `ep_group` of R > 1 ranks every MoE layer keeps experts `[r*E/R, (r+1)*E/R)` and moves
+tokens with the 'flex' (mtdeepep) dispatcher; everything else is replicated (its gradients must be summed over the
+ranks, as data-parallel gradients are). Each rank runs its own sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moe.balancing import AuxLossScale, group_size
+from moe.dispatcher import EPBuffers
+from moe.layer import MoELayer
+from moe.models.deepseek_v3 import state
+from moe.models.deepseek_v3.block import DecoderLayer
+from moe.models.deepseek_v3.config import DeepseekV3Config
+from moe.models.deepseek_v3.init import draw_seed, init_weights
+from moe.models.deepseek_v3.moe_block import moe_config
+from moe.models.deepseek_v3.mtp import MTPModule
+from moe.models.deepseek_v3.norm import RMSNorm
+from moe.models.deepseek_v3.rope import RotaryEmbedding
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class DeepseekV3Output:
+    """What `DeepseekV3ForCausalLM.forward` returns.
+
+    logits: `[B, S, V]` in the model dtype (float32 for a float32 model); logits[:, t] predicts token t+1.
+    With labels:
+        lm_loss_sum: 0-d float32, the sum of next-token cross entropy over valid positions (labels[:, t+1] != -100).
+        num_tokens: 0-d int64, the number of those positions.
+        mtp_loss_sums / mtp_num_tokens: per MTP depth k = 1..D (depth k predicts token t+k+1 at position t), the same
+            sum and count.
+        loss: `lm_loss_sum / max(num_tokens, 1)`.
+        mtp_loss: the mean over depths of each depth's mean loss, or None without MTP modules.
+    The training loss is `loss + config.mtp_loss_weight * mtp_loss`; with data parallelism reduce the sums and counts
+    over the ranks instead. The MoE balancing losses ride on the activations (`moe.balancing.attach_aux_loss`): any
+    `backward()` through these losses includes them.
+    """
+
+    logits: torch.Tensor
+    lm_loss_sum: torch.Tensor | None = None
+    num_tokens: torch.Tensor | None = None
+    mtp_loss_sums: list[torch.Tensor] = field(default_factory=list)
+    mtp_num_tokens: list[torch.Tensor] = field(default_factory=list)
+    loss: torch.Tensor | None = None
+    mtp_loss: torch.Tensor | None = None
+
+
+def next_token_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(sum of float32 cross entropy over the valid targets, their count)`: `logits[:, s]` scores `labels[:, s +
+    shift]` where that exists and is not -100 (the targets are padded with -100 rather than the logits sliced, so
+    the logits are not copied)."""
+    targets_BS = F.pad(labels_BS[:, shift:], (0, logits_BSV.size(1) - labels_BS.size(1) + shift), value=IGNORE_INDEX)
+    loss_sum = F.cross_entropy(
+        logits_BSV.reshape(-1, logits_BSV.size(-1)).float(),
+        targets_BS.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return loss_sum, (targets_BS != IGNORE_INDEX).sum()
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """DeepSeek-V3 causal language model with MTP, built on `moe.MoELayer`.
+
+    Args:
+        config: the model settings.
+        ep_group: expert-parallel group (None or one rank: every expert here, no communication).
+        ep_buffers: the `moe.EPBuffers` whose mtdeepep buffer the MoE layers share (None: the group's default).
+        aux_loss_group: MoELayer's group for 'global_aux_loss' counts (unused by DeepSeek-V3's own losses).
+        dtype: parameter dtype (the router weight and the expert bias stay float32).
+        device: where to build (`"meta"` builds without allocating, e.g. to count parameters).
+        moe_options: other `MoEConfig` fields for every MoE layer (e.g. `moe_recompute_level`, `fp8`,
+            `moe_shared_expert_overlap`), not those that define the DeepSeek-V3 routing (ValueError).
+
+    Weights are initialised from one draw of torch's global generator (seed every rank alike), per tensor and per
+    expert by name (init.py), so every expert-parallel layout starts from the same weights.
+    """
+
+    def __init__(
+        self,
+        config: DeepseekV3Config,
+        *,
+        ep_group: dist.ProcessGroup | None = None,
+        ep_buffers: EPBuffers | None = None,
+        aux_loss_group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        moe_options: dict | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(config, DeepseekV3Config):
+            raise ValueError(f"config must be a DeepseekV3Config, got {type(config).__name__}")
+        self.config = config
+        self.ep_group = ep_group if group_size(ep_group) > 1 else None
+        if self.ep_group is not None and config.n_routed_experts % group_size(ep_group):
+            raise ValueError(
+                f"n_routed_experts={config.n_routed_experts} is not divisible by the expert-parallel size "
+                f"{group_size(ep_group)}"
+            )
+        self.aux_loss_scale = AuxLossScale()
+        moe_cfg = moe_config(config, moe_options)
+        moe_kwargs = dict(
+            config=moe_cfg,
+            ep_group=self.ep_group,
+            ep_buffers=ep_buffers if self.ep_group is not None else None,
+            aux_loss_group=aux_loss_group,
+            aux_loss_scale=self.aux_loss_scale,
+        )
+        kw = dict(dtype=dtype, device=device)
+
+        def layer_moe(idx: int) -> dict | None:
+            return moe_kwargs if config.is_moe_layer(idx) else None
+
+        target = torch.device(device if device is not None else "cpu")
+        seed = None if target.type == "meta" else draw_seed()
+        # Factory calls without an explicit device (the router's weight) land on `device` too ("meta": no memory).
+        # The submodules' own initialisation (replaced below) draws from the global generator as much as their
+        # layout makes it draw: fork it, so that building the model takes one draw whatever the layout.
+        device_ctx = torch.device(device) if device is not None else contextlib.nullcontext()
+        accelerator = target.type not in ("cpu", "meta")
+        fork = torch.random.fork_rng(
+            devices=[target] if accelerator else [], device_type=target.type if accelerator else "cuda"
+        )
+        with device_ctx, fork:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
+            self.rotary = RotaryEmbedding(config.rope_parameters, config.qk_rope_head_dim, device=device)
+            self.layers = nn.ModuleList(
+                DecoderLayer(config, i, moe_layer_kwargs=layer_moe(i), **kw) for i in range(config.num_hidden_layers)
+            )
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+            self.lm_head = None
+            if not config.tie_word_embeddings:
+                self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
+            self.mtp = nn.ModuleList(
+                MTPModule(config, k, moe_layer_kwargs=layer_moe(config.num_hidden_layers + k), **kw)
+                for k in range(config.num_nextn_predict_layers)
+            )
+        if seed is not None:
+            self.init_weights(seed)
+
+    # -- weights --------------------------------------------------------------------------------------------------
+
+    def init_weights(self, seed: int) -> None:
+        """(Re)initialise every weight from `seed` (layout-independent, see init.py)."""
+        init_weights(self, seed, self.config.initializer_range)
+
+    def moe_layers(self) -> list[MoELayer]:
+        """The MoE layers: the main model's in order, then the MTP modules' (for metrics and bias updates)."""
+        return [m.mlp for m in (*self.layers, *self.mtp) if isinstance(m.mlp, MoELayer)]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every weight with global expert indices (state.py). Collective over the EP group: call it on every rank;
+        every rank gets the whole dict."""
+        return state.full_state_dict(self, self.ep_group)
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a `full_state_dict` (from any layout); this rank keeps its experts. No communication."""
+        state.load_full_state_dict(self, state_dict)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """`[V, H]` the output head's weight (the embedding's when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    # -- forward --------------------------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> DeepseekV3Output:
+        """Logits, and with `labels` the next-token and MTP losses.
+
+        Args:
+            input_ids: `[B, S] int64` tokens.
+            labels: `[B, S] int64` aligned with `input_ids` (transformers' convention: the model shifts; -100 is
+                ignored). With labels, the MTP modules run and their losses are returned too.
+        """
+        self._check_inputs(input_ids, labels)
+        labels = labels.long() if labels is not None else None
+        B, S = input_ids.shape
+        dtype = self.embed_tokens.weight.dtype
+        cos_SP, sin_SP = self.rotary(torch.arange(S, device=input_ids.device), dtype)
+
+        emb_BSH = self.embed_tokens(input_ids)
+        h_BSH = emb_BSH
+        for layer in self.layers:
+            h_BSH = layer(h_BSH, cos_SP, sin_SP)
+        h_BSH = self.norm(h_BSH)
+        logits_BSV = F.linear(h_BSH, self.output_weight)
+        out = DeepseekV3Output(logits=logits_BSV)
+        if labels is None:
+            return out
+
+        out.lm_loss_sum, out.num_tokens = next_token_loss(logits_BSV, labels, 1)
+        out.loss = out.lm_loss_sum / out.num_tokens.clamp(min=1)
+        means = []
+        for depth, module in enumerate(self.mtp, start=1):
+            # Position t of depth k sees tokens up to t + k and predicts token t + k + 1: the last k positions have
+            # no embedded token, the last one of the rest no target. Causal attention keeps the result of every
+            # position independent of the positions after it, so cutting them off changes nothing.
+            length = S - depth
+            if length <= 0:
+                loss_sum, count = logits_BSV.new_zeros((), dtype=torch.float32), labels.new_zeros(())
+            else:
+                h_BSH = module(h_BSH[:, :length], emb_BSH[:, depth:], cos_SP[depth:], sin_SP[depth:])
+                loss_sum, count = next_token_loss(F.linear(h_BSH, self.output_weight), labels, depth + 1)
+            out.mtp_loss_sums.append(loss_sum)
+            out.mtp_num_tokens.append(count)
+            means.append(loss_sum / count.clamp(min=1))
+        if means:
+            out.mtp_loss = torch.stack(means).mean()
+        return out
+
+    def _check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> None:
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be [B, S] int64, got {tuple(input_ids.shape)} {input_ids.dtype}")
+        if input_ids.size(1) > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {input_ids.size(1)} exceeds max_position_embeddings="
+                f"{self.config.max_position_embeddings}"
+            )
+        if labels is not None and (labels.shape != input_ids.shape or labels.dtype not in (torch.int64, torch.int32)):
+            raise ValueError(
+                f"labels must be int64 of the shape of input_ids {tuple(input_ids.shape)}, got "
+                f"{tuple(labels.shape)} {labels.dtype}"
+            )

@@ -1,0 +1,92 @@
+"""Full (layout-independent) state dicts of a model whose routed experts are sharded over an expert-parallel group.
+
+The full state dict is the model's `state_dict()` with:
+- routed expert weights (`*.mlp.experts.w13` `[E, H, 2F]`, `*.mlp.experts.w2` `[E, F, H]`) holding every expert,
+  in global expert order (gathered over the EP group: rank r holds experts `[r*L, (r+1)*L)`);
+- the expert-bias token counts (`*.expert_bias.counts`) left out: they only live between two bias updates.
+Everything else is replicated on every rank and taken from this rank. Tensors keep their dtype (the router weight
+and the expert bias are float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe.balancing import group_size
+from moe.layer import MoELayer
+
+EXPERT_PARAMS = ("w13", "w2")
+TRANSIENT_SUFFIXES = (".expert_bias.counts",)
+
+
+def _expert_tensors(model: nn.Module) -> dict[str, tuple[MoELayer, torch.Tensor]]:
+    """Full key -> (MoE layer, local parameter) of every routed expert weight."""
+    found = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, MoELayer):
+            for pname in EXPERT_PARAMS:
+                found[f"{name}.experts.{pname}"] = (mod, getattr(mod.experts, pname))
+    return found
+
+
+def full_state_dict(model: nn.Module, ep_group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """The full state dict (see the module docstring). Collective over `ep_group` when it has more than one rank:
+    every rank must call it, and every rank gets the whole dict. Replicated tensors are detached views of the
+    parameters (clone them to keep a snapshot while training goes on); gathered expert weights are new tensors."""
+    experts = _expert_tensors(model)
+    ep_size = group_size(ep_group)
+    out = {}
+    for key, tensor in model.state_dict().items():
+        if key.endswith(TRANSIENT_SUFFIXES):
+            continue
+        if key in experts and ep_size > 1:
+            # Gathered as bytes: any dtype crosses any backend (gloo has no float8, for instance).
+            local = tensor.detach().contiguous().view(torch.uint8)
+            parts = [torch.empty_like(local) for _ in range(ep_size)]
+            dist.all_gather(parts, local, group=ep_group)
+            out[key] = torch.cat(parts).view(tensor.dtype)
+        else:
+            out[key] = tensor.detach()
+    return out
+
+
+def full_state_dict_shapes(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Key -> (full shape, dtype) of the full state dict, without communication."""
+    experts = _expert_tensors(model)
+    shapes = {}
+    for key, tensor in model.state_dict().items():
+        if key.endswith(TRANSIENT_SUFFIXES):
+            continue
+        shape = tensor.shape
+        if key in experts:
+            layer = experts[key][0]
+            shape = torch.Size((layer.config.num_moe_experts, *shape[1:]))
+        shapes[key] = (shape, tensor.dtype)
+    return shapes
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load a full state dict: this rank keeps its experts' slice. Every key of the full state dict must be present
+    with its full shape, and no other (ValueError naming them). Values are cast to each tensor's dtype and device."""
+    shapes = full_state_dict_shapes(model)
+    missing, unexpected = sorted(set(shapes) - set(state_dict)), sorted(set(state_dict) - set(shapes))
+    if missing or unexpected:
+        raise ValueError(f"state dict mismatch: missing keys {missing[:20]}, unexpected keys {unexpected[:20]}")
+    bad = [
+        f"{k}: {tuple(state_dict[k].shape)} != {tuple(shape)}"
+        for k, (shape, _) in shapes.items()
+        if state_dict[k].shape != shape
+    ]
+    if bad:
+        raise ValueError(f"state dict shapes differ from the model's: {bad[:20]}")
+    experts = _expert_tensors(model)
+    own = model.state_dict(keep_vars=True)
+    for key in shapes:
+        value = state_dict[key]
+        if key in experts:
+            layer = experts[key][0]
+            value = value[layer.local_expert_start : layer.local_expert_start + layer.num_local_experts]
+        own[key].copy_(value)
