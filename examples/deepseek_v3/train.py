@@ -1,0 +1,232 @@
+"""Train DeepSeek-V3 (MLA, DeepSeekMoE with aux-loss-free balancing, MTP) on mtdeepep.
+
+    python examples/deepseek_v3/train.py --config examples/deepseek_v3/configs/tiny.toml --out runs/tiny
+    torchrun --nproc-per-node 4 examples/deepseek_v3/train.py --config ... --out runs/tiny-ep4 --ep 4
+
+One process, or one per rank under torchrun (gloo on CPU). The experts of every MoE layer are sharded over `--ep`
+ranks (mtdeepep's 'flex' dispatcher); everything else is data parallel. For a given `--seed`, every layout starts
+from the same weights, trains on the same tokens and does the same maths per step (see moe/train/trainer.py).
+
+Writes into RUN_DIR: run.json (layout and config), metrics.jsonl (one line per optimizer step), loss.png,
+tokenizer.json, val_tokens.npy (held-out sequences for evaluate.py), checkpoints/step_N/ and checkpoints/latest.
+Files are readable by their owner only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import tomllib
+import torch
+
+# Runs as a script from any directory: the repository root holds the packages.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from moe import EPBuffers  # noqa: E402
+from moe.train import checkpoint as ckpt  # noqa: E402
+from moe.train.config import TrainingConfig  # noqa: E402
+from moe.train.data import TokenBatches, prepare_tokens  # noqa: E402
+from moe.train.metrics import LOSS_PNG, METRICS, loss_table, plot_loss, read_metrics  # noqa: E402
+from moe.train.parallel import FP8_RECIPES, PP_SCHEDULES, Layout, ParallelState, env_local_rank, env_world_size  # noqa: E402
+from moe.train.trainer import ModelIO, Trainer  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", required=True, help="TOML file with [model] and [training] tables")
+    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: [training] steps)")
+    p.add_argument("--seed", type=int, default=0, help="initial weights, data order, per-step randomness")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides the world size)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (arrives with the next issue: 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (arrives with the next issue: 1)")
+    p.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule")
+    p.add_argument("--fp8", default="none", choices=FP8_RECIPES, help="FP8 recipe (arrives with the next issue)")
+    p.add_argument("--init", default=None, help="start from the weights of this checkpoint / model directory")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--data-cache", default=None, help="token cache directory (default: [training.data] cache_dir)")
+    p.add_argument("--prepare-data", action="store_true", help="build the tokenizer and token file, then exit")
+    p.add_argument("--timeout", type=float, default=600.0, help="bound on every collective wait, seconds")
+    return p.parse_args(argv)
+
+
+def check_model_layout(model_cfg, train_cfg: TrainingConfig, layout: Layout) -> None:
+    """What the layout and the batch ask of the model config (ValueError, before any process group). The routing
+    settings themselves (e.g. a top-k larger than the experts of the allowed groups) are checked by
+    `DeepseekV3Config`."""
+    layout.check_experts(model_cfg.n_routed_experts)
+    layout.check_batch(train_cfg.global_batch, train_cfg.micro_batches)
+    if model_cfg.num_attention_heads % layout.tp:
+        raise ValueError(f"num_attention_heads={model_cfg.num_attention_heads} is not divisible by --tp {layout.tp}")
+    if train_cfg.seq_len > model_cfg.max_position_embeddings:
+        raise ValueError(
+            f"seq_len={train_cfg.seq_len} exceeds max_position_embeddings={model_cfg.max_position_embeddings}"
+        )
+    if train_cfg.seq_len < 2 + model_cfg.num_nextn_predict_layers:
+        raise ValueError(
+            f"seq_len={train_cfg.seq_len} leaves no target for MTP depth {model_cfg.num_nextn_predict_layers}"
+        )
+
+
+def check_run_dir(run_dir: Path, resume: bool, init: str | None) -> Path | None:
+    """The checkpoint to resume from (None: a new run); ValueError for a run directory that does not fit."""
+    if resume and init:
+        raise ValueError("--resume continues a run from its own checkpoint; --init starts a new one: pick one")
+    latest = ckpt.latest_checkpoint(run_dir)
+    if resume and latest is None:
+        raise ValueError(f"--resume: {run_dir} has no checkpoint to continue from")
+    if not resume and latest is not None:
+        raise ValueError(f"{run_dir} already holds a run (at {latest.name}); pass --resume or another --out")
+    if init is not None and not (Path(init) / "config.json").is_file():
+        raise ValueError(f"--init {init}: not a model directory (no config.json)")
+    return latest
+
+
+def check_init_config(init: str, model_cfg) -> None:
+    """The --init model directory must hold the model of --config (the training extensions may differ)."""
+    from moe.models.deepseek_v3.config import EXTENSION_FIELDS
+    from moe.models.deepseek_v3.model_dir import read_config
+
+    theirs, ours = read_config(init).to_dict(), model_cfg.to_dict()
+    diff = {k: (theirs[k], ours[k]) for k in ours if k not in EXTENSION_FIELDS and theirs.get(k) != ours[k]}
+    if diff:
+        raise ValueError(f"--init {init}: its model differs from the [model] of --config: {diff} (checkpoint, config)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.umask(0o077)  # checkpoints, metrics and caches: owner only
+
+    # Step 1: everything that can be wrong is checked before any process group exists.
+    from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+    from moe.models.deepseek_v3.model_dir import read_model_dir, write_model_dir
+
+    try:
+        model_cfg = DeepseekV3Config.from_toml(args.config)
+        train_cfg = TrainingConfig.from_toml(args.config)
+        if args.steps is not None:
+            train_cfg = dataclasses.replace(train_cfg, steps=args.steps)
+        if args.data_cache is not None:
+            train_cfg.data.cache_dir = args.data_cache
+        layout = Layout(world=env_world_size(), tp=args.tp, pp=args.pp, ep=args.ep, pp_schedule=args.pp_schedule,
+                        fp8=args.fp8)  # fmt: skip
+        check_model_layout(model_cfg, train_cfg, layout)
+        run_dir = Path(args.out)
+        latest = None if args.prepare_data else check_run_dir(run_dir, args.resume, args.init)
+        if args.init is not None:
+            check_init_config(args.init, model_cfg)
+        data = prepare_tokens(train_cfg.data, model_cfg.vocab_size, build=env_local_rank() == 0)
+        batches = TokenBatches(data.tokens, seq_len=train_cfg.seq_len, global_batch=train_cfg.global_batch,
+                               val_sequences=train_cfg.data.val_sequences, seed=args.seed)  # fmt: skip
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"train.py: error: {exc}", file=sys.stderr)
+        return 2
+    if args.prepare_data:
+        print(f"data ready: {data.directory} ({data.meta['num_tokens']} tokens, {data.meta['num_files']} files)")
+        return 0
+    if latest is not None and ckpt.read_trainer_state(latest)["step"] >= train_cfg.steps:
+        if env_rank() == 0:
+            print(f"{run_dir}: already trained to step {train_cfg.steps}; nothing to do")
+            _summary(run_dir)
+        return 0
+
+    # Step 2: the process groups, then the model (same initial weights for every layout of a seed).
+    parallel = ParallelState.initialize(layout, timeout_s=args.timeout)
+    ep_buffers = EPBuffers(timeout_s=args.timeout)
+    torch.manual_seed(args.seed)  # the model draws its initialisation seed from it (every tensor, expert by name)
+    model = DeepseekV3ForCausalLM(model_cfg, ep_group=parallel.ep_group, ep_buffers=ep_buffers,
+                                  aux_loss_group=parallel.dp_group, dtype=DTYPES[train_cfg.dtype])  # fmt: skip
+
+    def load_model(path: Path) -> None:
+        state_dict, _ = _read_model(read_model_dir, path)
+        model.load_full_state_dict(state_dict)
+
+    model_io = ModelIO(
+        full_state_dict=model.full_state_dict,
+        write=lambda path, sd: write_model_dir(path, sd, model_cfg),
+        load=load_model,
+    )
+    run_info = {"title": _title(args, layout)}
+    trainer = Trainer(model, train_cfg, parallel, batches, run_dir, seed=args.seed, model_io=model_io,
+                      mtp_loss_weight=model_cfg.mtp_loss_weight, num_mtp=model_cfg.num_nextn_predict_layers,
+                      extra_checkpoint_files=(data.tokenizer_path,), run_info=run_info)  # fmt: skip
+
+    # Step 3: the run directory, the starting point, the loop.
+    if parallel.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_run_json(run_dir, args, layout, train_cfg, data, parallel)
+        shutil.copyfile(data.tokenizer_path, run_dir / "tokenizer.json")
+        np.save(run_dir / "val_tokens.npy", batches.val_tokens().numpy())
+    start_step = 0
+    if latest is not None:
+        start_step = trainer.resume(latest)
+    elif args.init is not None:
+        load_model(Path(args.init))
+    parallel.barrier()
+    if parallel.is_main:
+        print(f"training {Path(args.config).stem} ({_layout_text(layout)}) from step {start_step} to {train_cfg.steps}")
+    t0 = time.perf_counter()
+    trainer.fit(start_step)
+    if parallel.is_main:
+        print(f"trained in {time.perf_counter() - t0:.1f} s")
+        _summary(run_dir)
+    ep_buffers.destroy()  # after the last backward, which communicates on them
+    parallel.destroy()
+    return 0
+
+
+def _read_model(read_model_dir, path: Path):
+    """`(state_dict, config)` of a model directory, whatever order `read_model_dir` returns them in."""
+    first, second = read_model_dir(path)
+    return (first, second) if isinstance(first, dict) else (second, first)
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _title(args, layout: Layout) -> str:
+    return f"{Path(args.config).stem}: {_layout_text(layout)}, seed {args.seed}"
+
+
+def _layout_text(layout: Layout) -> str:
+    return f"world {layout.world}: dp {layout.dp} x tp {layout.tp} x pp {layout.pp}, ep {layout.ep}"
+
+
+def _write_run_json(run_dir: Path, args, layout: Layout, train_cfg: TrainingConfig, data, parallel) -> None:
+    with open(args.config, "rb") as f:
+        doc = tomllib.load(f)
+    info = {
+        "title": _title(args, layout),
+        "layout": {**layout.to_dict(), "dtype": train_cfg.dtype},
+        "config": {"path": str(args.config), "model": doc["model"], "training": train_cfg.to_dict()},
+        "seed": args.seed,
+        "init": args.init,
+        "data": data.meta,
+        "torch": torch.__version__,
+        "threads_per_rank": torch.get_num_threads(),
+    }
+    ckpt.write_json(run_dir / "run.json", info)
+
+
+def _summary(run_dir: Path) -> None:
+    records = read_metrics(run_dir / METRICS)
+    if records:
+        title = json.loads((run_dir / "run.json").read_text()).get("title", "")
+        plot_loss(run_dir / METRICS, run_dir / LOSS_PNG, title=title)
+        print(loss_table(records))
+        print(f"metrics: {run_dir / METRICS}\nloss curve: {run_dir / LOSS_PNG}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+"""The trainer core: run configuration, parallel layout, data, optimizer, checkpoints, metrics and the loop.
+
+- `config`: the `[training]` table (`TrainingConfig`, `DataConfig`).
+- `parallel`: `Layout` (checked before any process group) and `ParallelState` (the groups, built once).
+- `data`: corpus, tokenizer, cached token file, `TokenBatches` (layout-independent global batches).
+- `schedule`: warm-up + cosine learning rate.
+- `optim`: `MasterAdamW` (FP32 master weights, gradient reduction over the layout, global-norm clipping).
+- `checkpoint`: atomic checkpoint directories and the `latest` pointer.
+- `metrics`: metrics.jsonl and the loss plot.
+- `trainer`: `Trainer` (the step, the loop, save and resume).
+"""
+
+from moe.train.config import DataConfig, TrainingConfig
+from moe.train.parallel import Layout, ParallelState
+
+__all__ = ["DataConfig", "Layout", "ParallelState", "TrainingConfig"]

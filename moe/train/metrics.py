@@ -1,0 +1,86 @@
+"""Per-step metrics: `metrics.jsonl` (one JSON object per optimizer step) and the loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+METRICS = "metrics.jsonl"
+LOSS_PNG = "loss.png"
+
+
+class MetricsLog:
+    """Appends one JSON line per step to `RUN_DIR/metrics.jsonl`, flushed at once (a crash loses nothing written).
+
+    resume_step: keep the records of steps `<= resume_step` and drop later ones (steps after the checkpoint a run
+        resumes from are trained again); None starts a new file.
+    """
+
+    def __init__(self, run_dir: str | Path, resume_step: int | None = None) -> None:
+        self.path = Path(run_dir) / METRICS
+        kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step] if resume_step is not None else []
+        with self.path.open("w") as f:
+            for r in kept:
+                f.write(json.dumps(r) + "\n")
+        self._file = self.path.open("a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl (an empty list when it does not exist)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_loss(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path:
+    """Draw the LM loss (and the MTP loss, when present) against the step into `png_path` (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    if not records:
+        raise ValueError(f"{metrics_path} holds no steps to plot")
+    steps = [r["step"] for r in records]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    ax.plot(steps, [r["loss"] for r in records], label="LM loss (global batch)", color="tab:blue")
+    mtp = [r.get("mtp_loss") for r in records]
+    if any(v is not None and math.isfinite(v) for v in mtp):
+        ax.plot(steps, [math.nan if v is None else v for v in mtp], label="MTP loss", color="tab:orange", alpha=0.8)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title or "training loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    png_path = Path(png_path)
+    fig.savefig(png_path)
+    plt.close(fig)
+    return png_path
+
+
+def loss_table(records: list[dict[str, Any]], first: int = 5, last: int = 5) -> str:
+    """A small text table of the first and last steps (step, loss, mtp_loss, grad_norm, tokens/s)."""
+    rows = records if len(records) <= first + last else records[:first] + [None] + records[-last:]
+    lines = [f"{'step':>6} {'loss':>8} {'mtp_loss':>9} {'grad_norm':>9} {'tokens/s':>9}"]
+    for r in rows:
+        if r is None:
+            lines.append(f"{'...':>6}")
+            continue
+        mtp = r.get("mtp_loss")
+        lines.append(
+            f"{r['step']:>6} {r['loss']:>8.4f} {'-' if mtp is None else f'{mtp:.4f}':>9} "
+            f"{r['grad_norm']:>9.3f} {r['tokens_per_s']:>9.0f}"
+        )
+    return "\n".join(lines)

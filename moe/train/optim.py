@@ -1,0 +1,184 @@
+"""AdamW on FP32 master weights, with the gradient reduction and global-norm clipping of an expert-parallel layout.
+
+Gradients (see moe/train/parallel.py for the groups): every rank's loss is its share of the global-batch loss
+(its token-loss sum divided by the global token count), so the gradient of the global loss is the *sum* of the
+ranks' gradients, taken
+- over the data-parallel group for the dense parameters (replicated on every rank), and
+- over the expert-data-parallel group for the expert parameters: an expert's gradient on its EP rank already holds
+  the contributions of every token its EP group dispatched to it (the dispatch's backward brings them back), and
+  the other EP groups hold the same expert with other tokens.
+Reductions run in FP32 (one flat buffer per group). The global norm counts every parameter once: the dense
+gradients (identical on all ranks after the reduction) plus the expert gradients summed over the EP group (which
+holds each expert once), accumulated in float64.
+
+Parameters in bfloat16 get an FP32 master copy that AdamW updates and that is copied back after each step; FP32
+parameters are their own master.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe.train.config import TrainingConfig
+from moe.train.parallel import ParallelState, all_reduce_sum
+
+
+@dataclass
+class _Param:
+    name: str
+    param: nn.Parameter
+    master: torch.Tensor  # float32; `param` itself when it is float32
+    expert: bool  # sharded over the EP group along dim 0 (local experts)
+
+
+class MasterAdamW:
+    """AdamW over the model's trainable parameters (decoupled weight decay on matrices only: parameters with 2 or
+    more dimensions; norms and vectors get none), with the layout's gradient reduction and clipping.
+
+    Args:
+        model: the module whose `named_parameters()` are trained.
+        expert_params: the parameters sharded over the EP group (dim 0 = local experts, in EP-rank order).
+        config: lr, betas, eps, weight_decay, clip_grad.
+        parallel: the groups (dp, ep, expert_dp).
+    """
+
+    def __init__(
+        self, model: nn.Module, expert_params: list[nn.Parameter], config: TrainingConfig, parallel: ParallelState
+    ) -> None:
+        self.config = config
+        self.parallel = parallel
+        expert_ids = {id(p) for p in expert_params}
+        self.params: list[_Param] = []
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            master = p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
+            self.params.append(_Param(name, p, master, id(p) in expert_ids))
+        decay = [q.master for q in self.params if q.param.dim() >= 2]
+        no_decay = [q.master for q in self.params if q.param.dim() < 2]
+        self.adamw = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.eps,
+            foreach=False,
+        )
+
+    def zero_grad(self) -> None:
+        for q in self.params:
+            q.param.grad = None
+            q.master.grad = None
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Sum the gradients over the layout's groups into the FP32 master gradients (a missing gradient counts
+        as zero: e.g. an expert that received no token on any rank)."""
+        for q in self.params:
+            g = q.param.grad
+            g = torch.zeros_like(q.master) if g is None else g.float()
+            q.master.grad = g if q.master is not q.param else g.contiguous()
+        for expert, group in ((False, self.parallel.dp_group), (True, self.parallel.expert_dp_group)):
+            grads = [q.master.grad for q in self.params if q.expert == expert]
+            if group is None or not grads:
+                continue
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
+
+    @torch.no_grad()
+    def global_grad_norm(self) -> float:
+        """L2 norm of the reduced gradient of the whole model, every parameter counted once."""
+        sq = torch.zeros(2, dtype=torch.float64)
+        for q in self.params:
+            sq[int(q.expert)] += torch.linalg.vector_norm(q.master.grad, dtype=torch.float32).double() ** 2
+        all_reduce_sum(sq[1:], self.parallel.ep_group)
+        return math.sqrt(float(sq.sum()))
+
+    @torch.no_grad()
+    def clip(self, norm: float) -> float:
+        """Scale the gradients by `clip_grad / norm` when the norm exceeds `clip_grad` (0 = never); returns the
+        factor applied."""
+        max_norm = self.config.clip_grad
+        if max_norm <= 0 or not math.isfinite(norm):
+            return 1.0
+        factor = max_norm / (norm + 1e-6)
+        if factor >= 1.0:
+            return 1.0
+        for q in self.params:
+            q.master.grad.mul_(factor)
+        return factor
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
+        self.adamw.step()
+        for q in self.params:
+            if q.master is not q.param:
+                q.param.copy_(q.master)
+
+    # -- state (layout independent: expert tensors gathered to all experts)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """AdamW state and FP32 master weights keyed `<param name>.<exp_avg | exp_avg_sq | step | master>`, the
+        expert tensors gathered over the EP group to all experts (collective over it). Empty before the first step.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for q in self.params:
+            state = self.adamw.state.get(q.master)
+            tensors = dict(state) if state else {}
+            if q.master is not q.param:
+                tensors["master"] = q.master.detach()
+            for key, t in tensors.items():
+                if q.expert and t.dim() > 0:
+                    t = _gather_dim0(t, self.parallel.ep_group)
+                out[f"{q.name}.{key}"] = t.detach().clone().contiguous()
+        return out
+
+    @torch.no_grad()
+    def load_full_state(self, full: dict[str, torch.Tensor]) -> None:
+        """Inverse of `full_state` for this rank's layout (expert tensors sliced to the local experts)."""
+        stepped = any(k.endswith(".exp_avg") for k in full)
+        expected = {k for q in self.params for k in _state_keys(q, stepped)}
+        if set(full) != expected:
+            missing, extra = sorted(expected - set(full)), sorted(set(full) - expected)
+            raise ValueError(f"optimizer state does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+        ep, ep_rank = self.parallel.layout.ep, self.parallel.ep_rank
+        for q in self.params:
+            state = {}
+            for key in ("exp_avg", "exp_avg_sq", "step", "master"):
+                name = f"{q.name}.{key}"
+                if name not in full:
+                    continue
+                t = full[name]
+                if q.expert and t.dim() > 0:
+                    n = t.size(0) // ep
+                    t = t[ep_rank * n : (ep_rank + 1) * n]
+                if key == "master":
+                    q.master.copy_(t)
+                else:
+                    state[key] = t.clone()
+            if state:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if state[key].shape != q.master.shape:
+                        raise ValueError(f"{q.name}.{key}: shape {tuple(state[key].shape)} != {tuple(q.master.shape)}")
+                self.adamw.state[q.master] = state
+
+
+def _state_keys(q: _Param, stepped: bool) -> list[str]:
+    keys = ["exp_avg", "exp_avg_sq", "step"] if stepped else []
+    return [f"{q.name}.{k}" for k in keys + (["master"] if q.master is not q.param else [])]
+
+
+def _gather_dim0(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if group is None:
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts)

@@ -1,0 +1,281 @@
+"""The training loop: global batches split over data-parallel ranks and micro-batches, one optimizer step each,
+metrics, checkpoints and resumption.
+
+The maths of a step do not depend on the layout (see moe/train/parallel.py and moe/train/optim.py):
+1. Every rank takes its rows of the global batch (`TokenBatches.local_batch`) and splits them into micro-batches.
+2. The global numbers of next-token targets (main head and each MTP depth) are summed over the data-parallel ranks
+   first, so each micro-batch's loss is its share of the global-batch loss:
+   `lm_loss_sum / N_lm + mtp_loss_weight / D * sum_d mtp_loss_sum_d / N_d`. The MoE layers' auxiliary losses reach
+   the gradient through autograd with the scale `micro-batch sequences / global batch` (each is a mean over its
+   micro-batch's sequences), so they too add up to their global-batch value.
+3. Gradients are summed over the groups (`MasterAdamW.reduce_gradients`), clipped by the global norm, AdamW steps
+   at the scheduled learning rate, then the router biases are updated from the expert counts summed over the
+   data-parallel ranks (`moe.update_expert_bias`).
+4. The reported loss is the LM cross-entropy over every target of the global batch (sums and counts reduced over
+   all ranks in float64), the same value whatever the layout up to reduction order.
+
+Randomness: torch's generator is reseeded from `(seed, step)` at the start of every step, so a resumed run draws
+the same numbers as an uninterrupted one and no generator state needs saving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moe.balancing import load_imbalance, set_aux_loss_scale, update_expert_bias
+from moe.train import checkpoint as ckpt
+from moe.train.config import TrainingConfig
+from moe.train.data import TokenBatches
+from moe.train.metrics import LOSS_PNG, MetricsLog, plot_loss
+from moe.train.optim import MasterAdamW
+from moe.train.parallel import ParallelState, all_reduce_sum
+from moe.train.schedule import lr_at
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ModelIO:
+    """How the trainer saves and loads the model (the model's own format).
+
+    full_state_dict: collective over the ranks: the whole model's state (every expert) on each rank.
+    write: `write(path, state_dict)` writes a model directory at `path` (which does not exist yet); rank 0 only.
+    load: `load(path)` loads a model directory into this rank's model (its experts only); every rank.
+    """
+
+    full_state_dict: Callable[[], dict[str, torch.Tensor]]
+    write: Callable[[Path, dict[str, torch.Tensor]], None]
+    load: Callable[[Path], None]
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The torch seed of optimizer step `step` of a run seeded `seed` (independent of the layout)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{step}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def target_counts(labels_BS: torch.Tensor, num_mtp: int) -> torch.Tensor:
+    """`[1 + num_mtp] float64`: next-token targets of the main head and of each MTP depth in `labels_BS`.
+
+    HF's shift convention: position t predicts `labels[t + 1]` (depth d: `labels[t + 1 + d]`); -100 is ignored.
+    """
+    valid = labels_BS != IGNORE_INDEX
+    return torch.tensor([float(valid[:, 1 + d :].sum()) for d in range(1 + num_mtp)], dtype=torch.float64)
+
+
+class Trainer:
+    """Runs the optimizer steps of one rank.
+
+    Args:
+        model: `forward(input_ids [B, S] int64, labels=[B, S] int64)` returning an object with `lm_loss_sum`
+            (0-d FP32 sum of next-token cross-entropy), `mtp_loss_sums` (list of 0-d sums, one per MTP depth) and
+            `num_tokens`; `moe_layers()` listing its `moe.MoELayer`s.
+        config: the [training] settings.
+        parallel: this rank's groups.
+        batches: the run's global batches.
+        run_dir: where metrics, the plot and checkpoints go (rank 0 writes).
+        seed: the run's seed (data order and per-step generator).
+        model_io: model saving and loading.
+        mtp_loss_weight: lambda of the MTP loss (summed over depths and divided by their number, as DeepSeek-V3).
+        num_mtp: MTP depths the model predicts.
+        extra_checkpoint_files: files copied into every checkpoint (e.g. the tokenizer).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: TrainingConfig,
+        parallel: ParallelState,
+        batches: TokenBatches,
+        run_dir: str | Path,
+        *,
+        seed: int,
+        model_io: ModelIO,
+        mtp_loss_weight: float = 0.0,
+        num_mtp: int = 0,
+        extra_checkpoint_files: tuple[Path, ...] = (),
+        run_info: dict[str, Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.parallel = parallel
+        self.batches = batches
+        self.run_dir = Path(run_dir)
+        self.seed = seed
+        self.model_io = model_io
+        self.mtp_loss_weight = float(mtp_loss_weight)
+        self.num_mtp = int(num_mtp)
+        self.extra_checkpoint_files = tuple(Path(p) for p in extra_checkpoint_files)
+        self.run_info = run_info or {}
+        self.moe_layers = list(model.moe_layers())
+        names = {id(m): n for n, m in model.named_modules()}
+        self.moe_layer_names = [names[id(m)] for m in self.moe_layers]
+        expert_params = [p for layer in self.moe_layers for p in layer.experts.parameters()]
+        if parallel.layout.ep > 1 and any(layer.ep_size != parallel.layout.ep for layer in self.moe_layers):
+            raise ValueError(f"the model's MoE layers are not sharded over --ep {parallel.layout.ep}")
+        self.optimizer = MasterAdamW(model, expert_params, config, parallel)
+        self.local_rows = config.global_batch // parallel.layout.dp
+        self.micro_rows = self.local_rows // config.micro_batches
+
+    # -- one optimizer step
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """Optimizer step `step` (1-based); returns its metrics record (the same on every rank)."""
+        cfg, par = self.config, self.parallel
+        start = time.perf_counter()
+        torch.manual_seed(step_seed(self.seed, step))
+        self.model.train()
+        tokens_BS = self.batches.local_batch(step, par.dp_rank, par.layout.dp)
+        counts = all_reduce_sum(target_counts(tokens_BS, self.num_mtp), par.dp_group)  # global targets per head
+        set_aux_loss_scale(self.model, self.micro_rows / cfg.global_batch)
+        self.optimizer.zero_grad()
+
+        sums = torch.zeros(1 + self.num_mtp, dtype=torch.float64)
+        num_experts = [layer.config.num_moe_experts for layer in self.moe_layers]
+        loads = [torch.zeros(e, dtype=torch.float64) for e in num_experts]
+        for mb_BS in tokens_BS.split(self.micro_rows):
+            out = self.model(mb_BS, labels=mb_BS)
+            mtp_sums = list(out.mtp_loss_sums or [])
+            if len(mtp_sums) != self.num_mtp:
+                raise RuntimeError(f"the model returned {len(mtp_sums)} MTP losses, expected {self.num_mtp}")
+            loss = out.lm_loss_sum / counts[0].item()
+            for d, mtp_sum in enumerate(mtp_sums):
+                loss = loss + (self.mtp_loss_weight / self.num_mtp) * mtp_sum / counts[1 + d].item()
+            loss.backward()
+            sums += torch.stack([out.lm_loss_sum.detach(), *[s.detach() for s in mtp_sums]]).double()
+            for load, layer in zip(loads, self.moe_layers):
+                load += layer.metrics.tokens_per_expert.double()
+
+        self.optimizer.reduce_gradients()
+        grad_norm = self.optimizer.global_grad_norm()
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(f"step {step}: the gradient norm is {grad_norm} (the loss diverged)")
+        self.optimizer.clip(grad_norm)
+        lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
+        self.optimizer.step(lr)
+        update_expert_bias(self.model, par.dp_group)
+
+        stats = all_reduce_sum(torch.cat([sums, *loads]), par.dp_group)
+        sums, loads = stats[: 1 + self.num_mtp], stats[1 + self.num_mtp :].split(num_experts)
+        elapsed = time.perf_counter() - start
+        mtp = [float(sums[1 + d] / counts[1 + d]) for d in range(self.num_mtp)]
+        return {
+            "step": step,
+            "loss": float(sums[0] / counts[0]),
+            "mtp_loss": sum(mtp) / len(mtp) if mtp else None,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed,
+            "step_s": elapsed,
+            "expert_load_max_over_mean": {n: load_imbalance(c) for n, c in zip(self.moe_layer_names, loads)},
+        }
+
+    # -- checkpoints
+
+    def save(self, step: int) -> Path:
+        """Checkpoint `RUN_DIR/checkpoints/step_<step>/` (collective; rank 0 writes): the model directory, the
+        optimizer state (all experts), the trainer state, then `latest`."""
+        model_sd = self.model_io.full_state_dict()
+        optim_sd = self.optimizer.full_state()
+        final = ckpt.checkpoints_dir(self.run_dir) / ckpt.checkpoint_name(step)
+        if self.parallel.is_main:
+            from safetensors.torch import save_file
+
+            ckpt.remove_stale_temporaries(self.run_dir)
+            with ckpt.atomic_directory(final) as tmp:
+                self.model_io.write(tmp, model_sd)
+                tmp.mkdir(exist_ok=True)
+                save_file(optim_sd, str(tmp / OPTIMIZER_FILE), metadata={"step": str(step)})
+                for path in self.extra_checkpoint_files:
+                    shutil.copyfile(path, tmp / path.name)
+                ckpt.write_json(tmp / ckpt.TRAINER_STATE, self.trainer_state(step))  # last: marks it complete
+            ckpt.set_latest(self.run_dir, step)
+        self.parallel.barrier()
+        return final
+
+    def trainer_state(self, step: int) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "step": step,
+            "seed": self.seed,
+            "data": {
+                "next_step": step + 1,
+                "consumed_sequences": step * cfg.global_batch,
+                "epoch": (step * cfg.global_batch) // self.batches.num_train,
+                "global_batch": cfg.global_batch,
+                "seq_len": cfg.seq_len,
+            },
+            "rng": {"policy": "torch.manual_seed(step_seed(seed, step)) at the start of every step"},
+            "layout": self.parallel.layout.to_dict(),
+            **self.run_info,
+        }
+
+    def resume(self, path: Path) -> int:
+        """Load a checkpoint of this run (model, optimizer, trainer state); returns its step."""
+        from safetensors.torch import load_file
+
+        state = ckpt.read_trainer_state(path)
+        for key, mine in (("seed", self.seed),):
+            if state[key] != mine:
+                raise ValueError(f"{path} was trained with {key}={state[key]}, this run has {mine}")
+        for key in ("global_batch", "seq_len"):
+            if state["data"][key] != getattr(self.config, key):
+                raise ValueError(
+                    f"{path} was trained with {key}={state['data'][key]}, this run has {getattr(self.config, key)}: "
+                    "the data position would not carry over"
+                )
+        self.model_io.load(path)
+        self.optimizer.load_full_state(load_file(str(path / OPTIMIZER_FILE)))
+        return int(state["step"])
+
+    # -- the loop
+
+    def fit(self, start_step: int = 0) -> list[dict[str, Any]]:
+        """Steps `start_step + 1 .. config.steps`, with metrics, progress bar, checkpoints (every
+        `checkpoint_every` steps and at the last) and the loss plot; returns the records of the steps run."""
+        cfg = self.config
+        main = self.parallel.is_main
+        log = MetricsLog(self.run_dir, resume_step=start_step) if main else None
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start_step, disable=not main, unit="step", dynamic_ncols=True)
+        records = []
+        try:
+            for step in range(start_step + 1, cfg.steps + 1):
+                record = self.train_step(step)
+                records.append(record)
+                if main:
+                    log.write(record)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                    if step % cfg.log_every == 0 or step == cfg.steps:
+                        bar.write(_log_line(record))
+                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
+                    self.save(step)
+        finally:
+            bar.close()
+            if log is not None:
+                log.close()
+        if main:
+            plot_loss(log.path, self.run_dir / LOSS_PNG, title=self.run_info.get("title", ""))
+        return records
+
+
+def _log_line(r: dict[str, Any]) -> str:
+    mtp = "" if r["mtp_loss"] is None else f" mtp {r['mtp_loss']:.4f}"
+    imb = r["expert_load_max_over_mean"]
+    worst = f" load max/mean <= {max(imb.values()):.2f}" if imb else ""
+    return (
+        f"step {r['step']:>5} loss {r['loss']:.4f}{mtp} lr {r['lr']:.2e} grad_norm {r['grad_norm']:.3f} "
+        f"{r['tokens_per_s']:.0f} tok/s{worst}"
+    )

@@ -1,0 +1,284 @@
+"""End to end: examples/deepseek_v3/train.py and evaluate.py on tiny's model with a short batch.
+
+- EP2 x DP2 (4 processes) reproduces the one-process losses step by step.
+- --resume continues bit-exactly; a checkpoint of one layout resumes in another.
+- The router-bias update moves the expert load towards balance.
+- Bad configs and flags fail with a clear message before any process group exists.
+- evaluate.py's JSON line matches a plain-PyTorch cross-entropy of the model's logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import stat
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, read_model_dir
+from moe.train import checkpoint as ckpt
+from moe.train.config import TrainingConfig
+from moe.train.data import TokenBatches, prepare_tokens
+from moe.train.metrics import read_metrics
+from moe.train.parallel import ParallelState
+from moe.train.trainer import ModelIO, Trainer
+from mtdeepep.utils.testing import run_processes
+from tests.train import train_cases as tc
+
+train_script = tc.load_script("train")
+evaluate_script = tc.load_script("evaluate")
+
+
+@pytest.fixture(scope="module")
+def corpus_and_cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    return tc.write_corpus(root / "corpus"), root / "cache"
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory, corpus_and_cache):
+    """tiny's model, 8 steps of 8 x 32 tokens in 2 micro-batches per rank, AdamW eps 1e-6 (see the EP test)."""
+    corpus, cache = corpus_and_cache
+    return tc.make_config(tmp_path_factory.mktemp("cfg") / "test.toml", corpus, cache, training={"eps": 1e-6})
+
+
+@pytest.fixture(autouse=True)
+def _keep_umask():
+    old = os.umask(0o022)
+    os.umask(old)
+    yield
+    os.umask(old)
+
+
+def _run(argv, nproc=1, timeout_s=300):
+    return run_processes(tc.torchrun_rank, nproc, (argv,), timeout_s=timeout_s)
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory, config):
+    """8 steps in one process (checkpoints at 4 and 8)."""
+    run_dir = tmp_path_factory.mktemp("run1") / "run"
+    _run(["--config", str(config), "--out", str(run_dir), "--seed", "7"])
+    return run_dir
+
+
+def _records(run_dir):
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def test_run_outputs(one_process_run):
+    run_dir = one_process_run
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for r in records:
+        assert {"loss", "lr", "grad_norm", "mtp_loss", "tokens_per_s", "expert_load_max_over_mean"} <= set(r)
+        assert len(r["expert_load_max_over_mean"]) == 4  # layers 1-3 and the MTP block are MoE
+        assert all(v >= 1.0 for v in r["expert_load_max_over_mean"].values())
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5  # it learns (lr 3e-3 on a repetitive corpus)
+    assert records[0]["loss"] == pytest.approx(np.log(512), abs=0.3)  # starts near uniform over the vocabulary
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["layout"] == {"world": 1, "dp": 1, "tp": 1, "pp": 1, "ep": 1, "expert_dp": 1, "schedule": "1f1b",
+                              "fp8": "none", "dtype": "float32"}  # fmt: skip
+    assert info["config"]["model"]["n_routed_experts"] == 8 and info["config"]["training"]["steps"] == 8
+    assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [4, 8]
+    assert ckpt.latest_checkpoint(run_dir).name == "step_8"
+    step8 = run_dir / "checkpoints" / "step_8"
+    assert {"model.safetensors", "config.json", "optimizer.safetensors", "trainer_state.json", "tokenizer.json"} <= {
+        p.name for p in step8.iterdir()
+    }
+    assert json.loads((step8 / "trainer_state.json").read_text())["data"]["next_step"] == 9
+    for path in [run_dir, *run_dir.rglob("*")]:  # nothing for group or others
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
+
+
+def test_ep2_dp2_matches_one_process(tmp_path, config, one_process_run):
+    run_dir = tmp_path / "ep2"
+    _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", "--ep", "2"], nproc=4)
+    info = json.loads((run_dir / "run.json").read_text())
+    assert (info["layout"]["world"], info["layout"]["dp"], info["layout"]["ep"], info["layout"]["expert_dp"]) == (
+        4, 4, 2, 2
+    )  # fmt: skip
+    ref, got = _records(one_process_run), _records(run_dir)
+    assert len(got) == len(ref) == 8
+    # FP32 throughout; the layouts differ only in the order of reductions (micro-batch shapes in the GEMMs, the
+    # gradient all-reduce, the combine's FP32 sums): gradients agree to ~1e-7 of each tensor's largest element.
+    # AdamW divides every element by its own RMS (+ eps), so on elements whose gradient is near 0 that absolute
+    # noise becomes a relative one: with eps 1e-8, adding 1e-7 * max|g| Gaussian noise to the gradients of a single
+    # process moves its step-2 loss by 3e-5 relative (measured), the size of the EP2 x DP2 difference. With eps 1e-6
+    # the same noise moves the losses by < 2e-7, so this test uses eps 1e-6 and holds the layouts to 1e-5.
+    for a, b in zip(ref, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a["step"], a["loss"], b["loss"])
+        assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        for name, v in a["expert_load_max_over_mean"].items():
+            assert b["expert_load_max_over_mean"][name] == pytest.approx(v, rel=1e-6)  # the same routing
+    # Final weights (every expert, gathered): 8 steps of up to lr 3e-3 each; measured 2e-6 apart at most.
+    final_ref = load_file(str(one_process_run / "checkpoints" / "step_8" / "model.safetensors"))
+    final = load_file(str(run_dir / "checkpoints" / "step_8" / "model.safetensors"))
+    assert final.keys() == final_ref.keys()
+    for key, value in final_ref.items():
+        torch.testing.assert_close(final[key], value, rtol=0, atol=1e-5, msg=key)
+
+
+def test_resume_continues_bit_exactly(tmp_path, config, one_process_run):
+    # A run that stopped after its step-4 checkpoint (the later files lost), then resumed.
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(one_process_run, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_8")
+    ckpt.set_latest(run_dir, 4)
+    _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", "--resume"])
+    ref, got = _records(one_process_run), _records(run_dir)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    for a, b in zip(ref, got):
+        assert (a["loss"], a["grad_norm"], a["mtp_loss"]) == (b["loss"], b["grad_norm"], b["mtp_loss"])
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        ref_t = load_file(str(one_process_run / "checkpoints" / "step_8" / name))
+        got_t = load_file(str(run_dir / "checkpoints" / "step_8" / name))
+        assert ref_t.keys() == got_t.keys() and all(torch.equal(ref_t[k], got_t[k]) for k in ref_t), name
+
+
+def test_checkpoint_resumes_in_another_layout(tmp_path, config, one_process_run):
+    run_dir = tmp_path / "relayout"
+    shutil.copytree(one_process_run, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_8")
+    ckpt.set_latest(run_dir, 4)
+    _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", "--resume", "--ep", "4"], nproc=4)
+    for a, b in zip(_records(one_process_run)[4:], _records(run_dir)[4:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+
+
+def test_finished_run_and_existing_run_dir(capsys, config, one_process_run):
+    # --resume of a finished run has nothing to do; a new run into its directory is refused.
+    assert train_script.main(["--config", str(config), "--out", str(one_process_run), "--seed", "7", "--resume"]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert train_script.main(["--config", str(config), "--out", str(one_process_run)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+
+
+def test_evaluate_matches_plain_cross_entropy(capsys, one_process_run):
+
+    step = one_process_run / "checkpoints" / "step_8"
+    tokens = one_process_run / "val_tokens.npy"
+    assert evaluate_script.main(["--checkpoint", str(step), "--tokens", str(tokens), "--batch-size", "3"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ids = torch.from_numpy(np.load(tokens))
+    assert ids.dtype == torch.int64 and ids.shape == (8, 32)
+    assert result["num_tokens"] == 8 * 31
+    state_dict, config = read_model_dir(step)
+    model = DeepseekV3ForCausalLM(config)
+    model.load_full_state_dict(state_dict)
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids).logits.double()
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), ids[:, 1:].reshape(-1)).item()
+    # FP32 logits; the per-position losses are summed in FP32 in chunks of 3 sequences, then in float64.
+    assert result["loss"] == pytest.approx(expected, rel=1e-5)
+    assert result["loss"] < np.log(512)
+
+
+@pytest.mark.parametrize(
+    "array, message",
+    [(np.zeros((2, 5), dtype=np.float32), "integer token ids"), (np.full((2, 5), 512), "outside the vocabulary"),
+     (np.zeros(5, dtype=np.int64), r"\[B, S\] array")],
+)  # fmt: skip
+def test_evaluate_rejects_bad_tokens(tmp_path, capsys, one_process_run, array, message):
+    np.save(tmp_path / "t.npy", array)
+    step = one_process_run / "checkpoints" / "step_8"
+    assert evaluate_script.main(["--checkpoint", str(step), "--tokens", str(tmp_path / "t.npy")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("evaluate.py: error:") and re.search(message, err), err
+
+
+def _bias_run(tmp_path, corpus_and_cache, speed):
+    """30 steps from a skewed start: every MoE layer's bias favours experts 0 and 2 (groups 0 and 1), so every token
+    picks those two. The weights barely move (lr 1e-8): only the bias update can change the routing."""
+    corpus, cache = corpus_and_cache
+    path = tc.make_config(tmp_path / f"b{speed}.toml", corpus, cache, model={"bias_update_speed": speed},
+                          training={"steps": 30, "lr": 1e-8, "min_lr": 0.0, "warmup_steps": 0})  # fmt: skip
+    model_cfg, train_cfg = DeepseekV3Config.from_toml(path), TrainingConfig.from_toml(path)
+    data = prepare_tokens(train_cfg.data, model_cfg.vocab_size)
+    batches = TokenBatches(data.tokens, seq_len=32, global_batch=8, val_sequences=8, seed=0)
+    model = DeepseekV3ForCausalLM(model_cfg)
+    model.init_weights(0)
+    for layer in model.moe_layers():
+        layer.router.expert_bias.bias[[0, 2]] = 0.3
+    io = ModelIO(model.full_state_dict, lambda p, sd: None, lambda p: None)
+    trainer = Trainer(model, train_cfg, ParallelState.single(), batches, tmp_path, seed=0, model_io=io,
+                      mtp_loss_weight=model_cfg.mtp_loss_weight, num_mtp=1)  # fmt: skip
+    return [max(trainer.train_step(s)["expert_load_max_over_mean"].values()) for s in range(1, 31)]
+
+
+def test_bias_update_balances_the_expert_load(tmp_path, corpus_and_cache):
+    balanced = _bias_run(tmp_path, corpus_and_cache, 0.01)
+    frozen = _bias_run(tmp_path, corpus_and_cache, 0.0)
+    # Worst MoE layer's max/mean routed tokens per expert: 4.0 = two experts take every token (8 experts, top-2).
+    assert balanced[0] == frozen[0] == 4.0
+    assert min(frozen) > 3.9  # without updates the skew stays (a rare token may score past the +0.3)
+    # The biases close their 0.3 gap at 0.02 per step (about 15 steps); after that the worst layer's load hovers
+    # around 2 (this corpus repeats few words, so tokens come in clumps; measured 1.7-2.7 over steps 21-30).
+    assert np.mean(balanced[:5]) > 3.8 and np.mean(balanced[-10:]) < 2.6, balanced
+    assert np.mean(balanced[10:20]) > np.mean(balanced[-10:])  # it keeps falling while the gap closes
+
+
+@pytest.mark.parametrize(
+    "model, training, data, flags, world, message",
+    [
+        ({}, {}, {}, ["--ep", "3"], 3, "n_routed_experts=8 is not divisible by --ep 3"),
+        ({"num_experts_per_tok": 5}, {}, {}, [], 1, "num_experts_per_tok=5 exceeds the 4 experts"),
+        ({}, {}, {"corpus": "/nonexistent/corpus"}, [], 4, "directory /nonexistent/corpus does not exist"),
+        ({}, {}, {}, ["--tp", "2"], 4, "--tp 2: tensor parallelism arrives with the next issue"),
+        ({}, {}, {}, ["--pp", "2"], 4, "--pp 2: pipeline parallelism arrives with the next issue"),
+        ({}, {}, {}, ["--fp8", "blockwise"], 4, "FP8 training arrives with the next issue"),
+        ({}, {"global_batch": 12, "micro_batches": 2}, {}, [], 4, "not divisible by dp \\* micro_batches"),
+        ({}, {"seq_len": 1024}, {}, [], 1, "exceeds max_position_embeddings=512"),
+    ],
+)
+def test_bad_configs_fail_before_any_process_group(tmp_path, monkeypatch, capsys, corpus_and_cache, model, training,
+                                                   data, flags, world, message):  # fmt: skip
+    corpus, cache = corpus_and_cache
+    path = tc.make_config(tmp_path / "bad.toml", corpus, cache, model=model, training=training, data=data)
+    # torchrun's environment with nobody at the rendezvous: any process-group work would hang, not fail fast.
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "9")
+    code = train_script.main(["--config", str(path), "--out", str(tmp_path / "run"), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("train.py: error:"), err
+    assert re.search(message, err), err
+    assert not dist.is_initialized() and not (tmp_path / "run").exists()
+
+
+def test_init_starts_from_a_model_directory(tmp_path, config, one_process_run):
+
+    step4 = one_process_run / "checkpoints" / "step_4"
+    run_dir = tmp_path / "init"
+    _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", "--init", str(step4), "--steps", "1"])
+    got = _records(run_dir)[0]["loss"]
+    # The first step's loss is that of step 4's weights on the run's first global batch.
+    state_dict, model_cfg = read_model_dir(step4)
+    model = DeepseekV3ForCausalLM(model_cfg)
+    model.load_full_state_dict(state_dict)
+    train_cfg = TrainingConfig.from_toml(config)
+    data = prepare_tokens(train_cfg.data, model_cfg.vocab_size)
+    batch = TokenBatches(data.tokens, seq_len=32, global_batch=8, val_sequences=8, seed=7).global_batch_tokens(1)
+    with torch.no_grad():
+        out = model(batch, labels=batch)
+    assert got == pytest.approx(float(out.lm_loss_sum / out.num_tokens), rel=1e-5)
+    assert got < _records(one_process_run)[0]["loss"] - 0.3
+
+
+def test_init_with_another_model_is_refused(tmp_path, capsys, corpus_and_cache, one_process_run):
+    corpus, cache = corpus_and_cache
+    path = tc.make_config(tmp_path / "wide.toml", corpus, cache, model={"moe_intermediate_size": 256})
+    step4 = one_process_run / "checkpoints" / "step_4"
+    assert train_script.main(["--config", str(path), "--out", str(tmp_path / "run"), "--init", str(step4)]) == 2
+    assert "moe_intermediate_size" in capsys.readouterr().err

@@ -1,0 +1,100 @@
+"""Helpers of the end-to-end training tests: test configs (tiny's model, a short batch, a small synthetic corpus)
+and the target that runs examples/deepseek_v3/train.py as one rank of a torchrun-like job."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import tomllib
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "deepseek_v3" / "configs" / "tiny.toml"
+WORDS = [
+    "def", "return", "self", "import", "class", "for", "in", "if", "else", "value", "items", "(", ")", ":", "=",
+    "while", "try", "except", "None", "True", "False", "x", "y", "0", "1", "+", "-", "*",
+]  # fmt: skip
+
+
+def load_script(name: str):
+    """examples/deepseek_v3/<name>.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"dsv3_{name}", ROOT / "examples" / "deepseek_v3" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_corpus(root: Path, num_files: int = 24, lines: int = 300, seed: int = 0) -> Path:
+    """Python-looking text with structure a tiny model can learn (repeated idioms), deterministic."""
+    rng = random.Random(seed)
+    idioms = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 10))) for _ in range(40)]
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(num_files):
+        body = [f"{' ' * 4 * rng.randint(0, 2)}{rng.choice(idioms)}" for _ in range(lines)]
+        (root / f"m{i:03d}.py").write_text("\n".join(body) + "\n")
+    return root
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"no TOML for {v!r}")
+
+
+def dump_toml(doc: dict[str, Any], prefix: str = "") -> str:
+    """A TOML document of nested tables of scalars and lists (what our configs hold)."""
+    lines, tables = [], []
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            tables.append((key, value))
+        elif value is not None:
+            lines.append(f"{key} = {_toml_value(value)}")
+    out = ("\n".join(lines) + "\n") if lines else ""
+    for key, table in tables:
+        name = f"{prefix}{key}"
+        out += f"\n[{name}]\n" + dump_toml(table, name + ".")
+    return out
+
+
+def make_config(path: Path, corpus: Path, cache: Path, *, model: dict | None = None, training: dict | None = None,
+                data: dict | None = None) -> Path:  # fmt: skip
+    """tiny's [model] (with `model` changes) and a short [training] table (with `training` changes) at `path`."""
+    with TINY.open("rb") as f:
+        doc = tomllib.load(f)
+    doc["model"].update(model or {})
+    doc["training"] = {
+        "steps": 8, "global_batch": 8, "micro_batches": 2, "seq_len": 32, "lr": 3e-3, "min_lr": 3e-4,
+        "warmup_steps": 2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "clip_grad": 1.0,
+        "dtype": "float32", "checkpoint_every": 4, "log_every": 4,
+        **(training or {}),
+        "data": {"corpus": str(corpus), "tokenizer": "bpe", "val_sequences": 8, "cache_dir": str(cache),
+                 **(data or {})},
+    }  # fmt: skip
+    path.write_text(dump_toml(doc))
+    return path
+
+
+def torchrun_rank(proc, argv: list[str]) -> int:
+    """One rank of `train.py argv` with torchrun's environment (rendezvous on the launcher's port)."""
+    os.environ.update(
+        RANK=str(proc.rank), LOCAL_RANK=str(proc.rank), WORLD_SIZE=str(proc.num_processes),
+        LOCAL_WORLD_SIZE=str(proc.num_processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(proc.port),
+        GLOO_SOCKET_IFNAME="lo", MTDEEPEP_TIMEOUT_S="60",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    sys.argv = ["train.py", *argv]
+    code = load_script("train").main(argv)
+    if code != 0:
+        raise RuntimeError(f"train.py exited with {code}")
+    return code
