@@ -2,12 +2,11 @@
 
 Results must be bit-identical: recompute rebuilds saved tensors with the same operations on the same inputs.
 Peak memory is the process's resident-set peak during forward + backward of a stack of MoE layers
-(`moe.memory.peak_memory_bytes`), each level measured in the same process, interleaved, median of 3.
+(`moe.memory.peak_memory_bytes`), each level measured in the same process, interleaved,
+after a warm-up round, least of 3.
 """
 
 from __future__ import annotations
-
-import statistics
 
 import pytest
 import torch
@@ -150,11 +149,14 @@ def test_recompute_lowers_measured_peak_memory():
         return work
 
     peaks = {name: [] for name in stacks}
-    for _ in range(3):
+    for round_index in range(4):
         for name, stack in stacks.items():
             stack.zero_grad(set_to_none=False)  # keep the gradient buffers allocated between runs
-            peaks[name].append(peak_memory_bytes(step(stack)))
-    peak = {name: statistics.median(values) / 2**20 for name, values in peaks.items()}
+            measured = peak_memory_bytes(step(stack))
+            if round_index > 0:  # round 0 warms the allocator and the gradient buffers up
+                peaks[name].append(measured)
+    # Noise (allocator arenas, pages not yet returned) only adds to a peak, so the least of 3 is the estimate.
+    peak = {name: min(values) / 2**20 for name, values in peaks.items()}
     mib = ", ".join(f"{name} {value:.1f}" for name, value in peak.items())
     assert peak["full"] < peak["medium"] < peak["light"] < peak["None"], f"peak MiB: {mib}"
     assert peak["adaptive"] < peak["light"], f"peak MiB: {mib}"
