@@ -1,15 +1,17 @@
 """The parallel layout of a run: `Layout` (checked before any process group exists) and `ParallelState` (the
 process groups, built once from torch.distributed and passed explicitly: no module globals).
 
-Megatron's MoE parallel folding: the attention and dense layers use the ranks as PP x DP x TP, the MoE layers refold
-the same ranks as PP x EDP x EP (x ETP), with EP x EDP = DP x TP, so expert parallelism spans data-parallel ranks.
-This release runs TP = PP = 1 (tensor and pipeline parallelism and FP8 arrive with the next issues; `Layout` refuses
-them with a message that says so). With W ranks:
-- dense parameters are replicated over the DP group (all W ranks) and their gradients are summed over it;
-- each EP group (`ep` consecutive ranks) holds one copy of all experts, rank i of the group the experts
-  `[i*E/ep, (i+1)*E/ep)`; the ranks holding the same experts form the expert-data-parallel group (EDP,
-  W / ep ranks, strided), over which the expert gradients are summed;
-- every rank sees different sequences, so batch statistics (token counts, router load) are summed over DP.
+Megatron-core's MoE parallel folding. The attention and dense layers see the W ranks as PP x DP x TP (TP fastest,
+so a tensor-parallel group is consecutive ranks); the MoE layers refold the same ranks of one pipeline stage as
+EDP x EP x ETP (ETP fastest), with EDP x EP x ETP = DP x TP. Expert parallelism may therefore span tensor-parallel
+ranks (W = 4, TP 2, EP 4: every rank holds a quarter of the experts). With W ranks:
+- a dense parameter is sharded over its TP group (column / row parallel) or replicated there (norms, router), and
+  replicated over the DP group, over which its gradient is summed;
+- each EP group holds one copy of all experts, rank i of the group the experts `[i*E/ep, (i+1)*E/ep)`, each split
+  over ETP ranks along the FFN dimension; the ranks holding the same expert shard form the expert-data-parallel
+  group (EDP), over which the expert gradients are summed;
+- with TP > 1 sequence parallelism is on (as Megatron-core requires for MoE with TP): outside the TP regions every
+  TP rank holds 1/TP of the sequence, and the MoE layer routes and dispatches those local tokens.
 """
 
 from __future__ import annotations
@@ -23,25 +25,27 @@ import torch.distributed as dist
 
 PP_SCHEDULES = ("1f1b", "zbh1", "dualpipev")
 FP8_RECIPES = ("none", "delayed", "blockwise")
+BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda", "mccl": "musa"}
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How `world` ranks are split. `dp = world / (tp * pp)`, `expert_dp = dp * tp / ep`.
+    """How `world` ranks are split: `dp = world / (tp * pp)`, `expert_dp = dp * tp / (ep * etp)`.
 
-    Raises ValueError (from `check`) for an impossible split, and for values that later issues bring
-    (tp > 1, pp > 1, fp8 other than 'none').
+    `check` (run on construction) raises one ValueError listing the sizes and every rule the split breaks; pipeline
+    parallelism (pp > 1) arrives with the next issue and is refused with a message that says so.
     """
 
     world: int = 1
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int = 1
     pp_schedule: str = "1f1b"
     fp8: str = "none"
 
     def __post_init__(self) -> None:
-        for name in ("world", "tp", "pp", "ep"):
+        for name in ("world", "tp", "pp", "ep", "etp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -49,19 +53,21 @@ class Layout:
             raise ValueError(f"pipeline schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")
         if self.fp8 not in FP8_RECIPES:
             raise ValueError(f"fp8 must be one of {FP8_RECIPES}, got {self.fp8!r}")
-        if self.tp > 1:
-            raise ValueError(f"--tp {self.tp}: tensor parallelism arrives with the next issue; only --tp 1 runs now")
         if self.pp > 1:
             raise ValueError(f"--pp {self.pp}: pipeline parallelism arrives with the next issue; only --pp 1 runs now")
-        if self.fp8 != "none":
-            raise ValueError(f"--fp8 {self.fp8}: FP8 training arrives with the next issue; only --fp8 none runs now")
+        broken = []
         if self.world % (self.tp * self.pp):
-            raise ValueError(f"world size {self.world} is not divisible by tp * pp = {self.tp * self.pp}")
-        if (self.dp * self.tp) % self.ep:
-            raise ValueError(
-                f"--ep {self.ep} must divide dp * tp = {self.dp * self.tp} (the ranks of one pipeline stage; "
-                f"world {self.world}, tp {self.tp}, pp {self.pp})"
-            )
+            broken.append(f"world must be divisible by tp * pp = {self.tp * self.pp}")
+        else:
+            stage_ranks = self.world // self.pp  # = dp * tp
+            if stage_ranks % (self.ep * self.etp):
+                broken.append(
+                    f"ep * etp = {self.ep * self.etp} must divide dp * tp = {stage_ranks} (MoE parallel folding: the "
+                    f"expert layers refold the dp x tp ranks of a pipeline stage as edp x ep x etp)"
+                )
+        if broken:
+            sizes = f"world {self.world}, tp {self.tp}, pp {self.pp}, ep {self.ep}, etp {self.etp}"
+            raise ValueError(f"invalid parallel layout ({sizes}): " + "; ".join(broken))
 
     @property
     def dp(self) -> int:
@@ -69,7 +75,12 @@ class Layout:
 
     @property
     def expert_dp(self) -> int:
-        return self.dp * self.tp // self.ep
+        return self.dp * self.tp // (self.ep * self.etp)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """On whenever tp > 1 (see the module docstring)."""
+        return self.tp > 1
 
     def check_batch(self, global_batch: int, micro_batches: int) -> None:
         """The global batch must split into `micro_batches` equal micro-batches on each of the dp ranks."""
@@ -84,7 +95,7 @@ class Layout:
             raise ValueError(f"n_routed_experts={num_experts} is not divisible by --ep {self.ep}")
 
     def to_dict(self) -> dict[str, object]:
-        """The resolved layout for run.json: world, dp, tp, pp, ep, expert_dp, schedule, fp8."""
+        """The resolved layout for run.json: world, dp, tp, pp, ep, etp, expert_dp, schedule, fp8."""
         d = asdict(self)
         schedule = d.pop("pp_schedule")
         return {**d, "dp": self.dp, "expert_dp": self.expert_dp, "schedule": schedule}
@@ -101,11 +112,11 @@ def env_local_rank() -> int:
 
 @dataclass
 class ParallelState:
-    """The process groups of one rank. Groups of one rank are None (no communication), so the MoE layers and
-    the collectives here take the single-process paths.
+    """The process groups of one rank. Groups of one rank are None (no communication), so the layers and the
+    collectives take their single-process paths.
 
-    mesh: the dense mesh `("pp", "dp", "tp")`; expert_mesh: `("pp", "edp", "ep")` over the same ranks (None in a
-        single process).
+    mesh: the dense mesh `("pp", "dp", "tp")`; expert_mesh: `("pp", "edp", "ep", "etp")` over the same ranks (both
+        None in a single process).
     """
 
     layout: Layout
@@ -122,7 +133,10 @@ class ParallelState:
     @classmethod
     def initialize(cls, layout: Layout, *, backend: str = "gloo", timeout_s: float = 600.0) -> ParallelState:
         """Joins the torchrun job (env:// rendezvous) when `layout.world > 1` and builds the meshes; a single
-        process otherwise. The process group's own waits are bounded by `timeout_s`."""
+        process otherwise. The process group's own waits are bounded by `timeout_s`. Backends: gloo (CPU), nccl
+        (CUDA), mccl (MUSA)."""
+        if backend not in BACKEND_DEVICES:
+            raise ValueError(f"backend must be one of {sorted(BACKEND_DEVICES)}, got {backend!r}")
         if layout.world == 1:
             return cls.single()
         if not dist.is_initialized():
@@ -131,23 +145,30 @@ class ParallelState:
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
         elif dist.get_world_size() != layout.world:
             raise ValueError(f"layout for {layout.world} ranks, but the process group has {dist.get_world_size()}")
-        return cls.from_process_group(layout)
+        return cls.from_process_group(layout, device_type=BACKEND_DEVICES[backend])
 
     @classmethod
-    def from_process_group(cls, layout: Layout) -> ParallelState:
+    def from_process_group(cls, layout: Layout, device_type: str = "cpu") -> ParallelState:
         """The meshes over the initialised default process group (collective: every rank calls it)."""
         from torch.distributed.device_mesh import DeviceMesh
 
+        if dist.get_world_size() != layout.world:
+            raise ValueError(f"layout for {layout.world} ranks, but the process group has {dist.get_world_size()}")
         ranks = torch.arange(layout.world)
-        mesh = DeviceMesh("cpu", ranks.view(layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+        mesh = DeviceMesh(device_type, ranks.view(layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
         expert_mesh = DeviceMesh(
-            "cpu", ranks.view(layout.pp, layout.expert_dp, layout.ep), mesh_dim_names=("pp", "edp", "ep")
+            device_type,
+            ranks.view(layout.pp, layout.expert_dp, layout.ep, layout.etp),
+            mesh_dim_names=("pp", "edp", "ep", "etp"),
         )
         state = cls(layout, dist.get_rank(), mesh, expert_mesh)
         state._groups = {
             "dp": _group(mesh, "dp"),
+            "tp": _group(mesh, "tp"),
             "ep": _group(expert_mesh, "ep"),
+            "etp": _group(expert_mesh, "etp"),
             "edp": _group(expert_mesh, "edp"),
+            "dp_tp": _stage_group(layout),
         }
         return state
 
@@ -155,9 +176,15 @@ class ParallelState:
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
-        """Ranks whose routers see different sequences and hold the same dense weights: gradients of the dense
-        parameters, token counts and expert loads are summed over it."""
+        """Ranks that see different sequences and hold the same dense weights (the same TP shard): gradients of
+        the dense parameters, token counts and expert loads are summed over it."""
         return self._groups.get("dp")
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """Ranks that split the dense layers' weights (column / row parallel) and, with sequence parallelism, the
+        sequence outside those layers."""
+        return self._groups.get("tp")
 
     @property
     def ep_group(self) -> dist.ProcessGroup | None:
@@ -165,17 +192,44 @@ class ParallelState:
         return self._groups.get("ep")
 
     @property
+    def etp_group(self) -> dist.ProcessGroup | None:
+        """Ranks that split each local expert along its FFN dimension."""
+        return self._groups.get("etp")
+
+    @property
     def expert_dp_group(self) -> dist.ProcessGroup | None:
-        """Ranks holding the same experts: the expert gradients are summed over it."""
+        """Ranks holding the same expert shard: the expert gradients are summed over it."""
         return self._groups.get("edp")
 
     @property
+    def token_group(self) -> dist.ProcessGroup | None:
+        """The dp x tp ranks of this pipeline stage: every rank's router sees different tokens (other sequences,
+        or with sequence parallelism another part of the sequence), so expert loads and token counts are summed
+        over it (e.g. for the expert-bias update)."""
+        return self._groups.get("dp_tp")
+
+    def _local_rank(self, mesh, name: str) -> int:
+        return 0 if mesh is None else mesh.get_local_rank(name)
+
+    @property
     def dp_rank(self) -> int:
-        return 0 if self.mesh is None else self.mesh.get_local_rank("dp")
+        return self._local_rank(self.mesh, "dp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self._local_rank(self.mesh, "tp")
 
     @property
     def ep_rank(self) -> int:
-        return 0 if self.expert_mesh is None else self.expert_mesh.get_local_rank("ep")
+        return self._local_rank(self.expert_mesh, "ep")
+
+    @property
+    def etp_rank(self) -> int:
+        return self._local_rank(self.expert_mesh, "etp")
+
+    @property
+    def expert_dp_rank(self) -> int:
+        return self._local_rank(self.expert_mesh, "edp")
 
     @property
     def is_main(self) -> bool:
@@ -189,6 +243,22 @@ class ParallelState:
     def destroy(self) -> None:
         if self.layout.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _stage_group(layout: Layout) -> dist.ProcessGroup | None:
+    """The group of this rank's pipeline stage (dp x tp ranks); `new_group` is collective: every rank creates
+    every stage's group."""
+    stage_size = layout.dp * layout.tp
+    if stage_size == 1:
+        return None
+    if layout.pp == 1:
+        return dist.group.WORLD
+    mine = None
+    for stage in range(layout.pp):
+        group = dist.new_group(list(range(stage * stage_size, (stage + 1) * stage_size)))
+        if dist.get_rank() // stage_size == stage:
+            mine = group
+    return mine
 
 
 def _group(mesh, name: str) -> dist.ProcessGroup | None:

@@ -11,11 +11,13 @@ from moe.train.parallel import Layout, ParallelState
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"world": 4, "tp": 2}, "--tp 2: tensor parallelism arrives with the next issue"),
         ({"world": 4, "pp": 2}, "--pp 2: pipeline parallelism arrives with the next issue"),
-        ({"world": 4, "fp8": "blockwise"}, "--fp8 blockwise: FP8 training arrives with the next issue"),
-        ({"world": 4, "ep": 3}, "--ep 3 must divide"),
-        ({"world": 2, "ep": 4}, "--ep 4 must divide"),
+        ({"world": 4, "fp8": "fp4"}, "fp8 must be one of"),
+        ({"world": 4, "ep": 3}, r"world 4, tp 1, pp 1, ep 3, etp 1\): ep \* etp = 3 must divide dp \* tp = 4"),
+        ({"world": 2, "ep": 4}, "ep \\* etp = 4 must divide dp \\* tp = 2"),
+        ({"world": 6, "tp": 4}, r"\(world 6, tp 4, pp 1, ep 1, etp 1\): world must be divisible by tp \* pp = 4"),
+        ({"world": 8, "tp": 2, "ep": 4, "etp": 4}, "ep \\* etp = 16 must divide dp \\* tp = 8 \\(MoE parallel folding"),
+        ({"world": 4, "etp": 0}, "etp must be a positive int"),
         ({"world": 0}, "world must be a positive int"),
         ({"world": 4, "pp_schedule": "gpipe"}, "pipeline schedule"),
     ],
@@ -28,8 +30,11 @@ def test_layout_refuses(kwargs, message):
 def test_layout_sizes_and_checks():
     layout = Layout(world=4, ep=2)
     assert (layout.dp, layout.expert_dp) == (4, 2)
-    assert layout.to_dict() == {"world": 4, "tp": 1, "pp": 1, "ep": 2, "fp8": "none", "dp": 4, "expert_dp": 2,
-                                "schedule": "1f1b"}  # fmt: skip
+    assert layout.to_dict() == {"world": 4, "tp": 1, "pp": 1, "ep": 2, "etp": 1, "fp8": "none", "dp": 4,
+                                "expert_dp": 2, "schedule": "1f1b"}  # fmt: skip
+    folded = Layout(world=8, tp=2, ep=4)  # EP spans the TP pairs: 8 = edp 2 x ep 4
+    assert (folded.dp, folded.expert_dp, folded.sequence_parallel) == (4, 2, True)
+    assert Layout(world=8, tp=4, ep=2, etp=2).expert_dp == 2
     layout.check_batch(16, 4)
     with pytest.raises(ValueError, match="dp \\* micro_batches"):
         layout.check_batch(8, 4)
@@ -44,8 +49,8 @@ def test_single_process_state():
     assert (state.dp_rank, state.ep_rank, state.is_main) == (0, 0, True)
 
 
-def _groups_case(ctx, ep):
-    state = ParallelState.from_process_group(Layout(world=ctx.world_size, ep=ep))
+def _groups_case(ctx, ep, tp=1, etp=1):
+    state = ParallelState.from_process_group(Layout(world=ctx.world_size, ep=ep, tp=tp, etp=etp))
 
     def members(group):
         return None if group is None else dist.get_process_group_ranks(group)
@@ -54,6 +59,10 @@ def _groups_case(ctx, ep):
         "dp": members(state.dp_group),
         "ep": members(state.ep_group),
         "edp": members(state.expert_dp_group),
+        "tp": members(state.tp_group),
+        "etp": members(state.etp_group),
+        "tokens": members(state.token_group),
+        "ranks": (state.dp_rank, state.tp_rank, state.ep_rank, state.etp_rank, state.expert_dp_rank),
         "dp_rank": state.dp_rank,
         "ep_rank": state.ep_rank,
     }
@@ -68,3 +77,25 @@ def test_groups_on_four_ranks(rank_pools, ep):
         assert r["ep"] == (None if ep == 1 else list(range(first, first + ep)))
         assert r["ep_rank"] == rank % ep
         assert r["edp"] == (None if ep == 4 else list(range(rank % ep, 4, ep)))
+
+
+@pytest.mark.parametrize(
+    "tp, ep, etp, expected",
+    [
+        # Megatron-core's orders: dense tp fastest then dp; experts etp fastest, then ep, then edp.
+        (2, 1, 1, {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]], "ep": None, "etp": None, "edp": [[0, 1, 2, 3]]}),
+        (2, 2, 1, {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]], "ep": [[0, 1], [2, 3]], "etp": None,
+                   "edp": [[0, 2], [1, 3]]}),
+        (2, 4, 1, {"tp": [[0, 1], [2, 3]], "dp": [[0, 2], [1, 3]], "ep": [[0, 1, 2, 3]], "etp": None, "edp": None}),
+        (1, 2, 2, {"tp": None, "dp": [[0, 1, 2, 3]], "ep": [[0, 2], [1, 3]], "etp": [[0, 1], [2, 3]], "edp": None}),
+        (4, 1, 2, {"tp": [[0, 1, 2, 3]], "dp": None, "ep": None, "etp": [[0, 1], [2, 3]], "edp": [[0, 2], [1, 3]]}),
+    ],
+)  # fmt: skip
+def test_folded_groups_on_four_ranks(rank_pools, tp, ep, etp, expected):
+    """MoE parallel folding: the expert groups refold the dp x tp ranks (EP may span TP ranks)."""
+    results = rank_pools[4].run(_groups_case, ep, tp, etp)
+    for rank, r in enumerate(results):
+        for name, groups in expected.items():
+            mine = None if groups is None else next(g for g in groups if rank in g)
+            assert r[name] == mine, (rank, name, r[name], mine)
+        assert r["tokens"] == [0, 1, 2, 3]  # every rank's router sees other tokens

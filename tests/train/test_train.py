@@ -84,7 +84,7 @@ def test_run_outputs(one_process_run):
     assert records[-1]["loss"] < records[0]["loss"] - 0.5  # it learns (lr 3e-3 on a repetitive corpus)
     assert records[0]["loss"] == pytest.approx(np.log(512), abs=0.3)  # starts near uniform over the vocabulary
     info = json.loads((run_dir / "run.json").read_text())
-    assert info["layout"] == {"world": 1, "dp": 1, "tp": 1, "pp": 1, "ep": 1, "expert_dp": 1, "schedule": "1f1b",
+    assert info["layout"] == {"world": 1, "dp": 1, "tp": 1, "pp": 1, "ep": 1, "etp": 1, "expert_dp": 1, "schedule": "1f1b",
                               "fp8": "none", "dtype": "float32"}  # fmt: skip
     assert info["config"]["model"]["n_routed_experts"] == 8 and info["config"]["training"]["steps"] == 8
     assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
@@ -234,9 +234,9 @@ def test_bias_update_balances_the_expert_load(tmp_path, corpus_and_cache):
         ({}, {}, {}, ["--ep", "3"], 3, "n_routed_experts=8 is not divisible by --ep 3"),
         ({"num_experts_per_tok": 5}, {}, {}, [], 1, "num_experts_per_tok=5 exceeds the 4 experts"),
         ({}, {}, {"corpus": "/nonexistent/corpus"}, [], 4, "directory /nonexistent/corpus does not exist"),
-        ({}, {}, {}, ["--tp", "2"], 4, "--tp 2: tensor parallelism arrives with the next issue"),
+        ({}, {}, {}, ["--tp", "2"], 4, "--tp 2: not in the trainer yet"),
         ({}, {}, {}, ["--pp", "2"], 4, "--pp 2: pipeline parallelism arrives with the next issue"),
-        ({}, {}, {}, ["--fp8", "blockwise"], 4, "FP8 training arrives with the next issue"),
+        ({}, {}, {}, ["--fp8", "blockwise"], 4, "--fp8 blockwise: not in the trainer yet"),
         ({}, {"global_batch": 12, "micro_batches": 2}, {}, [], 4, "not divisible by dp \\* micro_batches"),
         ({}, {"seq_len": 1024}, {}, [], 1, "exceeds max_position_embeddings=512"),
     ],
