@@ -103,6 +103,35 @@ def loop_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int]) -> t
     return torch.cat(outs) if outs else x_NK.new_zeros(0, w_LKM.size(2))
 
 
+# CPU BF16/FP16 GEMMs go through oneDNN, which builds (JIT-compiles) a kernel per operand shape and caches it. Expert
+# row counts change with every routing, so without alignment nearly every expert GEMM of a training step has a new
+# shape and pays that build: measured 130-200 GFLOP/s for a 16-expert grouped GEMM forward + backward against
+# ~300 with shapes it has seen. Rounding each expert's rows up to a multiple of 32 (zero rows, sliced off again)
+# bounds the shapes to a few dozen per weight: ~260 GFLOP/s counting only the real rows (bench/train_step.py).
+# FP32 GEMMs (MKL) keep no per-shape state, and CUDA GEMMs none that matters: no alignment there.
+CPU_LOW_PRECISION_ROW_ALIGNMENT = 32
+
+
+def default_row_alignment(device: torch.device, dtype: torch.dtype) -> int:
+    """Rows per expert are padded to a multiple of this before the expert GEMMs (1 = no padding); see above."""
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return CPU_LOW_PRECISION_ROW_ALIGNMENT
+    return 1
+
+
+def aligned_row_positions(counts: list[int], alignment: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """Where each of the `N = sum(counts)` rows (sorted by group) goes when every group is padded to a multiple of
+    `alignment` rows: `(positions [N] int64, padded counts)`."""
+    padded = [align_up(c, alignment) for c in counts]
+    shift, gap = [], 0  # how far each group's rows move: the padding of the groups before it
+    for count, padded_count in zip(counts, padded):
+        shift.append(gap)
+        gap += padded_count - count
+    n = sum(counts)
+    moves = torch.repeat_interleave(torch.tensor(shift), torch.tensor(counts), output_size=n)
+    return (torch.arange(n) + moves).to(device), padded
+
+
 def swiglu(h_N2F: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` with `h = [gate | up]` along the last dimension."""
     gate, up = h_N2F.chunk(2, dim=-1)
@@ -147,6 +176,9 @@ class SwiGLUExperts(nn.Module):
             output and are counted in `last_num_dropped`), or 'loop' (reference).
         padded_factor: for 'padded', the length is `ceil(N / L * padded_factor)` aligned up to `padded_alignment`
             (rows beyond it are dropped); None = the largest expert's count aligned up (dropless).
+        row_alignment: for 'grouped' and 'loop', each expert's rows are padded with zero rows to a multiple of this
+            for the GEMMs (dropless; the padding is sliced off). None = `default_row_alignment` (32 for BF16/FP16
+            on CPU, where oneDNN's per-shape kernels make varying shapes slow; else 1 = none).
     """
 
     def __init__(
@@ -158,6 +190,7 @@ class SwiGLUExperts(nn.Module):
         impl: str = "grouped",
         padded_factor: float | None = None,
         padded_alignment: int = 16,
+        row_alignment: int | None = None,
         init_std: float = 0.02,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
@@ -171,6 +204,9 @@ class SwiGLUExperts(nn.Module):
         self.impl = impl
         self.padded_factor = padded_factor
         self.padded_alignment = padded_alignment
+        if row_alignment is not None and row_alignment < 1:
+            raise ValueError(f"row_alignment must be >= 1 or None, got {row_alignment}")
+        self.row_alignment = row_alignment
         self.init_std = init_std
         L, H, Fh = num_local_experts, hidden_size, ffn_hidden_size
         self.w13 = nn.Parameter(torch.empty(L, H, 2 * Fh, dtype=dtype, device=device))
@@ -215,11 +251,23 @@ class SwiGLUExperts(nn.Module):
         return self.compute(x_NH, counts, self.w13, self.w2, recompute=recompute)
 
     def compute(self, x_NH: torch.Tensor, counts: list[int], w13: torch.Tensor, w2: torch.Tensor, *,
-                recompute: str | None = None) -> torch.Tensor:  # fmt: skip
+                recompute: str | None = None, alignment: int | None = None) -> torch.Tensor:  # fmt: skip
         """SwiGLU experts with the given weights `w13 [G, H, 2F]`, `w2 [G, F, H]` (this module's, or copies of some
         experts', e.g. hot-expert replicas) on `[N, H]` rows sorted by group (`counts`, G entries), with this
-        module's grouped GEMM (`linear`). Returns `[N, H]` in the input dtype."""
+        module's grouped GEMM (`linear`). Returns `[N, H]` in the input dtype.
+
+        `alignment`: each group's rows are padded to a multiple of it for the GEMMs (None: `self.row_alignment`,
+        or when that is None the device/dtype default, `default_row_alignment`)."""
         x_NH = x_NH.to(w13.dtype)
+        if alignment is None:
+            alignment = self.row_alignment or default_row_alignment(x_NH.device, x_NH.dtype)
+        if alignment > 1 and any(c % alignment for c in counts):
+            # Zero rows in the padding: they stay zero through SwiGLU and the GEMMs, so the weight gradients and
+            # the real rows' outputs are what the unpadded GEMMs give (up to the GEMMs' summation order).
+            rows_N, padded = aligned_row_positions(counts, alignment, x_NH.device)
+            x_PH = x_NH.new_zeros(sum(padded), x_NH.size(1)).index_copy(0, rows_N, x_NH)
+            y_PH = self.compute(x_PH, padded, w13, w2, recompute=recompute, alignment=1)
+            return y_PH.index_select(0, rows_N)
         return swiglu_mlp(x_NH, lambda x: self.linear(x, w13, counts), lambda a: self.linear(a, w2, counts), recompute)
 
     def _forward_padded(self, x_NH: torch.Tensor, counts: list[int], recompute: str | None) -> torch.Tensor:

@@ -159,6 +159,7 @@ class Fp8SwiGLUExperts(SwiGLUExperts):
             experts.hidden_size,
             experts.ffn_hidden_size,
             impl=impl,
+            row_alignment=experts.row_alignment,
             init_std=experts.init_std,
             dtype=experts.w13.dtype,
             device=experts.w13.device,

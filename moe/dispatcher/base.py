@@ -108,9 +108,35 @@ def sort_slots_by_expert(topk_idx_TK: torch.Tensor) -> tuple[torch.Tensor, torch
     return slots[order], experts[order]
 
 
+class _WeightedScatterSum(torch.autograd.Function):
+    """The combine's weighted sum with a lean backward: it keeps the rows in their own dtype, the float32 weights
+    and the token ids, where autograd on the plain formula would keep the float32 copy of the rows (twice the bytes
+    of BF16 rows, one per MoE layer until its backward). Values and gradients are the plain formula's, bit for bit
+    (`test_weighted_scatter_sum_matches_autograd_and_keeps_only_the_rows`)."""
+
+    @staticmethod
+    def forward(ctx, rows_MH, weights_M, token_M, num_tokens):
+        ctx.save_for_backward(rows_MH, weights_M, token_M)
+        out = torch.zeros(num_tokens, rows_MH.size(1), dtype=torch.float32, device=rows_MH.device)
+        return out.index_add(0, token_M, rows_MH.float() * weights_M.unsqueeze(1))
+
+    @staticmethod
+    def backward(ctx, grad_TH):
+        rows_MH, weights_M, token_M = ctx.saved_tensors
+        grad_rows = grad_weights = None
+        grad_MH = grad_TH.index_select(0, token_M)
+        if ctx.needs_input_grad[0]:
+            grad_rows = (grad_MH * weights_M.unsqueeze(1)).to(rows_MH.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_weights = (grad_MH * rows_MH.float()).sum(1)
+        return grad_rows, grad_weights, None, None
+
+
 def weighted_scatter_sum(
     rows_MH: torch.Tensor, weights_M: torch.Tensor, token_M: torch.Tensor, num_tokens: int
 ) -> torch.Tensor:
-    """`out[t] = sum over rows m of token t: weights[m] * rows[m]`, in float32: `[num_tokens, H]`."""
-    out = torch.zeros(num_tokens, rows_MH.size(1), dtype=torch.float32, device=rows_MH.device)
-    return out.index_add(0, token_M, rows_MH.float() * weights_M.float().unsqueeze(1))
+    """`out[t] = sum over rows m of token t: weights[m] * rows[m]`, in float32: `[num_tokens, H]`.
+
+    rows `[M, H]` any float dtype, weights `[M]` (used in float32), token `[M]` int64 ids in `[0, num_tokens)`.
+    """
+    return _WeightedScatterSum.apply(rows_MH, weights_M.float(), token_M, num_tokens)

@@ -198,3 +198,32 @@ def test_padded_experts_truncate_and_count_drops():
     assert y[~kept].abs().sum() == 0
     with pytest.raises(ValueError, match="must have 4 entries summing to 16"):
         module(x, [10, 1, 2])
+
+
+def test_aligned_row_positions():
+    positions, padded = experts_mod.aligned_row_positions([5, 0, 9, 2], 4, torch.device("cpu"))
+    assert padded == [8, 0, 12, 4]
+    assert positions.tolist() == [0, 1, 2, 3, 4] + list(range(8, 17)) + [20, 21]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_row_alignment_changes_no_result(dtype):
+    """Padding every expert's rows to a multiple of 8 (zero rows, sliced off) gives the unpadded values and
+    gradients up to the GEMMs' summation order (their blocking depends on the row count)."""
+    counts = [5, 0, 9, 2]
+    gen = torch.Generator().manual_seed(4)
+    x, grad = torch.randn(16, H, generator=gen).to(dtype), torch.randn(16, H, generator=gen).to(dtype)
+    plain = _experts("grouped", row_alignment=1, dtype=dtype)
+    aligned = _experts("grouped", row_alignment=8, dtype=dtype)
+    aligned.load_state_dict(plain.state_dict())
+    expected, got = _run(plain, x, counts, grad), _run(aligned, x, counts, grad)
+    for name, a, b in zip(["y", "dx", "dw13", "dw2"], got, expected):
+        assert a.dtype == b.dtype == dtype and a.shape == b.shape, name
+        if dtype == torch.float32:
+            assert_close(a, b, msg=name)  # float32 reassociation over K <= 32 terms: far inside 1e-4 / 1e-5
+        else:  # one BF16 rounding of results that may be summed in another order: 2^-8 relative
+            assert sqnr_db(b.float(), a.float()) > 40, name
+    assert experts_mod.default_row_alignment(torch.device("cpu"), torch.bfloat16) == 32
+    assert experts_mod.default_row_alignment(torch.device("cpu"), torch.float32) == 1
+    with pytest.raises(ValueError, match="row_alignment must be >= 1"):
+        _experts("grouped", row_alignment=0)

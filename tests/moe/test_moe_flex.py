@@ -12,6 +12,7 @@ import mtdeepep as deep_ep
 from moe import MoELayer
 from moe.dispatcher import build_dispatcher
 from moe.dispatcher.alltoall import AllToAllDispatcher
+from moe.dispatcher.base import weighted_scatter_sum
 from moe.dispatcher.deepep import DeepEPDispatcher, expand_by_local_expert, nvl_bytes_hint
 
 from .moe_testlib import SIGMOID_V3, SMALL_LAYER, assert_close, moe_config
@@ -74,6 +75,31 @@ def test_combine_weights_and_sums_in_float32_then_rounds_once():
     # In bfloat16, 256 + 1 rounds back to 256 at every step; in float32 the sum is 263, rounded once.
     assert out.dtype == torch.bfloat16
     assert out.item() == torch.tensor(263.0).to(torch.bfloat16).item() != 256.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weighted_scatter_sum_matches_autograd_and_keeps_only_the_rows(dtype):
+    """The combine's weighted sum equals the plain autograd formula bit for bit (values and both gradients), and
+    keeps for backward only the rows in their dtype, the weights and the token ids: not the float32 copy of the
+    rows nor the float32 product `index_add` would keep."""
+    gen = torch.Generator().manual_seed(0)
+    M, T, Hd = 300, 100, 64
+    rows = torch.randn(M, Hd, generator=gen).to(dtype).requires_grad_()
+    weights = torch.rand(M, generator=gen).requires_grad_()
+    token = torch.randint(0, T, (M,), generator=gen)
+    grad = torch.randn(T, Hd, generator=gen)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = weighted_scatter_sum(rows, weights, token, T)
+    expected = torch.zeros(T, Hd).index_add(0, token, rows.float() * weights.unsqueeze(1))
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+    got_grads = torch.autograd.grad(out, (rows, weights), grad)
+    expected_grads = torch.autograd.grad(expected, (rows, weights), grad)
+    for got, want in zip(got_grads, expected_grads):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert sum(t.numel() * t.element_size() for t in saved) == (
+        rows.numel() * rows.element_size() + weights.numel() * 4 + token.numel() * 8
+    )
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -124,7 +124,7 @@ def test_adaptive_threshold_is_per_forward():
 
 def test_recompute_lowers_measured_peak_memory():
     """A stack of 4 layers (T=1024, H=256, F=512, top-2 of 8): peak(full) < peak(medium) < peak(light) < peak(none),
-    and the adaptive trigger above its threshold gives the medium figure's expert savings."""
+    and the adaptive trigger above its threshold (experts' FC1 recomputed) lowers it below no recompute."""
     torch.manual_seed(2)
     cfg = dict(hidden_size=256, moe_ffn_hidden_size=512, moe_shared_expert_intermediate_size=256,
                moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)  # fmt: skip
@@ -159,5 +159,7 @@ def test_recompute_lowers_measured_peak_memory():
     peak = {name: min(values) / 2**20 for name, values in peaks.items()}
     mib = ", ".join(f"{name} {value:.1f}" for name, value in peak.items())
     assert peak["full"] < peak["medium"] < peak["light"] < peak["None"], f"peak MiB: {mib}"
-    assert peak["adaptive"] < peak["light"], f"peak MiB: {mib}"
+    # The trigger recomputes only the experts' FC1 (level 'light' also drops the router's and the combine's saved
+    # tensors, so the two are not ordered): it must save against no recompute.
+    assert peak["adaptive"] < peak["None"], f"peak MiB: {mib}"
     assert stacks["adaptive"][0].metrics.expert_recompute == "fc1"

@@ -81,7 +81,12 @@ class MultiHeadLatentAttention(nn.Module):
         q_BSNQ = torch.cat((q_nope, q_rope), dim=-1)
         k_BSNQ = torch.cat((k_nope, k_rope.expand(B, S, N, Dr)), dim=-1)
 
+        # SDPA's fused (flash) kernels want one head dim for q, k and v; with Dv < Dq it would fall back to the
+        # unfused "math" path, which materialises the float32 [B, N, S, S] scores and probabilities and keeps them
+        # for backward. Zero columns appended to v give output columns that are sliced off (and zero gradients).
+        if Dv < Dn + Dr:
+            v_BSNV = F.pad(v_BSNV, (0, Dn + Dr - Dv))
         out_BNSV = F.scaled_dot_product_attention(
             q_BSNQ.transpose(1, 2), k_BSNQ.transpose(1, 2), v_BSNV.transpose(1, 2), is_causal=True, scale=self.scale
         )
-        return self.o_proj(out_BNSV.transpose(1, 2).reshape(B, S, N * Dv))
+        return self.o_proj(out_BNSV[..., :Dv].transpose(1, 2).reshape(B, S, N * Dv))

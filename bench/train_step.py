@@ -1,0 +1,634 @@
+"""Training step of DeepSeek-V3 (forward + backward + AdamW step): our `moe.models.deepseek_v3` model against
+transformers' `DeepseekV3ForCausalLM`, tokens/s and peak memory side by side; then our expert-parallel scaling.
+
+Setting: `examples/deepseek_v3/configs/small.toml` (hidden 512, 4 layers of which 3 MoE with 16 routed experts of
+256, top-4 in 2 of 4 groups, one shared expert, MLA with q LoRA 384 / kv LoRA 256, YaRN, vocabulary 4096), a batch
+of 4 x 256 random token ids from a seeded generator (labels = the ids; every model shifts them itself). One step:
+gradients set to None, forward with labels (mean next-token cross entropy, FP32), backward, global-norm clipping at
+1.0, AdamW (torch's fused kernel, lr 1e-4, betas (0.9, 0.95), weight decay 0.1 on matrices) and, for our model, the
+aux-loss-free expert-bias update (`moe.update_expert_bias`, part of a DeepSeek-V3 step; transformers has none).
+Both models run their defaults: transformers 'sdpa' attention and 'grouped_mm' experts, ours
+`scaled_dot_product_attention` and grouped-GEMM experts behind the 'flex' dispatcher (no communication on one rank).
+
+Variants (rows of the first table), all in one process with every core's intra-op threads:
+- transformers and ours in FP32, without MTP on both (transformers does not model multi-token prediction, so the
+  compared models have `num_nextn_predict_layers = 0`), with identical weights: transformers' randomly initialised
+  weights imported into ours (`moe.models.deepseek_v3.hf.from_hf_state_dict`);
+- the same pair in BF16 mixed precision: BF16 weights, activations and gradients, FP32 master weights that the
+  clipping and AdamW work on, copied back (rounded to BF16) after each step; the BF16 weights are the FP32 ones
+  rounded, and both models get the same mixed-precision step;
+- ours with MTP on (one MTP depth, loss weight from the config; freshly initialised MTP weights), in each precision:
+  the step DeepSeek-V3 really trains, more work for the same tokens.
+Before timing, every pair's first-step loss and pre-clipping gradient norm are compared (the parity line).
+
+Timing: one iteration = one step of every variant in turn (alternating iteration by iteration, so drifts of a
+noisy machine hit all variants alike; each model keeps training on the same batch); the median over `--iters`
+iterations after `--warmup` is the step time; tokens/s = batch * seq / step time. The speedups compare ours with
+transformers in the same precision, and with transformers in FP32 (the precision a user would otherwise train in).
+
+Peak memory: each variant once more in a fresh process (the same one-rank launcher): building the model and its
+optimizer in the variant's dtype, then `--memory-steps` steps on the batch. Reported is the process's resident-set
+high-water mark (`VmHWM` of /proc/self/status) minus its resident set just before building (after the imports):
+weights, gradients, optimizer state (and FP32 masters), the activations' peak, and what the libraries keep. On CPU
+torch has no allocator statistics (no `max_memory_allocated`), and tracemalloc does not see torch's allocations, so
+the kernel's count of resident pages is the measure. Two settings keep it a measure of the step rather than of
+malloc: these processes run with `MALLOC_MMAP_THRESHOLD_=65536` (glibc otherwise raises its mmap threshold as large
+blocks are freed, then serves activations from a heap that keeps freed pages resident, and the high-water mark
+creeps up with every step), and the default 8 steps reach the plateau: in BF16 the mark grows for about 5 steps
+while the expert GEMMs change shape as the routing moves (oneDNN keeps state per BF16 GEMM shape, its primitive
+cache among it): measured +400 MiB for transformers' BF16 model, and none with the learning rate at 0. Both
+models pay it; FP32 GEMMs (MKL) keep nothing per shape.
+
+Expert-parallel scaling (second table): our model (MTP off) under `run_ranks` with R = 1, 2, 4 processes (gloo on
+127.0.0.1, `max(1, cores // R)` threads each): the experts sharded over the R ranks through the 'flex' (mtdeepep)
+dispatcher, everything else data parallel (each rank its own 4 x 256 batch, loss divided by R, the replicated
+gradients summed over the ranks in FP32 in one all-reduce, the global norm over all ranks, the expert-bias update
+from counts summed over the ranks). Timed as above with a gloo barrier before every step; the slowest rank's median,
+tokens/s = R * batch * seq / that time. On 2 cores, R = 4 oversubscribes (4 single-thread ranks take turns).
+Check: rank 0's first loss (its batch is EP 1's) is the same at every R.
+
+Run (about 6 minutes on a 2-core machine):
+
+    .venv/bin/python bench/train_step.py                   # both tables + bench/results/train_step.json
+    .venv/bin/python bench/train_step.py --iters 3 --ep 1,2 --precisions bf16 --skip-memory
+
+Legend: B sequences, S tokens per sequence, R ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _common import (
+    RESULTS_DIR,
+    add_config_arguments,
+    config_from_args,
+    environment,
+    make_parser,
+    num_cores,
+    parse_int_list,
+    print_table,
+    run_ranks,
+    save_results,
+    slowest_rank,
+    threads_per_rank,
+    time_variants,
+)
+
+from moe import update_expert_bias
+from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.models.deepseek_v3.hf import from_hf_state_dict
+
+REPO = Path(__file__).resolve().parents[1]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MAX_GRAD_NORM = 1.0
+
+# Parity of a pair (relative difference of the first-step loss and of the pre-clipping gradient norm).
+# FP32: the same maths in another order (fused projections, grouped GEMMs, summation order): float32 rounding over
+# a few layers, measured ~1e-7 on the loss. BF16: both models round to 8 significant bits at different points
+# (relative 2^-9 per rounding); the loss averages 1020 positions (measured ~1e-3), the gradient norm sums squares of
+# BF16 gradients (measured ~1e-2).
+PARITY_RTOL = {"fp32": 1e-4, "bf16": 5e-2}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    config: str = "examples/deepseek_v3/configs/small.toml"
+    batch: int = 4
+    seq: int = 256
+    precisions: tuple[str, ...] = ("fp32", "bf16")
+    ep_precisions: tuple[str, ...] = ("fp32", "bf16")
+    lr: float = 1e-4
+    weight_decay: float = 0.1
+    iters: int = 10
+    warmup: int = 2
+    memory_steps: int = 8
+    seed: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    def model_config(self, mtp: bool) -> DeepseekV3Config:
+        config = DeepseekV3Config.from_toml(REPO / self.config if not Path(self.config).is_absolute() else self.config)
+        return config if mtp else dataclasses.replace(config, num_nextn_predict_layers=0)
+
+
+@dataclass(frozen=True)
+class Variant:
+    impl: str  # 'transformers' or 'ours'
+    precision: str  # 'fp32' or 'bf16' (mixed: FP32 master weights)
+    mtp: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.impl}/{self.precision}" + ("+mtp" if self.mtp else "")
+
+
+def variants(cfg: BenchConfig) -> list[Variant]:
+    """Per precision: transformers, ours, ours with MTP."""
+    kinds = [("transformers", False), ("ours", False), ("ours", True)]
+    return [Variant(impl, precision, mtp) for precision in cfg.precisions for impl, mtp in kinds]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The step
+
+
+class MasterWeightsAdamW:
+    """AdamW (fused kernel) on FP32 master weights, with global-norm clipping.
+
+    Parameters in a lower precision get an FP32 master copy with an FP32 gradient; AdamW updates the master, which is
+    then copied back (rounded). FP32 parameters are their own master. Weight decay applies to matrices only.
+    """
+
+    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.low = [p for p in self.params if p.dtype != torch.float32]
+        self.low_masters = [p.detach().float() for p in self.low]
+        masters = {id(p): m for p, m in zip(self.low, self.low_masters)}
+        self.masters = [masters.get(id(p), p) for p in self.params]
+        groups = [
+            {"params": [m for m in self.masters if m.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [m for m in self.masters if m.dim() < 2], "weight_decay": 0.0},
+        ]
+        self.adamw = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def grads_to_masters(self) -> None:
+        """FP32 copies of the low-precision gradients on their masters (None where the parameter got none)."""
+        pairs = [(m, p.grad) for m, p in zip(self.low_masters, self.low)]
+        for m, g in pairs:
+            if g is None:
+                m.grad = None
+            elif m.grad is None:
+                m.grad = torch.empty_like(m)
+        with_grad = [(m.grad, g) for m, g in pairs if g is not None]
+        if with_grad:
+            torch._foreach_copy_(*map(list, zip(*with_grad)))
+
+    def master_grads(self) -> list[torch.Tensor]:
+        return [m.grad for m in self.masters if m.grad is not None]
+
+    @torch.no_grad()
+    def step(self, total_norm: torch.Tensor) -> None:
+        """Clip the master gradients to `MAX_GRAD_NORM` given their global norm (`clip_grad_norm_`'s factor, applied
+        only when it is below 1: on CPU reading the norm costs no device sync), AdamW, copy the masters back."""
+        factor = MAX_GRAD_NORM / (float(total_norm) + 1e-6)
+        if factor < 1.0:
+            torch._foreach_mul_(self.master_grads(), factor)
+        self.adamw.step()
+        if self.low:
+            torch._foreach_copy_(self.low, self.low_masters)
+
+
+@dataclass
+class TrainStep:
+    """One training step of `model` on a fixed batch; calling it returns `(loss, pre-clipping grad norm)`.
+
+    loss_fn(model, ids, labels) -> the 0-d training loss of this rank's batch. With a `group` of R > 1 ranks
+    (expert parallel over data parallel), the loss is divided by R, the replicated gradients are summed over the
+    group and the norm counts every parameter once (`expert_params`: this rank's shard of the experts).
+    """
+
+    model: torch.nn.Module
+    loss_fn: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizer: MasterWeightsAdamW
+    ids: torch.Tensor
+    labels: torch.Tensor
+    bias_update: bool = False
+    group: dist.ProcessGroup | None = None
+    expert_params: tuple[torch.nn.Parameter, ...] = ()
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        opt = self.optimizer
+        opt.zero_grad()
+        loss = self.loss_fn(self.model, self.ids, self.labels)
+        world = dist.get_world_size(self.group) if self.group is not None else 1
+        (loss / world if world > 1 else loss).backward()
+        opt.grads_to_masters()
+        if world > 1:
+            self._reduce_replicated()
+            total_norm = self._global_norm()
+        else:
+            total_norm = torch.nn.utils.get_total_norm(opt.master_grads(), foreach=True)
+        opt.step(total_norm)
+        if self.bias_update:
+            update_expert_bias(self.model, dp_group=self.group if world > 1 else None)
+        return loss.detach(), total_norm
+
+    def _is_expert(self) -> list[bool]:
+        ids = {id(p) for p in self.expert_params}
+        return [id(p) in ids for p in self.optimizer.params]
+
+    @torch.no_grad()
+    def _reduce_replicated(self) -> None:
+        grads = [m.grad for m, e in zip(self.optimizer.masters, self._is_expert()) if not e and m.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        torch._foreach_copy_(grads, [part.view_as(g) for g, part in zip(grads, flat.split([g.numel() for g in grads]))])
+
+    @torch.no_grad()
+    def _global_norm(self) -> torch.Tensor:
+        sums = torch.zeros(2)
+        for m, expert in zip(self.optimizer.masters, self._is_expert()):
+            if m.grad is not None:
+                sums[int(expert)] += m.grad.float().square().sum()
+        dist.all_reduce(sums[1:], group=self.group)  # the experts' shards; the replicated part is the same everywhere
+        return sums.sum().sqrt()
+
+
+def ours_loss(model: DeepseekV3ForCausalLM, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    out = model(ids, labels)
+    return out.loss if out.mtp_loss is None else out.loss + model.config.mtp_loss_weight * out.mtp_loss
+
+
+def hf_loss(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=labels).loss
+
+
+def batch(cfg: BenchConfig, vocab_size: int, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(ids, labels)` `[B, S]` int64, random tokens of this rank's seeded generator; labels = ids."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
+    ids = torch.randint(0, vocab_size, (cfg.batch, cfg.seq), generator=gen)
+    return ids, ids.clone()
+
+
+def hf_model(config: DeepseekV3Config, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """transformers' model of `config` (its own random init, built in `dtype`), in training mode; the router's
+    `e_score_correction_bias` buffer stays FP32 as `from_pretrained` keeps it."""
+    import transformers
+
+    torch.manual_seed(seed)
+    hf_config = transformers.DeepseekV3Config(**config.to_hf_dict())
+    model = transformers.DeepseekV3ForCausalLM._from_config(hf_config, dtype=dtype).train()
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            buf.data = buf.data.float()
+    return model
+
+
+def make_step(variant: Variant, model: torch.nn.Module, cfg: BenchConfig, ids, labels, **kwargs) -> TrainStep:
+    optimizer = MasterWeightsAdamW(model, cfg.lr, cfg.weight_decay)
+    ours = variant.impl == "ours"
+    return TrainStep(model, ours_loss if ours else hf_loss, optimizer, ids, labels, bias_update=ours, **kwargs)
+
+
+def build_models(cfg: BenchConfig) -> dict[Variant, torch.nn.Module]:
+    """Every variant's model; all hold transformers' initial weights (rounded to BF16 in the BF16 variants), the
+    MTP variants freshly initialised MTP modules besides."""
+    config, config_mtp = cfg.model_config(mtp=False), cfg.model_config(mtp=True)
+    reference = hf_model(config, torch.float32, cfg.seed)
+    hf_state = dict(reference.state_dict())
+    state = from_hf_state_dict(hf_state, config, log=lambda message: None)
+    state_mtp = from_hf_state_dict(hf_state, config_mtp, seed=cfg.seed, log=lambda message: None)
+    models = {}
+    for variant in variants(cfg):
+        dtype = DTYPES[variant.precision]
+        if variant.impl == "transformers":
+            model = hf_model(config, dtype, cfg.seed)
+            model.load_state_dict(hf_state)  # copy_ rounds to the model's dtype (the bias buffer stays FP32)
+        else:
+            model = DeepseekV3ForCausalLM(config_mtp if variant.mtp else config, dtype=dtype).train()
+            model.load_full_state_dict(state_mtp if variant.mtp else state)
+        models[variant] = model
+    return models
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ranks
+
+
+def single_process_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, cfg: BenchConfig) -> dict[str, Any]:
+    """Builds every variant, runs the parity step, then times all variants interleaved."""
+    models = build_models(cfg)
+    ids, labels = batch(cfg, cfg.model_config(mtp=False).vocab_size)
+    steps = {variant.name: make_step(variant, model, cfg, ids, labels) for variant, model in models.items()}
+    first = {}
+    for name, step in steps.items():  # also the first warm-up step of each
+        loss, norm = step()
+        first[name] = {"loss": float(loss), "grad_norm": float(norm)}
+    hf = next(m for v, m in models.items() if v.impl == "transformers")
+    impls = {"attn": hf.config._attn_implementation, "experts": hf.config._experts_implementation}
+    return {**time_variants(steps, cfg.iters, cfg.warmup, group), "first_step": first, "transformers_impl": impls}
+
+
+def vm_bytes(field: str) -> int:
+    """`VmRSS` / `VmHWM` of this process in bytes (/proc/self/status, kB)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+# glibc: blocks from 64 KiB on are mmapped and unmapped when freed (no dynamic threshold), see the docstring.
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+@contextlib.contextmanager
+def environment_variables(values: dict[str, str]):
+    """Set `values` in os.environ (inherited by processes started meanwhile), then restore it."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def memory_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, cfg: BenchConfig, variant: Variant):
+    """Peak resident memory of building `variant` and running `cfg.memory_steps` steps (fresh process)."""
+    import gc
+
+    import transformers  # noqa: F401  (imported before the baseline, as ours are)
+
+    config = cfg.model_config(variant.mtp)
+    ids, labels = batch(cfg, config.vocab_size)
+    gc.collect()
+    baseline = vm_bytes("VmRSS")
+    dtype = DTYPES[variant.precision]
+    if variant.impl == "transformers":
+        model = hf_model(config, dtype, cfg.seed)
+    else:
+        torch.manual_seed(cfg.seed)
+        model = DeepseekV3ForCausalLM(config, dtype=dtype).train()
+    step = make_step(variant, model, cfg, ids, labels)
+    for _ in range(cfg.memory_steps):
+        step()
+    peak = vm_bytes("VmHWM")
+    return {"baseline_bytes": baseline, "peak_bytes": peak, "peak_over_baseline_bytes": peak - baseline}
+
+
+def ep_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, cfg: BenchConfig) -> dict[str, Any]:
+    """Our model (MTP off) with its experts over the group, data parallel otherwise; times each precision."""
+    config = cfg.model_config(mtp=False)
+    ids, labels = batch(cfg, config.vocab_size, rank)
+    steps, first = {}, {}
+    for precision in cfg.ep_precisions:
+        torch.manual_seed(cfg.seed)  # the same weights on every rank and at every R (layout-independent init)
+        model = DeepseekV3ForCausalLM(config, ep_group=group, dtype=DTYPES[precision]).train()
+        experts = tuple(p for layer in model.moe_layers() for p in layer.experts.parameters())
+        step = make_step(Variant("ours", precision), model, cfg, ids, labels, group=group, expert_params=experts)
+        loss, _ = step()
+        first[precision] = float(loss)
+        steps[precision] = step
+    return {**time_variants(steps, cfg.iters, cfg.warmup, group), "first_loss": first}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Report
+
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def single_rows(cfg: BenchConfig, result: dict[str, Any], memory: dict[str, Any]) -> list[dict[str, Any]]:
+    seconds = result["seconds"]
+    rows = []
+    for variant in variants(cfg):
+        s = seconds[variant.name]
+        peak = memory.get(variant.name, {}).get("peak_over_baseline_bytes")
+        same = seconds.get(Variant("transformers", variant.precision).name)
+        fp32 = seconds.get(Variant("transformers", "fp32").name)
+        rows.append(
+            {
+                "variant": variant.name,
+                "impl": variant.impl,
+                "precision": variant.precision,
+                "mtp": variant.mtp,
+                "step_ms": s * 1e3,
+                "tokens_per_s": cfg.tokens / s,
+                "speedup_vs_transformers_same_precision": same / s if same else None,
+                "speedup_vs_transformers_fp32": fp32 / s if fp32 else None,
+                "peak_mib": None if peak is None else peak / 2**20,
+                "samples_ms": [x * 1e3 for x in result["samples"][variant.name]],
+                "first_step": result["first_step"][variant.name],
+            }
+        )
+    return rows
+
+
+def parity(cfg: BenchConfig, first: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per precision: relative differences of ours (MTP off) from transformers in the first step."""
+    out = {}
+    for precision in cfg.precisions:
+        ours, theirs = first[Variant("ours", precision).name], first[Variant("transformers", precision).name]
+        out[precision] = {key: relative(ours[key], theirs[key]) for key in ("loss", "grad_norm")}
+    return out
+
+
+def ep_rows(cfg: BenchConfig, num_ranks: int, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for precision in cfg.ep_precisions:
+        seconds = [r["seconds"][precision] for r in per_rank]
+        slowest = slowest_rank(seconds)
+        rows.append(
+            {
+                "ep": num_ranks,
+                "precision": precision,
+                "step_ms": seconds[slowest] * 1e3,
+                "slowest_rank": slowest,
+                "tokens_per_s": cfg.tokens * num_ranks / seconds[slowest],
+                "per_rank_ms": [s * 1e3 for s in seconds],
+                "samples_ms": [[s * 1e3 for s in r["samples"][precision]] for r in per_rank],
+                "rank0_first_loss": per_rank[0]["first_loss"][precision],
+            }
+        )
+    return rows
+
+
+def fmt_speedup(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def print_single(cfg: BenchConfig, rows: list[dict[str, Any]], checks: dict, impls: dict[str, str]) -> None:
+    print(
+        f"DeepSeek-V3 {cfg.config}, batch {cfg.batch} x {cfg.seq}, one process, {num_cores()} cores / "
+        f"{threads_per_rank(1)} threads; transformers attention '{impls['attn']}', experts '{impls['experts']}'; "
+        f"median of {cfg.iters} steps after {cfg.warmup} warm-up(s), variants alternating"
+    )
+    table = [
+        [
+            row["impl"],
+            row["precision"] + (" mixed" if row["precision"] != "fp32" else ""),
+            "on" if row["mtp"] else "off",
+            f"{row['step_ms']:.0f}",
+            f"{row['tokens_per_s']:.0f}",
+            fmt_speedup(row["speedup_vs_transformers_same_precision"]),
+            fmt_speedup(row["speedup_vs_transformers_fp32"]),
+            "-" if row["peak_mib"] is None else f"{row['peak_mib']:.0f}",
+        ]
+        for row in rows
+    ]
+    parity_text = "; ".join(
+        f"{p}: loss {c['loss']:.1e}, grad norm {c['grad_norm']:.1e} (bound {PARITY_RTOL[p]:.0e})"
+        for p, c in checks.items()
+    )
+    notes = [
+        "bf16 mixed = BF16 weights/activations/gradients, FP32 master weights + AdamW. 'vs tf same' = transformers' "
+        "step time in the same precision / this row's; 'vs tf fp32' = transformers' FP32 step time / this row's.",
+        "peak MiB = resident-set high-water mark of a fresh process building the model and running "
+        f"{cfg.memory_steps} steps, minus its resident set after the imports.",
+        f"Parity with transformers, first step, relative difference: {parity_text}.",
+    ]
+    notes.extend(goal_lines(rows))
+    print_table(
+        ("model", "precision", "MTP", "step ms", "tokens/s", "vs tf same", "vs tf fp32", "peak MiB"), table, *notes
+    )
+
+
+def goal_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Which of ours (MTP off) reach the issue's goal: 1.5x transformers' tokens/s on one process."""
+    lines = []
+    for row in rows:
+        if row["impl"] != "ours" or row["mtp"]:
+            continue
+        for key, what in (
+            ("speedup_vs_transformers_same_precision", f"transformers {row['precision']}"),
+            ("speedup_vs_transformers_fp32", "transformers fp32"),
+        ):
+            value = row[key]
+            if value is None or (key.endswith("fp32") and row["precision"] == "fp32"):
+                continue
+            verdict = "meets" if value >= 1.5 else "does not meet"
+            lines.append(f"Goal 1.5x: ours {row['precision']} vs {what}: {value:.2f}x, {verdict} it.")
+    return lines
+
+
+def print_ep(cfg: BenchConfig, rows: list[dict[str, Any]], ep_sizes: list[int]) -> None:
+    threads = {n: threads_per_rank(n) for n in ep_sizes}
+    print(
+        f"\nOurs (MTP off), expert parallel over R ranks, data parallel otherwise; batch {cfg.batch} x {cfg.seq} per "
+        f"rank; threads per rank {threads}; slowest rank's median of {cfg.iters} steps"
+    )
+    base = {row["precision"]: row["tokens_per_s"] for row in rows if row["ep"] == ep_sizes[0]}
+    table = [
+        [
+            str(row["ep"]),
+            row["precision"] + (" mixed" if row["precision"] != "fp32" else ""),
+            f"{row['step_ms']:.0f}",
+            f"{row['tokens_per_s']:.0f}",
+            f"{row['tokens_per_s'] / row['ep']:.0f}",
+            f"{row['tokens_per_s'] / base[row['precision']]:.2f}x",
+        ]
+        for row in rows
+    ]
+    losses = {p: [row["rank0_first_loss"] for row in rows if row["precision"] == p] for p in cfg.ep_precisions}
+    spread = "; ".join(f"{p}: {max(v) - min(v):.1e}" for p, v in losses.items())
+    print_table(
+        ("EP", "precision", "step ms", "tokens/s", "per rank", f"vs EP {ep_sizes[0]}"),
+        table,
+        f"tokens/s of all ranks; {num_cores()} cores, so R > {num_cores()} oversubscribes (ranks take turns).",
+        f"Rank 0's first loss (the same batch at every R), max - min over R: {spread}.",
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def _choices(text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    values = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not values or any(v not in allowed for v in values):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {allowed}, got {text!r}")
+    return values
+
+
+def parse_args() -> argparse.Namespace:
+    defaults = BenchConfig()
+    parser = make_parser(__doc__)
+    helps = {
+        "config": "model TOML (relative to the repository root)",
+        "batch": "sequences per step (per rank under EP)",
+        "seq": "tokens per sequence",
+        "iters": "timed steps per variant",
+        "warmup": "untimed steps per variant (after the parity step)",
+        "memory_steps": "steps of each fresh memory process",
+    }
+    add_config_arguments(parser, defaults, ("config", "batch", "seq", "lr", "weight_decay"), helps)
+    for name in ("precisions", "ep_precisions"):
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=lambda s: _choices(s, tuple(DTYPES)),
+            default=getattr(defaults, name),
+            help="comma-separated subset of fp32,bf16 (default: fp32,bf16)",
+        )
+    add_config_arguments(parser, defaults, ("iters", "warmup", "memory_steps", "seed"), helps)
+    parser.add_argument("--ep", default="1,2,4", help="comma-separated expert-parallel sizes (default: 1,2,4)")
+    parser.add_argument("--skip-ep", action="store_true", help="no expert-parallel table")
+    parser.add_argument("--skip-memory", action="store_true", help="no peak-memory processes")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per launch")
+    parser.add_argument("--json", type=Path, default=RESULTS_DIR / "train_step.json")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    cfg = config_from_args(BenchConfig, args)
+    wall = {}
+    start = time.perf_counter()
+    (single,) = run_ranks(single_process_rank, 1, (cfg,), timeout_s=args.timeout)
+    wall["single_process"] = time.perf_counter() - start
+    memory = {}
+    if not args.skip_memory:
+        start = time.perf_counter()
+        with environment_variables(MEMORY_ENV):  # the fresh (spawned) processes start with it
+            for variant in variants(cfg):
+                (memory[variant.name],) = run_ranks(memory_rank, 1, (cfg, variant), timeout_s=args.timeout)
+        wall["memory"] = time.perf_counter() - start
+    rows = single_rows(cfg, single, memory)
+    checks = parity(cfg, single["first_step"])
+    print_single(cfg, rows, checks, single["transformers_impl"])
+
+    ep_sizes, ep_results = parse_int_list(args.ep), []
+    if not args.skip_ep:
+        for num_ranks in ep_sizes:
+            start = time.perf_counter()
+            per_rank = run_ranks(ep_rank, num_ranks, (cfg,), timeout_s=args.timeout)
+            wall[f"ep{num_ranks}"] = time.perf_counter() - start
+            ep_results.extend(ep_rows(cfg, num_ranks, per_rank))
+        print_ep(cfg, ep_results, ep_sizes)
+
+    save_results(
+        args.json,
+        {
+            "config": asdict(cfg),
+            "model_config": cfg.model_config(mtp=True).to_dict(),
+            "transformers_impl": single["transformers_impl"],
+            "parity": checks,
+            "threads": {"single_process": threads_per_rank(1), **{f"ep{n}": threads_per_rank(n) for n in ep_sizes}},
+            "wall_seconds": wall,
+            "environment": environment(),
+            "rows": rows,
+            "memory": memory,
+            "memory_env": MEMORY_ENV,
+            "ep_rows": ep_results,
+        },
+    )
+    failed = [p for p, c in checks.items() if max(c.values()) > PARITY_RTOL[p]]
+    if failed:
+        raise SystemExit(f"parity check failed for {failed}: {checks}")
+
+
+if __name__ == "__main__":
+    main()
