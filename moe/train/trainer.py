@@ -10,7 +10,7 @@ The maths of a step do not depend on the layout (see moe/train/parallel.py and m
    micro-batch's sequences), so they too add up to their global-batch value.
 3. Gradients are summed over the groups (`MasterAdamW.reduce_gradients`), clipped by the global norm, AdamW steps
    at the scheduled learning rate, then the router biases are updated from the expert counts summed over the
-   data-parallel ranks (`moe.update_expert_bias`).
+   ranks that routed other tokens (dp x tp, `ParallelState.token_group`; `moe.update_expert_bias`).
 4. The reported loss is the LM cross-entropy over every target of the global batch (sums and counts reduced over
    all ranks in float64), the same value whatever the layout up to reduction order.
 
@@ -163,10 +163,12 @@ class Trainer:
         self.optimizer.clip(grad_norm)
         lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
         self.optimizer.step(lr)
-        update_expert_bias(self.model, par.dp_group)
-
-        stats = all_reduce_sum(torch.cat([sums, *loads]), par.dp_group)
-        sums, loads = stats[: 1 + self.num_mtp], stats[1 + self.num_mtp :].split(num_experts)
+        # Every rank of the stage routed other tokens (other sequences, or under sequence parallelism another part
+        # of the sequence): the expert loads are summed over dp x tp. The loss sums are the same on the TP ranks
+        # of one data-parallel rank (the model's loss is its data-parallel batch's), so they are summed over dp.
+        update_expert_bias(self.model, par.token_group)
+        sums = all_reduce_sum(sums, par.dp_group)
+        loads = all_reduce_sum(torch.cat(loads), par.token_group).split(num_experts)
         elapsed = time.perf_counter() - start
         mtp = [float(sums[1 + d] / counts[1 + d]) for d in range(self.num_mtp)]
         return {

@@ -84,8 +84,8 @@ def test_run_outputs(one_process_run):
     assert records[-1]["loss"] < records[0]["loss"] - 0.5  # it learns (lr 3e-3 on a repetitive corpus)
     assert records[0]["loss"] == pytest.approx(np.log(512), abs=0.3)  # starts near uniform over the vocabulary
     info = json.loads((run_dir / "run.json").read_text())
-    assert info["layout"] == {"world": 1, "dp": 1, "tp": 1, "pp": 1, "ep": 1, "etp": 1, "expert_dp": 1, "schedule": "1f1b",
-                              "fp8": "none", "dtype": "float32"}  # fmt: skip
+    assert info["layout"] == {"world": 1, "dp": 1, "tp": 1, "pp": 1, "ep": 1, "etp": 1, "expert_dp": 1,
+                              "schedule": "1f1b", "fp8": "none", "dtype": "float32"}  # fmt: skip
     assert info["config"]["model"]["n_routed_experts"] == 8 and info["config"]["training"]["steps"] == 8
     assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [4, 8]
