@@ -17,6 +17,7 @@ parameters are their own master.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -67,6 +68,12 @@ class MasterAdamW:
         for q in self.params:
             q.param.grad = None
             q.master.grad = None
+
+    def accumulation_context(self, micro_batch: int, num_micro_batches: int) -> contextlib.AbstractContextManager:
+        """Nothing to do around a micro-batch's backward (the gradients accumulate in `param.grad` and are reduced
+        by `reduce_gradients`); the ZeRO-1 optimizer's version defers its communication to the last one."""
+        del micro_batch, num_micro_batches
+        return contextlib.nullcontext()
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
