@@ -17,6 +17,7 @@ parameters are their own master.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -59,20 +60,20 @@ class MasterAdamW:
                 continue
             master = p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_(True)
             self.params.append(_Param(name, p, master, id(p) in expert_ids))
-        decay = [q.master for q in self.params if q.param.dim() >= 2]
-        no_decay = [q.master for q in self.params if q.param.dim() < 2]
-        self.adamw = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=config.lr,
-            betas=config.betas,
-            eps=config.eps,
-            foreach=False,
-        )
+        decay = [q.master for q in self.params if decays(q.param)]
+        no_decay = [q.master for q in self.params if not decays(q.param)]
+        self.adamw = build_adamw(decay, no_decay, config)
 
     def zero_grad(self) -> None:
         for q in self.params:
             q.param.grad = None
             q.master.grad = None
+
+    def accumulation_context(self, micro_batch: int, num_micro_batches: int) -> contextlib.AbstractContextManager:
+        """Nothing to do around a micro-batch's backward (the gradients accumulate in `param.grad` and are reduced
+        by `reduce_gradients`); the ZeRO-1 optimizer's version defers its communication to the last one."""
+        del micro_batch, num_micro_batches
+        return contextlib.nullcontext()
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -104,11 +105,8 @@ class MasterAdamW:
     def clip(self, norm: float) -> float:
         """Scale the gradients by `clip_grad / norm` when the norm exceeds `clip_grad` (0 = never); returns the
         factor applied."""
-        max_norm = self.config.clip_grad
-        if max_norm <= 0 or not math.isfinite(norm):
-            return 1.0
-        factor = max_norm / (norm + 1e-6)
-        if factor >= 1.0:
+        factor = clip_factor(norm, self.config.clip_grad)
+        if factor == 1.0:
             return 1.0
         for q in self.params:
             q.master.grad.mul_(factor)
@@ -136,30 +134,25 @@ class MasterAdamW:
             if q.master is not q.param:
                 tensors["master"] = q.master.detach()
             for key, t in tensors.items():
-                if q.expert and t.dim() > 0:
-                    t = _gather_dim0(t, self.parallel.ep_group)
-                out[f"{q.name}.{key}"] = t.detach().clone().contiguous()
+                out[f"{q.name}.{key}"] = local_to_full(t.detach(), q.expert, self.parallel).clone().contiguous()
         return out
+
+    def state_bytes_per_rank(self) -> int:
+        """Bytes of optimizer state this rank holds: exp_avg, exp_avg_sq and the FP32 master copies of the
+        non-FP32 parameters (an FP32 parameter is its own master)."""
+        return sum(q.master.numel() * 4 * (2 + (q.master is not q.param)) for q in self.params)
 
     @torch.no_grad()
     def load_full_state(self, full: dict[str, torch.Tensor]) -> None:
         """Inverse of `full_state` for this rank's layout (expert tensors sliced to the local experts)."""
-        stepped = any(k.endswith(".exp_avg") for k in full)
-        expected = {k for q in self.params for k in _state_keys(q, stepped)}
-        if set(full) != expected:
-            missing, extra = sorted(expected - set(full)), sorted(set(full) - expected)
-            raise ValueError(f"optimizer state does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
-        ep, ep_rank = self.parallel.layout.ep, self.parallel.ep_rank
+        check_state_keys(full, [(q.name, q.master is not q.param) for q in self.params])
         for q in self.params:
             state = {}
             for key in ("exp_avg", "exp_avg_sq", "step", "master"):
                 name = f"{q.name}.{key}"
                 if name not in full:
                     continue
-                t = full[name]
-                if q.expert and t.dim() > 0:
-                    n = t.size(0) // ep
-                    t = t[ep_rank * n : (ep_rank + 1) * n]
+                t = full_to_local(full[name], q.expert, self.parallel)
                 if key == "master":
                     q.master.copy_(t)
                 else:
@@ -171,9 +164,56 @@ class MasterAdamW:
                 self.adamw.state[q.master] = state
 
 
-def _state_keys(q: _Param, stepped: bool) -> list[str]:
+# -- pieces shared with the ZeRO-1 optimizer (moe/train/zero.py)
+
+
+def decays(param: torch.Tensor) -> bool:
+    """Decoupled weight decay applies to matrices (2 or more dimensions), not to norms and vectors."""
+    return param.dim() >= 2
+
+
+def build_adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], config: TrainingConfig) -> torch.optim.AdamW:
+    """torch's single-tensor AdamW (foreach=False: the element-wise maths does not depend on how the tensors are
+    cut, so a sharded optimizer stepping slices of a parameter computes the same bits as one stepping all of it)."""
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        foreach=False,
+    )
+
+
+def clip_factor(norm: float, max_norm: float) -> float:
+    """`max_norm / norm` when the norm exceeds `max_norm` (> 0), else 1 (also for a non-finite norm)."""
+    if max_norm <= 0 or not math.isfinite(norm):
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
+def check_state_keys(full: dict[str, torch.Tensor], params: list[tuple[str, bool]]) -> None:
+    """Raises ValueError unless `full` has exactly the keys of the parameters `(name, has_separate_master)`:
+    `<name>.exp_avg / .exp_avg_sq / .step` once stepped, and `<name>.master` for the non-FP32 parameters."""
+    stepped = any(k.endswith(".exp_avg") for k in full)
     keys = ["exp_avg", "exp_avg_sq", "step"] if stepped else []
-    return [f"{q.name}.{k}" for k in keys + (["master"] if q.master is not q.param else [])]
+    expected = {f"{name}.{k}" for name, master in params for k in keys + (["master"] if master else [])}
+    if set(full) != expected:
+        missing, extra = sorted(expected - set(full)), sorted(set(full) - expected)
+        raise ValueError(f"optimizer state does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+
+
+def local_to_full(t: torch.Tensor, expert: bool, parallel: ParallelState) -> torch.Tensor:
+    """This rank's tensor of a parameter (or of its optimizer state) -> the layout-independent full tensor:
+    expert tensors gathered over the EP group along dim 0 (collective over it); others as they are."""
+    return _gather_dim0(t, parallel.ep_group) if expert and t.dim() > 0 else t
+
+
+def full_to_local(t: torch.Tensor, expert: bool, parallel: ParallelState) -> torch.Tensor:
+    """Inverse of `local_to_full`: the expert tensors sliced to this rank's local experts."""
+    if not expert or t.dim() == 0:
+        return t
+    n = t.size(0) // parallel.layout.ep
+    return t[parallel.ep_rank * n : (parallel.ep_rank + 1) * n]
 
 
 def _gather_dim0(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
