@@ -53,6 +53,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (arrives with the next issue: 1)")
     p.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule")
     p.add_argument("--fp8", default="none", choices=FP8_RECIPES, help="FP8 recipe")
+    p.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        default=None,
+        help="ZeRO-1: optimizer states and FP32 masters sharded over the data-parallel ranks "
+        "(default: [training] use_distributed_optimizer)",
+    )
+    p.add_argument("--ddp-bucket-size", type=int, default=None, help="gradient bucket size in elements (ZeRO-1)")
     p.add_argument("--init", default=None, help="start from the weights of this checkpoint / model directory")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     p.add_argument("--data-cache", default=None, help="token cache directory (default: [training.data] cache_dir)")
@@ -122,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             train_cfg = dataclasses.replace(train_cfg, steps=args.steps)
         if args.data_cache is not None:
             train_cfg.data.cache_dir = args.data_cache
+        if args.use_distributed_optimizer:
+            train_cfg = dataclasses.replace(train_cfg, use_distributed_optimizer=True)
+        if args.ddp_bucket_size is not None:
+            train_cfg = dataclasses.replace(train_cfg, ddp_bucket_size=args.ddp_bucket_size)
         layout = Layout(world=env_world_size(), tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                         pp_schedule=args.pp_schedule, fp8=args.fp8)  # fmt: skip
         check_model_layout(model_cfg, train_cfg, layout)

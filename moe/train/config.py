@@ -91,6 +91,12 @@ class TrainingConfig:
     dtype: str = "float32"
     checkpoint_every: int = 0
     log_every: int = 10
+    # Megatron's names: ZeRO-1 (optimizer states and FP32 masters sharded over the data-parallel ranks), its
+    # gradient bucket size in elements (None: Megatron's default max(40M, 1M * dp)) and the overlap of the bucket
+    # reductions with the backward.
+    use_distributed_optimizer: bool = False
+    ddp_bucket_size: int | None = None
+    overlap_grad_reduce: bool = True
     data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
@@ -120,6 +126,11 @@ class TrainingConfig:
             raise ValueError(f"[training] weight_decay must be >= 0, got {self.weight_decay!r}")
         if not self.clip_grad >= 0:
             raise ValueError(f"[training] clip_grad must be >= 0 (0 = off), got {self.clip_grad!r}")
+        for name in ("use_distributed_optimizer", "overlap_grad_reduce"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"[training] {name} must be true or false, got {getattr(self, name)!r}")
+        if self.ddp_bucket_size is not None:
+            _positive_int("ddp_bucket_size", self.ddp_bucket_size)
         if self.dtype not in DTYPES:
             raise ValueError(f"[training] dtype must be one of {DTYPES}, got {self.dtype!r}")
         if isinstance(self.data, dict):

@@ -40,6 +40,7 @@ from moe.train.metrics import LOSS_PNG, MetricsLog, plot_loss
 from moe.train.optim import MasterAdamW
 from moe.train.parallel import ParallelState, all_reduce_sum
 from moe.train.schedule import lr_at
+from moe.train.zero import DistributedAdamW, ZeroConfig
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 IGNORE_INDEX = -100
@@ -123,7 +124,11 @@ class Trainer:
         expert_params = [p for layer in self.moe_layers for p in layer.experts.parameters()]
         if parallel.layout.ep > 1 and any(layer.ep_size != parallel.layout.ep for layer in self.moe_layers):
             raise ValueError(f"the model's MoE layers are not sharded over --ep {parallel.layout.ep}")
-        self.optimizer = MasterAdamW(model, expert_params, config, parallel)
+        if config.use_distributed_optimizer:  # built before any backward: it installs the gradient hooks
+            zero = ZeroConfig(bucket_size=config.ddp_bucket_size, overlap_grad_reduce=config.overlap_grad_reduce)
+            self.optimizer = DistributedAdamW(model, expert_params, config, parallel, zero)
+        else:
+            self.optimizer = MasterAdamW(model, expert_params, config, parallel)
         self.local_rows = config.global_batch // parallel.layout.dp
         self.micro_rows = self.local_rows // config.micro_batches
 
@@ -143,15 +148,17 @@ class Trainer:
         sums = torch.zeros(1 + self.num_mtp, dtype=torch.float64)
         num_experts = [layer.config.num_moe_experts for layer in self.moe_layers]
         loads = [torch.zeros(e, dtype=torch.float64) for e in num_experts]
-        for mb_BS in tokens_BS.split(self.micro_rows):
-            out = self.model(mb_BS, labels=mb_BS)
-            mtp_sums = list(out.mtp_loss_sums or [])
-            if len(mtp_sums) != self.num_mtp:
-                raise RuntimeError(f"the model returned {len(mtp_sums)} MTP losses, expected {self.num_mtp}")
-            loss = out.lm_loss_sum / counts[0].item()
-            for d, mtp_sum in enumerate(mtp_sums):
-                loss = loss + (self.mtp_loss_weight / self.num_mtp) * mtp_sum / counts[1 + d].item()
-            loss.backward()
+        for index, mb_BS in enumerate(tokens_BS.split(self.micro_rows)):
+            # ZeRO-1: no gradient communication before the last micro-batch's backward (then it overlaps it).
+            with self.optimizer.accumulation_context(index, cfg.micro_batches):
+                out = self.model(mb_BS, labels=mb_BS)
+                mtp_sums = list(out.mtp_loss_sums or [])
+                if len(mtp_sums) != self.num_mtp:
+                    raise RuntimeError(f"the model returned {len(mtp_sums)} MTP losses, expected {self.num_mtp}")
+                loss = out.lm_loss_sum / counts[0].item()
+                for d, mtp_sum in enumerate(mtp_sums):
+                    loss = loss + (self.mtp_loss_weight / self.num_mtp) * mtp_sum / counts[1 + d].item()
+                loss.backward()
             sums += torch.stack([out.lm_loss_sum.detach(), *[s.detach() for s in mtp_sums]]).double()
             for load, layer in zip(loads, self.moe_layers):
                 load += layer.metrics.tokens_per_expert.double()

@@ -99,13 +99,23 @@ def test_run_outputs(one_process_run):
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
 
 
-def test_ep2_dp2_matches_one_process(tmp_path, config, one_process_run):
-    run_dir = tmp_path / "ep2"
-    _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", "--ep", "2"], nproc=4)
+# (flags, processes, expected (world, dp, tp, ep, expert_dp), ZeRO-1)
+LAYOUTS = {
+    "ep2_dp2": (["--ep", "2"], 4, (4, 4, 1, 2, 2), False),
+    # ZeRO-1 with small buckets (tiny has ~1.3M parameters): many buckets, parameters cut between the two shards.
+    "dp2_zero1": (["--use-distributed-optimizer", "--ddp-bucket-size", "20000"], 2, (2, 2, 1, 1, 2), True),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_layout_matches_one_process(tmp_path, config, one_process_run, layout):
+    flags, nproc, expected, zero = LAYOUTS[layout]
+    run_dir = tmp_path / layout
+    _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", *flags], nproc=nproc)
     info = json.loads((run_dir / "run.json").read_text())
-    assert (info["layout"]["world"], info["layout"]["dp"], info["layout"]["ep"], info["layout"]["expert_dp"]) == (
-        4, 4, 2, 2
-    )  # fmt: skip
+    lay = info["layout"]
+    assert (lay["world"], lay["dp"], lay["tp"], lay["ep"], lay["expert_dp"]) == expected
+    assert info["config"]["training"]["use_distributed_optimizer"] is zero
     ref, got = _records(one_process_run), _records(run_dir)
     assert len(got) == len(ref) == 8
     # FP32 throughout; the layouts differ only in the order of reductions (micro-batch shapes in the GEMMs, the
