@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-
 # torch 2.13 renamed reduce_scatter_tensor (now deprecated) to reduce_scatter_single.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
