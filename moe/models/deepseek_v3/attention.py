@@ -27,6 +27,7 @@ from torch import nn
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.models.deepseek_v3.norm import RMSNorm
 from moe.models.deepseek_v3.rope import apply_rope, softmax_scale
+from moe.parallel.mappings import SequenceShards, gather_from_sequence_parallel
 
 
 def fuses_input_projections(config: DeepseekV3Config) -> bool:
@@ -38,7 +39,8 @@ class MultiHeadLatentAttention(nn.Module):
     def __init__(self, config: DeepseekV3Config, *, dtype: torch.dtype = torch.float32, device=None) -> None:
         super().__init__()
         c = config
-        self.num_heads = c.num_attention_heads
+        self.num_heads = c.num_attention_heads  # this rank's heads: `head_start` on (tensor_parallel.py)
+        self.head_start = 0
         self.nope_dim, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.kv_lora_rank = c.kv_lora_rank
         self.rope_interleave = c.rope_interleave
@@ -63,21 +65,38 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(c.kv_lora_rank, kv_b_dim, bias=False, **kw)
         self.o_proj = nn.Linear(self.num_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias, **kw)
 
-    def forward(self, x_BSH: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor) -> torch.Tensor:
-        """Causal self-attention over `x [B, S, H]` with rotary tables `[S, Dr/2]`; returns `[B, S, H]`."""
-        B, S, _ = x_BSH.shape
+    def forward(
+        self, x_BSH: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor, shards: SequenceShards | None = None
+    ) -> torch.Tensor:
+        """Causal self-attention over `x [B, S, H]` with rotary tables `[S, Dr/2]`; returns `[B, S, H]`.
+
+        Tensor + sequence parallel (`shards`, see tensor_parallel.py): `x` is this rank's positions `[B, S_r, H]`
+        and the result too; `cos_SP`/`sin_SP` cover the whole sequence. The replicated down projection and its
+        norms run on the local positions; their outputs (the latents, narrower than H) are all-gathered once;
+        the up projections (column parallel) and the attention core see this rank's `num_heads` heads over the
+        whole sequence, and `o_proj` (row parallel) reduce-scatters back to the local positions.
+        """
+        B = x_BSH.size(0)
         N, Dn, Dr, Dv = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim
         if self.fused:
             q_in, c_BSC, k_rope = self.qkv_a_proj(x_BSH).split([self.q_in_dim, self.kv_lora_rank, Dr], dim=-1)
         else:
             q_in = self.q_proj(x_BSH)
             c_BSC, k_rope = self.kv_a_proj_with_mqa(x_BSH).split([self.kv_lora_rank, Dr], dim=-1)
-        q = self.q_b_proj(self.q_a_layernorm(q_in)) if self.q_b_proj is not None else q_in
+        q_in = self.q_a_layernorm(q_in) if self.q_b_proj is not None else q_in
+        c_BSC = self.kv_a_layernorm(c_BSC)
+        if shards is not None:
+            latent = gather_from_sequence_parallel(torch.cat((q_in, c_BSC, k_rope), dim=-1), shards)
+            q_in, c_BSC, k_rope = latent.split([self.q_in_dim, self.kv_lora_rank, Dr], dim=-1)
+            if self.q_b_proj is None:  # a plain q_proj, replicated: keep this rank's heads
+                q_in = q_in.narrow(-1, self.head_start * (Dn + Dr), N * (Dn + Dr))
+        S = q_in.size(1)
+        q = self.q_b_proj(q_in) if self.q_b_proj is not None else q_in
         q_nope, q_rope = q.view(B, S, N, Dn + Dr).split([Dn, Dr], dim=-1)
-        k_nope, v_BSNV = self.kv_b_proj(self.kv_a_layernorm(c_BSC)).view(B, S, N, Dn + Dv).split([Dn, Dv], dim=-1)
+        k_nope, v_BSNV = self.kv_b_proj(c_BSC).view(B, S, N, Dn + Dv).split([Dn, Dv], dim=-1)
 
         q_rope = apply_rope(q_rope, cos_SP, sin_SP, self.rope_interleave)
-        k_rope = apply_rope(k_rope.view(B, S, 1, Dr), cos_SP, sin_SP, self.rope_interleave)
+        k_rope = apply_rope(k_rope.reshape(B, S, 1, Dr), cos_SP, sin_SP, self.rope_interleave)
         q_BSNQ = torch.cat((q_nope, q_rope), dim=-1)
         k_BSNQ = torch.cat((k_nope, k_rope.expand(B, S, N, Dr)), dim=-1)
 
@@ -89,4 +108,5 @@ class MultiHeadLatentAttention(nn.Module):
         out_BNSV = F.scaled_dot_product_attention(
             q_BSNQ.transpose(1, 2), k_BSNQ.transpose(1, 2), v_BSNV.transpose(1, 2), is_causal=True, scale=self.scale
         )
-        return self.o_proj(out_BNSV[..., :Dv].transpose(1, 2).reshape(B, S, N * Dv))
+        out_BSD = out_BNSV[..., :Dv].transpose(1, 2).reshape(B, S, N * Dv)
+        return self.o_proj(out_BSD) if shards is None else self.o_proj(out_BSD, shards)

@@ -18,6 +18,8 @@ from moe.layer import MoELayer
 from moe.models.deepseek_v3.attention import MultiHeadLatentAttention
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.models.deepseek_v3.norm import RMSNorm
+from moe.parallel.layers import ParallelSwiGLUMLP
+from moe.parallel.mappings import SequenceShards
 
 
 class DecoderLayer(nn.Module):
@@ -43,7 +45,14 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, init_std=config.initializer_range, **kw)
 
-    def forward(self, x_BSH: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor) -> torch.Tensor:
-        """`[B, S, H] -> [B, S, H]`; rotary tables `[S, Dr/2]` for the positions of the S tokens."""
-        x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos_SP, sin_SP)
-        return x_BSH + self.mlp(self.post_attention_layernorm(x_BSH))
+    def forward(
+        self, x_BSH: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor, shards: SequenceShards | None = None
+    ) -> torch.Tensor:
+        """`[B, S, H] -> [B, S, H]`; rotary tables `[S, Dr/2]` for the positions of the S tokens. With sequence
+        parallelism (`shards`) `x` and the result are this rank's positions `[B, S_r, H]` (norms, residuals and the
+        MoE layer see those only; attention and the dense MLP gather the sequence inside)."""
+        x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos_SP, sin_SP, shards)
+        h_BSH = self.post_attention_layernorm(x_BSH)
+        if shards is not None and isinstance(self.mlp, ParallelSwiGLUMLP):
+            return x_BSH + self.mlp(h_BSH, shards)
+        return x_BSH + self.mlp(h_BSH)

@@ -1,7 +1,8 @@
 """Deterministic weight initialisation that does not depend on the parallel layout.
 
 Every tensor is drawn from its own generator, seeded by `(seed, full parameter name)`; routed experts by
-`(seed, name, global expert index)`. So a model sharded over any number of expert-parallel ranks holds exactly the
+`(seed, name, global expert index)`; a tensor-parallel shard draws its whole tensor and keeps its slice. So a model
+sharded over any number of expert- or tensor-parallel ranks holds exactly the
 slice of the weights the one-process model holds, and a part built on its own (e.g. the MTP modules added on
 import) gets the values it would have in the whole model, given the same name prefix.
 
@@ -20,6 +21,7 @@ from torch import nn
 from moe.experts import SwiGLUExperts, SwiGLUMLP
 from moe.layer import MoELayer
 from moe.models.deepseek_v3.norm import RMSNorm
+from moe.parallel.sharding import tp_shard_of
 from moe.router import TopKRouter
 
 
@@ -35,8 +37,11 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 @torch.no_grad()
 def _normal_(param: torch.Tensor, std: float, seed: int, name: str) -> None:
-    values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=_generator(seed, name))
-    param.copy_(values)
+    # A tensor-parallel shard draws the whole tensor and keeps its slice: the same values at any TP size.
+    shard = tp_shard_of(param)
+    shape = param.shape if shard is None else shard.full_shape(param.shape)
+    values = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=_generator(seed, name))
+    param.copy_(values if shard is None else shard.shard(values))
 
 
 @torch.no_grad()

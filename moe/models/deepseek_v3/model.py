@@ -38,6 +38,13 @@ from moe.models.deepseek_v3.moe_block import moe_config
 from moe.models.deepseek_v3.mtp import MTPModule
 from moe.models.deepseek_v3.norm import RMSNorm
 from moe.models.deepseek_v3.rope import RotaryEmbedding
+from moe.parallel.cross_entropy import vocab_parallel_cross_entropy
+from moe.parallel.mappings import (
+    SequenceShards,
+    gather_from_sequence_parallel,
+    reduce_scatter_to_sequence_parallel,
+    scatter_to_sequence_parallel,
+)
 
 IGNORE_INDEX = -100
 
@@ -46,7 +53,9 @@ IGNORE_INDEX = -100
 class DeepseekV3Output:
     """What `DeepseekV3ForCausalLM.forward` returns.
 
-    logits: `[B, S, V]` in the model dtype (float32 for a float32 model); logits[:, t] predicts token t+1.
+    logits: `[B, S, V]` in the model dtype (float32 for a float32 model); logits[:, t] predicts token t+1. Under
+        tensor parallelism `[B, S, V/tp]`, this rank's vocabulary columns from `model.vocab_start`; the losses are
+        then the same on every rank of the TP group (see tensor_parallel.py).
     With labels:
         lm_loss_sum: 0-d float32, the sum of next-token cross entropy over valid positions (labels[:, t+1] != -100).
         num_tokens: 0-d int64, the number of those positions.
@@ -68,17 +77,23 @@ class DeepseekV3Output:
     mtp_loss: torch.Tensor | None = None
 
 
-def next_token_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+def next_token_loss(
+    logits_BSV: torch.Tensor,
+    labels_BS: torch.Tensor,
+    shift: int,
+    tp_group: dist.ProcessGroup | None = None,
+    vocab_start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`(sum of float32 cross entropy over the valid targets, their count)`: `logits[:, s]` scores `labels[:, s +
     shift]` where that exists and is not -100 (the targets are padded with -100 rather than the logits sliced, so
-    the logits are not copied)."""
+    the logits are not copied). With `tp_group` the logits are this rank's vocabulary columns from `vocab_start`
+    (vocab-parallel cross entropy; the sum is the same on every rank of the group)."""
     targets_BS = F.pad(labels_BS[:, shift:], (0, logits_BSV.size(1) - labels_BS.size(1) + shift), value=IGNORE_INDEX)
-    loss_sum = F.cross_entropy(
-        logits_BSV.reshape(-1, logits_BSV.size(-1)).float(),
-        targets_BS.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+    logits_NV, targets_N = logits_BSV.reshape(-1, logits_BSV.size(-1)), targets_BS.reshape(-1)
+    if tp_group is not None:
+        loss_sum = vocab_parallel_cross_entropy(logits_NV, targets_N, vocab_start, tp_group, IGNORE_INDEX).sum()
+    else:
+        loss_sum = F.cross_entropy(logits_NV.float(), targets_N, ignore_index=IGNORE_INDEX, reduction="sum")
     return loss_sum, (targets_BS != IGNORE_INDEX).sum()
 
 
@@ -114,6 +129,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         if not isinstance(config, DeepseekV3Config):
             raise ValueError(f"config must be a DeepseekV3Config, got {type(config).__name__}")
         self.config = config
+        self.tp_group: dist.ProcessGroup | None = None  # set by tensor_parallel.parallelize (tp > 1)
         self.ep_group = ep_group if group_size(ep_group) > 1 else None
         if self.ep_group is not None and config.n_routed_experts % group_size(ep_group):
             raise ValueError(
@@ -158,6 +174,9 @@ class DeepseekV3ForCausalLM(nn.Module):
                 MTPModule(config, k, moe_layer_kwargs=layer_moe(config.num_hidden_layers + k), **kw)
                 for k in range(config.num_nextn_predict_layers)
             )
+        for layer in self.moe_layers():
+            for param in layer.experts.parameters():
+                param.expert_parallel = True  # the issue-11 contract's tag: reduced over the expert-dp group
         if seed is not None:
             self.init_weights(seed)
 
@@ -172,18 +191,25 @@ class DeepseekV3ForCausalLM(nn.Module):
         return [m.mlp for m in (*self.layers, *self.mtp) if isinstance(m.mlp, MoELayer)]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every weight with global expert indices (state.py). Collective over the EP group: call it on every rank;
-        every rank gets the whole dict."""
-        return state.full_state_dict(self, self.ep_group)
+        """Every weight whole, with global expert indices (state.py). Collective over the EP and TP groups: call it
+        on every rank; every rank gets the whole dict."""
+        return state.full_state_dict(self, self.ep_group, self.tp_group)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load a `full_state_dict` (from any layout); this rank keeps its experts. No communication."""
+        """Load a `full_state_dict` (from any layout); this rank keeps its experts and its TP shards. No
+        communication."""
         state.load_full_state_dict(self, state_dict)
 
     @property
     def output_weight(self) -> torch.Tensor:
-        """`[V, H]` the output head's weight (the embedding's when tied)."""
+        """`[V, H]` the output head's weight (the embedding's when tied); `[V/tp, H]` this rank's vocabulary rows
+        under tensor parallelism."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def vocab_start(self) -> int:
+        """The first vocabulary id of this rank's logits columns (0 without tensor parallelism)."""
+        return getattr(self.embed_tokens, "vocab_start", 0)
 
     # -- forward --------------------------------------------------------------------------------------------------
 
@@ -200,18 +226,22 @@ class DeepseekV3ForCausalLM(nn.Module):
         B, S = input_ids.shape
         dtype = self.embed_tokens.weight.dtype
         cos_SP, sin_SP = self.rotary(torch.arange(S, device=input_ids.device), dtype)
+        tp = self.tp_group
 
+        # Under TP the embedding is this rank's partial sum (its vocabulary rows); the reduce-scatter sums it into
+        # this rank's positions. It is kept whole-sequence for the MTP depths, which take shifted slices of it.
         emb_BSH = self.embed_tokens(input_ids)
-        h_BSH = emb_BSH
+        shards = None if tp is None else SequenceShards.split(S, tp)
+        h_BSH = emb_BSH if tp is None else reduce_scatter_to_sequence_parallel(emb_BSH, shards)
         for layer in self.layers:
-            h_BSH = layer(h_BSH, cos_SP, sin_SP)
+            h_BSH = layer(h_BSH, cos_SP, sin_SP, shards)
         h_BSH = self.norm(h_BSH)
-        logits_BSV = F.linear(h_BSH, self.output_weight)
+        logits_BSV = self._logits(h_BSH, shards)
         out = DeepseekV3Output(logits=logits_BSV)
         if labels is None:
             return out
 
-        out.lm_loss_sum, out.num_tokens = next_token_loss(logits_BSV, labels, 1)
+        out.lm_loss_sum, out.num_tokens = next_token_loss(logits_BSV, labels, 1, tp, self.vocab_start)
         out.loss = out.lm_loss_sum / out.num_tokens.clamp(min=1)
         means = []
         for depth, module in enumerate(self.mtp, start=1):
@@ -222,14 +252,34 @@ class DeepseekV3ForCausalLM(nn.Module):
             if length <= 0:
                 loss_sum, count = logits_BSV.new_zeros((), dtype=torch.float32), labels.new_zeros(())
             else:
-                h_BSH = module(h_BSH[:, :length], emb_BSH[:, depth:], cos_SP[depth:], sin_SP[depth:])
-                loss_sum, count = next_token_loss(F.linear(h_BSH, self.output_weight), labels, depth + 1)
+                h_in, emb_in, mtp_shards = self._mtp_inputs(h_BSH, emb_BSH, shards, depth, length)
+                h_BSH = module(h_in, emb_in, cos_SP[depth:], sin_SP[depth:], mtp_shards)
+                shards = mtp_shards
+                loss_sum, count = next_token_loss(self._logits(h_BSH, shards), labels, depth + 1, tp, self.vocab_start)
             out.mtp_loss_sums.append(loss_sum)
             out.mtp_num_tokens.append(count)
             means.append(loss_sum / count.clamp(min=1))
         if means:
             out.mtp_loss = torch.stack(means).mean()
         return out
+
+    def _logits(self, h_BSH: torch.Tensor, shards: SequenceShards | None) -> torch.Tensor:
+        """`[B, S, V]` (`[B, S, V/tp]`, this rank's vocabulary, from this rank's positions `[B, S_r, H]` gathered
+        under TP)."""
+        if shards is not None:
+            h_BSH = gather_from_sequence_parallel(h_BSH, shards)
+        return F.linear(h_BSH, self.output_weight)
+
+    def _mtp_inputs(self, h_BSH, emb_BSH, shards, depth: int, length: int):
+        """`(h[:, :length], emb[:, depth:depth + length], their shards)`: under TP, the previous depth's positions
+        resharded over the shorter sequence, and this rank's part of the shifted embedding (reduce-scattered from
+        the whole-sequence partial sums)."""
+        if shards is None:
+            return h_BSH[:, :length], emb_BSH[:, depth:], None
+        new = SequenceShards.split(length, shards.group)
+        h_full = gather_from_sequence_parallel(h_BSH, shards)[:, :length]
+        h_in = scatter_to_sequence_parallel(h_full, new)
+        return h_in, reduce_scatter_to_sequence_parallel(emb_BSH[:, depth:], new), new
 
     def _check_inputs(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> None:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
@@ -238,6 +288,14 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise ValueError(
                 f"sequence length {input_ids.size(1)} exceeds max_position_embeddings="
                 f"{self.config.max_position_embeddings}"
+            )
+        tp = group_size(self.tp_group)
+        min_len = tp + (len(self.mtp) if labels is not None else 0)
+        if tp > 1 and input_ids.size(1) < min_len:
+            raise ValueError(
+                f"sequence length {input_ids.size(1)} is too short for sequence parallelism over {tp} ranks with "
+                f"{len(self.mtp) if labels is not None else 0} MTP depths (each depth's positions must give every "
+                f"rank one): at least {min_len}"
             )
         if labels is not None and (labels.shape != input_ids.shape or labels.dtype not in (torch.int64, torch.int32)):
             raise ValueError(

@@ -23,6 +23,7 @@ from torch import nn
 from moe.models.deepseek_v3.block import DecoderLayer
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.models.deepseek_v3.norm import RMSNorm
+from moe.parallel.mappings import SequenceShards
 
 
 class SharedHead(nn.Module):
@@ -56,13 +57,20 @@ class MTPModule(DecoderLayer):
         self.shared_head = SharedHead(config, dtype=dtype, device=device)
 
     def forward(
-        self, h_prev_BSH: torch.Tensor, emb_BSH: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor
+        self,
+        h_prev_BSH: torch.Tensor,
+        emb_BSH: torch.Tensor,
+        cos_SP: torch.Tensor,
+        sin_SP: torch.Tensor,
+        shards: SequenceShards | None = None,
     ) -> torch.Tensor:
         """Args:
             h_prev_BSH: `[B, S, H]` the previous depth's normalised states at positions i.
             emb_BSH: `[B, S, H]` embeddings of the tokens at positions i + depth.
             cos_SP, sin_SP: rotary tables `[S, Dr/2]` of the positions i + depth (those of the embedded tokens).
+            shards: with sequence parallelism, the split of the S positions: `h_prev` and `emb` are this rank's
+                `[B, S_r, H]`, and so is the result (the norms and `eh_proj` run on the local positions).
         Returns `[B, S, H]`, normalised by `shared_head.norm` (input of the output head and of the next depth).
         """
         x = self.eh_proj(torch.cat((self.enorm(emb_BSH), self.hnorm(h_prev_BSH)), dim=-1))
-        return self.shared_head.norm(super().forward(x, cos_SP, sin_SP))
+        return self.shared_head.norm(super().forward(x, cos_SP, sin_SP, shards))

@@ -3,6 +3,9 @@
 The full state dict is the model's `state_dict()` with:
 - routed expert weights (`*.mlp.experts.w13` `[E, H, 2F]`, `*.mlp.experts.w2` `[E, F, H]`) holding every expert,
   in global expert order (gathered over the EP group: rank r holds experts `[r*L, (r+1)*L)`);
+- tensor-parallel shards (parameters tagged `tensor_parallel_shard`, see moe/parallel/sharding.py: the vocabulary
+  rows of the embedding and head, MLA's up projections by heads and `o_proj` by input columns, the dense MLP's FFN
+  columns) gathered whole over the TP group;
 - the expert-bias token counts (`*.expert_bias.counts`) left out: they only live between two bias updates.
 Everything else is replicated on every rank and taken from this rank. Tensors keep their dtype (the router weight
 and the expert bias are float32).
@@ -16,6 +19,7 @@ from torch import nn
 
 from moe.balancing import group_size
 from moe.layer import MoELayer
+from moe.parallel.sharding import gather_shards, tp_shard_of
 
 EXPERT_PARAMS = ("w13", "w2")
 TRANSIENT_SUFFIXES = (".expert_bias.counts",)
@@ -31,17 +35,23 @@ def _expert_tensors(model: nn.Module) -> dict[str, tuple[MoELayer, torch.Tensor]
     return found
 
 
-def full_state_dict(model: nn.Module, ep_group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
-    """The full state dict (see the module docstring). Collective over `ep_group` when it has more than one rank:
-    every rank must call it, and every rank gets the whole dict. Replicated tensors are detached views of the
-    parameters (clone them to keep a snapshot while training goes on); gathered expert weights are new tensors."""
+def full_state_dict(
+    model: nn.Module, ep_group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
+    """The full state dict (see the module docstring). Collective over `ep_group` and `tp_group` when they have more
+    than one rank: every rank must call it, and every rank gets the whole dict. Replicated tensors are detached
+    views of the parameters (clone them to keep a snapshot while training goes on); gathered weights are new
+    tensors."""
     experts = _expert_tensors(model)
     ep_size = group_size(ep_group)
     out = {}
-    for key, tensor in model.state_dict().items():
+    for key, tensor in model.state_dict(keep_vars=True).items():
         if key.endswith(TRANSIENT_SUFFIXES):
             continue
-        if key in experts and ep_size > 1:
+        shard = tp_shard_of(tensor)
+        if shard is not None and shard.size > 1:
+            out[key] = gather_shards(tensor, shard, tp_group)
+        elif key in experts and ep_size > 1:
             # Gathered as bytes: any dtype crosses any backend (gloo has no float8, for instance).
             local = tensor.detach().contiguous().view(torch.uint8)
             parts = [torch.empty_like(local) for _ in range(ep_size)]
@@ -56,10 +66,13 @@ def full_state_dict_shapes(model: nn.Module) -> dict[str, tuple[torch.Size, torc
     """Key -> (full shape, dtype) of the full state dict, without communication."""
     experts = _expert_tensors(model)
     shapes = {}
-    for key, tensor in model.state_dict().items():
+    for key, tensor in model.state_dict(keep_vars=True).items():
         if key.endswith(TRANSIENT_SUFFIXES):
             continue
         shape = tensor.shape
+        shard = tp_shard_of(tensor)
+        if shard is not None:
+            shape = shard.full_shape(shape)
         if key in experts:
             layer = experts[key][0]
             shape = torch.Size((layer.config.num_moe_experts, *shape[1:]))
@@ -89,4 +102,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) 
         if key in experts:
             layer = experts[key][0]
             value = value[layer.local_expert_start : layer.local_expert_start + layer.num_local_experts]
+        shard = tp_shard_of(own[key])
+        if shard is not None:
+            value = shard.shard(value)
         own[key].copy_(value)
