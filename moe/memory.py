@@ -40,6 +40,17 @@ def _status_bytes(field: str) -> int:
     return int(match.group(1)) * 1024
 
 
+def process_peak_bytes(device: torch.device | str = "cpu") -> int:
+    """This process's memory high-water mark so far, in bytes: CUDA `max_memory_allocated`, CPU the resident-set
+    peak (`VmHWM`, Linux)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    if device.type != "cpu":
+        raise ValueError(f"process_peak_bytes: unsupported device {device}")
+    return _status_bytes("VmHWM")
+
+
 def peak_memory_bytes(work: Callable[[], object], device: torch.device | str = "cpu") -> int:
     """Runs `work()` and returns its peak memory above the memory in use when it started, in bytes.
 

@@ -3,9 +3,15 @@
     python examples/deepseek_v3/train.py --config examples/deepseek_v3/configs/tiny.toml --out runs/tiny
     torchrun --nproc-per-node 4 examples/deepseek_v3/train.py --config ... --out runs/tiny-ep4 --ep 4
 
-One process, or one per rank under torchrun (gloo on CPU). The experts of every MoE layer are sharded over `--ep`
-ranks (mtdeepep's 'flex' dispatcher); everything else is data parallel. For a given `--seed`, every layout starts
-from the same weights, trains on the same tokens and does the same maths per step (see moe/train/trainer.py).
+    torchrun --nproc-per-node 4 examples/deepseek_v3/train.py --config ... --out runs/tiny-tp2-ep2 --tp 2 --ep 2 \
+        --use-distributed-optimizer
+
+One process, or one per rank under torchrun (gloo on CPU). Layout (moe/train/parallel.py): `--tp` ranks split the
+attention and dense layers (tensor parallel, with sequence parallelism outside them), the experts of every MoE
+layer are sharded over `--ep` ranks (mtdeepep's 'flex' dispatcher; MoE parallel folding lets EP span the TP
+ranks), the rest is data parallel, with ZeRO-1 under `--use-distributed-optimizer`. For a given `--seed`, every
+layout starts from the same weights, trains on the same tokens and does the same maths per step (see
+moe/train/trainer.py).
 
 Writes into RUN_DIR: run.json (layout and config), metrics.jsonl (one line per optimizer step), loss.png,
 tokenizer.json, val_tokens.npy (held-out sequences for evaluate.py), checkpoints/step_N/ and checkpoints/latest.
@@ -31,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from moe import EPBuffers  # noqa: E402
+from moe.models.deepseek_v3.tensor_parallel import check_tensor_parallel, parallelize  # noqa: E402
 from moe.train import checkpoint as ckpt  # noqa: E402
 from moe.train.config import TrainingConfig  # noqa: E402
 from moe.train.data import TokenBatches, prepare_tokens  # noqa: E402
@@ -73,13 +80,17 @@ def check_model_layout(model_cfg, train_cfg: TrainingConfig, layout: Layout) -> 
     """What the layout and the batch ask of the model config (ValueError, before any process group). The routing
     settings themselves (e.g. a top-k larger than the experts of the allowed groups) are checked by
     `DeepseekV3Config`."""
-    for flag, value, default in (("--tp", layout.tp, 1), ("--etp", layout.etp, 1), ("--fp8", layout.fp8, "none")):
+    for flag, value, default in (("--etp", layout.etp, 1), ("--fp8", layout.fp8, "none")):
         if value != default:
             raise ValueError(f"{flag} {value}: not in the trainer yet (the layouts exist; the layers are being wired)")
     layout.check_experts(model_cfg.n_routed_experts)
     layout.check_batch(train_cfg.global_batch, train_cfg.micro_batches)
-    if model_cfg.num_attention_heads % layout.tp:
-        raise ValueError(f"num_attention_heads={model_cfg.num_attention_heads} is not divisible by --tp {layout.tp}")
+    check_tensor_parallel(model_cfg, layout.tp)
+    if train_cfg.seq_len < layout.tp + model_cfg.num_nextn_predict_layers:
+        raise ValueError(
+            f"seq_len={train_cfg.seq_len} is shorter than --tp {layout.tp} + MTP depth "
+            f"{model_cfg.num_nextn_predict_layers}: a sequence-parallel rank would hold no position"
+        )
     if train_cfg.seq_len > model_cfg.max_position_embeddings:
         raise ValueError(
             f"seq_len={train_cfg.seq_len} exceeds max_position_embeddings={model_cfg.max_position_embeddings}"
@@ -161,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ep_buffers = EPBuffers(timeout_s=args.timeout)
     torch.manual_seed(args.seed)  # the model draws its initialisation seed from it (every tensor, expert by name)
     model = DeepseekV3ForCausalLM(model_cfg, ep_group=parallel.ep_group, ep_buffers=ep_buffers,
-                                  aux_loss_group=parallel.dp_group, dtype=DTYPES[train_cfg.dtype])  # fmt: skip
+                                  aux_loss_group=parallel.token_group, dtype=DTYPES[train_cfg.dtype])  # fmt: skip
+    parallelize(model, parallel)  # tensor + sequence parallel over the TP group (slices of the same weights)
 
     def load_model(path: Path) -> None:
         state_dict, _ = _read_model(read_model_dir, path)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe.parallel.sharding import gather_shards, tp_shard_of
 from moe.train.config import TrainingConfig
 from moe.train.parallel import ParallelState, all_reduce_sum
 
@@ -83,6 +84,13 @@ class MasterAdamW:
             g = q.param.grad
             g = torch.zeros_like(q.master) if g is None else g.float()
             q.master.grad = g if q.master is not q.param else g.contiguous()
+        # Sequence parallel: a TP-replicated parameter's gradient is a partial sum over the TP ranks' positions.
+        partial = [q.master.grad for q in self.params if getattr(q.param, "sequence_parallel_grad", False)]
+        if partial and self.parallel.tp_group is not None:
+            flat = torch.cat([g.reshape(-1) for g in partial])
+            dist.all_reduce(flat, group=self.parallel.tp_group)
+            for g, part in zip(partial, flat.split([g.numel() for g in partial])):
+                g.copy_(part.view_as(g))
         for expert, group in ((False, self.parallel.dp_group), (True, self.parallel.expert_dp_group)):
             grads = [q.master.grad for q in self.params if q.expert == expert]
             if group is None or not grads:
@@ -95,10 +103,13 @@ class MasterAdamW:
     @torch.no_grad()
     def global_grad_norm(self) -> float:
         """L2 norm of the reduced gradient of the whole model, every parameter counted once."""
-        sq = torch.zeros(2, dtype=torch.float64)
+        # [TP-replicated dense (the same on every TP rank), TP-sharded dense, experts]
+        sq = torch.zeros(3, dtype=torch.float64)
         for q in self.params:
-            sq[int(q.expert)] += torch.linalg.vector_norm(q.master.grad, dtype=torch.float32).double() ** 2
-        all_reduce_sum(sq[1:], self.parallel.ep_group)
+            kind = 2 if q.expert else int(getattr(q.param, "tensor_parallel_dim", None) is not None)
+            sq[kind] += torch.linalg.vector_norm(q.master.grad, dtype=torch.float32).double() ** 2
+        all_reduce_sum(sq[1:2], self.parallel.tp_group)
+        all_reduce_sum(sq[2:], self.parallel.ep_group)
         return math.sqrt(float(sq.sum()))
 
     @torch.no_grad()
@@ -134,7 +145,9 @@ class MasterAdamW:
             if q.master is not q.param:
                 tensors["master"] = q.master.detach()
             for key, t in tensors.items():
-                out[f"{q.name}.{key}"] = local_to_full(t.detach(), q.expert, self.parallel).clone().contiguous()
+                out[f"{q.name}.{key}"] = (
+                    local_to_full(t.detach(), q.expert, self.parallel, q.param).clone().contiguous()
+                )
         return out
 
     def state_bytes_per_rank(self) -> int:
@@ -152,7 +165,7 @@ class MasterAdamW:
                 name = f"{q.name}.{key}"
                 if name not in full:
                     continue
-                t = full_to_local(full[name], q.expert, self.parallel)
+                t = full_to_local(full[name], q.expert, self.parallel, q.param)
                 if key == "master":
                     q.master.copy_(t)
                 else:
@@ -202,18 +215,34 @@ def check_state_keys(full: dict[str, torch.Tensor], params: list[tuple[str, bool
         raise ValueError(f"optimizer state does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
 
 
-def local_to_full(t: torch.Tensor, expert: bool, parallel: ParallelState) -> torch.Tensor:
+def local_to_full(
+    t: torch.Tensor, expert: bool, parallel: ParallelState, param: nn.Parameter | None = None
+) -> torch.Tensor:
     """This rank's tensor of a parameter (or of its optimizer state) -> the layout-independent full tensor:
-    expert tensors gathered over the EP group along dim 0 (collective over it); others as they are."""
-    return _gather_dim0(t, parallel.ep_group) if expert and t.dim() > 0 else t
-
-
-def full_to_local(t: torch.Tensor, expert: bool, parallel: ParallelState) -> torch.Tensor:
-    """Inverse of `local_to_full`: the expert tensors sliced to this rank's local experts."""
-    if not expert or t.dim() == 0:
+    expert tensors gathered over the EP group along dim 0, tensor-parallel shards (`param`'s
+    `tensor_parallel_shard`) over the TP group (collectives over them); others as they are."""
+    if t.dim() == 0:
         return t
-    n = t.size(0) // parallel.layout.ep
-    return t[parallel.ep_rank * n : (parallel.ep_rank + 1) * n]
+    shard = tp_shard_of(param) if param is not None else None
+    if shard is not None and parallel.tp_group is not None:
+        t = gather_shards(t, shard, parallel.tp_group)
+    return _gather_dim0(t, parallel.ep_group) if expert else t
+
+
+def full_to_local(
+    t: torch.Tensor, expert: bool, parallel: ParallelState, param: nn.Parameter | None = None
+) -> torch.Tensor:
+    """Inverse of `local_to_full`: the expert tensors sliced to this rank's local experts, tensor-parallel
+    parameters to this rank's shard."""
+    if t.dim() == 0:
+        return t
+    if expert:
+        n = t.size(0) // parallel.layout.ep
+        t = t[parallel.ep_rank * n : (parallel.ep_rank + 1) * n]
+    shard = tp_shard_of(param) if param is not None else None
+    if shard is not None and shard.size > 1:
+        t = shard.shard(t)
+    return t
 
 
 def _gather_dim0(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -30,9 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moe.balancing import load_imbalance, set_aux_loss_scale, update_expert_bias
+from moe.memory import process_peak_bytes
 from moe.train import checkpoint as ckpt
 from moe.train.config import TrainingConfig
 from moe.train.data import TokenBatches
@@ -177,6 +179,10 @@ class Trainer:
         sums = all_reduce_sum(sums, par.dp_group)
         loads = all_reduce_sum(torch.cat(loads), par.token_group).split(num_experts)
         elapsed = time.perf_counter() - start
+        # The largest rank's figures: its memory high-water mark so far and its optimizer-state bytes.
+        per_rank = torch.tensor([process_peak_bytes(), self.optimizer.state_bytes_per_rank()], dtype=torch.float64)
+        if self.parallel.layout.world > 1:
+            dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
         mtp = [float(sums[1 + d] / counts[1 + d]) for d in range(self.num_mtp)]
         return {
             "step": step,
@@ -186,6 +192,8 @@ class Trainer:
             "grad_norm": grad_norm,
             "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed,
             "step_s": elapsed,
+            "max_peak_memory_mib": float(per_rank[0]) / 2**20,
+            "max_optimizer_state_mib": float(per_rank[1]) / 2**20,
             "expert_load_max_over_mean": {n: load_imbalance(c) for n, c in zip(self.moe_layer_names, loads)},
         }
 

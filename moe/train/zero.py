@@ -472,7 +472,7 @@ class DistributedAdamW:
             for e in b.entries:
                 for key, flat in full.items():
                     t = flat[e.offset : e.offset + e.numel].view(e.param.shape)
-                    out[f"{e.name}.{key}"] = local_to_full(t, e.expert, self.parallel).clone().contiguous()
+                    out[f"{e.name}.{key}"] = local_to_full(t, e.expert, self.parallel, e.param).clone().contiguous()
                 if self.steps:
                     out[f"{e.name}.step"] = torch.tensor(float(self.steps), dtype=torch.float32)
         return out
@@ -504,7 +504,7 @@ class DistributedAdamW:
                     if name not in full:  # a state saved before the first step: no moments yet
                         dest[s.shard_lo : s.shard_lo + n].zero_()
                         continue
-                    t = full_to_local(full[name], s.entry.expert, self.parallel)
+                    t = full_to_local(full[name], s.entry.expert, self.parallel, s.entry.param)
                     if tuple(t.shape) != tuple(s.entry.param.shape):
                         raise ValueError(f"{name}: shape {tuple(t.shape)} != {tuple(s.entry.param.shape)}")
                     dest[s.shard_lo : s.shard_lo + n].copy_(t.reshape(-1)[s.lo : s.hi])

@@ -104,6 +104,14 @@ LAYOUTS = {
     "ep2_dp2": (["--ep", "2"], 4, (4, 4, 1, 2, 2), False),
     # ZeRO-1 with small buckets (tiny has ~1.3M parameters): many buckets, parameters cut between the two shards.
     "dp2_zero1": (["--use-distributed-optimizer", "--ddp-bucket-size", "20000"], 2, (2, 2, 1, 1, 2), True),
+    "tp2": (["--tp", "2"], 2, (2, 1, 2, 1, 2), False),
+    # EP spans the TP pairs (MoE parallel folding), ZeRO-1 over the two data-parallel ranks.
+    "tp2_ep2_dp2_zero1": (
+        ["--tp", "2", "--ep", "2", "--use-distributed-optimizer", "--ddp-bucket-size", "20000"],
+        4,
+        (4, 2, 2, 2, 2),
+        True,
+    ),
 }
 
 
@@ -244,7 +252,8 @@ def test_bias_update_balances_the_expert_load(tmp_path, corpus_and_cache):
         ({}, {}, {}, ["--ep", "3"], 3, "n_routed_experts=8 is not divisible by --ep 3"),
         ({"num_experts_per_tok": 5}, {}, {}, [], 1, "num_experts_per_tok=5 exceeds the 4 experts"),
         ({}, {}, {"corpus": "/nonexistent/corpus"}, [], 4, "directory /nonexistent/corpus does not exist"),
-        ({}, {}, {}, ["--tp", "2"], 4, "--tp 2: not in the trainer yet"),
+        ({"num_attention_heads": 3, "num_key_value_heads": 3}, {}, {}, ["--tp", "2"], 4, "divisible by 2: num_attent"),
+        ({}, {}, {}, ["--etp", "2"], 4, "--etp 2: not in the trainer yet"),
         ({}, {}, {}, ["--pp", "2"], 4, "--pp 2: pipeline parallelism arrives with the next issue"),
         ({}, {}, {}, ["--fp8", "blockwise"], 4, "--fp8 blockwise: not in the trainer yet"),
         ({}, {"global_batch": 12, "micro_batches": 2}, {}, [], 4, "not divisible by dp \\* micro_batches"),
