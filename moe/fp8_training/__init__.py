@@ -24,6 +24,12 @@ exactly: both operands are rounded through `torch.float8_e4m3fn` with the recipe
 scale), dequantised to FP32 and multiplied in FP32, which is what FP8 tensor cores compute up to the FP32 summation
 order. On CUDA `torch._scaled_mm` runs the real FP8 GEMM (per-tensor scales, or 1x128 x 128x128 block scales).
 
+Limits: under the delayed recipe a recomputed forward (activation checkpointing: recompute levels, full-layer
+recompute) records its amaxes again and may cast with a newer scale than the original forward, so its values can
+differ by one E4M3 rounding (the block-wise recipe recomputes exactly: its scales come from the tensors). The amax
+histories are not checkpointed (a resumed run scales its first step from the current amaxes). Expert-parallel
+ranks scale their local rows per tensor under the delayed recipe, so EP layouts differ by E4M3 roundings there.
+
 torchao (0.18, evaluated for this): its `Float8Linear` runs forward and backward on CPU with `emulate=True`, but it
 only offers dynamic scaling (delayed scaling was removed), per-tensor or row-wise (no 1x128 / 128x128 tiles outside
 its CUDA/Triton `blockwise_fp8_training` prototype), E5M2 gradients by default, and it replaces the module's
