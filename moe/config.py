@@ -68,6 +68,8 @@ class MoEConfig:
     moe_shared_expert_overlap: bool = False
     moe_flex_ll_num_max_dispatch_tokens_per_rank: int = 128  # (ours) 'flex_ll': the most tokens a rank may send
     moe_flex_ll_use_fp8: bool = False  # (ours) 'flex_ll': FP8 dispatch payloads (hidden_size a multiple of 128)
+    moe_flex_use_fp8: bool = False  # (ours) 'flex': dispatch E4M3 tokens with 1x128 scales, combine in high
+    # precision (DeepSeek-V3; hidden_size a multiple of 128)
     fp8: str | None = None  # None or 'e4m3' (DeepSeek-V3 block-wise recipe for the expert GEMMs)
 
     # Recompute (see moe/recompute.py).
@@ -224,6 +226,13 @@ class MoEConfig:
         )
         if self.moe_flex_ll_use_fp8 and self.hidden_size % 128:
             raise ValueError(f"moe_flex_ll_use_fp8 needs hidden_size a multiple of 128, got {self.hidden_size}")
+        if self.moe_flex_use_fp8 and self.hidden_size % 128:
+            raise ValueError(f"moe_flex_use_fp8 needs hidden_size a multiple of 128, got {self.hidden_size}")
+        if self.moe_flex_use_fp8 and self.moe_token_dispatcher_type != "flex":
+            raise ValueError(
+                f"moe_flex_use_fp8 applies to the 'flex' dispatcher, got {self.moe_token_dispatcher_type!r} "
+                "('flex_ll' has moe_flex_ll_use_fp8)"
+            )
         _require_choice("fp8", self.fp8, FP8_FORMATS)
         if self.fp8 is not None and self.moe_padded_batch_gemm:
             raise ValueError("fp8 experts use grouped GEMMs; moe_padded_batch_gemm is not supported with fp8")

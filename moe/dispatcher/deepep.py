@@ -21,6 +21,14 @@ records the dispatch (under autograd its backward is a combine of the gradients,
 `combine_begin` calls `deep_ep.combine(..., async_finish=True)` and `combine_end` waits. Results do not depend on the
 overlap: nothing reads the received rows (or the combined sums) before the wait.
 
+FP8 dispatch (`use_fp8`, config `moe_flex_use_fp8`; DeepSeek-V3's recipe): `dispatch_begin` casts the tokens to E4M3
+with one float32 scale per token per 128 channels (`mtdeepep.utils.fp8.per_token_cast_to_fp8`) and sends the pair,
+1 + 4/128 bytes per element instead of 2 (BF16) or 4 (FP32); `dispatch_end` dequantises the received rows to the
+hidden dtype for the experts (an FP8 expert GEMM re-tiling them 1x128 gets the same E4M3 values back). The backward
+treats the cast as the identity (straight-through) and combines the gradients in their own dtype, and the forward
+combine stays in float32 partial sums: FP8 on the way out, high precision on the way back, as DeepSeek-V3 does.
+Without communication (one process) the rows go through the same E4M3 round trip, so every layout computes alike.
+
 Buffers: the dispatcher asks an `EPBuffers` (`moe.dispatcher.buffers`) for its group's normal-mode buffer at every
 dispatch, so the layers of a model share one; the combine runs on the dispatch's buffer (kept in the handle), which
 stays valid if the shared buffer was grown in between.
@@ -39,6 +47,7 @@ import torch.distributed as dist
 import mtdeepep as deep_ep
 from moe.dispatcher.base import DispatchResult, TokenDispatcher, sort_slots_by_expert, weighted_scatter_sum
 from moe.dispatcher.buffers import EPBuffers, buffer_group, buffer_source
+from mtdeepep.utils.fp8 import FP8_BLOCK, per_token_cast_back, per_token_cast_to_fp8
 
 # Combine sends float32 partial sums (exact FP32 reduction across ranks); size the buffer for float32 rows.
 _COMBINE_DTYPE = torch.float32
@@ -77,6 +86,7 @@ class _PendingFlexDispatch:
     comm_handle: tuple | None
     buffer: deep_ep.Buffer | None
     event: deep_ep.EventOverlap | None
+    fp8_sources: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8 dispatch: the (x, weights) sent, for autograd
 
 
 @dataclass
@@ -104,6 +114,39 @@ def expand_by_local_expert(
     return recv_row_N, expert_N, weights_N
 
 
+class _Fp8RoundTrip(torch.autograd.Function):
+    """The E4M3 per-token round trip of the wire, with a straight-through gradient (one process)."""
+
+    @staticmethod
+    def forward(ctx, x_TH: torch.Tensor) -> torch.Tensor:
+        return per_token_cast_back(*per_token_cast_to_fp8(x_TH)).to(x_TH.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_TH: torch.Tensor) -> torch.Tensor:
+        return grad_TH
+
+
+class _Fp8DispatchGrad(torch.autograd.Function):
+    """Connects the rows and weights received by a raw FP8 dispatch to the sent `x` and weights: forward returns
+    the received tensors, backward combines their gradients through the dispatch's handle (DeepEP's dispatch
+    backward, as `mtdeepep.autograd`'s op does; the FP8 cast is treated as the identity)."""
+
+    @staticmethod
+    def forward(ctx, x_TH, weights_TK, recv_x_UH, recv_weights_UK, recv_idx_UK, buffer, comm_handle):
+        ctx.buffer, ctx.comm_handle = buffer, comm_handle
+        ctx.save_for_backward(recv_idx_UK)
+        return recv_x_UH.view_as(recv_x_UH), recv_weights_UK.view_as(recv_weights_UK)
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, grad_recv_weights):
+        (recv_idx,) = ctx.saved_tensors
+        # Slots whose expert lives elsewhere were constant zeros: no gradient flows through them. (Gradients of
+        # unused outputs arrive as zeros: autograd materialises them.)
+        weights = grad_recv_weights.masked_fill(recv_idx < 0, 0.0).float().contiguous()
+        grad_x, grad_weights, _ = ctx.buffer.combine(grad_recv_x.contiguous(), ctx.comm_handle, topk_weights=weights)
+        return grad_x, grad_weights, None, None, None, None, None
+
+
 def nvl_bytes_hint(hidden_size: int, num_ranks: int) -> int:
     """`num_nvl_bytes` for one round of the default dispatch and combine configs with float32 rows of `hidden_size`
     (the larger of `Config.get_nvl_buffer_size_hint` for the two; smaller regions still work, in several rounds)."""
@@ -126,6 +169,8 @@ class DeepEPDispatcher(TokenDispatcher):
         ep_buffers: the `EPBuffers` to take the group's normal-mode buffer from (at least
             `nvl_bytes_hint(hidden_size, ep_size)` bytes; created or grown on first use, collectively). None: the
             group's default (`moe.dispatcher.buffers.default_ep_buffers`), shared by every dispatcher given none.
+        use_fp8: send the tokens as E4M3 with per-128-channel float32 scales (see the module docstring);
+            `hidden_size` must be a multiple of 128. May be switched later by setting `use_fp8`.
     """
 
     supports_async = True
@@ -139,13 +184,17 @@ class DeepEPDispatcher(TokenDispatcher):
         ep_group: dist.ProcessGroup | None = None,
         buffer: deep_ep.Buffer | None = None,
         ep_buffers: EPBuffers | None = None,
+        use_fp8: bool = False,
     ) -> None:
+        if use_fp8 and hidden_size % FP8_BLOCK:
+            raise ValueError(f"use_fp8 needs hidden_size % {FP8_BLOCK} == 0, got hidden_size={hidden_size}")
         ep_group = buffer_group(buffer, ep_group)
         super().__init__(num_experts=num_experts, ep_group=ep_group)
         self.hidden_size = hidden_size
         self.num_nvl_bytes = nvl_bytes_hint(hidden_size, self.ep_size)
         self._buffer = buffer
         self.ep_buffers = buffer_source(buffer, ep_buffers, ep_group)
+        self.use_fp8 = bool(use_fp8)
 
     @property
     def buffer(self) -> deep_ep.Buffer | None:
@@ -162,9 +211,13 @@ class DeepEPDispatcher(TokenDispatcher):
         topk_idx_TK = topk_idx_TK.to(deep_ep.topk_idx_t).contiguous()
         buffer = self.buffer
         if buffer is None:  # one process: every token is "received" as is
+            if self.use_fp8:
+                x_TH = _Fp8RoundTrip.apply(x_TH)
             counts = torch.bincount(topk_idx_TK[topk_idx_TK >= 0], minlength=self.num_experts).tolist()
             return _PendingFlexDispatch(T, x_TH.dtype, x_TH, topk_idx_TK, weights_TK, counts, None, None, None)
 
+        if self.use_fp8:
+            return self._dispatch_begin_fp8(buffer, x_TH, weights_TK, topk_idx_TK)
         # One path for training and inference: without autograd recording, the op only runs its forward.
         # The received tensors are not read before `dispatch_end` waits on the event.
         recv_x, recv_idx, recv_weights, counts, comm_handle, event = deep_ep.dispatch(
@@ -172,9 +225,32 @@ class DeepEPDispatcher(TokenDispatcher):
         )
         return _PendingFlexDispatch(T, x_TH.dtype, recv_x, recv_idx, recv_weights, counts, comm_handle, buffer, event)
 
+    def _dispatch_begin_fp8(self, buffer, x_TH, weights_TK, topk_idx_TK) -> _PendingFlexDispatch:
+        """Raw (non-differentiable) dispatch of the E4M3 pair; `dispatch_end` dequantises and attaches autograd."""
+        if x_TH.size(1) % FP8_BLOCK:
+            raise ValueError(f"FP8 dispatch needs hidden % {FP8_BLOCK} == 0, got hidden={x_TH.size(1)}")
+        x8_TH, scales = per_token_cast_to_fp8(x_TH.detach())
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx_TK, self.num_experts)
+        recv_pair, recv_idx, recv_weights, counts, comm_handle, event = buffer.dispatch(
+            (x8_TH, scales), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx_TK,
+            topk_weights=weights_TK.detach(), async_finish=True,
+        )  # fmt: skip
+        return _PendingFlexDispatch(
+            x_TH.size(0), x_TH.dtype, recv_pair, recv_idx, recv_weights, counts, comm_handle, buffer, event,
+            fp8_sources=(x_TH, weights_TK),
+        )  # fmt: skip
+
     def dispatch_end(self, pending: _PendingFlexDispatch) -> DispatchResult:
         if pending.event is not None:
             pending.event.current_stream_wait()
+        if pending.fp8_sources is not None:
+            recv_x_UH = per_token_cast_back(*pending.recv_x_UH).to(pending.dtype)
+            recv_x_UH, recv_weights_UK = _Fp8DispatchGrad.apply(
+                *pending.fp8_sources, recv_x_UH, pending.recv_weights_UK, pending.recv_idx_UK, pending.buffer,
+                pending.comm_handle,
+            )  # fmt: skip
+            pending.recv_x_UH, pending.recv_weights_UK = recv_x_UH, recv_weights_UK
         recv_row_N, _, weights_N = expand_by_local_expert(pending.recv_idx_UK, pending.recv_weights_UK)
         tokens_per_expert = [int(c) for c in pending.tokens_per_expert]
         if len(tokens_per_expert) != self.num_local_experts or sum(tokens_per_expert) != recv_row_N.numel():
@@ -213,5 +289,9 @@ class DeepEPDispatcher(TokenDispatcher):
 def build_deepep(config, ep_group: dist.ProcessGroup | None, ep_buffers: EPBuffers | None) -> DeepEPDispatcher:
     """Registry factory for 'flex': a `DeepEPDispatcher` on the buffer of `ep_buffers` (None: the group's default)."""
     return DeepEPDispatcher(
-        num_experts=config.num_moe_experts, hidden_size=config.hidden_size, ep_group=ep_group, ep_buffers=ep_buffers
+        num_experts=config.num_moe_experts,
+        hidden_size=config.hidden_size,
+        ep_group=ep_group,
+        ep_buffers=ep_buffers,
+        use_fp8=config.moe_flex_use_fp8,
     )

@@ -1,0 +1,124 @@
+"""The routed experts' grouped GEMMs in FP8 under either recipe.
+
+`Fp8GroupedExperts` is `moe.experts.SwiGLUExperts` (same parameters, same grouped-GEMM layout `w [L, K, M]`) whose
+`linear` runs each group's three GEMMs in FP8 with FP32 accumulation:
+
+    forward      y_l  = x_l @ w_l        delayed: x per-tensor (all rows), w per-tensor (all L experts' stacked
+                                         weight); blockwise: x 1x128 along K, each w_l in 128x128 blocks
+    input grad   dx_l = g_l @ w_l^T      g per-tensor / 1x128 along M
+    weight grad  dw_l = x_l^T @ g_l      delayed: the same per-tensor casts; blockwise: x_l^T 1x128 and g_l 128x1
+                                         along the tokens
+
+The two GEMM sites (FC1 on `w13 [L, H, 2F]`, FC2 on `w2 [L, F, H]`) keep separate delayed-scaling histories; the
+shape of the weight tells them apart (FC1 is `[H, 2F]`, FC2 `[F, H]`: equal only if F = 0). Under the
+block-wise recipe this is the arithmetic of `moe.fp8.Fp8SwiGLUExperts` (same tiles, same quantiser), with the
+optional power-of-two scales, and every GEMM through `gemm.scaled_matmul`.
+
+`to_fp8_experts(experts, recipe)` switches a built `SwiGLUExperts` in place (its class), keeping its Parameter
+objects, so an optimizer built before still owns them and state-dict keys do not change.
+
+Legend: N rows sorted by expert, L experts, K reduction, M columns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe.experts import SwiGLUExperts
+from moe.fp8_training import gemm
+from moe.fp8_training.cast import Fp8Operand, cast_blockwise
+from moe.fp8_training.linear import COL_TILE, Fp8Caster
+from moe.fp8_training.recipe import Fp8Recipe
+
+
+def _rows(op: Fp8Operand, start: int, end: int) -> Fp8Operand:
+    """Rows `[start, end)` of an operand cast per tensor or in 1-row tiles."""
+    if op.tile is None:
+        return Fp8Operand(op.q[start:end], op.scale, None)
+    if op.tile[0] != 1:
+        raise ValueError(f"cannot slice rows of an operand in {op.tile} tiles")
+    return Fp8Operand(op.q[start:end], op.scale[start:end], op.tile)
+
+
+class _Fp8GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: tuple[int, ...], caster: Fp8Caster):
+        L, K, M = w_LKM.shape
+        x8 = caster.input(x_NK)
+        if caster.delayed is not None:  # one per-tensor scale for all experts' weights
+            w8_all = caster.weight(w_LKM.reshape(L * K, M))
+            w8 = [Fp8Operand(w8_all.q.view(L, K, M)[e], w8_all.scale, None) for e in range(L)]
+        else:
+            w8 = [cast_blockwise(w_LKM[e], caster.recipe.weight_tile, caster.pow2) for e in range(L)]
+        bounds = torch.tensor((0, *counts)).cumsum(0).tolist()
+        y_NM = x_NK.new_empty(x_NK.size(0), M, dtype=torch.float32)
+        for e in range(L):
+            a, b = bounds[e], bounds[e + 1]
+            if b > a:
+                y_NM[a:b] = gemm.scaled_matmul(_rows(x8, a, b), w8[e])
+        ctx.caster, ctx.x8, ctx.w8, ctx.bounds = caster, x8, w8, bounds
+        ctx.x_dtype, ctx.w_dtype, ctx.w_shape = x_NK.dtype, w_LKM.dtype, w_LKM.shape
+        ctx.save_for_backward(x_NK if caster.delayed is None else None)
+        return y_NM.to(x_NK.dtype)
+
+    @staticmethod
+    def backward(ctx, g_NM: torch.Tensor):
+        (x_NK,) = ctx.saved_tensors
+        caster, x8, w8, bounds = ctx.caster, ctx.x8, ctx.w8, ctx.bounds
+        L, K, M = ctx.w_shape
+        g_NM = g_NM.contiguous()
+        g8 = caster.grad_output(g_NM)
+        grad_x = g_NM.new_zeros(g_NM.size(0), K, dtype=torch.float32) if ctx.needs_input_grad[0] else None
+        grad_w = g_NM.new_zeros(L, K, M, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for e in range(L):
+            a, b = bounds[e], bounds[e + 1]
+            if b == a:
+                continue  # no rows: zero input and weight gradients
+            g8_e = _rows(g8, a, b)
+            if grad_x is not None:
+                grad_x[a:b] = gemm.scaled_matmul(g8_e, w8[e].t())
+            if grad_w is not None:
+                if caster.delayed is not None:
+                    xt8, gw8 = _rows(x8, a, b).t(), g8_e
+                else:
+                    xt8 = cast_blockwise(x_NK[a:b].t(), caster.recipe.act_tile, caster.pow2)
+                    gw8 = cast_blockwise(g_NM[a:b], COL_TILE, caster.pow2)
+                grad_w[e] = gemm.scaled_matmul(xt8, gw8)
+        ctx.x8 = ctx.w8 = None
+        grad_x = grad_x.to(ctx.x_dtype) if grad_x is not None else None
+        grad_w = grad_w.to(ctx.w_dtype) if grad_w is not None else None
+        return grad_x, grad_w, None, None
+
+
+def fp8_grouped_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int], caster: Fp8Caster) -> torch.Tensor:
+    """`y[rows of group l] = x[rows of group l] @ w[l]` in FP8: `x [N, K]` sorted by group, `w [L, K, M]`, `counts`
+    `[L]` ints summing to N. Returns `[N, M]` in x's dtype."""
+    if w_LKM.dim() != 3 or x_NK.size(1) != w_LKM.size(1) or len(counts) != w_LKM.size(0):
+        raise ValueError(
+            f"fp8_grouped_linear: x {tuple(x_NK.shape)}, w {tuple(w_LKM.shape)}, {len(counts)} counts do not match"
+        )
+    if sum(counts) != x_NK.size(0):
+        raise ValueError(f"fp8_grouped_linear: counts sum to {sum(counts)}, x has {x_NK.size(0)} rows")
+    return _Fp8GroupedLinear.apply(x_NK, w_LKM, tuple(int(c) for c in counts), caster)
+
+
+class Fp8GroupedExperts(SwiGLUExperts):
+    """`SwiGLUExperts` with FP8 grouped GEMMs (build with `to_fp8_experts`; impl 'grouped' or 'loop')."""
+
+    fp8_casters: dict[str, Fp8Caster]
+
+    def linear(self, x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        site = "fc1" if tuple(w_LKM.shape[1:]) == (self.hidden_size, 2 * self.ffn_hidden_size) else "fc2"
+        return fp8_grouped_linear(x_NK, w_LKM, counts, self.fp8_casters[site])
+
+
+def to_fp8_experts(experts: SwiGLUExperts, recipe: Fp8Recipe) -> Fp8GroupedExperts:
+    """Switch `experts` (in place; returned) to FP8 grouped GEMMs under `recipe`. Expert weights are not tensor
+    parallel here, so their amaxes are not reduced over any group."""
+    if not isinstance(experts, SwiGLUExperts):
+        raise ValueError(f"to_fp8_experts needs SwiGLUExperts, got {type(experts).__name__}")
+    if experts.impl == "padded":
+        raise ValueError("FP8 experts use grouped GEMMs; impl='padded' (moe_padded_batch_gemm) is not supported")
+    experts.__class__ = Fp8GroupedExperts
+    experts.fp8_casters = {"fc1": Fp8Caster(recipe), "fc2": Fp8Caster(recipe)}
+    return experts
