@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from moe import EPBuffers  # noqa: E402
+from moe.fp8_training import apply_fp8  # noqa: E402
 from moe.models.deepseek_v3.tensor_parallel import check_tensor_parallel, parallelize  # noqa: E402
 from moe.train import checkpoint as ckpt  # noqa: E402
 from moe.train.config import TrainingConfig  # noqa: E402
@@ -80,9 +81,8 @@ def check_model_layout(model_cfg, train_cfg: TrainingConfig, layout: Layout) -> 
     """What the layout and the batch ask of the model config (ValueError, before any process group). The routing
     settings themselves (e.g. a top-k larger than the experts of the allowed groups) are checked by
     `DeepseekV3Config`."""
-    for flag, value, default in (("--etp", layout.etp, 1), ("--fp8", layout.fp8, "none")):
-        if value != default:
-            raise ValueError(f"{flag} {value}: not in the trainer yet (the layouts exist; the layers are being wired)")
+    if layout.etp != 1:
+        raise ValueError(f"--etp {layout.etp}: expert tensor parallelism is not in the MoE layer yet")
     layout.check_experts(model_cfg.n_routed_experts)
     layout.check_batch(train_cfg.global_batch, train_cfg.micro_batches)
     check_tensor_parallel(model_cfg, layout.tp)
@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     model = DeepseekV3ForCausalLM(model_cfg, ep_group=parallel.ep_group, ep_buffers=ep_buffers,
                                   aux_loss_group=parallel.token_group, dtype=DTYPES[train_cfg.dtype])  # fmt: skip
     parallelize(model, parallel)  # tensor + sequence parallel over the TP group (slices of the same weights)
+    if layout.fp8 != "none":  # FP8 GEMMs (and FP8 dispatch) under the recipe; weights stay the FP32/BF16 masters
+        apply_fp8(model, layout.fp8, tp_group=parallel.tp_group)
 
     def load_model(path: Path) -> None:
         state_dict, _ = _read_model(read_model_dir, path)
