@@ -297,4 +297,10 @@ class SwiGLUMLP(nn.Module):
         nn.init.normal_(self.w2, std=init_std)
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return swiglu(x_TH.to(self.w13.dtype) @ self.w13) @ self.w2
+        x_TH = x_TH.to(self.w13.dtype)
+        # A GEMM hook (`linear_fns['w13' | 'w2']`, F.linear-like callables, e.g. the FP8 recipes' GEMMs); the
+        # weights are stored `[in, out]`, so they are passed transposed. Subclasses (the tensor-parallel MLP) keep it.
+        fns = getattr(self, "linear_fns", None)
+        if fns is None:
+            return swiglu(x_TH @ self.w13) @ self.w2
+        return fns["w2"](swiglu(fns["w13"](x_TH, self.w13.t())), self.w2.t())

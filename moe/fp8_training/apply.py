@@ -8,7 +8,8 @@ Eligible, and what they become:
   calls it). In DeepSeek-V3: the attention projections (`qkv_a_proj`, `q_b_proj`, `kv_b_proj`, `o_proj`, ...) and
   the MTP modules' `eh_proj`.
 - every `moe.experts.SwiGLUMLP` (the dense MLP layers and the MoE layers' shared experts; weights `w13 [H, 2F]`,
-  `w2 [F, H]`, not Linears) is switched to `Fp8SwiGLUMLP`: its two GEMMs through `Fp8LinearFn`s.
+  `w2 [F, H]`, not Linears) gets `Fp8LinearFn`s in its `linear_fns` GEMM hook (a plain one also becomes
+  `Fp8SwiGLUMLP`).
 - every `moe.MoELayer`'s routed experts switch to FP8 grouped GEMMs under the same recipe (`to_fp8_experts`), and a
   'flex' dispatcher sends FP8 tokens with their 1x128 scales (`moe_flex_use_fp8`), combining in high precision.
 Untouched: embeddings, the output head (`lm_head`, or any Linear sharing the model's `output_weight`), the MoE
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe.dispatcher.deepep import DeepEPDispatcher
-from moe.experts import SwiGLUMLP, swiglu
+from moe.experts import SwiGLUMLP
 from moe.fp8_training.experts import to_fp8_experts
 from moe.fp8_training.linear import Fp8LinearFn
 from moe.fp8_training.recipe import BlockwiseScaling, DelayedScaling, Fp8Recipe, recipe_from_name
@@ -43,15 +44,10 @@ class Fp8Linear(nn.Linear):
 
 
 class Fp8SwiGLUMLP(SwiGLUMLP):
-    """`SwiGLUMLP` whose two GEMMs run through `linear_fns['w13']` / `linear_fns['w2']` (F.linear-like callables;
-    the weights are stored `[in, out]`, so they are passed transposed)."""
+    """A plain `SwiGLUMLP` switched to FP8 (its class marks the switch; the GEMMs go through the `linear_fns` hook
+    every `SwiGLUMLP` honours, so subclasses such as the tensor-parallel MLP are switched by the hook alone)."""
 
     linear_fns: dict[str, Fp8LinearFn]
-
-    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        x_TH = x_TH.to(self.w13.dtype)
-        h = self.linear_fns["w13"](x_TH, self.w13.t())
-        return self.linear_fns["w2"](swiglu(h), self.w2.t())
 
 
 @dataclass
@@ -94,7 +90,7 @@ def apply_fp8(
         recipe = recipe_from_name(recipe)
     if not isinstance(recipe, (DelayedScaling, BlockwiseScaling)):
         raise ValueError(f"recipe must be DelayedScaling, BlockwiseScaling or its name, got {recipe!r}")
-    if any(isinstance(m, (Fp8SwiGLUMLP,)) or hasattr(m, "linear_fn") for m in model.modules()):
+    if any(hasattr(m, "linear_fns") or hasattr(m, "linear_fn") for m in model.modules()):
         raise ValueError("apply_fp8: the model already has FP8 GEMMs (apply_fp8 was called before)")
     out = Fp8Conversion(recipe)
     head = _output_weight(model)
@@ -107,8 +103,9 @@ def apply_fp8(
             if type(module) is nn.Linear:
                 module.__class__ = Fp8Linear
             out.linears.append(name)
-        elif type(module) is SwiGLUMLP:
-            module.__class__ = Fp8SwiGLUMLP
+        elif isinstance(module, SwiGLUMLP):  # the dense MLP (plain or tensor parallel) and shared experts
+            if type(module) is SwiGLUMLP:
+                module.__class__ = Fp8SwiGLUMLP
             module.linear_fns = {"w13": Fp8LinearFn(recipe, tp_group), "w2": Fp8LinearFn(recipe, tp_group)}
             out.mlps.append(name)
         elif isinstance(module, MoELayer):

@@ -52,7 +52,7 @@ def test_apply_fp8_switches_the_gemms_and_keeps_everything_else(recipe):
     dense_mlps = [n for n, m in model.named_modules() if type(m) is SwiGLUMLP]
     assert dense_mlps == []  # every dense MLP and shared expert was switched
     assert sorted(conv.mlps) == sorted(["layers.0.mlp", *(f"{n}.shared_experts" for n in moe_layers)])
-    assert all(type(modules[n]) is Fp8SwiGLUMLP for n in conv.mlps)
+    assert all(type(modules[n]) is Fp8SwiGLUMLP and modules[n].linear_fns for n in conv.mlps)
 
     with pytest.raises(ValueError, match="already"):
         apply_fp8(model, recipe)
@@ -90,3 +90,27 @@ def test_training_step_runs_its_gemms_in_fp8(recipe, monkeypatch):
     with torch.no_grad():
         ref_loss = ref(ids, labels=ids).loss
     assert 0 < abs(float(out.loss.detach()) - float(ref_loss)) < 0.02 * float(ref_loss)
+
+
+def test_tensor_parallel_mlp_is_switched_through_the_hook():
+    """The TP dense MLP (a `SwiGLUMLP` subclass) keeps its class and runs its GEMMs through the FP8 hook."""
+    from moe.experts import SwiGLUMLP
+    from moe.parallel.layers import ParallelSwiGLUMLP
+
+    torch.manual_seed(0)
+    mlp = ParallelSwiGLUMLP.from_mlp(SwiGLUMLP(128, 256), rank=0, size=1)
+    holder = torch.nn.ModuleDict({"mlp": mlp})
+    conv = apply_fp8(holder, "blockwise")
+    assert conv.mlps == ["mlp"] and type(mlp) is ParallelSwiGLUMLP and set(mlp.linear_fns) == {"w13", "w2"}
+    x = torch.randn(64, 128)
+    out = SwiGLUMLP.forward(mlp, x)  # the base forward (the TP forward adds only the sequence collectives)
+    ref = swiglu_reference(x, mlp)
+    assert out.shape == ref.shape and not torch.equal(out, ref)  # FP8 rounding happened
+    snr = 10 * torch.log10(ref.square().sum() / (out - ref).square().sum())
+    assert snr > 22  # one E4M3 rounding of each operand per GEMM (tests/fp8_training/test_fp8_numerics.py)
+
+
+def swiglu_reference(x, mlp):
+    from moe.experts import swiglu
+
+    return swiglu(x @ mlp.w13) @ mlp.w2
