@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe.capacity import align_up, pad_rows, plan_padding, unpad_rows
-from moe.recompute import DropSaved
+from moe.recompute import DropSaved, checkpointed
 
 # What an expert forward may recompute in backward instead of keeping: None, the activation ('act': the SwiGLU
 # outputs are rebuilt from the FC1 output), or 'fc1' (the FC1 output too, with one more FC1 GEMM).
@@ -296,5 +296,15 @@ class SwiGLUMLP(nn.Module):
         nn.init.normal_(self.w13, std=init_std)
         nn.init.normal_(self.w2, std=init_std)
 
+    # What the backward rebuilds (set by the model's recompute settings): None (nothing), 'act' (the SwiGLU's
+    # outputs, from the FC1 output; see `swiglu_mlp`) or 'full' (everything but the input: a checkpoint).
+    recompute: str | None = None
+
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return swiglu(x_TH.to(self.w13.dtype) @ self.w13) @ self.w2
+        x_TH = x_TH.to(self.w13.dtype)
+        if self.recompute == "full":
+            return checkpointed(True, self._mlp, x_TH, None)
+        return self._mlp(x_TH, "act" if self.recompute == "act" else None)
+
+    def _mlp(self, x_TH: torch.Tensor, recompute: str | None) -> torch.Tensor:
+        return swiglu_mlp(x_TH, lambda v: v @ self.w13, lambda a: a @ self.w2, recompute)
