@@ -199,15 +199,18 @@ class _RegionFunction(torch.autograd.Function):
         for i, t in zip(region.tensor_at, ctx.saved_tensors):  # unpacking rebuilds inputs discarded elsewhere
             args[i] = t.detach().requires_grad_(needs[i])
             inputs.append((i, args[i]))
+        # The inputs' gradients as the inner backward hands them over (a leaf's `.grad` could be a copy in another
+        # layout, and a reduction over it, as a norm weight's gradient, could then round differently).
+        input_grads: list[torch.Tensor | None] = [None] * len(region.args)
+        for i, t in inputs:
+            if t.requires_grad:
+                t.register_hook(functools.partial(input_grads.__setitem__, i))
         with torch.enable_grad():
             out = region.fn(*args)
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        input_grads = [None] * len(region.args)
-        for i, t in inputs:
-            input_grads[i] = t.grad
         return (None, *input_grads)
 
 
