@@ -45,6 +45,14 @@ def grouped_mm_available(device_type: str, dtype: torch.dtype) -> bool:
     """
     if not hasattr(torch, "_grouped_mm"):
         return False
+    # The first call may come inside a forward under activation checkpointing: keep the probe's saved tensors away
+    # from the caller's saved-tensor hooks (innermost hooks win), or the checkpoint would count tensors its
+    # recomputation (which finds the answer cached) never saves again.
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        return _probe_grouped_mm(device_type, dtype)
+
+
+def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     try:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(24, 16, generator=gen).to(device_type, dtype).requires_grad_()

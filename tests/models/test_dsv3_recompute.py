@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from moe.experts import grouped_mm_available
 from moe.memory import peak_memory_bytes
 from moe.models.deepseek_v3 import DeepseekV3ForCausalLM, RecomputeConfig
 from moe.models.deepseek_v3.recompute import MODULES
@@ -117,6 +118,19 @@ def test_composes_with_the_moe_layer_levels(level):
         elif name == "selective_moe_act":
             assert [m.recompute_level for m in moe] == [level] * len(moe)  # 'light' is the weakest
         _assert_identical(expected, _step(model, ids, labels), f"{level} + {name}")
+
+
+@pytest.mark.parametrize("setting", ["full_uniform_1", "selective_moe"])
+def test_first_forward_of_the_process_under_checkpoint(setting):
+    """The first forward probes `torch._grouped_mm` once (cached): the probe must not save tensors into the
+    checkpoint, whose recomputation would find fewer (the trainer's first step failed in the backward)."""
+    grouped_mm_available.cache_clear()
+    model = _build("qlora")
+    model.set_recompute(RecomputeConfig(**SETTINGS[setting]))
+    ids, labels = tokens(model.config, batch=2, seq=16, seed=5)
+    actual = _step(model, ids, labels)
+    model.set_recompute(None)
+    _assert_identical(_step(model, ids, labels), actual, setting)
 
 
 def test_module_mapping():

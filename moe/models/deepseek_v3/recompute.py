@@ -33,12 +33,15 @@ Granularity 'selective': in every layer (MTP depths included), each named module
 A MoE layer's level is the stronger (None < light < medium < full) of the one its `MoEConfig` asks for and the one
 these modules imply. Without a `RecomputeConfig` (or granularity None) the MoE layers keep their configured level.
 
-Output-discarding (Megatron's `CheckpointWithoutOutput`, done here with saved-tensor hooks): a region runs without
-autograd recording, saves only its inputs, and registers its outputs with the layer's `moe.recompute.DropSaved`
-scope, so the operations that consume them save a recipe instead of the tensor. The backward recomputes the region
-once, with autograd recording, and that recomputation serves both the consumers' saved tensors and the region's
-own gradient. The region's inputs go through the same hooks, so regions compose: the core-attention region keeps
-recipes of the q / k / v that the up-projection region discards.
+Output-discarding (Megatron's `CheckpointWithoutOutput`, done here with the MoE layer's saved-tensor hooks,
+`moe.recompute.DropSaved`): the region's outputs are registered with the layer's `RecomputeScope`, so the operations
+that consume them save a recipe instead of the tensor, rebuilt in backward by running the region again without
+autograd (`discard_outputs`). The autograd graph stays the one of no recompute. The norms also run under a
+non-reentrant checkpoint (their normalised input is not kept either; a norm then runs three times, which is cheap);
+the up projections save only their inputs, so they run twice. "core_attn", "mlp" use `recompute_region`, a
+reentrant checkpoint whose inputs go through the same hooks: the core-attention region keeps recipes of the q / k /
+v that "mla_up_proj" discards, and the dense MLP region recipes of the norm output "layernorm" discards. Without q
+LoRA the rebuild keeps the plain q_proj output (Megatron runs q_proj inside the region and keeps its input).
 
 Recompute runs the same operations on the same inputs, so the results and gradients are bit-identical to no
 recompute for deterministic operations (the model has no dropout; the checkpoints restore the RNG state anyway).
