@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe.capacity import align_up, pad_rows, plan_padding, unpad_rows
-from moe.recompute import DropSaved
+from moe.recompute import DropSaved, checkpointed
 
 # What an expert forward may recompute in backward instead of keeping: None, the activation ('act': the SwiGLU
 # outputs are rebuilt from the FC1 output), or 'fc1' (the FC1 output too, with one more FC1 GEMM).
@@ -45,6 +45,14 @@ def grouped_mm_available(device_type: str, dtype: torch.dtype) -> bool:
     """
     if not hasattr(torch, "_grouped_mm"):
         return False
+    # The first call may come inside a forward under activation checkpointing: keep the probe's saved tensors away
+    # from the caller's saved-tensor hooks (innermost hooks win), or the checkpoint would count tensors its
+    # recomputation (which finds the answer cached) never saves again.
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        return _probe_grouped_mm(device_type, dtype)
+
+
+def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     try:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(24, 16, generator=gen).to(device_type, dtype).requires_grad_()
@@ -296,11 +304,20 @@ class SwiGLUMLP(nn.Module):
         nn.init.normal_(self.w13, std=init_std)
         nn.init.normal_(self.w2, std=init_std)
 
+    # What the backward rebuilds (set by the model's recompute settings): None (nothing), 'act' (the SwiGLU's
+    # outputs, from the FC1 output; see `swiglu_mlp`) or 'full' (everything but the input: a checkpoint).
+    recompute: str | None = None
+
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         x_TH = x_TH.to(self.w13.dtype)
+        if self.recompute == "full":
+            return checkpointed(True, self._mlp, x_TH, None)
+        return self._mlp(x_TH, "act" if self.recompute == "act" else None)
+
+    def _mlp(self, x_TH: torch.Tensor, recompute: str | None) -> torch.Tensor:
         # A GEMM hook (`linear_fns['w13' | 'w2']`, F.linear-like callables, e.g. the FP8 recipes' GEMMs); the
         # weights are stored `[in, out]`, so they are passed transposed. Subclasses (the tensor-parallel MLP) keep it.
         fns = getattr(self, "linear_fns", None)
         if fns is None:
-            return swiglu(x_TH @ self.w13) @ self.w2
-        return fns["w2"](swiglu(fns["w13"](x_TH, self.w13.t())), self.w2.t())
+            return swiglu_mlp(x_TH, lambda v: v @ self.w13, lambda a: a @ self.w2, recompute)
+        return swiglu_mlp(x_TH, lambda v: fns["w13"](v, self.w13.t()), lambda a: fns["w2"](a, self.w2.t()), recompute)

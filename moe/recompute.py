@@ -56,7 +56,9 @@ class DropSaved:
         self._rebuild: dict[int, Callable[[], torch.Tensor]] = {}
         self._base_offset: dict[int, int] = {}
         self._rebuilt: dict[int, torch.Tensor] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        # Made on entry and dropped on exit: held for longer, the hooks' bound methods would make a reference cycle,
+        # and the rebuilt tensors would outlive the backward until the garbage collector ran.
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
     def drop(self, tensor: torch.Tensor, rebuild: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         """Registers `tensor`; returns a getter of its rebuilt value (for the rebuild functions of other tensors
@@ -92,11 +94,15 @@ class DropSaved:
         return base.as_strided(packed.size, packed.stride, base.storage_offset() + packed.offset)
 
     def __enter__(self) -> DropSaved:
+        if self._hooks is not None:
+            raise RuntimeError("DropSaved is not re-entrant")
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(*exc)
 
 
 def checkpointed(enabled: bool, fn: Callable, *args):

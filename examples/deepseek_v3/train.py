@@ -74,6 +74,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-cache", default=None, help="token cache directory (default: [training.data] cache_dir)")
     p.add_argument("--prepare-data", action="store_true", help="build the tokenizer and token file, then exit")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on every collective wait, seconds")
+    p.add_argument(
+        "--recompute-granularity",
+        default=None,
+        choices=("full", "selective"),
+        help="activation recompute (Megatron's; moe/models/deepseek_v3/recompute.py)",
+    )
+    p.add_argument("--recompute-method", default=None, choices=("uniform", "block"), help="for 'full'")
+    p.add_argument("--recompute-num-layers", type=int, default=None, help="for 'full': chunk size / layers")
+    p.add_argument("--recompute-modules", nargs="*", default=None,
+                   help="for 'selective' (default core_attn): core_attn moe_act layernorm mla_up_proj mlp moe "
+                   "shared_experts")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -131,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     os.umask(0o077)  # checkpoints, metrics and caches: owner only
 
     # Step 1: everything that can be wrong is checked before any process group exists.
-    from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+    from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, RecomputeConfig
     from moe.models.deepseek_v3.model_dir import read_model_dir, write_model_dir
 
     try:
@@ -148,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         layout = Layout(world=env_world_size(), tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                         pp_schedule=args.pp_schedule, fp8=args.fp8)  # fmt: skip
         check_model_layout(model_cfg, train_cfg, layout)
+        recompute = RecomputeConfig(args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
+                                    tuple(args.recompute_modules or ("core_attn",)))  # fmt: skip
+        recompute.full_chunks(model_cfg.num_hidden_layers)  # recompute_num_layers fits the model
         run_dir = Path(args.out)
         latest = None if args.prepare_data else check_run_dir(run_dir, args.resume, args.init)
         if args.init is not None:
@@ -176,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parallelize(model, parallel)  # tensor + sequence parallel over the TP group (slices of the same weights)
     if layout.fp8 != "none":  # FP8 GEMMs (and FP8 dispatch) under the recipe; weights stay the FP32/BF16 masters
         apply_fp8(model, layout.fp8, tp_group=parallel.tp_group)
+    model.set_recompute(recompute)
 
     def load_model(path: Path) -> None:
         state_dict, _ = _read_model(read_model_dir, path)

@@ -115,6 +115,7 @@ class ParallelSwiGLUMLP(SwiGLUMLP):
         out = cls(H, F2 // 2 // size, dtype=mlp.w13.dtype, device="meta")
         out.w13 = _sliced(mlp.w13, TPShard(1, 2, rank, size))
         out.w2 = _sliced(mlp.w2, TPShard(0, 1, rank, size))
+        out.recompute = mlp.recompute  # the model's recompute setting survives parallelize
         return out
 
     def forward(self, x_BSH: torch.Tensor, shards: SequenceShards | None = None) -> torch.Tensor:

@@ -5,8 +5,10 @@ from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.models.deepseek_v3.model import DeepseekV3ForCausalLM, DeepseekV3Output
 from moe.models.deepseek_v3.model_dir import read_model_dir, write_model_dir
 from moe.models.deepseek_v3.params import ParameterCounts, count_parameters, parameter_counts
+from moe.models.deepseek_v3.recompute import RecomputeConfig
 
 __all__ = [
+    "RecomputeConfig",
     "DeepseekV3Config",
     "DeepseekV3ForCausalLM",
     "DeepseekV3Output",

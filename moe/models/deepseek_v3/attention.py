@@ -26,6 +26,7 @@ from torch import nn
 
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.models.deepseek_v3.norm import RMSNorm
+from moe.models.deepseek_v3.recompute import RecomputeScope, discard_outputs, recompute_region
 from moe.models.deepseek_v3.rope import apply_rope, softmax_scale
 from moe.parallel.mappings import SequenceShards, gather_from_sequence_parallel
 
@@ -66,7 +67,14 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias, **kw)
 
     def forward(
-        self, x_BSH: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor, shards: SequenceShards | None = None
+        self,
+        x_BSH: torch.Tensor,
+        cos_SP: torch.Tensor,
+        sin_SP: torch.Tensor,
+        shards: SequenceShards | None = None,
+        *,
+        recompute: frozenset[str] = frozenset(),
+        scope: RecomputeScope | None = None,
     ) -> torch.Tensor:
         """Causal self-attention over `x [B, S, H]` with rotary tables `[S, Dr/2]`; returns `[B, S, H]`.
 
@@ -75,9 +83,12 @@ class MultiHeadLatentAttention(nn.Module):
         norms run on the local positions; their outputs (the latents, narrower than H) are all-gathered once;
         the up projections (column parallel) and the attention core see this rank's `num_heads` heads over the
         whole sequence, and `o_proj` (row parallel) reduce-scatters back to the local positions.
+
+        Recompute (recompute.py): with "mla_up_proj" in `recompute` (and the layer's `scope`) the up projections,
+        RoPE and the q / k / v assembly are rebuilt in backward from the normed latents, their outputs not kept;
+        with "core_attn" only q, k and v are kept for the attention core.
         """
-        B = x_BSH.size(0)
-        N, Dn, Dr, Dv = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim
+        Dr = self.rope_dim
         if self.fused:
             q_in, c_BSC, k_rope = self.qkv_a_proj(x_BSH).split([self.q_in_dim, self.kv_lora_rank, Dr], dim=-1)
         else:
@@ -89,7 +100,26 @@ class MultiHeadLatentAttention(nn.Module):
             latent = gather_from_sequence_parallel(torch.cat((q_in, c_BSC, k_rope), dim=-1), shards)
             q_in, c_BSC, k_rope = latent.split([self.q_in_dim, self.kv_lora_rank, Dr], dim=-1)
             if self.q_b_proj is None:  # a plain q_proj, replicated: keep this rank's heads
-                q_in = q_in.narrow(-1, self.head_start * (Dn + Dr), N * (Dn + Dr))
+                q_in = q_in.narrow(-1, self.head_start * (self.nope_dim + Dr), self.num_heads * (self.nope_dim + Dr))
+        if "mla_up_proj" in recompute and scope is not None:
+            # The rebuild keeps its inputs. Without TP the rope key is a slice of the down projection's output, which
+            # nothing else keeps: keep a copy of the slice only (with TP the gathered latent is kept by q_b_proj).
+            k_rope = k_rope if shards is not None else k_rope.contiguous()
+            up = discard_outputs(self._up_proj, q_in, c_BSC, k_rope, cos_SP, sin_SP, scope=scope)
+            q_BSNQ, k_BSNQ, v_BSNQ = up
+        else:
+            q_BSNQ, k_BSNQ, v_BSNQ = self._up_proj(q_in, c_BSC, k_rope, cos_SP, sin_SP)
+        if "core_attn" in recompute:
+            out_BSD = recompute_region(self._core_attention, q_BSNQ, k_BSNQ, v_BSNQ)
+        else:
+            out_BSD = self._core_attention(q_BSNQ, k_BSNQ, v_BSNQ)
+        return self.o_proj(out_BSD) if shards is None else self.o_proj(out_BSD, shards)
+
+    def _up_proj(self, q_in, c_BSC, k_rope, cos_SP, sin_SP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(q, k, v)` `[B, S, N, Dq]` each from the normed latents (the query input `[B, S, Q]`, or the plain q_proj
+        output `[B, S, N*Dq]`; `c [B, S, C]`; the rope key `[B, S, Dr]`); v zero-padded from Dv to Dq columns."""
+        B = q_in.size(0)
+        N, Dn, Dr, Dv = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim
         S = q_in.size(1)
         q = self.q_b_proj(q_in) if self.q_b_proj is not None else q_in
         q_nope, q_rope = q.view(B, S, N, Dn + Dr).split([Dn, Dr], dim=-1)
@@ -105,8 +135,12 @@ class MultiHeadLatentAttention(nn.Module):
         # for backward. Zero columns appended to v give output columns that are sliced off (and zero gradients).
         if Dv < Dn + Dr:
             v_BSNV = F.pad(v_BSNV, (0, Dn + Dr - Dv))
+        return q_BSNQ, k_BSNQ, v_BSNV
+
+    def _core_attention(self, q_BSNQ, k_BSNQ, v_BSNQ) -> torch.Tensor:
+        """Causal `softmax(q k^T * scale) v` over `[B, S, N, Dq]` inputs; `[B, S, N*Dv]` (the padding sliced off)."""
+        B, S, N, _ = q_BSNQ.shape
         out_BNSV = F.scaled_dot_product_attention(
-            q_BSNQ.transpose(1, 2), k_BSNQ.transpose(1, 2), v_BSNV.transpose(1, 2), is_causal=True, scale=self.scale
+            q_BSNQ.transpose(1, 2), k_BSNQ.transpose(1, 2), v_BSNQ.transpose(1, 2), is_causal=True, scale=self.scale
         )
-        out_BSD = out_BNSV[..., :Dv].transpose(1, 2).reshape(B, S, N * Dv)
-        return self.o_proj(out_BSD) if shards is None else self.o_proj(out_BSD, shards)
+        return out_BNSV[..., : self.v_dim].transpose(1, 2).reshape(B, S, N * self.v_dim)

@@ -18,6 +18,7 @@ from moe.layer import MoELayer
 from moe.models.deepseek_v3.attention import MultiHeadLatentAttention
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.models.deepseek_v3.norm import RMSNorm
+from moe.models.deepseek_v3.recompute import RecomputeScope, discard_outputs, recompute_region
 from moe.parallel.layers import ParallelSwiGLUMLP
 from moe.parallel.mappings import SequenceShards
 
@@ -36,6 +37,7 @@ class DecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.recompute_modules: frozenset[str] = frozenset()  # Megatron's recompute_modules, set by the model
         kw = dict(dtype=dtype, device=device)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.self_attn = MultiHeadLatentAttention(config, **kw)
@@ -50,9 +52,31 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """`[B, S, H] -> [B, S, H]`; rotary tables `[S, Dr/2]` for the positions of the S tokens. With sequence
         parallelism (`shards`) `x` and the result are this rank's positions `[B, S_r, H]` (norms, residuals and the
-        MoE layer see those only; attention and the dense MLP gather the sequence inside)."""
-        x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos_SP, sin_SP, shards)
-        h_BSH = self.post_attention_layernorm(x_BSH)
+        MoE layer see those only; attention and the dense MLP gather the sequence inside).
+
+        Selective recompute (`recompute_modules`, set by the model; see recompute.py): the regions run under one
+        `RecomputeScope` for the layer, so the operations after an output-discarding region save recipes."""
+        modules = self.recompute_modules
+        if not modules or not torch.is_grad_enabled():
+            return self._forward(x_BSH, cos_SP, sin_SP, shards, frozenset(), None)
+        with RecomputeScope() as scope:
+            return self._forward(x_BSH, cos_SP, sin_SP, shards, modules, scope)
+
+    def _forward(self, x_BSH, cos_SP, sin_SP, shards, modules: frozenset[str], scope: RecomputeScope | None):
+        a_BSH = self._norm(self.input_layernorm, x_BSH, modules, scope)
+        x_BSH = x_BSH + self.self_attn(a_BSH, cos_SP, sin_SP, shards, recompute=modules, scope=scope)
+        h_BSH = self._norm(self.post_attention_layernorm, x_BSH, modules, scope)
+        if "mlp" in modules and not isinstance(self.mlp, MoELayer):
+            return x_BSH + recompute_region(self._mlp, h_BSH, shards)
+        return x_BSH + self._mlp(h_BSH, shards)
+
+    @staticmethod
+    def _norm(norm: RMSNorm, x_BSH, modules: frozenset[str], scope: RecomputeScope | None) -> torch.Tensor:
+        if "layernorm" in modules:
+            return discard_outputs(norm, x_BSH, scope=scope, checkpoint_inside=True)
+        return norm(x_BSH)
+
+    def _mlp(self, h_BSH: torch.Tensor, shards: SequenceShards | None) -> torch.Tensor:
         if shards is not None and isinstance(self.mlp, ParallelSwiGLUMLP):
-            return x_BSH + self.mlp(h_BSH, shards)
-        return x_BSH + self.mlp(h_BSH)
+            return self.mlp(h_BSH, shards)
+        return self.mlp(h_BSH)

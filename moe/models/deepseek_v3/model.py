@@ -20,6 +20,7 @@ ranks, as data-parallel gradients are). Each rank runs its own sequences.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,7 @@ from moe.models.deepseek_v3.init import draw_seed, init_weights
 from moe.models.deepseek_v3.moe_block import moe_config
 from moe.models.deepseek_v3.mtp import MTPModule
 from moe.models.deepseek_v3.norm import RMSNorm
+from moe.models.deepseek_v3.recompute import RecomputeConfig, checkpoint, moe_level_for
 from moe.models.deepseek_v3.rope import RotaryEmbedding
 from moe.parallel.cross_entropy import vocab_parallel_cross_entropy
 from moe.parallel.mappings import (
@@ -109,6 +111,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         device: where to build (`"meta"` builds without allocating, e.g. to count parameters).
         moe_options: other `MoEConfig` fields for every MoE layer (e.g. `moe_recompute_level`, `fp8`,
             `moe_shared_expert_overlap`), not those that define the DeepSeek-V3 routing (ValueError).
+        recompute: activation recompute (`RecomputeConfig`, Megatron's recompute_granularity / method / num_layers
+            / modules; see recompute.py); None = none beyond the MoE layers' configured levels. `set_recompute`
+            changes it later (also after `tensor_parallel.parallelize`).
 
     Weights are initialised from one draw of torch's global generator (seed every rank alike), per tensor and per
     expert by name (init.py), so every expert-parallel layout starts from the same weights.
@@ -124,6 +129,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         moe_options: dict | None = None,
+        recompute: RecomputeConfig | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(config, DeepseekV3Config):
@@ -179,6 +185,34 @@ class DeepseekV3ForCausalLM(nn.Module):
                 param.expert_parallel = True  # the issue-11 contract's tag: reduced over the expert-dp group
         if seed is not None:
             self.init_weights(seed)
+        self.recompute = RecomputeConfig()
+        self.set_recompute(recompute)
+
+    def set_recompute(self, recompute: RecomputeConfig | None) -> None:
+        """Apply `recompute` (None: no recompute beyond the MoE layers' configured levels) to every layer: the
+        decoder layers' selective modules, the MoE layers' recompute levels and the SwiGLU MLPs' (see
+        recompute.py). ValueError for a setting that does not fit the model."""
+        recompute = RecomputeConfig() if recompute is None else recompute
+        if not isinstance(recompute, RecomputeConfig):
+            raise ValueError(f"recompute must be a RecomputeConfig or None, got {type(recompute).__name__}")
+        runs = recompute.full_chunks(len(self.layers))  # checks num_layers against the model
+        full = {i for start, end, checkpointed in runs if checkpointed for i in range(start, end)}
+        modules = recompute.selective
+        blocks = [(layer, i in full) for i, layer in enumerate(self.layers)]
+        blocks += [(module, recompute.mtp_checkpointed) for module in self.mtp]
+        for block, whole in blocks:
+            block.recompute_modules = frozenset() if whole else modules
+            mlp = block.mlp
+            if isinstance(mlp, MoELayer):
+                configured = "full" if mlp.config.moe_layer_recompute else mlp.config.moe_recompute_level
+                # Inside a checkpointed layer the MoE layer keeps nothing of its own: the layer's checkpoint covers it.
+                mlp.recompute_level = None if whole else moe_level_for(modules, configured)
+                if mlp.shared_experts is not None:  # levels 'medium' and 'full' checkpoint it already
+                    own = "shared_experts" in modules and mlp.recompute_level not in ("medium", "full")
+                    mlp.shared_experts.recompute = "full" if own else None
+            else:
+                mlp.recompute = "act" if "moe_act" in modules and "mlp" not in modules else None
+        self.recompute = recompute
 
     # -- weights --------------------------------------------------------------------------------------------------
 
@@ -233,8 +267,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         emb_BSH = self.embed_tokens(input_ids)
         shards = None if tp is None else SequenceShards.split(S, tp)
         h_BSH = emb_BSH if tp is None else reduce_scatter_to_sequence_parallel(emb_BSH, shards)
-        for layer in self.layers:
-            h_BSH = layer(h_BSH, cos_SP, sin_SP, shards)
+        for start, end, checkpointed in self.recompute.full_chunks(len(self.layers)):
+            run = functools.partial(self._run_layers, start, end, cos_SP, sin_SP, shards)
+            h_BSH = checkpoint(run, h_BSH) if checkpointed else run(h_BSH)
         h_BSH = self.norm(h_BSH)
         logits_BSV = self._logits(h_BSH, shards)
         out = DeepseekV3Output(logits=logits_BSV)
@@ -253,7 +288,8 @@ class DeepseekV3ForCausalLM(nn.Module):
                 loss_sum, count = logits_BSV.new_zeros((), dtype=torch.float32), labels.new_zeros(())
             else:
                 h_in, emb_in, mtp_shards = self._mtp_inputs(h_BSH, emb_BSH, shards, depth, length)
-                h_BSH = module(h_in, emb_in, cos_SP[depth:], sin_SP[depth:], mtp_shards)
+                args = (h_in, emb_in, cos_SP[depth:], sin_SP[depth:], mtp_shards)
+                h_BSH = checkpoint(module, *args) if self.recompute.mtp_checkpointed else module(*args)
                 shards = mtp_shards
                 loss_sum, count = next_token_loss(self._logits(h_BSH, shards), labels, depth + 1, tp, self.vocab_start)
             out.mtp_loss_sums.append(loss_sum)
@@ -262,6 +298,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         if means:
             out.mtp_loss = torch.stack(means).mean()
         return out
+
+    def _run_layers(self, start: int, end: int, cos_SP, sin_SP, shards, h_BSH: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[start:end]:
+            h_BSH = layer(h_BSH, cos_SP, sin_SP, shards)
+        return h_BSH
 
     def _logits(self, h_BSH: torch.Tensor, shards: SequenceShards | None) -> torch.Tensor:
         """`[B, S, V]` (`[B, S, V/tp]`, this rank's vocabulary, from this rank's positions `[B, S_r, H]` gathered
