@@ -135,6 +135,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         if not isinstance(config, DeepseekV3Config):
             raise ValueError(f"config must be a DeepseekV3Config, got {type(config).__name__}")
         self.config = config
+        self.build_dtype = dtype
+        self.pipeline_stages: list[int] | None = None  # set by moe.pipeline.keep_stages: the stages this rank holds
         self.tp_group: dist.ProcessGroup | None = None  # set by tensor_parallel.parallelize (tp > 1)
         self.ep_group = ep_group if group_size(ep_group) > 1 else None
         if self.ep_group is not None and config.n_routed_experts % group_size(ep_group):
@@ -226,12 +228,16 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight whole, with global expert indices (state.py). Collective over the EP and TP groups: call it
-        on every rank; every rank gets the whole dict."""
+        on every rank; every rank gets the whole dict. A pipeline rank's pruned model gives its stages' part (the
+        trainer merges the parts)."""
         return state.full_state_dict(self, self.ep_group, self.tp_group)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a `full_state_dict` (from any layout); this rank keeps its experts and its TP shards. No
-        communication."""
+        communication. A pipeline rank's pruned model (moe.pipeline.keep_stages) loads its own keys only."""
+        if self.pipeline_stages is not None:
+            own = set(state.full_state_dict_shapes(self))
+            state_dict = {k: v for k, v in state_dict.items() if k in own}
         state.load_full_state_dict(self, state_dict)
 
     @property
@@ -274,7 +280,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 return module.weight.dtype
-        raise RuntimeError("the model holds no norm to take the activation dtype from")
+        return self.build_dtype  # a pipeline rank holding no layer (only placeholders) computes nothing in it
 
     def sequence_shards(self, seq_len: int) -> SequenceShards | None:
         """How sequence parallelism splits `seq_len` positions over the TP ranks (None without TP)."""
