@@ -107,7 +107,7 @@ def stages_of_rank(schedule: str, pp: int, pp_rank: int) -> list[int]:
 def check_schedule(schedule: str, pp: int, micro_batches: int) -> None:
     """The micro-batch counts each schedule can run (ValueError naming the rule), checked before any communication.
 
-    - 1F1B: at least one micro-batch (fewer than `pp` leaves most of the pipeline idle but runs).
+    - 1F1B: at least `pp` micro-batches (torch's `Schedule1F1B`: the warm-up fills every stage).
     - ZB-H1 (torch's `ScheduleInterleavedZeroBubble` with one stage per rank) runs the micro-batches in rounds of
       `pp`: a multiple of `pp`, or fewer than `pp` (one round).
     - DualPipeV: at least `2 * pp` micro-batches (one per stage of the V; DeepSeek's DualPipeV needs as many).
@@ -116,6 +116,8 @@ def check_schedule(schedule: str, pp: int, micro_batches: int) -> None:
         raise ValueError(f"pipeline schedule must be one of {tuple(SCHEDULE_STAGES_PER_RANK)}, got {schedule!r}")
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    if schedule == "1f1b" and micro_batches < pp:
+        raise ValueError(f"1F1B needs at least pp = {pp} micro-batches (one per stage in flight), got {micro_batches}")
     if schedule == "zbh1" and micro_batches >= pp and micro_batches % pp:
         raise ValueError(
             f"ZB-H1 runs micro-batches in rounds of pp={pp}: micro_batches={micro_batches} must be a multiple of {pp} "

@@ -173,7 +173,8 @@ class Trainer:
         # of one data-parallel rank (the model's loss is its data-parallel batch's), so they are summed over dp.
         update_expert_bias(self.model, par.token_group)
         sums = all_reduce_sum(sums, par.dp_group)
-        loads = all_reduce_sum(torch.cat(loads), par.token_group).split(num_experts)
+        if loads:  # a pipeline rank may hold no MoE layer
+            loads = all_reduce_sum(torch.cat(loads), par.token_group).split(num_experts)
         elapsed = time.perf_counter() - start
         # The largest rank's figures: its memory high-water mark so far and its optimizer-state bytes.
         per_rank = torch.tensor([process_peak_bytes(), self.optimizer.state_bytes_per_rank()], dtype=torch.float64)

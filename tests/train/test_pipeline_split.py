@@ -48,6 +48,7 @@ def test_stages_of_rank():
         ("dualpipev", 2, 3, "DualPipeV needs at least 2 \\* pp = 4 micro-batches"),
         ("zbh1", 4, 6, "rounds of pp=4: micro_batches=6"),
         ("1f1b", 2, 0, "micro_batches must be >= 1"),
+        ("1f1b", 4, 2, "1F1B needs at least pp = 4 micro-batches"),
         ("interleaved", 2, 4, "pipeline schedule must be one of"),
     ],
 )
@@ -57,5 +58,5 @@ def test_schedule_rules(schedule, pp, micro_batches, message):
 
 
 def test_schedule_counts_that_run():
-    for schedule, pp, m in [("1f1b", 4, 1), ("zbh1", 4, 8), ("zbh1", 4, 3), ("dualpipev", 2, 4), ("dualpipev", 4, 9)]:
+    for schedule, pp, m in [("1f1b", 4, 4), ("zbh1", 4, 8), ("zbh1", 4, 3), ("dualpipev", 2, 4), ("dualpipev", 4, 9)]:
         check_schedule(schedule, pp, m)

@@ -136,7 +136,16 @@ LAYOUTS = {
     ),  # fmt: skip
     # Uneven stages (Megatron's first-stage count): layers 0-1 | 2 | 3 | none (the last stage: head and MTP only).
     "pp4_1f1b_uneven": (
-        ["--pp", "4", "--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "0"],
+        [
+            "--pp",
+            "4",
+            "--micro-batches",
+            "4",
+            "--decoder-first-pipeline-num-layers",
+            "2",
+            "--decoder-last-pipeline-num-layers",
+            "0",
+        ],
         4,
         (4, 1, 1, 1, 1),
         False,
