@@ -53,7 +53,9 @@ def _run_schedule(group, schedule: str, args) -> dict:
     parallel = ParallelState.from_process_group(Layout(world=args.pp, pp=args.pp, pp_schedule=schedule))
     torch.manual_seed(args.seed)
     model = DeepseekV3ForCausalLM(cfg)
-    split = split_layers(cfg.num_hidden_layers, args.pp * SCHEDULE_STAGES_PER_RANK[schedule])
+    num_stages = args.pp * SCHEDULE_STAGES_PER_RANK[schedule]
+    first = args.decoder_first_pipeline_num_layers if num_stages == args.pp else None
+    split = split_layers(cfg.num_hidden_layers, num_stages, first_stage_layers=first)
     recorder = TimelineRecorder(parallel.pp_rank)
     runner = PipelineRunner(model, parallel, schedule=schedule, split=split, micro_batches=args.micro_batches,
                             micro_rows=args.rows, seq_len=args.seq_len, mtp_loss_weight=cfg.mtp_loss_weight,
@@ -111,6 +113,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                        help="1F1B / ZB-H1: layers of the first stage (the last also runs the head and MTP); "
+                        "DualPipeV's V puts the first and last stage on one rank")  # fmt: skip
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "pipeline.json")
     args = parser.parse_args()
@@ -128,7 +133,8 @@ def main() -> None:
             f"{r['units']['F'] * 1e3:.1f}", f"{r['units']['B'] * 1e3:.1f}",
             "-" if r["units"]["W"] is None else f"{r['units']['W'] * 1e3:.1f}", f"{r['peak_bytes'] / 2**20:.1f}",
         ])  # fmt: skip
-    print(f"{args.config}, pp {args.pp}, {args.micro_batches} micro-batches of {args.rows} x {args.seq_len} tokens")
+    print(f"{args.config}, pp {args.pp}, {args.micro_batches} micro-batches of {args.rows} x {args.seq_len} tokens, "
+          f"first stage layers {args.decoder_first_pipeline_num_layers or 'even'}")  # fmt: skip
     print_table(
         ("schedule", "step ms", "bubble", "vs 1f1b", "analytic", "analytic ms/rank", "F ms", "B ms", "W ms",
          "peak MiB"),
