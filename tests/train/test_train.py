@@ -115,7 +115,12 @@ LAYOUTS = {
     ),
     # Pipeline parallelism (moe/pipeline): each schedule at PP2 and PP4, with DP, EP and ZeRO-1.
     "pp2_1f1b": (["--pp", "2"], 2, (2, 1, 1, 1, 1), False),
-    "pp2_zbh1_ep2_dp2": (["--pp", "2", "--pp-schedule", "zbh1", "--ep", "2"], 4, (4, 2, 1, 2, 1), False),
+    "pp2_zbh1_ep2_dp2": (
+        ["--pp", "2", "--pp-schedule", "zbh1", "--ep", "2", "--pipeline-timeline"],
+        4,
+        (4, 2, 1, 2, 1),
+        False,
+    ),
     "pp2_dualpipev_ep2_dp2_zero1": (
         [
             "--pp",
@@ -179,6 +184,15 @@ def test_layout_matches_one_process(tmp_path, config, one_process_run, layout):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
         for name, v in a["expert_load_max_over_mean"].items():
             assert b["expert_load_max_over_mean"][name] == pytest.approx(v, rel=1e-6)  # the same routing
+    if "--pipeline-timeline" in flags:  # the last step's timeline: every micro-batch's F, I and W on both ranks
+        trace = json.loads((run_dir / "pipeline_timeline.json").read_text())
+        slots = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+        for kind in ("F", "I", "W"):
+            assert {(e["pid"], e["args"]["microbatch"]) for e in slots if e["args"]["kind"] == kind} >= {
+                (r, m) for r in ({1} if kind == "I" else {0, 1}) for m in range(2)
+            }, kind  # the first stage has no input gradient to compute
+        assert 0 < trace["otherData"]["bubble"]["bubble_fraction"] < 1
+        assert (run_dir / "pipeline_timeline.png").stat().st_size > 1000
     # Final weights (every expert, gathered): 8 steps of up to lr 3e-3 each; measured 2e-6 apart at most.
     final_ref = load_file(str(one_process_run / "checkpoints" / "step_8" / "model.safetensors"))
     final = load_file(str(run_dir / "checkpoints" / "step_8" / "model.safetensors"))
