@@ -10,6 +10,8 @@ after the last step (32 fixed validation sequences) and each relative to FP32.
 
     .venv/bin/python bench/fp8_convergence.py                       # 200 steps, ~10 minutes on 2 cores
     .venv/bin/python bench/fp8_convergence.py --steps 50 --runs fp32,blockwise
+    .venv/bin/python bench/fp8_convergence.py --one blockwise --json r.json   # one run alone (the tests run the
+                                                                                # three in parallel processes)
 """
 
 from __future__ import annotations
@@ -80,7 +82,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--data-cache", default=None, help="token cache directory (default: the trainer's)")
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "fp8_convergence.json")
+    parser.add_argument("--one", choices=RUNS, default=None, help="train this run only; its result to --json")
     args = parser.parse_args()
+    if args.one is not None:
+        return args
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     if not args.runs or args.runs[0] != "fp32" or any(r not in RUNS for r in args.runs):
         parser.error(f"--runs: a subset of {RUNS} starting with fp32")
@@ -92,6 +97,11 @@ def main() -> None:
 
     args = parse_args()
     torch.set_num_threads(1)
+    if args.one is not None:
+        with tempfile.TemporaryDirectory(prefix="fp8_convergence-") as tmp:
+            result = train(args.one, args, Path(tmp))
+        save_results(args.json, {"args": json.loads(json.dumps(vars(args), default=str)), "results": [result]})
+        return
     results = []
     with tempfile.TemporaryDirectory(prefix="fp8_convergence-") as tmp:
         for run in args.runs:

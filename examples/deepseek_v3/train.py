@@ -5,11 +5,14 @@
 
     torchrun --nproc-per-node 4 examples/deepseek_v3/train.py --config ... --out runs/tiny-tp2-ep2 --tp 2 --ep 2 \
         --use-distributed-optimizer
+    torchrun --nproc-per-node 4 examples/deepseek_v3/train.py --config ... --out runs/tiny-pp2-ep2 --pp 2 --ep 2 \
+        --pp-schedule dualpipev --pipeline-timeline
 
 One process, or one per rank under torchrun (gloo on CPU). Layout (moe/train/parallel.py): `--tp` ranks split the
 attention and dense layers (tensor parallel, with sequence parallelism outside them), the experts of every MoE
 layer are sharded over `--ep` ranks (mtdeepep's 'flex' dispatcher; MoE parallel folding lets EP span the TP
-ranks), the rest is data parallel, with ZeRO-1 under `--use-distributed-optimizer`. For a given `--seed`, every
+ranks), `--pp` ranks hold consecutive pipeline stages (moe/pipeline: 1F1B, ZB-H1 or DualPipeV on torch's schedules),
+the rest is data parallel, with ZeRO-1 under `--use-distributed-optimizer`. For a given `--seed`, every
 layout starts from the same weights, trains on the same tokens and does the same maths per step (see
 moe/train/trainer.py).
 
@@ -39,6 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from moe import EPBuffers  # noqa: E402
 from moe.fp8_training import apply_fp8  # noqa: E402
 from moe.models.deepseek_v3.tensor_parallel import check_tensor_parallel, parallelize  # noqa: E402
+from moe.pipeline import PipelineRunner, TimelineRecorder  # noqa: E402
+from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, check_schedule, split_layers  # noqa: E402
 from moe.train import checkpoint as ckpt  # noqa: E402
 from moe.train.config import TrainingConfig  # noqa: E402
 from moe.train.data import TokenBatches, prepare_tokens  # noqa: E402
@@ -58,8 +63,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides the world size)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (sequence parallel with them)")
     p.add_argument("--etp", type=int, default=1, help="expert tensor-parallel ranks (ep * etp divides dp * tp)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (arrives with the next issue: 1)")
-    p.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
+    p.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES,
+                   help="pipeline schedule (dualpipev: 2 stages per rank in a V)")  # fmt: skip
+    p.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="decoder layers of the first pipeline stage (the rest shared evenly)")  # fmt: skip
+    p.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="decoder layers of the last pipeline stage")  # fmt: skip
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="micro-batches per step per data-parallel rank (default: [training])")  # fmt: skip
+    p.add_argument("--pipeline-timeline", action="store_true",
+                   help="record every pipeline action; write RUN_DIR/pipeline_timeline.json (Perfetto) and .png "
+                   "of the last step, with the measured bubble")  # fmt: skip
     p.add_argument("--fp8", default="none", choices=FP8_RECIPES, help="FP8 recipe")
     p.add_argument(
         "--use-distributed-optimizer",
@@ -112,6 +127,25 @@ def check_model_layout(model_cfg, train_cfg: TrainingConfig, layout: Layout) -> 
         )
 
 
+def pipeline_split(model_cfg, train_cfg: TrainingConfig, layout: Layout, args):
+    """The decoder layers of each pipeline stage (None without pipeline parallelism); ValueError for a split or a
+    micro-batch count the schedule cannot run."""
+    outer = (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+    if layout.pp == 1:
+        if any(v is not None for v in outer):
+            raise ValueError("--decoder-first/last-pipeline-num-layers need --pp > 1")
+        return None
+    check_schedule(layout.pp_schedule, layout.pp, train_cfg.micro_batches)
+    if model_cfg.tie_word_embeddings and layout.pp_schedule != "dualpipev":
+        raise ValueError(
+            f"tie_word_embeddings with --pp {layout.pp} --pp-schedule {layout.pp_schedule}: the embedding and the "
+            "output head would sit on different ranks; untie them or use dualpipev"
+        )
+    stages = layout.pp * SCHEDULE_STAGES_PER_RANK[layout.pp_schedule]
+    return split_layers(model_cfg.num_hidden_layers, stages, first_stage_layers=outer[0],
+                        last_stage_layers=outer[1])  # fmt: skip
+
+
 def check_run_dir(run_dir: Path, resume: bool, init: str | None) -> Path | None:
     """The checkpoint to resume from (None: a new run); ValueError for a run directory that does not fit."""
     if resume and init:
@@ -156,9 +190,12 @@ def main(argv: list[str] | None = None) -> int:
             train_cfg = dataclasses.replace(train_cfg, use_distributed_optimizer=True)
         if args.ddp_bucket_size is not None:
             train_cfg = dataclasses.replace(train_cfg, ddp_bucket_size=args.ddp_bucket_size)
+        if args.micro_batches is not None:
+            train_cfg = dataclasses.replace(train_cfg, micro_batches=args.micro_batches)
         layout = Layout(world=env_world_size(), tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                         pp_schedule=args.pp_schedule, fp8=args.fp8)  # fmt: skip
         check_model_layout(model_cfg, train_cfg, layout)
+        split = pipeline_split(model_cfg, train_cfg, layout, args)
         recompute = RecomputeConfig(args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
                                     tuple(args.recompute_modules or ("core_attn",)))  # fmt: skip
         recompute.full_chunks(model_cfg.num_hidden_layers)  # recompute_num_layers fits the model
@@ -191,6 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     if layout.fp8 != "none":  # FP8 GEMMs (and FP8 dispatch) under the recipe; weights stay the FP32/BF16 masters
         apply_fp8(model, layout.fp8, tp_group=parallel.tp_group)
     model.set_recompute(recompute)
+    pipeline = None
+    if split is not None:  # prunes the model to this rank's stages: before the optimizer exists
+        recorder = TimelineRecorder(parallel.pp_rank, enabled=args.pipeline_timeline)
+        pipeline = PipelineRunner(model, parallel, schedule=layout.pp_schedule, split=split,
+                                  micro_batches=train_cfg.micro_batches, seq_len=train_cfg.seq_len,
+                                  micro_rows=train_cfg.global_batch // layout.dp // train_cfg.micro_batches,
+                                  mtp_loss_weight=model_cfg.mtp_loss_weight,
+                                  num_mtp=model_cfg.num_nextn_predict_layers, recorder=recorder)  # fmt: skip
 
     def load_model(path: Path) -> None:
         state_dict, _ = _read_model(read_model_dir, path)
@@ -204,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     run_info = {"title": _title(args, layout)}
     trainer = Trainer(model, train_cfg, parallel, batches, run_dir, seed=args.seed, model_io=model_io,
                       mtp_loss_weight=model_cfg.mtp_loss_weight, num_mtp=model_cfg.num_nextn_predict_layers,
-                      extra_checkpoint_files=(data.tokenizer_path,), run_info=run_info)  # fmt: skip
+                      extra_checkpoint_files=(data.tokenizer_path,), run_info=run_info,
+                      pipeline=pipeline)  # fmt: skip
 
     # Step 3: the run directory, the starting point, the loop.
     if parallel.is_main:
@@ -222,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training {Path(args.config).stem} ({_layout_text(layout)}) from step {start_step} to {train_cfg.steps}")
     t0 = time.perf_counter()
     trainer.fit(start_step)
+    if pipeline is not None and args.pipeline_timeline:
+        report = pipeline.write_timeline(run_dir / "pipeline_timeline.json", run_dir / "pipeline_timeline.png")
+        if parallel.is_main:
+            print(f"last step's pipeline bubble {100 * report.fraction:.1f}% ({run_dir}/pipeline_timeline.*)")
     if parallel.is_main:
         print(f"trained in {time.perf_counter() - t0:.1f} s")
         _summary(run_dir)
@@ -245,7 +295,8 @@ def _title(args, layout: Layout) -> str:
 
 
 def _layout_text(layout: Layout) -> str:
-    return f"world {layout.world}: dp {layout.dp} x tp {layout.tp} x pp {layout.pp}, ep {layout.ep}"
+    text = f"world {layout.world}: dp {layout.dp} x tp {layout.tp} x pp {layout.pp}, ep {layout.ep}"
+    return text + (f", {layout.pp_schedule}" if layout.pp > 1 else "")
 
 
 def _write_run_json(run_dir: Path, args, layout: Layout, train_cfg: TrainingConfig, data, parallel) -> None:

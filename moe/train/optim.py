@@ -110,6 +110,7 @@ class MasterAdamW:
             sq[kind] += torch.linalg.vector_norm(q.master.grad, dtype=torch.float32).double() ** 2
         all_reduce_sum(sq[1:2], self.parallel.tp_group)
         all_reduce_sum(sq[2:], self.parallel.ep_group)
+        all_reduce_sum(sq, self.parallel.pp_group)  # each pipeline rank holds other layers
         return math.sqrt(float(sq.sum()))
 
     @torch.no_grad()

@@ -32,8 +32,7 @@ BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda", "mccl": "musa"}
 class Layout:
     """How `world` ranks are split: `dp = world / (tp * pp)`, `expert_dp = dp * tp / (ep * etp)`.
 
-    `check` (run on construction) raises one ValueError listing the sizes and every rule the split breaks; pipeline
-    parallelism (pp > 1) arrives with the next issue and is refused with a message that says so.
+    Construction raises one ValueError listing the sizes and every rule the split breaks.
     """
 
     world: int = 1
@@ -53,8 +52,6 @@ class Layout:
             raise ValueError(f"pipeline schedule must be one of {PP_SCHEDULES}, got {self.pp_schedule!r}")
         if self.fp8 not in FP8_RECIPES:
             raise ValueError(f"fp8 must be one of {FP8_RECIPES}, got {self.fp8!r}")
-        if self.pp > 1:
-            raise ValueError(f"--pp {self.pp}: pipeline parallelism arrives with the next issue; only --pp 1 runs now")
         broken = []
         if self.world % (self.tp * self.pp):
             broken.append(f"world must be divisible by tp * pp = {self.tp * self.pp}")
@@ -163,6 +160,7 @@ class ParallelState:
         )
         state = cls(layout, dist.get_rank(), mesh, expert_mesh)
         state._groups = {
+            "pp": _group(mesh, "pp"),
             "dp": _group(mesh, "dp"),
             "tp": _group(mesh, "tp"),
             "ep": _group(expert_mesh, "ep"),
@@ -173,6 +171,12 @@ class ParallelState:
         return state
 
     # -- groups (None = this rank alone)
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """Ranks holding the pipeline stages of one model replica (same dp and tp coordinates): activations and
+        gradients move between them point to point."""
+        return self._groups.get("pp")
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -210,6 +214,10 @@ class ParallelState:
 
     def _local_rank(self, mesh, name: str) -> int:
         return 0 if mesh is None else mesh.get_local_rank(name)
+
+    @property
+    def pp_rank(self) -> int:
+        return self._local_rank(self.mesh, "pp")
 
     @property
     def dp_rank(self) -> int:

@@ -92,6 +92,8 @@ class Trainer:
         mtp_loss_weight: lambda of the MTP loss (summed over depths and divided by their number, as DeepSeek-V3).
         num_mtp: MTP depths the model predicts.
         extra_checkpoint_files: files copied into every checkpoint (e.g. the tokenizer).
+        pipeline: with pipeline parallelism, the `moe.pipeline.PipelineRunner` that runs each step's micro-batches
+            (built first: it prunes `model` to this rank's stages).
     """
 
     def __init__(
@@ -108,8 +110,12 @@ class Trainer:
         num_mtp: int = 0,
         extra_checkpoint_files: tuple[Path, ...] = (),
         run_info: dict[str, Any] | None = None,
+        pipeline=None,
     ) -> None:
         self.model = model
+        self.pipeline = pipeline
+        if parallel.layout.pp > 1 and pipeline is None:
+            raise ValueError(f"--pp {parallel.layout.pp} needs a PipelineRunner (moe.pipeline)")
         self.config = config
         self.parallel = parallel
         self.batches = batches
@@ -147,9 +153,58 @@ class Trainer:
         set_aux_loss_scale(self.model, self.micro_rows / cfg.global_batch)
         self.optimizer.zero_grad()
 
-        sums = torch.zeros(1 + self.num_mtp, dtype=torch.float64)
         num_experts = [layer.config.num_moe_experts for layer in self.moe_layers]
-        loads = [torch.zeros(e, dtype=torch.float64) for e in num_experts]
+        if self.pipeline is not None:
+            # The schedule interleaves the micro-batches' backwards: ZeRO-1 reduces every bucket after the step.
+            with self.optimizer.accumulation_context(0, 2):
+                sums, load_of = self.pipeline.step(tokens_BS, counts, step)
+            loads = [load_of[id(layer)] for layer in self.moe_layers]
+        else:
+            sums, loads = self._micro_batches(tokens_BS, counts)
+        self.optimizer.reduce_gradients()
+        grad_norm = self.optimizer.global_grad_norm()
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(f"step {step}: the gradient norm is {grad_norm} (the loss diverged)")
+        self.optimizer.clip(grad_norm)
+        lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
+        self.optimizer.step(lr)
+        # Every rank of the stage routed other tokens (other sequences, or under sequence parallelism another part
+        # of the sequence): the expert loads are summed over dp x tp. The loss sums are the same on the TP ranks
+        # of one data-parallel rank (the model's loss is its data-parallel batch's), so they are summed over dp.
+        update_expert_bias(self.model, par.token_group)
+        sums = all_reduce_sum(sums, par.dp_group)
+        if loads:  # a pipeline rank may hold no MoE layer
+            loads = all_reduce_sum(torch.cat(loads), par.token_group).split(num_experts)
+        elapsed = time.perf_counter() - start
+        # The largest rank's figures: its memory high-water mark so far and its optimizer-state bytes.
+        per_rank = torch.tensor([process_peak_bytes(), self.optimizer.state_bytes_per_rank()], dtype=torch.float64)
+        if self.parallel.layout.world > 1:
+            dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
+        mtp = [float(sums[1 + d] / counts[1 + d]) for d in range(self.num_mtp)]
+        imbalance = {n: load_imbalance(c) for n, c in zip(self.moe_layer_names, loads)}
+        if par.pp_group is not None:  # every stage's MoE layers in the record
+            stages: list[dict] = [{} for _ in range(par.layout.pp)]
+            dist.all_gather_object(stages, imbalance, group=par.pp_group)
+            imbalance = {k: v for part in stages for k, v in part.items()}
+        return {
+            "step": step,
+            "loss": float(sums[0] / counts[0]),
+            "mtp_loss": sum(mtp) / len(mtp) if mtp else None,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed,
+            "step_s": elapsed,
+            "max_peak_memory_mib": float(per_rank[0]) / 2**20,
+            "max_optimizer_state_mib": float(per_rank[1]) / 2**20,
+            "expert_load_max_over_mean": imbalance,
+        }
+
+    def _micro_batches(self, tokens_BS: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Forward and backward of each micro-batch in turn (no pipeline): `(loss sums [1 + D] float64, tokens per
+        expert of each MoE layer)`."""
+        cfg = self.config
+        sums = torch.zeros(1 + self.num_mtp, dtype=torch.float64)
+        loads = [torch.zeros(layer.config.num_moe_experts, dtype=torch.float64) for layer in self.moe_layers]
         for index, mb_BS in enumerate(tokens_BS.split(self.micro_rows)):
             # ZeRO-1: no gradient communication before the last micro-batch's backward (then it overlaps it).
             with self.optimizer.accumulation_context(index, cfg.micro_batches):
@@ -164,46 +219,15 @@ class Trainer:
             sums += torch.stack([out.lm_loss_sum.detach(), *[s.detach() for s in mtp_sums]]).double()
             for load, layer in zip(loads, self.moe_layers):
                 load += layer.metrics.tokens_per_expert.double()
-
-        self.optimizer.reduce_gradients()
-        grad_norm = self.optimizer.global_grad_norm()
-        if not math.isfinite(grad_norm):
-            raise FloatingPointError(f"step {step}: the gradient norm is {grad_norm} (the loss diverged)")
-        self.optimizer.clip(grad_norm)
-        lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
-        self.optimizer.step(lr)
-        # Every rank of the stage routed other tokens (other sequences, or under sequence parallelism another part
-        # of the sequence): the expert loads are summed over dp x tp. The loss sums are the same on the TP ranks
-        # of one data-parallel rank (the model's loss is its data-parallel batch's), so they are summed over dp.
-        update_expert_bias(self.model, par.token_group)
-        sums = all_reduce_sum(sums, par.dp_group)
-        loads = all_reduce_sum(torch.cat(loads), par.token_group).split(num_experts)
-        elapsed = time.perf_counter() - start
-        # The largest rank's figures: its memory high-water mark so far and its optimizer-state bytes.
-        per_rank = torch.tensor([process_peak_bytes(), self.optimizer.state_bytes_per_rank()], dtype=torch.float64)
-        if self.parallel.layout.world > 1:
-            dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
-        mtp = [float(sums[1 + d] / counts[1 + d]) for d in range(self.num_mtp)]
-        return {
-            "step": step,
-            "loss": float(sums[0] / counts[0]),
-            "mtp_loss": sum(mtp) / len(mtp) if mtp else None,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed,
-            "step_s": elapsed,
-            "max_peak_memory_mib": float(per_rank[0]) / 2**20,
-            "max_optimizer_state_mib": float(per_rank[1]) / 2**20,
-            "expert_load_max_over_mean": {n: load_imbalance(c) for n, c in zip(self.moe_layer_names, loads)},
-        }
+        return sums, loads
 
     # -- checkpoints
 
     def save(self, step: int) -> Path:
         """Checkpoint `RUN_DIR/checkpoints/step_<step>/` (collective; rank 0 writes): the model directory, the
         optimizer state (all experts), the trainer state, then `latest`."""
-        model_sd = self.model_io.full_state_dict()
-        optim_sd = self.optimizer.full_state()
+        model_sd = self._merge_stages(self.model_io.full_state_dict())
+        optim_sd = self._merge_stages(self.optimizer.full_state())
         final = ckpt.checkpoints_dir(self.run_dir) / ckpt.checkpoint_name(step)
         if self.parallel.is_main:
             from safetensors.torch import save_file
@@ -219,6 +243,16 @@ class Trainer:
             ckpt.set_latest(self.run_dir, step)
         self.parallel.barrier()
         return final
+
+    def _merge_stages(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """With pipeline parallelism, every pipeline rank's part of a state dict in one (collective over the
+        pipeline group; disjoint keys: each rank holds other layers)."""
+        group = self.parallel.pp_group
+        if group is None:
+            return state
+        parts: list[dict] = [{} for _ in range(self.parallel.layout.pp)]
+        dist.all_gather_object(parts, {k: v.detach().clone() for k, v in state.items()}, group=group)
+        return {k: v for part in parts for k, v in part.items()}
 
     def trainer_state(self, step: int) -> dict[str, Any]:
         cfg = self.config
@@ -252,7 +286,11 @@ class Trainer:
                     "the data position would not carry over"
                 )
         self.model_io.load(path)
-        self.optimizer.load_full_state(load_file(str(path / OPTIMIZER_FILE)))
+        full = load_file(str(path / OPTIMIZER_FILE))
+        if self.parallel.pp_group is not None:  # this pipeline rank's parameters only
+            own = {name for name, _ in self.model.named_parameters()}
+            full = {k: v for k, v in full.items() if k.rsplit(".", 1)[0] in own}
+        self.optimizer.load_full_state(full)
         return int(state["step"])
 
     # -- the loop

@@ -379,6 +379,7 @@ class DistributedAdamW:
         sequence-parallel gradients over the TP group. After it each rank's bucket shards hold the reduced
         gradient."""
         self.events.append(("grad_sync_start", -1, time.perf_counter()))
+        self._absorb_unhooked_grads()
         for b in self.buckets[self._next_launch :]:
             self._launch(b)
         for b in self.buckets:
@@ -395,6 +396,21 @@ class DistributedAdamW:
                 view.copy_(part)
         self._reduced = True
         self.events.append(("grad_sync_end", -1, time.perf_counter()))
+
+    @torch.no_grad()
+    def _absorb_unhooked_grads(self) -> None:
+        """Gradients that reached `param.grad` without autograd's accumulation (so without the hook): torch's
+        pipeline schedules add the weight-gradient (W) actions' results by hand. They join their buckets here; a
+        bucket already launched must not receive any (RuntimeError, as in the hook)."""
+        for b in self.buckets:
+            for e in b.entries:
+                grad = e.param.grad
+                if grad is None:
+                    continue
+                if b.launched:
+                    raise RuntimeError(f"ZeRO-1: a gradient of {e.name} arrived after its {b.describe()} was launched")
+                b.grad[e.offset : e.offset + e.numel].add_(grad.reshape(-1))
+                e.param.grad = None
 
     def reduce_gradients(self) -> None:
         """MasterAdamW's name for `finish_grad_sync`."""

@@ -11,7 +11,8 @@ from moe.train.parallel import Layout, ParallelState
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"world": 4, "pp": 2}, "--pp 2: pipeline parallelism arrives with the next issue"),
+        ({"world": 6, "pp": 4}, r"\(world 6, tp 1, pp 4, ep 1, etp 1\): world must be divisible by tp \* pp = 4"),
+        ({"world": 8, "pp": 2, "ep": 8}, "ep \\* etp = 8 must divide dp \\* tp = 4"),
         ({"world": 4, "fp8": "fp4"}, "fp8 must be one of"),
         ({"world": 4, "ep": 3}, r"world 4, tp 1, pp 1, ep 3, etp 1\): ep \* etp = 3 must divide dp \* tp = 4"),
         ({"world": 2, "ep": 4}, "ep \\* etp = 4 must divide dp \\* tp = 2"),
@@ -49,8 +50,8 @@ def test_single_process_state():
     assert (state.dp_rank, state.ep_rank, state.is_main) == (0, 0, True)
 
 
-def _groups_case(ctx, ep, tp=1, etp=1):
-    state = ParallelState.from_process_group(Layout(world=ctx.world_size, ep=ep, tp=tp, etp=etp))
+def _groups_case(ctx, ep, tp=1, etp=1, pp=1):
+    state = ParallelState.from_process_group(Layout(world=ctx.world_size, ep=ep, tp=tp, etp=etp, pp=pp))
 
     def members(group):
         return None if group is None else dist.get_process_group_ranks(group)
@@ -62,6 +63,8 @@ def _groups_case(ctx, ep, tp=1, etp=1):
         "tp": members(state.tp_group),
         "etp": members(state.etp_group),
         "tokens": members(state.token_group),
+        "pp": members(state.pp_group),
+        "pp_rank": state.pp_rank,
         "ranks": (state.dp_rank, state.tp_rank, state.ep_rank, state.etp_rank, state.expert_dp_rank),
         "dp_rank": state.dp_rank,
         "ep_rank": state.ep_rank,
@@ -99,3 +102,13 @@ def test_folded_groups_on_four_ranks(rank_pools, tp, ep, etp, expected):
             mine = None if groups is None else next(g for g in groups if rank in g)
             assert r[name] == mine, (rank, name, r[name], mine)
         assert r["tokens"] == [0, 1, 2, 3]  # every rank's router sees other tokens
+
+
+def test_pipeline_groups_on_four_ranks(rank_pools):
+    """pp outermost (Megatron's order): ranks 0-1 are stage 0, ranks 2-3 stage 1; EP 2 folds within a stage."""
+    results = rank_pools[4].run(_groups_case, 2, 1, 1, 2)
+    for rank, r in enumerate(results):
+        assert r["pp"] == [rank % 2, rank % 2 + 2] and r["pp_rank"] == rank // 2
+        assert r["dp"] == [rank - rank % 2, rank - rank % 2 + 1] and r["dp_rank"] == rank % 2
+        assert r["ep"] == r["dp"] and r["edp"] is None
+        assert r["tokens"] == r["dp"]

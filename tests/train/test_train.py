@@ -113,6 +113,51 @@ LAYOUTS = {
         (4, 2, 2, 2, 2),
         True,
     ),
+    # Pipeline parallelism (moe/pipeline): each schedule at PP2 and PP4, with DP, EP and ZeRO-1.
+    "pp2_1f1b": (["--pp", "2"], 2, (2, 1, 1, 1, 1), False),
+    "pp2_zbh1_ep2_dp2": (
+        ["--pp", "2", "--pp-schedule", "zbh1", "--ep", "2", "--pipeline-timeline"],
+        4,
+        (4, 2, 1, 2, 1),
+        False,
+    ),
+    "pp2_dualpipev_ep2_dp2_zero1": (
+        [
+            "--pp",
+            "2",
+            "--pp-schedule",
+            "dualpipev",
+            "--micro-batches",
+            "4",
+            "--ep",
+            "2",
+            "--use-distributed-optimizer",
+            "--ddp-bucket-size",
+            "20000",
+        ],
+        4,
+        (4, 2, 1, 2, 1),
+        True,
+    ),  # fmt: skip
+    # Uneven stages (Megatron's first-stage count): layers 0-1 | 2 | 3 | none (the last stage: head and MTP only).
+    "pp4_1f1b_uneven": (
+        [
+            "--pp",
+            "4",
+            "--micro-batches",
+            "4",
+            "--decoder-first-pipeline-num-layers",
+            "2",
+            "--decoder-last-pipeline-num-layers",
+            "0",
+        ],
+        4,
+        (4, 1, 1, 1, 1),
+        False,
+    ),
+    "pp4_zbh1": (["--pp", "4", "--pp-schedule", "zbh1", "--micro-batches", "4"], 4, (4, 1, 1, 1, 1), False),
+    # 8 stages for 4 layers: stages 4-7 are placeholders; rank 0 holds stage 0 (embedding) and 7 (head, MTP).
+    "pp4_dualpipev": (["--pp", "4", "--pp-schedule", "dualpipev", "--micro-batches", "8"], 4, (4, 1, 1, 1, 1), False),
 }
 
 
@@ -139,6 +184,15 @@ def test_layout_matches_one_process(tmp_path, config, one_process_run, layout):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
         for name, v in a["expert_load_max_over_mean"].items():
             assert b["expert_load_max_over_mean"][name] == pytest.approx(v, rel=1e-6)  # the same routing
+    if "--pipeline-timeline" in flags:  # the last step's timeline: every micro-batch's F, I and W on both ranks
+        trace = json.loads((run_dir / "pipeline_timeline.json").read_text())
+        slots = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+        for kind in ("F", "I", "W"):
+            assert {(e["pid"], e["args"]["microbatch"]) for e in slots if e["args"]["kind"] == kind} >= {
+                (r, m) for r in ({1} if kind == "I" else {0, 1}) for m in range(2)
+            }, kind  # the first stage has no input gradient to compute
+        assert 0 < trace["otherData"]["bubble"]["bubble_fraction"] < 1
+        assert (run_dir / "pipeline_timeline.png").stat().st_size > 1000
     # Final weights (every expert, gathered): 8 steps of up to lr 3e-3 each; measured 2e-6 apart at most.
     final_ref = load_file(str(one_process_run / "checkpoints" / "step_8" / "model.safetensors"))
     final = load_file(str(run_dir / "checkpoints" / "step_8" / "model.safetensors"))
@@ -255,7 +309,25 @@ def test_bias_update_balances_the_expert_load(tmp_path, corpus_and_cache):
         ({}, {}, {"corpus": "/nonexistent/corpus"}, [], 4, "directory /nonexistent/corpus does not exist"),
         ({"num_attention_heads": 3, "num_key_value_heads": 3}, {}, {}, ["--tp", "2"], 4, "divisible by 2: num_attent"),
         ({}, {}, {}, ["--etp", "2"], 4, "--etp 2: expert tensor parallelism is not in the MoE layer yet"),
-        ({}, {}, {}, ["--pp", "2"], 4, "--pp 2: pipeline parallelism arrives with the next issue"),
+        ({}, {}, {}, ["--pp", "2", "--pp-schedule", "dualpipev"], 2, "DualPipeV needs at least 2 \\* pp = 4 micro"),
+        (
+            {},
+            {"global_batch": 12, "micro_batches": 6},
+            {},
+            ["--pp", "4", "--pp-schedule", "zbh1"],
+            4,
+            "ZB-H1 runs micro-batches in rounds of pp=4: micro_batches=6",
+        ),
+        (
+            {},
+            {},
+            {},
+            ["--pp", "2", "--decoder-first-pipeline-num-layers", "5"],
+            2,
+            "decoder_first_pipeline_num_layers=5 leave -1 of the 4 decoder layers",
+        ),
+        ({"tie_word_embeddings": True}, {}, {}, ["--pp", "2"], 2, "tie_word_embeddings with --pp 2 --pp-schedule 1f1b"),
+        ({}, {}, {}, ["--decoder-last-pipeline-num-layers", "1"], 1, "need --pp > 1"),
         ({}, {"global_batch": 12, "micro_batches": 2}, {}, [], 4, "not divisible by dp \\* micro_batches"),
         ({}, {"seq_len": 1024}, {}, [], 1, "exceeds max_position_embeddings=512"),
     ],

@@ -135,6 +135,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         if not isinstance(config, DeepseekV3Config):
             raise ValueError(f"config must be a DeepseekV3Config, got {type(config).__name__}")
         self.config = config
+        self.build_dtype = dtype
+        self.pipeline_stages: list[int] | None = None  # set by moe.pipeline.keep_stages: the stages this rank holds
         self.tp_group: dist.ProcessGroup | None = None  # set by tensor_parallel.parallelize (tp > 1)
         self.ep_group = ep_group if group_size(ep_group) > 1 else None
         if self.ep_group is not None and config.n_routed_experts % group_size(ep_group):
@@ -226,12 +228,16 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every weight whole, with global expert indices (state.py). Collective over the EP and TP groups: call it
-        on every rank; every rank gets the whole dict."""
+        on every rank; every rank gets the whole dict. A pipeline rank's pruned model gives its stages' part (the
+        trainer merges the parts)."""
         return state.full_state_dict(self, self.ep_group, self.tp_group)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a `full_state_dict` (from any layout); this rank keeps its experts and its TP shards. No
-        communication."""
+        communication. A pipeline rank's pruned model (moe.pipeline.keep_stages) loads its own keys only."""
+        if self.pipeline_stages is not None:
+            own = set(state.full_state_dict_shapes(self))
+            state_dict = {k: v for k, v in state_dict.items() if k in own}
         state.load_full_state_dict(self, state_dict)
 
     @property
@@ -257,25 +263,58 @@ class DeepseekV3ForCausalLM(nn.Module):
         """
         self._check_inputs(input_ids, labels)
         labels = labels.long() if labels is not None else None
-        B, S = input_ids.shape
-        dtype = self.embed_tokens.weight.dtype
-        cos_SP, sin_SP = self.rotary(torch.arange(S, device=input_ids.device), dtype)
-        tp = self.tp_group
+        cos_SP, sin_SP = self.rotary_tables(input_ids.size(1), input_ids.device)
+        emb_BSH, h_BSH, shards = self.embed(input_ids)
+        h_BSH = self.run_layers(h_BSH, range(len(self.layers)), cos_SP, sin_SP, shards)
+        return self.head(h_BSH, emb_BSH, labels, cos_SP, sin_SP, shards)
 
-        # Under TP the embedding is this rank's partial sum (its vocabulary rows); the reduce-scatter sums it into
-        # this rank's positions. It is kept whole-sequence for the MTP depths, which take shifted slices of it.
+    # The forward's parts, which pipeline stages run on their own (moe/pipeline/stages.py).
+
+    def rotary_tables(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cos, sin)` `[S, Dr/2]` for positions `0 .. S-1`, in the model dtype."""
+        return self.rotary(torch.arange(seq_len, device=device), self.config_dtype)
+
+    @property
+    def config_dtype(self) -> torch.dtype:
+        """The dtype of the activations: the norms' (a pipeline stage may hold any subset of the modules)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                return module.weight.dtype
+        return self.build_dtype  # a pipeline rank holding no layer (only placeholders) computes nothing in it
+
+    def sequence_shards(self, seq_len: int) -> SequenceShards | None:
+        """How sequence parallelism splits `seq_len` positions over the TP ranks (None without TP)."""
+        return None if self.tp_group is None else SequenceShards.split(seq_len, self.tp_group)
+
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, SequenceShards | None]:
+        """`(emb [B, S, H], h, shards)`: h is emb, or under TP this rank's positions `[B, S_r, H]`.
+
+        Under TP the embedding is this rank's partial sum (its vocabulary rows); the reduce-scatter sums it into
+        this rank's positions. `emb` is kept whole-sequence for the MTP depths, which take shifted slices of it."""
         emb_BSH = self.embed_tokens(input_ids)
-        shards = None if tp is None else SequenceShards.split(S, tp)
-        h_BSH = emb_BSH if tp is None else reduce_scatter_to_sequence_parallel(emb_BSH, shards)
-        for start, end, checkpointed in self.recompute.full_chunks(len(self.layers)):
-            run = functools.partial(self._run_layers, start, end, cos_SP, sin_SP, shards)
+        shards = self.sequence_shards(input_ids.size(1))
+        h_BSH = emb_BSH if shards is None else reduce_scatter_to_sequence_parallel(emb_BSH, shards)
+        return emb_BSH, h_BSH, shards
+
+    def run_layers(self, h_BSH: torch.Tensor, indices, cos_SP, sin_SP, shards) -> torch.Tensor:
+        """Decoder layers `indices` (ascending) in order, with the full-layer recompute runs laid over them (a
+        pipeline stage counts `recompute_num_layers` in its own layers, as Megatron-core does)."""
+        layers = [self.layers[i] for i in indices]
+        for start, end, checkpointed in self.recompute.full_chunks(len(layers)):
+            run = functools.partial(_run_layers, layers[start:end], cos_SP, sin_SP, shards)
             h_BSH = checkpoint(run, h_BSH) if checkpointed else run(h_BSH)
+        return h_BSH
+
+    def head(self, h_BSH, emb_BSH, labels, cos_SP, sin_SP, shards) -> DeepseekV3Output:
+        """Final norm and logits, and with `labels [B, S]` the next-token and MTP losses, from the last decoder
+        layer's output `h` and the embedding `emb` (see `embed`)."""
+        tp = self.tp_group
         h_BSH = self.norm(h_BSH)
         logits_BSV = self._logits(h_BSH, shards)
         out = DeepseekV3Output(logits=logits_BSV)
         if labels is None:
             return out
-
+        S = labels.size(1)
         out.lm_loss_sum, out.num_tokens = next_token_loss(logits_BSV, labels, 1, tp, self.vocab_start)
         out.loss = out.lm_loss_sum / out.num_tokens.clamp(min=1)
         means = []
@@ -298,11 +337,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         if means:
             out.mtp_loss = torch.stack(means).mean()
         return out
-
-    def _run_layers(self, start: int, end: int, cos_SP, sin_SP, shards, h_BSH: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers[start:end]:
-            h_BSH = layer(h_BSH, cos_SP, sin_SP, shards)
-        return h_BSH
 
     def _logits(self, h_BSH: torch.Tensor, shards: SequenceShards | None) -> torch.Tensor:
         """`[B, S, V]` (`[B, S, V/tp]`, this rank's vocabulary, from this rank's positions `[B, S_r, H]` gathered
@@ -343,3 +377,9 @@ class DeepseekV3ForCausalLM(nn.Module):
                 f"labels must be int64 of the shape of input_ids {tuple(input_ids.shape)}, got "
                 f"{tuple(labels.shape)} {labels.dtype}"
             )
+
+
+def _run_layers(layers: list[nn.Module], cos_SP, sin_SP, shards, h_BSH: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        h_BSH = layer(h_BSH, cos_SP, sin_SP, shards)
+    return h_BSH

@@ -1,0 +1,150 @@
+"""Pipeline schedules side by side: 1F1B, ZB-H1 and DualPipeV on the same model, micro-batches and ranks, in one
+run: step time, measured bubble, the analytic bubble of the DualPipe table from the measured F / B / W times, and
+the peak memory of a step per rank.
+
+Setting: a DeepSeek-V3 config (default `tiny`), `--pp` processes (gloo on 127.0.0.1, one per pipeline rank, no data
+or expert parallelism), `--micro-batches` micro-batches of `--rows` sequences of `--seq-len` random tokens per step
+(the same tokens for every schedule). Each schedule gets a fresh model from the same seed, `--warmup` steps, then
+`--steps` timed steps (forward + backward of every micro-batch through `moe.pipeline.PipelineRunner`, gradients
+zeroed before each; no optimizer step: the schedules differ only in the forward/backward).
+
+Measured per step (the median step is reported):
+- step time: the slowest rank's wall time of `PipelineRunner.step`;
+- bubble: from every rank's timeline of F / B / I / W actions (`moe.pipeline.timeline`): idle time over the
+  common span, all ranks together;
+- analytic bubble (DualPipe's table, per rank): 1F1B (P-1)(F+B), ZB-H1 (P-1)(F+B-2W), DualPipeV (P-1)(F&B+B-3W)
+  for its half-size chunks (DualPipe's "(PP/2-1)" with PP = 2P stages), with F, B, W the measured mean action
+  times (B = I + W when the backward is split), as a fraction of (bubble + that rank's measured compute);
+- peak memory: the largest rank's resident-set high-water mark during the step above its resident set before it
+  (`moe.memory.peak_memory_bytes`): activations in flight, gradients and p2p buffers. The gradients are the same
+  for every schedule, so the differences between rows are activation memory.
+
+    .venv/bin/python bench/pipeline.py                       # PP 2, 8 micro-batches, tiny; ~2 minutes
+    .venv/bin/python bench/pipeline.py --pp 4 --micro-batches 8
+
+On a 2-core CPU with `--pp 2` each rank has one core; more ranks than cores make the ranks take turns and the
+timeline shows the operating system's scheduling as much as the pipeline's.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from _common import RESULTS_DIR, environment, make_parser, print_table, run_ranks, save_results
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEDULES = ("1f1b", "zbh1", "dualpipev")
+
+
+def _run_schedule(group, schedule: str, args) -> dict:
+    from moe.memory import peak_memory_bytes
+    from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+    from moe.pipeline import PipelineRunner, TimelineRecorder, bubble_fraction, gather_timelines
+    from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, split_layers
+    from moe.pipeline.timeline import analytic_bubble, analytic_bubble_fraction, plot_timeline, write_chrome_trace
+    from moe.train.parallel import Layout, ParallelState
+    from moe.train.trainer import target_counts
+
+    cfg = DeepseekV3Config.from_toml(REPO / "examples" / "deepseek_v3" / "configs" / f"{args.config}.toml")
+    parallel = ParallelState.from_process_group(Layout(world=args.pp, pp=args.pp, pp_schedule=schedule))
+    torch.manual_seed(args.seed)
+    model = DeepseekV3ForCausalLM(cfg)
+    num_stages = args.pp * SCHEDULE_STAGES_PER_RANK[schedule]
+    first = args.decoder_first_pipeline_num_layers if num_stages == args.pp else None
+    split = split_layers(cfg.num_hidden_layers, num_stages, first_stage_layers=first)
+    recorder = TimelineRecorder(parallel.pp_rank)
+    runner = PipelineRunner(model, parallel, schedule=schedule, split=split, micro_batches=args.micro_batches,
+                            micro_rows=args.rows, seq_len=args.seq_len, mtp_loss_weight=cfg.mtp_loss_weight,
+                            num_mtp=cfg.num_nextn_predict_layers, recorder=recorder)  # fmt: skip
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, cfg.vocab_size, (args.micro_batches * args.rows, args.seq_len), generator=gen)
+    counts = target_counts(tokens, cfg.num_nextn_predict_layers)
+    steps = []
+    for index in range(args.warmup + args.steps):
+        for p in model.parameters():
+            p.grad = None
+        torch.distributed.barrier(group=group)
+        start = time.perf_counter()
+        peak = peak_memory_bytes(functools.partial(runner.step, tokens, counts, index + 1))
+        seconds = torch.tensor([time.perf_counter() - start, float(peak)], dtype=torch.float64)
+        torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX, group=group)
+        timelines = gather_timelines(recorder, parallel.pp_group)
+        if index >= args.warmup:
+            report = bubble_fraction(timelines)
+            units = report.unit_times()
+            analytic = [
+                analytic_bubble_fraction(schedule, args.pp, args.micro_batches, units["F"], units["B"],
+                                         units["W"] or 0.0, units["F_and_B"], compute=rank.busy)
+                for rank in report.per_rank
+            ]  # fmt: skip
+            steps.append({
+                "step_s": float(seconds[0]), "peak_bytes": float(seconds[1]), "bubble": report.fraction,
+                "analytic_bubble": statistics.mean(analytic), "units": units, "timelines": timelines,
+                "analytic_bubble_s": analytic_bubble(schedule, args.pp, units["F"], units["B"], units["W"] or 0.0,
+                                                     units["F_and_B"]),
+            })  # fmt: skip
+    median = sorted(steps, key=lambda s: s["step_s"])[len(steps) // 2]
+    if parallel.pp_rank == 0:
+        out = args.out_dir / f"pipeline_{schedule}_pp{args.pp}"
+        meta = {"schedule": schedule, "pp": args.pp, "micro_batches": args.micro_batches}
+        write_chrome_trace(out.with_suffix(".json"), median["timelines"], metadata=meta)
+        plot_timeline(out.with_suffix(".png"), median["timelines"],
+                      f"{schedule}, pp {args.pp}, {args.micro_batches} micro-batches ({args.config})")  # fmt: skip
+    median.pop("timelines")
+    return median
+
+
+def _worker(rank: int, world: int, group, args) -> dict:
+    del rank, world
+    return {schedule: _run_schedule(group, schedule, args) for schedule in args.schedules}
+
+
+def main() -> None:
+    parser = make_parser(__doc__)
+    parser.add_argument("--config", default="tiny", help="examples/deepseek_v3/configs/<name>.toml")
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                        help="1F1B / ZB-H1: layers of the first stage (the last also runs the head and MTP); "
+                        "DualPipeV's V puts the first and last stage on one rank")  # fmt: skip
+    parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument("--json", type=Path, default=RESULTS_DIR / "pipeline.json")
+    args = parser.parse_args()
+    args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    args.out_dir = args.json.parent
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    results = run_ranks(_worker, args.pp, (args,), timeout_s=1800)[0]
+    base = results.get("1f1b")
+    rows = []
+    for schedule, r in results.items():
+        vs = f"{r['bubble'] / base['bubble']:.2f}x" if base and base["bubble"] > 0 else "-"
+        rows.append([
+            schedule, f"{r['step_s'] * 1e3:.0f}", f"{100 * r['bubble']:.1f}%", vs,
+            f"{100 * r['analytic_bubble']:.1f}%", f"{r['analytic_bubble_s'] * 1e3:.1f}",
+            f"{r['units']['F'] * 1e3:.1f}", f"{r['units']['B'] * 1e3:.1f}",
+            "-" if r["units"]["W"] is None else f"{r['units']['W'] * 1e3:.1f}", f"{r['peak_bytes'] / 2**20:.1f}",
+        ])  # fmt: skip
+    print(f"{args.config}, pp {args.pp}, {args.micro_batches} micro-batches of {args.rows} x {args.seq_len} tokens, "
+          f"first stage layers {args.decoder_first_pipeline_num_layers or 'even'}")  # fmt: skip
+    print_table(
+        ("schedule", "step ms", "bubble", "vs 1f1b", "analytic", "analytic ms/rank", "F ms", "B ms", "W ms",
+         "peak MiB"),
+        rows,
+        "bubble: idle / span over all ranks (median step); analytic: DualPipe's formula from the measured F/B/W; "
+        f"traces and PNGs in {args.out_dir}/pipeline_<schedule>_pp{args.pp}.*",
+    )  # fmt: skip
+    save_results(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
+                             "environment": environment()})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

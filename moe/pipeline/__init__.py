@@ -1,0 +1,39 @@
+"""Pipeline parallelism: stages, schedules (1F1B, ZB-H1, DualPipeV) and the per-rank timeline (bubble report)."""
+
+from moe.pipeline.runner import PipelineRunner
+from moe.pipeline.split import StageSplit, check_schedule, split_layers, stages_of_rank
+from moe.pipeline.stages import DeepseekV3Stage, keep_stages
+from moe.pipeline.timeline import (
+    KINDS,
+    BubbleReport,
+    RankBubble,
+    Slot,
+    TimelineRecorder,
+    analytic_bubble,
+    analytic_bubble_fraction,
+    bubble_fraction,
+    gather_timelines,
+    plot_timeline,
+    write_chrome_trace,
+)
+
+__all__ = [
+    "DeepseekV3Stage",
+    "PipelineRunner",
+    "StageSplit",
+    "check_schedule",
+    "keep_stages",
+    "split_layers",
+    "stages_of_rank",
+    "KINDS",
+    "BubbleReport",
+    "RankBubble",
+    "Slot",
+    "TimelineRecorder",
+    "analytic_bubble",
+    "analytic_bubble_fraction",
+    "bubble_fraction",
+    "gather_timelines",
+    "plot_timeline",
+    "write_chrome_trace",
+]

@@ -1,0 +1,218 @@
+"""`PipelineRunner`: one optimizer step's micro-batches through the pipeline, on torch's schedules.
+
+    1f1b       `torch.distributed.pipelining.Schedule1F1B`
+    zbh1       `ScheduleInterleavedZeroBubble` with one stage per rank: torch's ZB1P, i.e. ZB-H1 (the backward split
+               into input-gradient I and weight-gradient W actions, the W deferred into the cool-down bubbles)
+    dualpipev  `ScheduleDualPipeV` (two stages per rank in a V, overlapped forward+backward chunks); the MoE
+               layers' communication overlap inside those chunks is ours (moe/pipeline/overlap.py)
+
+Our code around them: the stage modules (stages.py), the loss share of every micro-batch (its global-batch scale,
+so the schedules' own gradient scaling is off), the loss sums and expert loads brought to every pipeline rank, the
+timeline of every action (timeline.py), and the errors: a rank that fails or a peer that never arrives raises with
+the step, the pipeline rank and its stages named (the p2p waits are bounded by the process group's timeout).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleInterleavedZeroBubble
+
+from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, StageSplit, check_schedule, stages_of_rank
+from moe.pipeline.stages import DeepseekV3Stage, StageLoss, keep_stages
+from moe.pipeline.timeline import (
+    BubbleReport,
+    TimelineRecorder,
+    bubble_fraction,
+    gather_timelines,
+    plot_timeline,
+    write_chrome_trace,
+)
+
+
+class TimedStage(PipelineStage):
+    """torch's `PipelineStage` that records every action it runs (F, B, I, W) on a `TimelineRecorder`."""
+
+    recorder: TimelineRecorder | None = None
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        with self._slot("F", fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        with self._slot("B" if full_backward else "I", bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        with self._slot("W", bwd_chunk_id):
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+
+    def _slot(self, kind: str, microbatch: int):
+        recorder = self.recorder
+        if recorder is None or getattr(recorder, "suspended", False):
+            return _NULL
+        return recorder.slot(kind, self.stage_index, microbatch)
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()
+
+
+def _identity_loss(output: torch.Tensor, target) -> torch.Tensor:
+    """The last stage already returns the micro-batch's loss share `[1]` (see StageLoss): as a 0-d loss."""
+    del target
+    return output.sum()
+
+
+class PipelineRunner:
+    """Runs the micro-batches of one optimizer step through `schedule` (see the module docstring).
+
+    Building it prunes `model` to this rank's stages (`keep_stages`): build it before the optimizer.
+
+    Args:
+        model: a `DeepseekV3ForCausalLM` (every rank of the pipeline group builds the whole model with the same
+            seed, so each keeps the same weights the one-process model has; then the other stages' layers go).
+        parallel: the run's `ParallelState` (its `pp_group` and `pp_rank`).
+        schedule: '1f1b', 'zbh1' or 'dualpipev'.
+        split: decoder layers per stage (`split_layers`), `pp` stages (`2 * pp` for DualPipeV).
+        micro_batches: micro-batches per step on each data-parallel rank.
+        micro_rows, seq_len: the shape `[micro_rows, seq_len]` of a micro-batch of token ids.
+        mtp_loss_weight, num_mtp: as the trainer's.
+        recorder: records every action's slot (the bubble report); None records nothing.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        parallel,
+        *,
+        schedule: str,
+        split: StageSplit,
+        micro_batches: int,
+        micro_rows: int,
+        seq_len: int,
+        mtp_loss_weight: float,
+        num_mtp: int,
+        recorder: TimelineRecorder | None = None,
+        overlap_moe_comm: bool = False,
+    ) -> None:
+        pp, pp_rank = parallel.layout.pp, parallel.pp_rank
+        check_schedule(schedule, pp, micro_batches)
+        num_stages = pp * SCHEDULE_STAGES_PER_RANK[schedule]
+        if split.num_stages != num_stages:
+            raise ValueError(f"the split has {split.num_stages} stages, {schedule} over pp={pp} runs {num_stages}")
+        if model.lm_head is None and schedule != "dualpipev":
+            raise ValueError(
+                f"tie_word_embeddings with {schedule}: the embedding (first stage) and the output head (last stage) "
+                "would sit on different pipeline ranks; untie them or use dualpipev (both on rank 0)"
+            )
+        self.schedule_name = schedule
+        self.parallel = parallel
+        self.pp_group = parallel.pp_group
+        self.micro_batches = micro_batches
+        self.stage_ids = stages_of_rank(schedule, pp, pp_rank)
+        self.num_stages = num_stages
+        self.recorder = recorder
+        keep_stages(model, split, self.stage_ids)
+        self.model = model
+        self.loss = StageLoss(mtp_loss_weight, num_mtp)
+        self.modules = [DeepseekV3Stage(model, s, split, self.loss) for s in self.stage_ids]
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.stages = []
+        for module in self.modules:
+            # Static shapes: torch's runtime inference would run one more forward on the first step.
+            inputs, outputs = self._example_args(module, micro_rows, seq_len, device)
+            stage = TimedStage(module, module.stage, num_stages, device, input_args=inputs, output_args=outputs,
+                               group=self.pp_group)  # fmt: skip
+            stage.recorder = recorder
+            self.stages.append(stage)
+        kw = dict(n_microbatches=micro_batches, loss_fn=_identity_loss, scale_grads=False)
+        if schedule == "1f1b":
+            self.schedule = Schedule1F1B(self.stages[0], **kw)
+        elif schedule == "zbh1":
+            self.schedule = ScheduleInterleavedZeroBubble(self.stages, **kw)
+        else:
+            self.schedule = ScheduleDualPipeV(self.stages, **kw)
+            if overlap_moe_comm:
+                from moe.pipeline.overlap import install_overlapped_forward_backward
+
+                install_overlapped_forward_backward(self.schedule, self)
+
+    def _example_args(self, module: DeepseekV3Stage, rows: int, seq_len: int, device: torch.device):
+        """Example tensors of a stage's inputs and outputs (see stages.py): token ids `[b, S]` into the first stage,
+        `(h [b, S_r, H], emb [b, S, H])` between stages, the loss share `[1]` FP32 out of the last."""
+        model = self.model
+        shards = model.sequence_shards(seq_len)
+        local = seq_len if shards is None else shards.local_size
+        dtype, hidden = model.config_dtype, model.config.hidden_size
+        activations = (  # requires_grad: the metadata says the receiving stage sends their gradients back
+            torch.empty(rows, local, hidden, dtype=dtype, device=device, requires_grad=True),
+            torch.empty(rows, seq_len, hidden, dtype=dtype, device=device, requires_grad=True),
+        )
+        inputs = torch.empty(rows, seq_len, dtype=torch.int64, device=device) if module.is_first else activations
+        outputs = torch.empty(1, dtype=torch.float32, device=device) if module.is_last else activations
+        return inputs, outputs
+
+    @property
+    def holds_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def holds_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def step(self, tokens_BS: torch.Tensor, counts: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, dict]:
+        """Forward and backward of every micro-batch of `tokens_BS` (this data-parallel rank's rows); gradients
+        accumulate in the parameters of this rank's stages.
+
+        Returns `(sums, loads)`: `sums [1 + D] float64` the LM and MTP loss sums over the micro-batches (the same on
+        every rank of the pipeline group), `loads` {id(MoE layer): tokens per expert, float64} for this rank's MoE
+        layers.
+        """
+        self.loss.counts = counts
+        self.loss.sums = []
+        for module in self.modules:
+            module.reset_step()
+        if self.recorder is not None:
+            self.recorder.start_step()
+        args = (tokens_BS,) if self.holds_first else ()
+        target = tokens_BS if self.holds_last else None
+        try:
+            self.schedule.step(*args, target=target, tokens=tokens_BS)
+        except Exception as exc:
+            raise RuntimeError(
+                f"step {step}: pipeline rank {self.parallel.pp_rank} (stages {self.stage_ids} of {self.num_stages}, "
+                f"schedule {self.schedule_name}) failed: {exc}"
+            ) from exc
+        sums = torch.zeros(1 + self.loss.num_mtp, dtype=torch.float64)
+        if self.holds_last:
+            if len(self.loss.sums) != self.micro_batches:
+                raise RuntimeError(f"the last stage ran {len(self.loss.sums)} of {self.micro_batches} micro-batches")
+            sums = torch.stack(self.loss.sums).sum(0)
+        if self.pp_group is not None:
+            dist.all_reduce(sums, group=self.pp_group)  # only the last stage's rank contributes
+        loads = {id(layer): load for m in self.modules for layer, load in zip(m.moe_layers, m.loads)}
+        return sums, loads
+
+    def write_timeline(self, trace_path, png_path=None) -> BubbleReport:
+        """The last step's timeline of every pipeline rank (collective over the pipeline group): a Chrome trace
+        (Perfetto) and a PNG written by pipeline rank 0, the measured bubble returned on every rank."""
+        if self.recorder is None or not self.recorder.enabled:
+            raise RuntimeError("no timeline was recorded: build the runner with an enabled TimelineRecorder")
+        timelines = gather_timelines(self.recorder, self.pp_group)
+        report = bubble_fraction(timelines)
+        if self.parallel.pp_rank == 0:
+            meta = {"schedule": self.schedule_name, "pp": self.parallel.layout.pp, "micro_batches": self.micro_batches}
+            write_chrome_trace(trace_path, timelines, metadata=meta)
+            if png_path is not None:
+                title = f"{self.schedule_name}, pp {self.parallel.layout.pp}, {self.micro_batches} micro-batches"
+                plot_timeline(png_path, timelines, title)
+        return report

@@ -1,0 +1,62 @@
+"""The pipeline split (decoder layers per stage, placeholders, Megatron's first/last counts), the stages each rank
+holds, and the micro-batch rules of the schedules (moe/pipeline/split.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe.pipeline.split import check_schedule, split_layers, stages_of_rank
+
+
+def test_even_split_and_placeholders():
+    assert split_layers(4, 2).slots == ((0, 1), (2, 3))
+    # DeepSeek-V3: 61 layers over DualPipe's 16 stages pad to 64; the 3 placeholders end the last stage.
+    dsv3 = split_layers(61, 16)
+    assert [len(s) for s in dsv3.slots] == [4] * 16
+    assert dsv3.slots[-1] == (60, None, None, None) and dsv3.num_placeholders(15) == 3
+    assert [i for s in range(16) for i in dsv3.layers(s)] == list(range(61))
+    tiny_v = split_layers(4, 8)  # tiny under DualPipeV at PP4: stages 4-7 are placeholders only
+    assert tiny_v.layers(3) == [3] and tiny_v.layers(7) == [] and tiny_v.num_placeholders(7) == 1
+    assert "stage 7: no layer + 1 placeholder" in tiny_v.describe()
+
+
+def test_first_and_last_stage_counts():
+    assert split_layers(4, 4, first_stage_layers=2, last_stage_layers=0).slots == ((0, 1), (2,), (3,), ())
+    assert split_layers(5, 4, first_stage_layers=2).slots == ((0, 1), (2,), (3,), (4,))
+    assert split_layers(61, 8, first_stage_layers=5, last_stage_layers=2).layers(7) == [59, 60]
+    assert [len(s) for s in split_layers(61, 8, first_stage_layers=5, last_stage_layers=2).slots] == [5] + [9] * 6 + [2]
+    with pytest.raises(ValueError, match="leave 3 of the 4 decoder layers for 2 other stage"):
+        split_layers(4, 3, first_stage_layers=1)
+    with pytest.raises(ValueError, match="leave -1"):
+        split_layers(4, 2, first_stage_layers=5)
+    with pytest.raises(ValueError, match="more than one pipeline stage"):
+        split_layers(4, 1, last_stage_layers=1)
+    with pytest.raises(ValueError, match="must be an int >= 0"):
+        split_layers(4, 2, first_stage_layers=-1)
+
+
+def test_stages_of_rank():
+    assert [stages_of_rank("1f1b", 4, r) for r in range(4)] == [[0], [1], [2], [3]]
+    assert [stages_of_rank("dualpipev", 4, r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    with pytest.raises(ValueError, match="pipeline schedule must be one of"):
+        stages_of_rank("gpipe", 2, 0)
+
+
+@pytest.mark.parametrize(
+    "schedule, pp, micro_batches, message",
+    [
+        ("dualpipev", 2, 3, "DualPipeV needs at least 2 \\* pp = 4 micro-batches"),
+        ("zbh1", 4, 6, "rounds of pp=4: micro_batches=6"),
+        ("1f1b", 2, 0, "micro_batches must be >= 1"),
+        ("1f1b", 4, 2, "1F1B needs at least pp = 4 micro-batches"),
+        ("interleaved", 2, 4, "pipeline schedule must be one of"),
+    ],
+)
+def test_schedule_rules(schedule, pp, micro_batches, message):
+    with pytest.raises(ValueError, match=message):
+        check_schedule(schedule, pp, micro_batches)
+
+
+def test_schedule_counts_that_run():
+    for schedule, pp, m in [("1f1b", 4, 4), ("zbh1", 4, 8), ("zbh1", 4, 3), ("dualpipev", 2, 4), ("dualpipev", 4, 9)]:
+        check_schedule(schedule, pp, m)
