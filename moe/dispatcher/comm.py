@@ -74,8 +74,10 @@ class _FinishAllToAll(torch.autograd.Function):
         p = ctx.pending
         grad_send, work = _all_to_all_raw(grad_recv, p.input_splits, p.output_splits, p.group, async_op=True)
         # The experts' delayed weight-gradient GEMMs (after the dispatch: see moe/wgrad.py) run while it travels.
-        wgrad.run_deferred()
-        work.wait()
+        try:
+            wgrad.run_deferred()
+        finally:
+            work.wait()  # never leave the all-to-all in flight
         return grad_send, None, None
 
 

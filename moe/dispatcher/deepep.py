@@ -153,8 +153,10 @@ class _DispatchGrad(torch.autograd.Function):
         grad_x, grad_weights, event = ctx.buffer.combine(
             grad_recv_x.contiguous(), ctx.comm_handle, topk_weights=weights, async_finish=True
         )
-        wgrad.run_deferred()
-        event.current_stream_wait()
+        try:
+            wgrad.run_deferred()
+        finally:
+            event.current_stream_wait()  # never leave the combine in flight
         return grad_x, grad_weights, None, None, None, None, None
 
 
