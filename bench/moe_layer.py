@@ -22,6 +22,38 @@ Run (about 2 minutes on a 2-core machine):
     .venv/bin/python bench/moe_layer.py                    # EP 1, 2, 4; table + bench/results/moe_layer.json
     .venv/bin/python bench/moe_layer.py --ep 2 --tokens 512 --iters 3
 
+Communication overlap (`--overlap`; EP 2 and 4 by default; bench/results/moe_layer_overlap.json): how much of the
+'flex' layer's communication time the compute placed beside it hides, forward and backward, with a shared expert
+of `--shared-ffn`. A layer call has four communication phases, each from the call that starts it to the return of
+the wait that ends it (the "window"):
+
+    fwd dispatch      `dispatch_begin` -> the wait in `dispatch_end`; beside it: the shared expert's forward
+                      (`moe_shared_expert_overlap`)
+    fwd combine       `combine_begin` -> the wait in `combine_end`; nothing beside it
+    bwd of combine    the combine's backward, a dispatch of the output gradients (synchronous); nothing beside it
+    bwd of dispatch   the dispatch's backward, an asynchronous combine of the input gradients -> its wait; beside it:
+                      the experts' delayed weight-gradient GEMMs (`overlap_dispatch_backward_with_experts_wgrad`)
+
+Three layers with the same weights alternate iteration by iteration (barrier before each, as above):
+- off: both options off: nothing runs in any window;
+- serial: both options on, but the benchmark waits for each communication as soon as it has started (wrapping the
+  start calls), so the compute meant to overlap it runs after it: per phase, the communication alone `C` (the
+  window) and the compute alone `W` (the shared expert's forward timed by module hooks, the delayed GEMMs by
+  wrapping `moe.wgrad.run_deferred`);
+- on: both options on: the window `T` holds the communication and the compute `W_in` (timed the same way).
+Per phase, the communication still exposed on this rank's critical path is `T - W_in` (window time spent outside the
+compute: starting the communication, then waiting after the compute ended), and hidden = clip(C - (T - W_in), 0, C)
+where compute ran inside the window (W_in > 0), else 0 (all of 'off', and the two phases with nothing beside them).
+Overlapped fraction of communication time = sum of hidden / sum of C over the four phases, from each rank's medians
+(the table: means over ranks). A window includes waiting for slower peers (load imbalance), which counts as
+communication too: compute beside it hides that wait as well. The same run gives each mode's forward+backward time
+and checks that every mode's outputs and gradients are bitwise those of 'off'. On a CPU the comm thread shares the
+cores with the compute (EP 2 on 2 cores: two compute threads and two comm threads), so the compute beside a
+communication may run slower (compare W_in with W): the fraction says how much communication left the critical path,
+the fwd+bwd times what that was worth.
+
+    .venv/bin/python bench/moe_layer.py --overlap --ep 2,4 --tokens 1024 --iters 5
+
 Legend: T tokens per rank, H hidden, F expert FFN hidden, E experts, K top-k, R ranks (EP size).
 """
 
@@ -29,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +74,7 @@ from _common import (
     config_from_args,
     environment,
     make_parser,
+    median,
     num_cores,
     parse_int_list,
     print_table,
@@ -52,6 +86,7 @@ from _common import (
     train_step,
 )
 
+import moe.wgrad
 from moe import MoEConfig, MoELayer
 
 DISPATCHERS = ("alltoall", "flex")
@@ -71,6 +106,7 @@ class BenchConfig:
     iters: int = 5
     warmup: int = 1
     seed: int = 0
+    shared_ffn: int = 1024  # --overlap: the shared expert's FFN hidden size
 
     def variants(self) -> list[tuple[str, str]]:
         """(dispatcher, experts) pairs: each dispatcher with the first expert implementation, then the last
@@ -191,6 +227,294 @@ def worst_parity(rows: list[dict[str, Any]]) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Communication overlap (--overlap)
+
+OVERLAP_MODES = ("off", "serial", "on")
+PHASES = ("fwd dispatch", "fwd combine", "bwd of combine", "bwd of dispatch")
+
+
+class PhaseClock:
+    """Times the communication windows and the compute beside them of the layer running now (see the docstring).
+
+    `start(mode)` before a layer call, `take()` after it: per phase, summed over the call, the window, the compute
+    meant to overlap it wherever it ran ("compute") and the part of it that ran inside the open window
+    ("compute_in"). `serial` makes every asynchronous start wait at once. `in_backward` tells the buffer's dispatch
+    and combine calls of the backward from those of the forward."""
+
+    def __init__(self) -> None:
+        self.serial = False
+        self.in_backward = False
+        self.open: set[str] = set()
+        self.sums: dict[str, dict[str, float]] = {}
+
+    def start(self, serial: bool) -> None:
+        self.serial, self.in_backward, self.open = serial, False, set()
+        self.sums = {kind: dict.fromkeys(PHASES, 0.0) for kind in ("window", "compute", "compute_in")}
+
+    def take(self) -> dict[str, dict[str, float]]:
+        return self.sums
+
+    def add_compute(self, phase: str, seconds: float) -> None:
+        self.sums["compute"][phase] += seconds
+        if phase in self.open:
+            self.sums["compute_in"][phase] += seconds
+
+    def timed_async(self, phase: str, start: float, event) -> None:
+        """The window of `phase` started at `start` and ends when `event`'s wait returns (at once if serial)."""
+        wait = event.current_stream_wait
+        self.open.add(phase)
+
+        def timed_wait(*args, **kwargs):
+            result = wait(*args, **kwargs)
+            self.sums["window"][phase] += time.perf_counter() - start
+            self.open.discard(phase)
+            event.current_stream_wait = wait  # once
+            return result
+
+        event.current_stream_wait = timed_wait
+        if self.serial:
+            event.current_stream_wait()
+
+    def instrument(self, layer: MoELayer) -> None:
+        """Wraps (on the instances) the layer's dispatcher calls and its shared expert."""
+        disp = layer.dispatcher
+        for name, phase in (("dispatch_begin", "fwd dispatch"), ("combine_begin", "fwd combine")):
+            begin = getattr(disp, name)
+
+            def timed_begin(*args, _begin=begin, _phase=phase):
+                start = time.perf_counter()
+                pending = _begin(*args)
+                self.timed_async(_phase, start, pending.event)
+                return pending
+
+            setattr(disp, name, timed_begin)
+        shared_start = []
+        layer.shared_experts.register_forward_pre_hook(lambda *_: shared_start.append(time.perf_counter()))
+
+        def shared_done(*_):
+            self.add_compute("fwd dispatch", time.perf_counter() - shared_start.pop())
+
+        layer.shared_experts.register_forward_hook(shared_done)
+
+    def instrument_buffer(self, buffer) -> None:
+        """Wraps the buffer's dispatch and combine (the backward's two communications; the layers share the buffer)."""
+        dispatch, combine = buffer.dispatch, buffer.combine
+
+        def timed_dispatch(*args, **kwargs):
+            start = time.perf_counter()
+            out = dispatch(*args, **kwargs)
+            if self.in_backward:  # the combine's backward: synchronous
+                self.sums["window"]["bwd of combine"] += time.perf_counter() - start
+            return out
+
+        def timed_combine(*args, **kwargs):
+            start = time.perf_counter()
+            out = combine(*args, **kwargs)
+            if self.in_backward and kwargs.get("async_finish"):  # the dispatch's backward
+                self.timed_async("bwd of dispatch", start, out[-1])
+            return out
+
+        buffer.dispatch, buffer.combine = timed_dispatch, timed_combine
+
+    def instrument_wgrad(self) -> None:
+        """Times the delayed weight-gradient GEMMs where the dispatch's backward runs them."""
+        run_deferred = moe.wgrad.run_deferred
+
+        def timed_run_deferred():
+            start = time.perf_counter()
+            count = run_deferred()
+            if count:
+                self.add_compute("bwd of dispatch", time.perf_counter() - start)
+            return count
+
+        moe.wgrad.run_deferred = timed_run_deferred
+
+
+def overlap_layer(cfg: BenchConfig, mode: str, group: dist.ProcessGroup) -> MoELayer:
+    on = mode != "off"
+    config = MoEConfig(
+        hidden_size=cfg.hidden,
+        num_moe_experts=cfg.experts,
+        moe_ffn_hidden_size=cfg.ffn,
+        moe_router_topk=cfg.topk,
+        moe_router_load_balancing_type="none",
+        moe_token_dispatcher_type="flex",
+        moe_shared_expert_intermediate_size=cfg.shared_ffn,
+        moe_shared_expert_overlap=on,
+        overlap_dispatch_backward_with_experts_wgrad=on,
+    )
+    torch.manual_seed(cfg.seed)
+    return MoELayer(config, ep_group=group)
+
+
+def bench_overlap_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, cfg: BenchConfig) -> dict[str, Any]:
+    """Each mode's phase windows and compute per iteration (interleaved), its fwd+bwd time, and parity."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank + 1)
+    x_TH = torch.randn(cfg.tokens, cfg.hidden, generator=gen)
+    grad_TH = torch.randn(cfg.tokens, cfg.hidden, generator=gen)
+    layers = {mode: overlap_layer(cfg, mode, group) for mode in OVERLAP_MODES}
+    clock = PhaseClock()
+    train_step(layers["off"], x_TH, grad_TH)  # creates the group's buffer
+    clock.instrument_buffer(layers["off"].dispatcher.buffer)
+    clock.instrument_wgrad()
+    for layer in layers.values():
+        clock.instrument(layer)
+
+    samples: dict[str, list] = {mode: [] for mode in OVERLAP_MODES}
+    results = {}
+
+    def step(mode: str):
+        layer = layers[mode]
+        for param in layer.parameters():
+            param.grad = None
+        clock.start(serial=mode == "serial")
+        x_in = x_TH.detach().requires_grad_()
+        out_TH = layer(x_in)
+        clock.in_backward = True
+        out_TH.backward(grad_TH)
+        clock.in_backward = False
+        samples[mode].append(clock.take())
+        results[mode] = [out_TH.detach(), x_in.grad] + [p.grad for p in layer.parameters()]
+
+    timing = time_variants({mode: (lambda m=mode: step(m)) for mode in OVERLAP_MODES}, cfg.iters, cfg.warmup, group)
+    bitwise = {
+        mode: all(torch.equal(a, b) for a, b in zip(results[mode], results["off"], strict=True))
+        for mode in OVERLAP_MODES
+    }
+    keep = slice(len(samples["off"]) - cfg.iters, None)  # time_variants' warm-up iterations are not kept
+    phases = {
+        mode: {
+            kind: {phase: median([s[kind][phase] for s in samples[mode][keep]]) for phase in PHASES}
+            for kind in ("window", "compute", "compute_in")
+        }
+        for mode in OVERLAP_MODES
+    }
+    return {"seconds": timing["seconds"], "phases": phases, "bitwise_vs_off": bitwise}
+
+
+def overlap_fractions(rank_result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """One rank's per-phase numbers for modes 'off' and 'on' (seconds): C (communication alone, the 'serial' window),
+    W (the compute meant to overlap it, alone, 'serial'), W_in (compute timed inside this mode's window), T (the
+    window), exposed = T - W_in, hidden = clip(C - exposed, 0, C) where W_in > 0 (else nothing can hide anything:
+    0); and the overlapped fraction sum(hidden) / sum(C)."""
+    serial = rank_result["phases"]["serial"]
+    out = {}
+    for mode in ("off", "on"):
+        measured = rank_result["phases"][mode]
+        per_phase = {}
+        for phase in PHASES:
+            comm_s, window_s = serial["window"][phase], measured["window"][phase]
+            inside_s = measured["compute_in"][phase]
+            exposed = max(window_s - inside_s, 0.0)
+            per_phase[phase] = {
+                "comm": comm_s,
+                "compute": serial["compute"][phase],
+                "compute_in_window": inside_s,
+                "window": window_s,
+                "exposed": exposed,
+                "hidden": min(max(comm_s - exposed, 0.0), comm_s) if inside_s > 0 else 0.0,
+            }
+        total_comm = sum(p["comm"] for p in per_phase.values())
+        total_hidden = sum(p["hidden"] for p in per_phase.values())
+        out[mode] = {
+            "phases": per_phase,
+            "comm": total_comm,
+            "hidden": total_hidden,
+            "fraction": total_hidden / total_comm if total_comm > 0 else 0.0,
+            "fwd_bwd": rank_result["seconds"][mode],
+        }
+    return out
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values)
+
+
+PHASE_KEYS = ("comm", "compute", "compute_in_window", "window", "exposed", "hidden")
+
+
+def summarize_overlap(num_ranks: int, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows (EP, mode): the ranks' mean of each phase's numbers (ms), the overlapped fraction, fwd+bwd time."""
+    fractions = [overlap_fractions(r) for r in per_rank]
+    rows = []
+    for mode in ("off", "on"):
+        row: dict[str, Any] = {"ep": num_ranks, "mode": mode, "phases_ms": {}}
+        for phase in PHASES:
+            row["phases_ms"][phase] = {
+                key: _mean([f[mode]["phases"][phase][key] for f in fractions]) * 1e3 for key in PHASE_KEYS
+            }
+        row["comm_ms"] = _mean([f[mode]["comm"] for f in fractions]) * 1e3
+        row["hidden_ms"] = _mean([f[mode]["hidden"] for f in fractions]) * 1e3
+        row["fraction"] = row["hidden_ms"] / row["comm_ms"] if row["comm_ms"] > 0 else 0.0
+        row["fraction_per_rank"] = [f[mode]["fraction"] for f in fractions]
+        row["fwd_bwd_ms"] = _mean([f[mode]["fwd_bwd"] for f in fractions]) * 1e3
+        row["serial_fwd_bwd_ms"] = _mean([r["seconds"]["serial"] for r in per_rank]) * 1e3
+        row["bitwise_vs_off"] = all(r["bitwise_vs_off"][mode] for r in per_rank)
+        rows.append(row)
+    return rows
+
+
+OVERLAP_HEADERS = ("EP", "mode", "phase", "C ms", "W ms", "W_in ms", "T ms", "exposed ms", "hidden ms", "hidden")
+
+
+def overlap_table_rows(row: dict[str, Any]) -> list[list[str]]:
+    lines = []
+    for phase in PHASES:
+        v = row["phases_ms"][phase]
+        percent = f"{100 * v['hidden'] / v['comm']:.0f}%" if v["comm"] > 0 else "-"
+        lines.append(
+            [str(row["ep"]), row["mode"], phase]
+            + [f"{v[key]:.1f}" for key in ("comm", "compute", "compute_in_window", "window", "exposed", "hidden")]
+            + [percent]
+        )
+    fraction = f"{100 * row['fraction']:.0f}%"
+    lines.append([str(row["ep"]), row["mode"], "all 4", f"{row['comm_ms']:.1f}", "", "", "", "", "", fraction])
+    return lines
+
+
+def run_overlap(cfg: BenchConfig, ep_sizes: list[int], args: argparse.Namespace) -> None:
+    rows, wall = [], {}
+    for num_ranks in ep_sizes:
+        start = time.perf_counter()
+        per_rank = run_ranks(bench_overlap_rank, num_ranks, (cfg,), timeout_s=args.timeout)
+        wall[num_ranks] = time.perf_counter() - start
+        rows.extend(summarize_overlap(num_ranks, per_rank))
+    threads = {n: threads_per_rank(n) for n in ep_sizes}
+    print(
+        f"'flex' layer, T={cfg.tokens} per rank, H={cfg.hidden}, F={cfg.ffn}, E={cfg.experts}, K={cfg.topk}, shared "
+        f"expert F={cfg.shared_ffn}, float32; {num_cores()} cores, threads per rank {threads}; medians of "
+        f"{cfg.iters} iterations after {cfg.warmup} warm-up(s), mean over ranks"
+    )
+    print_table(
+        OVERLAP_HEADERS,
+        [line for row in rows for line in overlap_table_rows(row)],
+        "C: the phase's communication alone ('serial' run); W: the compute placed beside it, alone ('serial'); W_in: "
+        "that compute inside this mode's window T; exposed = T - W_in; hidden = clip(C - exposed, 0, C); 'all 4': "
+        "sum of hidden / sum of C. Where no compute ran inside the window (W_in = 0) nothing is hidden.",
+    )
+    print(
+        "fwd+bwd ms: "
+        + ", ".join(f"EP {r['ep']} {r['mode']} {r['fwd_bwd_ms']:.1f}" for r in rows)
+        + " (serial "
+        + ", ".join(f"EP {r['ep']} {r['serial_fwd_bwd_ms']:.1f}" for r in rows if r["mode"] == "on")
+        + "); gradients bitwise equal to 'off': "
+        + ", ".join(f"EP {r['ep']} {r['mode']} {r['bitwise_vs_off']}" for r in rows)
+    )
+    save_results(
+        args.json if args.json != RESULTS_DIR / "moe_layer.json" else RESULTS_DIR / "moe_layer_overlap.json",
+        {
+            "config": asdict(cfg),
+            "threads_per_rank": threads,
+            "wall_seconds_per_ep": wall,
+            "environment": environment(),
+            "rows": rows,
+        },
+    )
+    if not all(row["bitwise_vs_off"] for row in rows):
+        raise SystemExit("the overlapped layer's outputs or gradients differ from the layer without overlap")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Entry point
 
 
@@ -204,7 +528,10 @@ def _choices(text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
 def parse_args() -> argparse.Namespace:
     defaults = BenchConfig()
     parser = make_parser(__doc__)
-    parser.add_argument("--ep", default="1,2,4", help="comma-separated expert-parallel sizes (default: 1,2,4)")
+    parser.add_argument(
+        "--ep", default=None, help="comma-separated expert-parallel sizes (default: 1,2,4; with --overlap 2,4)"
+    )
+    parser.add_argument("--overlap", action="store_true", help="measure the communication overlap (see above)")
     helps = {
         "tokens": "tokens per rank",
         "ffn": "expert FFN hidden size",
@@ -227,15 +554,21 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--grid", action="store_true", help="every (dispatcher, experts) pair")
     add_config_arguments(parser, defaults, ("iters", "warmup", "seed"), helps)
+    add_config_arguments(parser, defaults, ("shared_ffn",), {"shared_ffn": "--overlap: shared expert FFN hidden"})
     parser.add_argument("--timeout", type=float, default=400, help="seconds allowed per EP size")
-    parser.add_argument("--json", type=Path, default=RESULTS_DIR / "moe_layer.json")
+    parser.add_argument(
+        "--json", type=Path, default=RESULTS_DIR / "moe_layer.json", help="(--overlap: moe_layer_overlap.json)"
+    )
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     cfg = config_from_args(BenchConfig, args)
-    ep_sizes = parse_int_list(args.ep)
+    ep_sizes = parse_int_list(args.ep or ("2,4" if args.overlap else "1,2,4"))
+    if args.overlap:
+        run_overlap(cfg, ep_sizes, args)
+        return
     rows, wall = [], {}
     for num_ranks in ep_sizes:
         start = time.perf_counter()

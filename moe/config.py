@@ -66,6 +66,9 @@ class MoEConfig:
     moe_padded_batch_gemm_alignment: int = 16  # (ours) the padded length is a multiple of this
     moe_shared_expert_intermediate_size: int | None = None
     moe_shared_expert_overlap: bool = False
+    overlap_dispatch_backward_with_experts_wgrad: bool = True  # the experts' weight-gradient GEMMs run while the
+    # dispatch's backward all-to-all is in flight (moe/wgrad.py). Megatron's name (off there by default); on here:
+    # gradients are bitwise those without it
     moe_flex_ll_num_max_dispatch_tokens_per_rank: int = 128  # (ours) 'flex_ll': the most tokens a rank may send
     moe_flex_ll_use_fp8: bool = False  # (ours) 'flex_ll': FP8 dispatch payloads (hidden_size a multiple of 128)
     moe_flex_use_fp8: bool = False  # (ours) 'flex': dispatch E4M3 tokens with 1x128 scales, combine in high

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe import wgrad
 from moe.capacity import align_up, pad_rows, plan_padding, unpad_rows
 from moe.recompute import DropSaved, checkpointed
 
@@ -96,10 +97,14 @@ def grouped_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int]) -
     """`[N, K]` rows sorted by group times per-group `w [L, K, M]` -> `[N, M]`.
 
     Uses `torch._grouped_mm` when available for the dtype/device and strides, otherwise loops over groups. Every
-    group's weight takes part in the graph (an empty group gets a zero gradient).
+    group's weight takes part in the graph (an empty group gets a zero gradient). Inside `moe.wgrad.deferring`
+    the weight gradient of a weight the store holds is queued there (`_DelayedWgradGemm`).
     """
     if x_NK.size(0) > 0 and _grouped_mm_fits(x_NK, w_LKM):
         offs = torch.tensor(counts, device=x_NK.device).cumsum(0).to(torch.int32)
+        slot = wgrad.slot_for(w_LKM)
+        if slot is not None:
+            return _DelayedWgradGemm.apply(x_NK.contiguous(), w_LKM, "grouped", offs, slot)
         y_NM = torch._grouped_mm(x_NK.contiguous(), w_LKM, offs=offs)
         return _ContiguousGrad.apply(y_NM)
     return loop_linear(x_NK, w_LKM, counts)
@@ -107,8 +112,76 @@ def grouped_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int]) -
 
 def loop_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Reference grouped linear: one `matmul` per group (empty groups included, so each weight gets a grad)."""
+    slot = wgrad.slot_for(w_LKM)
+    if slot is not None:
+        return _DelayedWgradGemm.apply(x_NK, w_LKM, "loop", list(counts), slot)
     outs = [x_e @ w_LKM[e] for e, x_e in enumerate(x_NK.split(counts))]
     return torch.cat(outs) if outs else x_NK.new_zeros(0, w_LKM.size(2))
+
+
+def batched_linear(x_LPK: torch.Tensor, w_LKM: torch.Tensor) -> torch.Tensor:
+    """`torch.bmm(x [L, P, K], w [L, K, M])`, the weight gradient queued inside `moe.wgrad.deferring`."""
+    slot = wgrad.slot_for(w_LKM)
+    if slot is not None:
+        return _DelayedWgradGemm.apply(x_LPK, w_LKM, "bmm", None, slot)
+    return torch.bmm(x_LPK, w_LKM)
+
+
+# The three GEMMs of each expert-GEMM kind as autograd computes them (`_grouped_mm`'s, `mm`'s and `bmm`'s backward
+# formulas), so that a delayed weight gradient is bitwise the undelayed one (test_delayed_wgrad_gemms_match_autograd):
+# forward(x, w, aux), dgrad(g, w, aux) = dL/dx, wgrad(x, g, aux) = dL/dw. `aux`: the int32 group ends ('grouped'),
+# the row counts ('loop'), nothing ('bmm').
+def _loop_forward(x_NK, w_LKM, counts):
+    outs = [x_e.mm(w_LKM[e]) for e, x_e in enumerate(x_NK.split(counts))]
+    return torch.cat(outs) if outs else x_NK.new_zeros(0, w_LKM.size(2))
+
+
+def _loop_dgrad(g_NM, w_LKM, counts):
+    parts = [g_e.mm(w_LKM[e].t()) for e, g_e in enumerate(g_NM.split(counts))]
+    return torch.cat(parts) if parts else g_NM.new_zeros(0, w_LKM.size(1))
+
+
+def _loop_wgrad(x_NK, g_NM, counts):
+    return torch.stack([x_e.t().mm(g_e) for x_e, g_e in zip(x_NK.split(counts), g_NM.split(counts))])
+
+
+_EXPERT_GEMMS = {
+    "grouped": (
+        lambda x, w, offs: torch._grouped_mm(x, w, offs=offs),
+        lambda g, w, offs: torch._grouped_mm(g, w.transpose(-2, -1), offs=offs),
+        lambda x, g, offs: torch._grouped_mm(x.t(), g, offs=offs),
+    ),
+    "loop": (_loop_forward, _loop_dgrad, _loop_wgrad),
+    "bmm": (
+        lambda x, w, _: torch.bmm(x, w),
+        lambda g, w, _: g.bmm(w.transpose(1, 2)),
+        lambda x, g, _: x.transpose(1, 2).bmm(g),
+    ),
+}
+
+
+class _DelayedWgradGemm(torch.autograd.Function):
+    """An expert GEMM whose backward computes the input gradient and queues the weight gradient in a
+    `moe.wgrad.WeightGradStore` slot (see `_EXPERT_GEMMS` for the kinds)."""
+
+    @staticmethod
+    def forward(ctx, x, w, kind: str, aux, slot: wgrad.WgradSlot) -> torch.Tensor:
+        ctx.kind, ctx.aux, ctx.slot = kind, aux, slot
+        ctx.save_for_backward(x, w)
+        return _EXPERT_GEMMS[kind][0](x, w, aux)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        _, dgrad, wgrad_fn = _EXPERT_GEMMS[ctx.kind]
+        g = g.contiguous()
+        grad_x = dgrad(g, w, ctx.aux) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            aux = ctx.aux
+            grad_w = wgrad.wgrad_or_defer(ctx.slot, lambda: wgrad_fn(x, g, aux))
+        ctx.slot = None
+        return grad_x, grad_w, None, None, None
 
 
 # CPU BF16/FP16 GEMMs go through oneDNN, which builds (JIT-compiles) a kernel per operand shape and caches it. Expert
@@ -282,7 +355,8 @@ class SwiGLUExperts(nn.Module):
         plan = plan_padding(counts, self.padded_length(counts), device=x_NH.device)
         self.last_num_dropped = plan.num_dropped
         x_LPH = pad_rows(x_NH, plan).view(self.num_local_experts, plan.length, -1)
-        y_LPH = swiglu_mlp(x_LPH, lambda x: torch.bmm(x, self.w13), lambda a: torch.bmm(a, self.w2), recompute)
+        fc1, fc2 = (lambda x: batched_linear(x, self.w13)), (lambda a: batched_linear(a, self.w2))
+        y_LPH = swiglu_mlp(x_LPH, fc1, fc2, recompute)
         return unpad_rows(y_LPH.flatten(0, 1), plan)
 
 

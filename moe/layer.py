@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe import balancing
+from moe import balancing, wgrad
 from moe.balancing import AuxLossScale, GlobalAuxLossTracker, MoEMetrics, attach_aux_loss
 from moe.capacity import apply_capacity, expert_capacity, pad_rows, plan_padding, unpad_rows
 from moe.config import MoEConfig
@@ -154,17 +154,21 @@ class MoELayer(nn.Module):
             if self.replicas.active:
                 hot_TK = self.replicas.hot_slots(topk_idx_TK)
         dispatch_idx_TK = topk_idx_TK if hot_TK is None else topk_idx_TK.masked_fill(hot_TK, -1)
-        pending = self.dispatcher.dispatch_begin(x_TH, probs_TK, dispatch_idx_TK)
+        wgrad_store = self._wgrad_store()
+        x_dispatch_TH = x_TH if wgrad_store is None else wgrad_store.anchor(x_TH)
+        pending = self.dispatcher.dispatch_begin(x_dispatch_TH, probs_TK, dispatch_idx_TK)
         shared_TH = None
         if self.shared_experts is not None and cfg.moe_shared_expert_overlap and self.dispatcher.supports_async:
             shared_TH = self._shared(x_TH)
         dispatched = self.dispatcher.dispatch_end(pending)
 
-        # Step 3: local experts (recomputing their activations in backward if the level or the row count says so),
-        # then combine (weights applied in float32); the hot slots run on the copies while the combine is in flight.
+        # Step 3: local experts (recomputing their activations in backward if the level or the row count says so;
+        # their weight gradients queued in the store, to run during the dispatch's backward), then combine (weights
+        # applied in float32); the hot slots run on the copies while the combine is in flight.
         num_replicated = 0 if hot_TK is None else int(hot_TK.sum())
         expert_recompute = self._expert_recompute(sum(dispatched.tokens_per_expert) + num_replicated)
-        expert_out_NH = self._run_experts(dispatched, capacity, num_tokens, expert_recompute)
+        with wgrad.deferring(wgrad_store):
+            expert_out_NH = self._run_experts(dispatched, capacity, num_tokens, expert_recompute)
         num_dropped += self.experts.last_num_dropped
         combining = self.dispatcher.combine_begin(expert_out_NH, dispatched.handle)
         hot_out_TH = None
@@ -190,6 +194,17 @@ class MoELayer(nn.Module):
             expert_recompute=expert_recompute,
         )
         return out_TH.view(hidden.shape)
+
+    def _wgrad_store(self) -> wgrad.WeightGradStore | None:
+        """A fresh store for this call's delayed expert weight gradients (config
+        `overlap_dispatch_backward_with_experts_wgrad`), or None (off, no autograd recording, frozen experts). One per
+        call: micro-batches in flight never share one."""
+        params = (self.experts.w13, self.experts.w2)
+        if not (self.config.overlap_dispatch_backward_with_experts_wgrad and torch.is_grad_enabled()):
+            return None
+        if not any(p.requires_grad for p in params):
+            return None
+        return wgrad.WeightGradStore(params)
 
     def _expert_recompute(self, num_rows: int) -> str | None:
         """What the experts rebuild in backward: 'fc1' at level 'medium' or when this rank computes more than

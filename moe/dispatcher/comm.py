@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe import wgrad
+
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -70,7 +72,12 @@ class _FinishAllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_recv: torch.Tensor):
         p = ctx.pending
-        grad_send, _ = _all_to_all_raw(grad_recv, p.input_splits, p.output_splits, p.group, async_op=False)
+        grad_send, work = _all_to_all_raw(grad_recv, p.input_splits, p.output_splits, p.group, async_op=True)
+        # The experts' delayed weight-gradient GEMMs (after the dispatch: see moe/wgrad.py) run while it travels.
+        try:
+            wgrad.run_deferred()
+        finally:
+            work.wait()  # never leave the all-to-all in flight
         return grad_send, None, None
 
 

@@ -13,13 +13,17 @@ Compared with 'alltoall', a token with several experts on one rank crosses the w
 slot, in both directions; the weighting moves to the expert's rank. Row order within an expert is the same (source
 rank, then token order), so the two dispatchers feed the experts identical inputs.
 
-Asynchrony, in training and inference alike: `dispatch_begin` calls the differentiable
-`deep_ep.dispatch(..., async_finish=True)`, which returns once the receive counts are known (the CPU sync upstream
-has too) while the rows move on the buffer's comm thread; `dispatch_end` waits on its `EventOverlap`. So with
-`moe_shared_expert_overlap=True` the shared expert computes while the rows are in flight, whether or not autograd
-records the dispatch (under autograd its backward is a combine of the gradients, as without overlap). Likewise
-`combine_begin` calls `deep_ep.combine(..., async_finish=True)` and `combine_end` waits. Results do not depend on the
-overlap: nothing reads the received rows (or the combined sums) before the wait.
+Asynchrony, in training and inference alike: `dispatch_begin` calls `deep_ep.dispatch(..., async_finish=True)`,
+which returns once the receive counts are known (the CPU sync upstream has too) while the rows move on the buffer's
+comm thread; `dispatch_end` waits on its `EventOverlap`. So with `moe_shared_expert_overlap=True` the shared expert
+computes while the rows are in flight, whether or not autograd records the dispatch. Likewise `combine_begin` calls
+`deep_ep.combine(..., async_finish=True)` and `combine_end` waits. Results do not depend on the overlap: nothing
+reads the received rows (or the combined sums) before the wait.
+
+Backward: the dispatch's backward is a combine of the gradients (DeepEP's rule), started asynchronously; while it
+is in flight the experts' delayed weight-gradient GEMMs run (`moe.wgrad.run_deferred`; MoEConfig
+`overlap_dispatch_backward_with_experts_wgrad`), then it waits. The combine's backward (a dispatch of the output
+gradients, mtdeepep's op) stays synchronous.
 
 FP8 dispatch (`use_fp8`, config `moe_flex_use_fp8`; DeepSeek-V3's recipe): `dispatch_begin` casts the tokens to E4M3
 with one float32 scale per token per 128 channels (`mtdeepep.utils.fp8.per_token_cast_to_fp8`) and sends the pair,
@@ -45,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 import mtdeepep as deep_ep
+from moe import wgrad
 from moe.dispatcher.base import DispatchResult, TokenDispatcher, sort_slots_by_expert, weighted_scatter_sum
 from moe.dispatcher.buffers import EPBuffers, buffer_group, buffer_source
 from mtdeepep.utils.fp8 import FP8_BLOCK, per_token_cast_back, per_token_cast_to_fp8
@@ -126,10 +131,12 @@ class _Fp8RoundTrip(torch.autograd.Function):
         return grad_TH
 
 
-class _Fp8DispatchGrad(torch.autograd.Function):
-    """Connects the rows and weights received by a raw FP8 dispatch to the sent `x` and weights: forward returns
-    the received tensors, backward combines their gradients through the dispatch's handle (DeepEP's dispatch
-    backward, as `mtdeepep.autograd`'s op does; the FP8 cast is treated as the identity)."""
+class _DispatchGrad(torch.autograd.Function):
+    """Connects the rows and weights received by a dispatch run without autograd to the sent `x` and weights:
+    forward returns the received tensors (their contents may still be in flight: nothing is read), backward
+    combines their gradients through the dispatch's handle (DeepEP's dispatch backward, as `mtdeepep.autograd`'s op
+    does; an FP8 cast is treated as the identity). The combine is asynchronous: the experts' delayed weight
+    gradients (`moe.wgrad.run_deferred`) run while the gradients travel."""
 
     @staticmethod
     def forward(ctx, x_TH, weights_TK, recv_x_UH, recv_weights_UK, recv_idx_UK, buffer, comm_handle):
@@ -143,7 +150,13 @@ class _Fp8DispatchGrad(torch.autograd.Function):
         # Slots whose expert lives elsewhere were constant zeros: no gradient flows through them. (Gradients of
         # unused outputs arrive as zeros: autograd materialises them.)
         weights = grad_recv_weights.masked_fill(recv_idx < 0, 0.0).float().contiguous()
-        grad_x, grad_weights, _ = ctx.buffer.combine(grad_recv_x.contiguous(), ctx.comm_handle, topk_weights=weights)
+        grad_x, grad_weights, event = ctx.buffer.combine(
+            grad_recv_x.contiguous(), ctx.comm_handle, topk_weights=weights, async_finish=True
+        )
+        try:
+            wgrad.run_deferred()
+        finally:
+            event.current_stream_wait()  # never leave the combine in flight
         return grad_x, grad_weights, None, None, None, None, None
 
 
@@ -218,11 +231,16 @@ class DeepEPDispatcher(TokenDispatcher):
 
         if self.use_fp8:
             return self._dispatch_begin_fp8(buffer, x_TH, weights_TK, topk_idx_TK)
-        # One path for training and inference: without autograd recording, the op only runs its forward.
-        # The received tensors are not read before `dispatch_end` waits on the event.
+        # mtdeepep's dispatch op (so that selective checkpointing can save its outputs) on the detached inputs;
+        # `_DispatchGrad` records the backward, whose combine overlaps the experts' delayed weight gradients (the op's
+        # own backward combines synchronously). The received tensors are not read before `dispatch_end` waits.
         recv_x, recv_idx, recv_weights, counts, comm_handle, event = deep_ep.dispatch(
-            buffer, x_TH, topk_idx_TK, weights_TK, self.num_experts, async_finish=True
+            buffer, x_TH.detach(), topk_idx_TK, weights_TK.detach(), self.num_experts, async_finish=True
         )
+        if torch.is_grad_enabled() and (x_TH.requires_grad or weights_TK.requires_grad):
+            recv_x, recv_weights = _DispatchGrad.apply(
+                x_TH, weights_TK, recv_x, recv_weights, recv_idx, buffer, comm_handle
+            )
         return _PendingFlexDispatch(T, x_TH.dtype, recv_x, recv_idx, recv_weights, counts, comm_handle, buffer, event)
 
     def _dispatch_begin_fp8(self, buffer, x_TH, weights_TK, topk_idx_TK) -> _PendingFlexDispatch:
@@ -246,7 +264,7 @@ class DeepEPDispatcher(TokenDispatcher):
             pending.event.current_stream_wait()
         if pending.fp8_sources is not None:
             recv_x_UH = per_token_cast_back(*pending.recv_x_UH).to(pending.dtype)
-            recv_x_UH, recv_weights_UK = _Fp8DispatchGrad.apply(
+            recv_x_UH, recv_weights_UK = _DispatchGrad.apply(
                 *pending.fp8_sources, recv_x_UH, pending.recv_weights_UK, pending.recv_idx_UK, pending.buffer,
                 pending.comm_handle,
             )  # fmt: skip

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from moe import wgrad
 from moe.experts import SwiGLUExperts
 from moe.fp8_training import gemm
 from moe.fp8_training.cast import Fp8Operand, cast_blockwise
@@ -42,7 +43,7 @@ def _rows(op: Fp8Operand, start: int, end: int) -> Fp8Operand:
 
 class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: tuple[int, ...], caster: Fp8Caster):
+    def forward(ctx, x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: tuple[int, ...], caster: Fp8Caster, slot):
         L, K, M = w_LKM.shape
         x8 = caster.input(x_NK)
         if caster.delayed is not None:  # one per-tensor scale for all experts' weights
@@ -56,7 +57,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             a, b = bounds[e], bounds[e + 1]
             if b > a:
                 y_NM[a:b] = gemm.scaled_matmul(_rows(x8, a, b), w8[e])
-        ctx.caster, ctx.x8, ctx.w8, ctx.bounds = caster, x8, w8, bounds
+        ctx.caster, ctx.x8, ctx.w8, ctx.bounds, ctx.slot = caster, x8, w8, bounds, slot
         ctx.x_dtype, ctx.w_dtype, ctx.w_shape = x_NK.dtype, w_LKM.dtype, w_LKM.shape
         ctx.save_for_backward(x_NK if caster.delayed is None else None)
         return y_NM.to(x_NK.dtype)
@@ -68,26 +69,35 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         L, K, M = ctx.w_shape
         g_NM = g_NM.contiguous()
         g8 = caster.grad_output(g_NM)
-        grad_x = g_NM.new_zeros(g_NM.size(0), K, dtype=torch.float32) if ctx.needs_input_grad[0] else None
-        grad_w = g_NM.new_zeros(L, K, M, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        for e in range(L):
-            a, b = bounds[e], bounds[e + 1]
-            if b == a:
-                continue  # no rows: zero input and weight gradients
-            g8_e = _rows(g8, a, b)
-            if grad_x is not None:
-                grad_x[a:b] = gemm.scaled_matmul(g8_e, w8[e].t())
-            if grad_w is not None:
-                if caster.delayed is not None:
-                    xt8, gw8 = _rows(x8, a, b).t(), g8_e
-                else:
-                    xt8 = cast_blockwise(x_NK[a:b].t(), caster.recipe.act_tile, caster.pow2)
-                    gw8 = cast_blockwise(g_NM[a:b], COL_TILE, caster.pow2)
-                grad_w[e] = gemm.scaled_matmul(xt8, gw8)
-        ctx.x8 = ctx.w8 = None
-        grad_x = grad_x.to(ctx.x_dtype) if grad_x is not None else None
-        grad_w = grad_w.to(ctx.w_dtype) if grad_w is not None else None
-        return grad_x, grad_w, None, None
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = g_NM.new_zeros(g_NM.size(0), K, dtype=torch.float32)
+            for e in range(L):
+                a, b = bounds[e], bounds[e + 1]
+                if b > a:  # no rows: zero input gradients
+                    grad_x[a:b] = gemm.scaled_matmul(_rows(g8, a, b), w8[e].t())
+            grad_x = grad_x.to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            w_dtype = ctx.w_dtype
+
+            def weight_grad() -> torch.Tensor:
+                grad_w = g_NM.new_zeros(L, K, M, dtype=torch.float32)
+                for e in range(L):
+                    a, b = bounds[e], bounds[e + 1]
+                    if b == a:
+                        continue  # no rows: a zero weight gradient
+                    if caster.delayed is not None:
+                        xt8, gw8 = _rows(x8, a, b).t(), _rows(g8, a, b)
+                    else:
+                        xt8 = cast_blockwise(x_NK[a:b].t(), caster.recipe.act_tile, caster.pow2)
+                        gw8 = cast_blockwise(g_NM[a:b], COL_TILE, caster.pow2)
+                    grad_w[e] = gemm.scaled_matmul(xt8, gw8)
+                return grad_w.to(w_dtype)
+
+            # Queued while the dispatch's backward communicates, inside `moe.wgrad.deferring` (see moe/wgrad.py).
+            grad_w = wgrad.wgrad_or_defer(ctx.slot, weight_grad)
+        ctx.x8 = ctx.w8 = ctx.slot = None
+        return grad_x, grad_w, None, None, None
 
 
 def fp8_grouped_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int], caster: Fp8Caster) -> torch.Tensor:
@@ -99,7 +109,7 @@ def fp8_grouped_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int
         )
     if sum(counts) != x_NK.size(0):
         raise ValueError(f"fp8_grouped_linear: counts sum to {sum(counts)}, x has {x_NK.size(0)} rows")
-    return _Fp8GroupedLinear.apply(x_NK, w_LKM, tuple(int(c) for c in counts), caster)
+    return _Fp8GroupedLinear.apply(x_NK, w_LKM, tuple(int(c) for c in counts), caster, wgrad.slot_for(w_LKM))
 
 
 class Fp8GroupedExperts(SwiGLUExperts):
