@@ -110,6 +110,11 @@ class _WgradAnchor(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x: torch.Tensor):
         store, ctx.store = ctx.store, None
+        if store is None:
+            raise RuntimeError(
+                "an MoE layer's delayed weight gradients were already delivered: a second backward through the same "
+                "graph (e.g. a split input/weight backward) needs overlap_dispatch_backward_with_experts_wgrad=False"
+            )
         store.run()  # what no dispatcher backward ran (none that overlaps, one process, ...)
         grads = store.take()
         for i, (param, grad) in enumerate(zip(store.params, grads)):

@@ -14,6 +14,8 @@ the step, the pipeline rank and its stages named (the p2p waits are bounded by t
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -29,6 +31,8 @@ from moe.pipeline.timeline import (
     plot_timeline,
     write_chrome_trace,
 )
+
+SPLIT_BACKWARD = ("zbh1", "dualpipev")  # schedules whose backward runs as separate I and W actions
 
 
 class TimedStage(PipelineStage):
@@ -121,6 +125,12 @@ class PipelineRunner:
         self.stage_ids = stages_of_rank(schedule, pp, pp_rank)
         self.num_stages = num_stages
         self.recorder = recorder
+        if schedule in SPLIT_BACKWARD:
+            # torch's split backward runs each graph twice (I, then W): the MoE layers' own deferred weight
+            # gradients hand theirs over in the first pass, which keeps input gradients only. The schedule's W
+            # deferral takes their place.
+            for layer in model.moe_layers():
+                layer.config = dataclasses.replace(layer.config, overlap_dispatch_backward_with_experts_wgrad=False)
         keep_stages(model, split, self.stage_ids)
         self.model = model
         self.loss = StageLoss(mtp_loss_weight, num_mtp)
