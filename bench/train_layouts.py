@@ -14,10 +14,10 @@ per-step records (`metrics.jsonl`):
 - optimizer MiB per rank: the largest rank's AdamW moments + FP32 masters (`max_optimizer_state_mib`); the ZeRO-1
   rows also give it relative to the same layout without ZeRO-1 (expected about 1 / dp).
 
-Rows (`--layouts`, `--precisions` select): layouts 1 process, DP2, DP2 ZeRO-1, EP2 x DP2, DP4 ZeRO-1 + EP2,
-TP2, TP2 x EP2 (4 ranks: EP spans the TP pairs); precisions fp32, bf16 (BF16 weights/activations, FP32 masters),
-fp8-delayed and fp8-blockwise (BF16 plus FP8 GEMMs; on CPU the GEMMs are an exact emulation, slower than BF16:
-the FP8 rows measure the recipe's overheads, not the GEMM speed of an FP8 unit).
+Rows (`--layouts`, `--precisions` select): layouts 1 process, DP2, DP2 ZeRO-1, EP2 x DP2, DP4 ZeRO-1 + EP2, TP2, TP2
+x EP2 (4 ranks: EP spans the TP pairs), PP2 (1F1B), PP2 DualPipeV; precisions fp32, bf16 (BF16 weights/activations,
+FP32 masters), fp8-delayed and fp8-blockwise (BF16 plus FP8 GEMMs; on CPU the GEMMs are an exact emulation, slower
+than BF16: the FP8 rows measure the recipe's overheads, not the GEMM speed of an FP8 unit).
 
 Run (about 10 minutes on a 2-core machine with the defaults):
 
@@ -55,6 +55,10 @@ LAYOUTS: dict[str, tuple[int, list[str], str | None]] = {
     "ep2-dp4-zero1": (4, ["--ep", "2", "--use-distributed-optimizer"], "ep2-dp2"),
     "tp2": (2, ["--tp", "2"], None),
     "tp2-ep2": (4, ["--tp", "2", "--ep", "2"], None),
+    # Pipeline (moe/pipeline): small's 4 layers as 2 stages of 2 (1F1B), or 4 stages of 1 in a V (DualPipeV, 4
+    # micro-batches: 2P); the last stage also runs the head and the MTP module.
+    "pp2": (2, ["--pp", "2"], None),
+    "pp2-dualpipev": (2, ["--pp", "2", "--pp-schedule", "dualpipev", "--micro-batches", "4"], None),
 }
 # name -> ([training] dtype, train.py flags)
 PRECISIONS: dict[str, tuple[str, list[str]]] = {
