@@ -96,7 +96,8 @@ class _Fp8GroupedLinear(torch.autograd.Function):
 
             # Queued while the dispatch's backward communicates, inside `moe.wgrad.deferring` (see moe/wgrad.py).
             grad_w = wgrad.wgrad_or_defer(ctx.slot, weight_grad)
-        ctx.x8 = ctx.w8 = ctx.slot = None
+        # The casts stay with the graph (freed with it): torch's split pipeline backward runs this node twice.
+        ctx.slot = None
         return grad_x, grad_w, None, None, None
 
 

@@ -102,7 +102,8 @@ class _Fp8Linear(torch.autograd.Function):
             grad_w = gemm.scaled_matmul(gt8, xw8).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g_MN.float().sum(0).to(ctx.w_dtype)
-        ctx.x8 = ctx.w8 = None
+        # ctx.x8 / ctx.w8 stay with the graph (freed with it): torch's split pipeline backward (I, then W) runs this
+        # node twice.
         return grad_x, grad_w, grad_b, None
 
 

@@ -377,15 +377,21 @@ def test_init_with_another_model_is_refused(tmp_path, capsys, corpus_and_cache, 
 
 @pytest.mark.parametrize(
     "recipe, flags, nproc",
-    [("blockwise", [], 1), ("delayed", [], 1), ("blockwise", ["--tp", "2", "--ep", "2"], 4)],
-    ids=["blockwise", "delayed", "blockwise_tp2_ep2"],
+    [
+        ("blockwise", [], 1),
+        ("delayed", [], 1),
+        ("blockwise", ["--tp", "2", "--ep", "2"], 4),
+        ("delayed", ["--pp", "2", "--pp-schedule", "dualpipev", "--micro-batches", "4"], 2),
+    ],
+    ids=["blockwise", "delayed", "blockwise_tp2_ep2", "delayed_pp2_dualpipev"],
 )
 def test_fp8_runs_track_the_fp32_run(tmp_path, config, one_process_run, recipe, flags, nproc):
     """`--fp8` in the training command, alone and composed with TP + SP and folded EP (FP8 GEMMs on TP shards,
     FP8 dispatch through mtdeepep): 8 steps follow the FP32 run. E4M3 keeps 3 mantissa bits (relative rounding up
     to 2^-4 per element, ~30 dB SQNR per GEMM, tests/fp8_training): over 8 steps the losses move by at most 0.36%
     (blockwise), 0.57% (delayed), 0.37% (blockwise, TP2 x EP2) relative (measured); the bound 2% would catch a
-    GEMM left unscaled or a dispatch that drops its scales."""
+    GEMM left unscaled or a dispatch that drops its scales. Under DualPipeV, torch's split backward runs every FP8
+    GEMM's backward node twice (I, then W): the casts must outlive the first."""
     run_dir = tmp_path / f"fp8-{recipe}"
     _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", "--fp8", recipe, *flags], nproc=nproc)
     info = json.loads((run_dir / "run.json").read_text())
