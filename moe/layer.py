@@ -17,6 +17,7 @@ from moe.config import MoEConfig
 from moe.dispatcher import DispatchResult, EPBuffers, TokenDispatcher, build_dispatcher
 from moe.experts import SwiGLUExperts, SwiGLUMLP
 from moe.fp8 import Fp8SwiGLUExperts
+from moe.interleave import in_flight
 from moe.recompute import checkpointed
 from moe.replication import HotExpertReplicas
 from moe.router import RouterOutput, TopKRouter
@@ -147,7 +148,8 @@ class MoELayer(nn.Module):
             probs_TK, topk_idx_TK, num_dropped = kept.probs_TK, kept.topk_idx_TK, kept.num_dropped
 
         # Step 2: dispatch, except the slots of hot experts (computed here with copies); the shared expert runs
-        # while the tokens are in flight (if the dispatcher allows it).
+        # while the tokens are in flight (if the dispatcher allows it), and so does another micro-batch when an
+        # overlapped pipeline chunk interleaves two (`in_flight`: moe/interleave.py).
         hot_TK = None
         if self.replicas is not None:
             self.replicas.record(topk_idx_TK)
@@ -160,7 +162,8 @@ class MoELayer(nn.Module):
         shared_TH = None
         if self.shared_experts is not None and cfg.moe_shared_expert_overlap and self.dispatcher.supports_async:
             shared_TH = self._shared(x_TH)
-        dispatched = self.dispatcher.dispatch_end(pending)
+        with in_flight("dispatch", self.dispatcher.supports_async and self.ep_size > 1):
+            dispatched = self.dispatcher.dispatch_end(pending)
 
         # Step 3: local experts (recomputing their activations in backward if the level or the row count says so;
         # their weight gradients queued in the store, to run during the dispatch's backward), then combine (weights
@@ -174,7 +177,8 @@ class MoELayer(nn.Module):
         hot_out_TH = None
         if hot_TK is not None:
             hot_out_TH = self.replicas(self.experts, x_TH, probs_TK, topk_idx_TK, hot_TK, expert_recompute)
-        out_TH = self.dispatcher.combine_end(combining)
+        with in_flight("combine", self.dispatcher.supports_async_combine and self.ep_size > 1):
+            out_TH = self.dispatcher.combine_end(combining)
         if hot_out_TH is not None:
             out_TH = (out_TH.float() + hot_out_TH).to(out_TH.dtype)
         if self.shared_experts is not None:

@@ -15,12 +15,22 @@ point. The autograd graph keeps the buffer of its forward alive until the backwa
 and moves the rows on the buffer's comm thread; it also returns the `EventOverlap` to wait on, so independent work
 (e.g. a shared expert) can run while the rows are in flight, with autograd recording the dispatch.
 `combine(..., async_finish=True)` likewise returns the event: wait on it before reading the result.
+
+The backward's communication is synchronous, unless a schedule that runs other work at the same time (a pipeline's
+overlapped forward-backward of two micro-batches) set `backward_comm_hook(hook)` on the calling thread: then the
+backward starts its combine / cached dispatch with `async_finish=True` and waits for it inside `with hook(name):`,
+so the hook can run independent work while the data moves. The same kernels run either way (same results).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
+import threading
 import weakref
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -33,6 +43,7 @@ _EVENT = "_mtdeepep_event"
 _NO_TENSOR = torch.empty(0)  # stands for an absent optional output (ops return tensors only)
 _BUFFERS: weakref.WeakValueDictionary[int, Buffer] = weakref.WeakValueDictionary()
 _NEXT_BUFFER_ID = itertools.count(1)
+_THREAD = threading.local()  # `backward_comm_hook`: the hook of the calling thread
 
 
 def buffer_id(buffer: Buffer) -> int:
@@ -74,6 +85,38 @@ def _present(tensor: torch.Tensor) -> torch.Tensor | None:
     return None if tensor.numel() == 0 and tensor.dim() == 1 else tensor
 
 
+@contextlib.contextmanager
+def backward_comm_hook(hook: Callable[[str], AbstractContextManager] | None) -> Iterator[None]:
+    """On this thread, while active: the backward of `dispatch` (a combine of the gradients, `name`
+    'dispatch_backward') and of `combine` (a cached dispatch of the gradient, 'combine_backward') start their
+    communication asynchronously and wait for it inside `with hook(name):`. The hook's `__enter__` runs while the
+    data moves (it must not touch the gradients being sent or received); its `__exit__` follows the wait.
+
+    Thread-local, because a CPU backward runs on the thread that called it: only that thread's backward changes.
+    `hook=None` turns it off inside the block. Nesting restores the outer hook on exit.
+    """
+    previous = getattr(_THREAD, "hook", None)
+    _THREAD.hook = hook
+    try:
+        yield
+    finally:
+        _THREAD.hook = previous
+
+
+def _backward_comm(name: str, starts: list[Callable[[bool], tuple]]) -> list[tuple]:
+    """Runs the communication calls `starts` of one backward (each `start(async_finish)` returns the buffer call's
+    tuple, its event last when async): synchronously, or, under a `backward_comm_hook`, all started asynchronously,
+    then waited inside `with hook(name):`. Returns each call's tuple without the event."""
+    hook = getattr(_THREAD, "hook", None)
+    if hook is None:
+        return [start(False)[:-1] for start in starts]
+    results = [start(True) for start in starts]
+    with hook(name):
+        for result in results:
+            result[-1].current_stream_wait()
+    return [result[:-1] for result in results]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # dispatch
 
@@ -112,9 +155,11 @@ def _dispatch_backward(ctx, grad_recv_x, _grad_idx, grad_recv_weights, _grad_cou
         weights = grad_recv_weights.masked_fill(recv_idx < 0, 0.0).float().contiguous()
     grad_x = grad_weights = None
     if grad_recv_x is not None:
-        grad_x, grad_weights, _ = ctx.buffer.combine(
-            grad_recv_x.contiguous(), unflatten_handle(ctx.handle), topk_weights=weights, config=_config(ctx.config)
-        )
+        handle, config = unflatten_handle(ctx.handle), _config(ctx.config)
+        [(grad_x, grad_weights)] = _backward_comm("dispatch_backward", [
+            lambda async_finish: ctx.buffer.combine(grad_recv_x.contiguous(), handle, topk_weights=weights,
+                                                    config=config, async_finish=async_finish),
+        ])  # fmt: skip
     no_config = [None] * len(ctx.config)  # the gradients' structure must match the inputs' (lists included)
     return grad_x, None, grad_weights if ctx.has_weights else None, None, None, None, no_config, None
 
@@ -151,14 +196,24 @@ def _combine_backward(ctx, grad_combined, grad_combined_weights):
     has_weights, has_bias0, has_bias1 = ctx.has
     buffer, handle, config = ctx.buffer, unflatten_handle(ctx.handle), _config(ctx.config)
     grad_x = grad_weights = None
+    sources = {}  # what goes back through the dispatch's handle: the gradients of x and of topk_weights
     if grad_combined is not None:
-        grad_x, *_ = buffer.dispatch(grad_combined.contiguous(), handle=handle, config=config)
+        sources["x"] = grad_combined.contiguous()
     if has_weights and grad_combined_weights is not None:
-        grad_weights, *_ = buffer.dispatch(grad_combined_weights.float().contiguous(), handle=handle, config=config)
+        sources["weights"] = grad_combined_weights.float().contiguous()
+    if sources:
+        starts = [functools.partial(_cached_dispatch, buffer, t, handle, config) for t in sources.values()]
+        received = dict(zip(sources, _backward_comm("combine_backward", starts)))
+        grad_x = received["x"][0] if "x" in received else None
+        grad_weights = received["weights"][0] if "weights" in received else None
     grad_bias0 = grad_combined if has_bias0 else None
     grad_bias1 = grad_combined if has_bias1 else None
     no_handle, no_config = [None] * len(ctx.handle), [None] * len(ctx.config)  # the inputs' structure, lists too
     return grad_x, no_handle, grad_weights, grad_bias0, grad_bias1, None, no_config, None
+
+
+def _cached_dispatch(buffer: Buffer, x: torch.Tensor, handle: tuple, config: Config | None, async_finish: bool):
+    return buffer.dispatch(x, handle=handle, config=config, async_finish=async_finish)
 
 
 torch.library.register_autograd("mtdeepep::combine", _combine_backward, setup_context=_combine_setup)

@@ -6,7 +6,7 @@
     torchrun --nproc-per-node 4 examples/deepseek_v3/train.py --config ... --out runs/tiny-tp2-ep2 --tp 2 --ep 2 \
         --use-distributed-optimizer
     torchrun --nproc-per-node 4 examples/deepseek_v3/train.py --config ... --out runs/tiny-pp2-ep2 --pp 2 --ep 2 \
-        --pp-schedule dualpipev --pipeline-timeline
+        --pp-schedule dualpipev --overlap-moe-expert-parallel-comm --pipeline-timeline
 
 One process, or one per rank under torchrun (gloo on CPU). Layout (moe/train/parallel.py): `--tp` ranks split the
 attention and dense layers (tensor parallel, with sequence parallelism outside them), the experts of every MoE
@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="decoder layers of the last pipeline stage")  # fmt: skip
     p.add_argument("--micro-batches", type=int, default=None,
                    help="micro-batches per step per data-parallel rank (default: [training])")  # fmt: skip
+    p.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
+                   help="dualpipev: in each overlapped forward-backward chunk, one micro-batch's MoE dispatch / "
+                   "combine runs while the other micro-batch computes (same results bit for bit)")  # fmt: skip
     p.add_argument("--pipeline-timeline", action="store_true",
                    help="record every pipeline action; write RUN_DIR/pipeline_timeline.json (Perfetto) and .png "
                    "of the last step, with the measured bubble")  # fmt: skip
@@ -131,6 +134,11 @@ def pipeline_split(model_cfg, train_cfg: TrainingConfig, layout: Layout, args):
     """The decoder layers of each pipeline stage (None without pipeline parallelism); ValueError for a split or a
     micro-batch count the schedule cannot run."""
     outer = (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+    if args.overlap_moe_expert_parallel_comm and (layout.pp == 1 or layout.pp_schedule != "dualpipev"):
+        raise ValueError(
+            "--overlap-moe-expert-parallel-comm overlaps DualPipeV's forward-backward chunks: it needs --pp > 1 "
+            "--pp-schedule dualpipev"
+        )
     if layout.pp == 1:
         if any(v is not None for v in outer):
             raise ValueError("--decoder-first/last-pipeline-num-layers need --pp > 1")
@@ -235,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                                   micro_batches=train_cfg.micro_batches, seq_len=train_cfg.seq_len,
                                   micro_rows=train_cfg.global_batch // layout.dp // train_cfg.micro_batches,
                                   mtp_loss_weight=model_cfg.mtp_loss_weight,
-                                  num_mtp=model_cfg.num_nextn_predict_layers, recorder=recorder)  # fmt: skip
+                                  num_mtp=model_cfg.num_nextn_predict_layers, recorder=recorder,
+                                  overlap_moe_comm=args.overlap_moe_expert_parallel_comm)  # fmt: skip
 
     def load_model(path: Path) -> None:
         state_dict, _ = _read_model(read_model_dir, path)
@@ -305,6 +314,7 @@ def _write_run_json(run_dir: Path, args, layout: Layout, train_cfg: TrainingConf
     info = {
         "title": _title(args, layout),
         "layout": {**layout.to_dict(), "dtype": train_cfg.dtype},
+        "overlap_moe_expert_parallel_comm": args.overlap_moe_expert_parallel_comm,
         "config": {"path": str(args.config), "model": doc["model"], "training": train_cfg.to_dict()},
         "seed": args.seed,
         "init": args.init,

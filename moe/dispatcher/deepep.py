@@ -52,6 +52,7 @@ import mtdeepep as deep_ep
 from moe import wgrad
 from moe.dispatcher.base import DispatchResult, TokenDispatcher, sort_slots_by_expert, weighted_scatter_sum
 from moe.dispatcher.buffers import EPBuffers, buffer_group, buffer_source
+from moe.interleave import in_flight
 from mtdeepep.utils.fp8 import FP8_BLOCK, per_token_cast_back, per_token_cast_to_fp8
 
 # Combine sends float32 partial sums (exact FP32 reduction across ranks); size the buffer for float32 rows.
@@ -155,8 +156,12 @@ class _DispatchGrad(torch.autograd.Function):
         )
         try:
             wgrad.run_deferred()
-        finally:
+        except BaseException:
             event.current_stream_wait()  # never leave the combine in flight
+            raise
+        # In an overlapped DualPipeV chunk the other micro-batch computes while this combine is in flight.
+        with in_flight("dispatch_backward"):
+            event.current_stream_wait()
         return grad_x, grad_weights, None, None, None, None, None
 
 

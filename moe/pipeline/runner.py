@@ -91,6 +91,9 @@ class PipelineRunner:
         micro_rows, seq_len: the shape `[micro_rows, seq_len]` of a micro-batch of token ids.
         mtp_loss_weight, num_mtp: as the trainer's.
         recorder: records every action's slot (the bubble report); None records nothing.
+        overlap_moe_comm: DualPipeV only: inside each overlapped forward-backward action, one micro-batch's MoE
+            dispatch / combine runs while the other micro-batch computes (moe/pipeline/overlap.py; Megatron's
+            `overlap_moe_expert_parallel_comm`). Same losses and gradients bit for bit. `self.overlap` holds it.
     """
 
     def __init__(
@@ -125,6 +128,9 @@ class PipelineRunner:
         self.stage_ids = stages_of_rank(schedule, pp, pp_rank)
         self.num_stages = num_stages
         self.recorder = recorder
+        self.overlap = None
+        if overlap_moe_comm and schedule != "dualpipev":
+            raise ValueError(f"overlap_moe_comm overlaps DualPipeV's forward-backward chunks; {schedule} has none")
         if schedule in SPLIT_BACKWARD:
             # torch's split backward runs each graph twice (I, then W): the MoE layers' own deferred weight
             # gradients hand theirs over in the first pass, which keeps input gradients only. The schedule's W
@@ -154,7 +160,7 @@ class PipelineRunner:
             if overlap_moe_comm:
                 from moe.pipeline.overlap import install_overlapped_forward_backward
 
-                install_overlapped_forward_backward(self.schedule, self)
+                self.overlap = install_overlapped_forward_backward(self.schedule, self)
 
     def _example_args(self, module: DeepseekV3Stage, rows: int, seq_len: int, device: torch.device):
         """Example tensors of a stage's inputs and outputs (see stages.py): token ids `[b, S]` into the first stage,
@@ -193,6 +199,8 @@ class PipelineRunner:
             module.reset_step()
         if self.recorder is not None:
             self.recorder.start_step()
+        if self.overlap is not None:
+            self.overlap.start_step()
         args = (tokens_BS,) if self.holds_first else ()
         target = tokens_BS if self.holds_last else None
         try:

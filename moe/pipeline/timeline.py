@@ -8,7 +8,8 @@ A *slot* is one piece of work of one pipeline rank between two clock readings:
     'W'    weight-gradient half of a split backward (deferred into the bubbles by ZB-H1)
     'F&B'  forward of one micro-batch overlapped with the backward of another (DualPipe's overlapped chunk);
            its micro-batch (and optionally its stage) is a pair: (forward's, backward's)
-    'comm' a p2p wait (send/recv of activations or gradients), when a schedule records it; not compute
+    'comm' communication, when a schedule records it: a p2p wait (send/recv of activations or gradients), or an MoE
+           dispatch / combine in flight inside an 'F&B' (moe/pipeline/overlap.py); not compute
 
 Flow: each rank wraps its work in `recorder.slot(kind, stage, microbatch)`; after the step,
 `gather_timelines(recorder, group)` brings every rank's slots to every rank on one time axis;
@@ -64,7 +65,7 @@ _CNAME = {
     "comm": "grey",
 }
 _LEGEND = {"F": "F forward", "B": "B backward", "I": "I input grad", "W": "W weight grad", "F&B": "F&B overlapped",
-           "comm": "comm wait"}  # fmt: skip
+           "comm": "comm"}  # fmt: skip
 
 
 def _check_kind(kind: str) -> None:

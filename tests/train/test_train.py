@@ -139,6 +139,32 @@ LAYOUTS = {
         (4, 2, 1, 2, 1),
         True,
     ),  # fmt: skip
+    # DualPipeV with the MoE communication of one micro-batch overlapping the other's compute inside every F&B chunk
+    # (moe/pipeline/overlap.py), the MoE layers fully recomputed (their recomputation communicates too), ZeRO-1.
+    "pp2_dualpipev_ep2_dp2_zero1_overlap": (
+        [
+            "--pp",
+            "2",
+            "--pp-schedule",
+            "dualpipev",
+            "--micro-batches",
+            "4",
+            "--ep",
+            "2",
+            "--use-distributed-optimizer",
+            "--ddp-bucket-size",
+            "20000",
+            "--overlap-moe-expert-parallel-comm",
+            "--recompute-granularity",
+            "selective",
+            "--recompute-modules",
+            "moe",
+            "--pipeline-timeline",
+        ],
+        4,
+        (4, 2, 1, 2, 1),
+        True,
+    ),  # fmt: skip
     # Uneven stages (Megatron's first-stage count): layers 0-1 | 2 | 3 | none (the last stage: head and MTP only).
     "pp4_1f1b_uneven": (
         [
@@ -184,7 +210,16 @@ def test_layout_matches_one_process(tmp_path, config, one_process_run, layout):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
         for name, v in a["expert_load_max_over_mean"].items():
             assert b["expert_load_max_over_mean"][name] == pytest.approx(v, rel=1e-6)  # the same routing
-    if "--pipeline-timeline" in flags:  # the last step's timeline: every micro-batch's F, I and W on both ranks
+    assert info["overlap_moe_expert_parallel_comm"] is ("--overlap-moe-expert-parallel-comm" in flags)
+    if "--overlap-moe-expert-parallel-comm" in flags:  # one F&B slot per overlapped chunk, MoE comm slots inside
+        trace = json.loads((run_dir / "pipeline_timeline.json").read_text())
+        slots = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+        fb = [e for e in slots if e["args"]["kind"] == "F&B"]
+        assert fb and all(len(e["args"]["microbatch"]) == 2 for e in fb)
+        assert {e["pid"] for e in fb} == {0, 1}
+        comm = [e for e in slots if e["args"]["kind"] == "comm"]
+        assert any(f["ts"] <= c["ts"] and c["ts"] + c["dur"] <= f["ts"] + f["dur"] for f in fb for c in comm)
+    elif "--pipeline-timeline" in flags:  # the last step's timeline: every micro-batch's F, I and W on both ranks
         trace = json.loads((run_dir / "pipeline_timeline.json").read_text())
         slots = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
         for kind in ("F", "I", "W"):
@@ -310,6 +345,7 @@ def test_bias_update_balances_the_expert_load(tmp_path, corpus_and_cache):
         ({"num_attention_heads": 3, "num_key_value_heads": 3}, {}, {}, ["--tp", "2"], 4, "divisible by 2: num_attent"),
         ({}, {}, {}, ["--etp", "2"], 4, "--etp 2: expert tensor parallelism is not in the MoE layer yet"),
         ({}, {}, {}, ["--pp", "2", "--pp-schedule", "dualpipev"], 2, "DualPipeV needs at least 2 \\* pp = 4 micro"),
+        ({}, {}, {}, ["--pp", "2", "--overlap-moe-expert-parallel-comm"], 2, "overlaps DualPipeV's forward-backward"),
         (
             {},
             {"global_batch": 12, "micro_batches": 6},
