@@ -6,7 +6,8 @@ Setting: a DeepSeek-V3 config (default `tiny`), `--pp` processes (gloo on 127.0.
 or expert parallelism), `--micro-batches` micro-batches of `--rows` sequences of `--seq-len` random tokens per step
 (the same tokens for every schedule). Each schedule gets a fresh model from the same seed, `--warmup` steps, then
 `--steps` timed steps (forward + backward of every micro-batch through `moe.pipeline.PipelineRunner`, gradients
-zeroed before each; no optimizer step: the schedules differ only in the forward/backward).
+zeroed before each; no optimizer step: the schedules differ only in the forward/backward). The schedules take turns
+step by step (all three are built first), so a shared machine's load drifts over them alike.
 
 Measured per step (the median step is reported):
 - step time: the slowest rank's wall time of `PipelineRunner.step`;
@@ -40,14 +41,12 @@ REPO = Path(__file__).resolve().parents[1]
 SCHEDULES = ("1f1b", "zbh1", "dualpipev")
 
 
-def _run_schedule(group, schedule: str, args) -> dict:
-    from moe.memory import peak_memory_bytes
+def _build(schedule: str, args):
+    """A fresh model from the seed, pruned to this rank's stages of `schedule`, and its runner."""
     from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-    from moe.pipeline import PipelineRunner, TimelineRecorder, bubble_fraction, gather_timelines
+    from moe.pipeline import PipelineRunner, TimelineRecorder
     from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, split_layers
-    from moe.pipeline.timeline import analytic_bubble, analytic_bubble_fraction, plot_timeline, write_chrome_trace
     from moe.train.parallel import Layout, ParallelState
-    from moe.train.trainer import target_counts
 
     cfg = DeepseekV3Config.from_toml(REPO / "examples" / "deepseek_v3" / "configs" / f"{args.config}.toml")
     parallel = ParallelState.from_process_group(Layout(world=args.pp, pp=args.pp, pp_schedule=schedule))
@@ -56,51 +55,73 @@ def _run_schedule(group, schedule: str, args) -> dict:
     num_stages = args.pp * SCHEDULE_STAGES_PER_RANK[schedule]
     first = args.decoder_first_pipeline_num_layers if num_stages == args.pp else None
     split = split_layers(cfg.num_hidden_layers, num_stages, first_stage_layers=first)
-    recorder = TimelineRecorder(parallel.pp_rank)
     runner = PipelineRunner(model, parallel, schedule=schedule, split=split, micro_batches=args.micro_batches,
                             micro_rows=args.rows, seq_len=args.seq_len, mtp_loss_weight=cfg.mtp_loss_weight,
-                            num_mtp=cfg.num_nextn_predict_layers, recorder=recorder)  # fmt: skip
-    gen = torch.Generator().manual_seed(args.seed)
-    tokens = torch.randint(0, cfg.vocab_size, (args.micro_batches * args.rows, args.seq_len), generator=gen)
-    counts = target_counts(tokens, cfg.num_nextn_predict_layers)
-    steps = []
-    for index in range(args.warmup + args.steps):
-        for p in model.parameters():
-            p.grad = None
-        torch.distributed.barrier(group=group)
-        start = time.perf_counter()
-        peak = peak_memory_bytes(functools.partial(runner.step, tokens, counts, index + 1))
-        seconds = torch.tensor([time.perf_counter() - start, float(peak)], dtype=torch.float64)
-        torch.distributed.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX, group=group)
-        timelines = gather_timelines(recorder, parallel.pp_group)
-        if index >= args.warmup:
-            report = bubble_fraction(timelines)
-            units = report.unit_times()
-            analytic = [
-                analytic_bubble_fraction(schedule, args.pp, args.micro_batches, units["F"], units["B"],
-                                         units["W"] or 0.0, units["F_and_B"], compute=rank.busy)
-                for rank in report.per_rank
-            ]  # fmt: skip
-            steps.append({
-                "step_s": float(seconds[0]), "peak_bytes": float(seconds[1]), "bubble": report.fraction,
-                "analytic_bubble": statistics.mean(analytic), "units": units, "timelines": timelines,
-                "analytic_bubble_s": analytic_bubble(schedule, args.pp, units["F"], units["B"], units["W"] or 0.0,
-                                                     units["F_and_B"]),
-            })  # fmt: skip
-    median = sorted(steps, key=lambda s: s["step_s"])[len(steps) // 2]
-    if parallel.pp_rank == 0:
-        out = args.out_dir / f"pipeline_{schedule}_pp{args.pp}"
-        meta = {"schedule": schedule, "pp": args.pp, "micro_batches": args.micro_batches}
-        write_chrome_trace(out.with_suffix(".json"), median["timelines"], metadata=meta)
-        plot_timeline(out.with_suffix(".png"), median["timelines"],
-                      f"{schedule}, pp {args.pp}, {args.micro_batches} micro-batches ({args.config})")  # fmt: skip
-    median.pop("timelines")
-    return median
+                            num_mtp=cfg.num_nextn_predict_layers,
+                            recorder=TimelineRecorder(parallel.pp_rank))  # fmt: skip
+    return cfg, parallel, model, runner
+
+
+def _one_step(group, schedule: str, built, tokens, counts, step: int, args) -> dict:
+    from moe.memory import peak_memory_bytes
+    from moe.pipeline import bubble_fraction, gather_timelines
+    from moe.pipeline.timeline import analytic_bubble, analytic_bubble_fraction
+
+    _, parallel, model, runner = built
+    for p in model.parameters():
+        p.grad = None
+    torch.distributed.barrier(group=group)
+    start = time.perf_counter()
+    peak = peak_memory_bytes(functools.partial(runner.step, tokens, counts, step))
+    measured = torch.tensor([time.perf_counter() - start, float(peak)], dtype=torch.float64)
+    torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX, group=group)
+    timelines = gather_timelines(runner.recorder, parallel.pp_group)
+    report = bubble_fraction(timelines)
+    units = report.unit_times()
+    w = units["W"] or 0.0
+    analytic = [
+        analytic_bubble_fraction(schedule, args.pp, args.micro_batches, units["F"], units["B"], w, units["F_and_B"],
+                                 compute=rank.busy)
+        for rank in report.per_rank
+    ]  # fmt: skip
+    return {
+        "step_s": float(measured[0]), "peak_bytes": float(measured[1]), "bubble": report.fraction,
+        "analytic_bubble": statistics.mean(analytic), "units": units, "timelines": timelines,
+        "analytic_bubble_s": analytic_bubble(schedule, args.pp, units["F"], units["B"], w, units["F_and_B"]),
+    }  # fmt: skip
 
 
 def _worker(rank: int, world: int, group, args) -> dict:
+    """All schedules built once; then step by step in turn (1F1B, ZB-H1, DualPipeV, 1F1B, ...), so that the load of
+    a shared machine drifts over all of them alike."""
+    from moe.pipeline.timeline import plot_timeline, write_chrome_trace
+    from moe.train.trainer import target_counts
+
     del rank, world
-    return {schedule: _run_schedule(group, schedule, args) for schedule in args.schedules}
+    built = {schedule: _build(schedule, args) for schedule in args.schedules}
+    cfg = next(iter(built.values()))[0]
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, cfg.vocab_size, (args.micro_batches * args.rows, args.seq_len), generator=gen)
+    counts = target_counts(tokens, cfg.num_nextn_predict_layers)
+    steps: dict[str, list[dict]] = {schedule: [] for schedule in args.schedules}
+    for index in range(args.warmup + args.steps):
+        for schedule in args.schedules:
+            record = _one_step(group, schedule, built[schedule], tokens, counts, index + 1, args)
+            if index >= args.warmup:
+                steps[schedule].append(record)
+    out = {}
+    for schedule, records in steps.items():
+        median = sorted(records, key=lambda s: s["step_s"])[len(records) // 2]
+        if built[schedule][1].pp_rank == 0:
+            path = args.out_dir / f"pipeline_{schedule}_pp{args.pp}"
+            meta = {"schedule": schedule, "pp": args.pp, "micro_batches": args.micro_batches}
+            write_chrome_trace(path.with_suffix(".json"), median["timelines"], metadata=meta)
+            plot_timeline(path.with_suffix(".png"), median["timelines"],
+                          f"{schedule}, pp {args.pp}, {args.micro_batches} micro-batches ({args.config})")  # fmt: skip
+        median.pop("timelines")
+        median["bubble_all_steps"] = [r["bubble"] for r in records]
+        out[schedule] = median
+    return out
 
 
 def main() -> None:
