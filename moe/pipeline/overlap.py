@@ -171,7 +171,7 @@ class OverlappedForwardBackward:
 
         recorder = self.recorder
         clock = recorder.clock if recorder is not None else self.interleaver.clock
-        suspended = getattr(recorder, "suspended", False)
+        suspended = recorder is not None and recorder.suspended
         if recorder is not None:
             recorder.suspended = True  # the stages' own F and B slots: this action is one F&B slot
         try:

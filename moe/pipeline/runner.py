@@ -14,6 +14,7 @@ the step, the pipeline rank and its stages named (the p2p waits are bounded by t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -53,21 +54,9 @@ class TimedStage(PipelineStage):
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
     def _slot(self, kind: str, microbatch: int):
-        recorder = self.recorder
-        if recorder is None or getattr(recorder, "suspended", False):
-            return _NULL
-        return recorder.slot(kind, self.stage_index, microbatch)
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NULL = _Null()
+        if self.recorder is None:
+            return contextlib.nullcontext()
+        return self.recorder.slot(kind, self.stage_index, microbatch)
 
 
 def _identity_loss(output: torch.Tensor, target) -> torch.Tensor:

@@ -180,13 +180,16 @@ class TimelineRecorder:
             y = stage_module(x)
 
     rank: the rank's pipeline rank (written into each slot). enabled: False makes `slot` return a shared no-op
-    context manager (no clock reading, no allocation) so that the hooks can stay in the training loop. clock:
+    context manager (no clock reading, no allocation) so that the hooks can stay in the training loop. suspended:
+    True makes `slot` a no-op too, for a while (`add` still records: an action timed as a whole, e.g. DualPipeV's
+    F&B, suspends the slots of its parts). clock:
     seconds, monotonic; `time.perf_counter` (CLOCK_MONOTONIC, shared by the processes of one machine).
     Overhead when enabled: two clock readings and one small object per slot (about a microsecond).
     """
 
     rank: int
     enabled: bool = True
+    suspended: bool = False
     clock: Callable[[], float] = time.perf_counter
     slots: list[Slot] = field(default_factory=list)
     step_start: float | None = None
@@ -197,7 +200,7 @@ class TimelineRecorder:
 
     def slot(self, kind: str, stage: int | tuple[int, int], microbatch: int | tuple[int, int]):
         """Context manager timing one slot; the slot is kept only if the block exits without an exception."""
-        if not self.enabled:
+        if not self.enabled or self.suspended:
             return _NULL_TIMER
         _check_kind(kind)  # fail at the call site, not at the end of a long slot
         return _SlotTimer(self, kind, stage, microbatch)
