@@ -21,6 +21,7 @@ from torch import nn
 
 from moe.layer import MoELayer
 from moe.pipeline.split import StageSplit
+from moe.train.loss import loss_share
 
 
 class LayerElsewhere(nn.Module):
@@ -43,8 +44,7 @@ class StageLoss:
     """The loss a last stage returns for one micro-batch, and the sums behind it (read by the runner).
 
     `counts [1 + D] float64`: the global batch's next-token targets of the main head and of each MTP depth (set by
-    the runner before every step). The micro-batch's loss is
-    `lm_loss_sum / counts[0] + mtp_loss_weight / D * sum_d mtp_loss_sum_d / counts[1 + d]`, as in `Trainer`.
+    the runner before every step). The micro-batch's loss is `moe.train.loss.loss_share`'s, as in `Trainer`.
     """
 
     def __init__(self, mtp_loss_weight: float, num_mtp: int) -> None:
@@ -56,13 +56,8 @@ class StageLoss:
     def __call__(self, out) -> torch.Tensor:
         if self.counts is None:
             raise RuntimeError("StageLoss.counts is not set: the runner sets the global target counts every step")
-        mtp_sums = list(out.mtp_loss_sums or [])
-        if len(mtp_sums) != self.num_mtp:
-            raise RuntimeError(f"the model returned {len(mtp_sums)} MTP losses, expected {self.num_mtp}")
-        loss = out.lm_loss_sum / self.counts[0].item()
-        for d, mtp_sum in enumerate(mtp_sums):
-            loss = loss + (self.mtp_loss_weight / self.num_mtp) * mtp_sum / self.counts[1 + d].item()
-        self.sums.append(torch.stack([out.lm_loss_sum.detach(), *[s.detach() for s in mtp_sums]]).double())
+        loss, sums = loss_share(out, self.counts, self.mtp_loss_weight, self.num_mtp)
+        self.sums.append(sums)
         return loss
 
 

@@ -38,6 +38,7 @@ from moe.memory import process_peak_bytes
 from moe.train import checkpoint as ckpt
 from moe.train.config import TrainingConfig
 from moe.train.data import TokenBatches
+from moe.train.loss import loss_share
 from moe.train.metrics import LOSS_PNG, MetricsLog, plot_loss
 from moe.train.optim import MasterAdamW
 from moe.train.parallel import ParallelState, all_reduce_sum
@@ -209,14 +210,9 @@ class Trainer:
             # ZeRO-1: no gradient communication before the last micro-batch's backward (then it overlaps it).
             with self.optimizer.accumulation_context(index, cfg.micro_batches):
                 out = self.model(mb_BS, labels=mb_BS)
-                mtp_sums = list(out.mtp_loss_sums or [])
-                if len(mtp_sums) != self.num_mtp:
-                    raise RuntimeError(f"the model returned {len(mtp_sums)} MTP losses, expected {self.num_mtp}")
-                loss = out.lm_loss_sum / counts[0].item()
-                for d, mtp_sum in enumerate(mtp_sums):
-                    loss = loss + (self.mtp_loss_weight / self.num_mtp) * mtp_sum / counts[1 + d].item()
+                loss, mb_sums = loss_share(out, counts, self.mtp_loss_weight, self.num_mtp)
                 loss.backward()
-            sums += torch.stack([out.lm_loss_sum.detach(), *[s.detach() for s in mtp_sums]]).double()
+            sums += mb_sums
             for load, layer in zip(loads, self.moe_layers):
                 load += layer.metrics.tokens_per_expert.double()
         return sums, loads
