@@ -100,6 +100,10 @@ def test_run_outputs(one_process_run):
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
 
 
+# PP2 DualPipeV (4 micro-batches: 2P) x EP2 x DP2 with ZeRO-1 in small buckets.
+DUALPIPEV_EP2_ZERO1 = ["--pp", "2", "--pp-schedule", "dualpipev", "--micro-batches", "4", "--ep", "2",
+                       "--use-distributed-optimizer", "--ddp-bucket-size", "20000"]  # fmt: skip
+
 # (flags, processes, expected (world, dp, tp, ep, expert_dp), ZeRO-1)
 LAYOUTS = {
     "ep2_dp2": (["--ep", "2"], 4, (4, 4, 1, 2, 2), False),
@@ -121,39 +125,12 @@ LAYOUTS = {
         (4, 2, 1, 2, 1),
         False,
     ),
-    "pp2_dualpipev_ep2_dp2_zero1": (
-        [
-            "--pp",
-            "2",
-            "--pp-schedule",
-            "dualpipev",
-            "--micro-batches",
-            "4",
-            "--ep",
-            "2",
-            "--use-distributed-optimizer",
-            "--ddp-bucket-size",
-            "20000",
-        ],
-        4,
-        (4, 2, 1, 2, 1),
-        True,
-    ),  # fmt: skip
+    "pp2_dualpipev_ep2_dp2_zero1": (DUALPIPEV_EP2_ZERO1, 4, (4, 2, 1, 2, 1), True),
     # DualPipeV with the MoE communication of one micro-batch overlapping the other's compute inside every F&B chunk
     # (moe/pipeline/overlap.py), the MoE layers fully recomputed (their recomputation communicates too), ZeRO-1.
     "pp2_dualpipev_ep2_dp2_zero1_overlap": (
         [
-            "--pp",
-            "2",
-            "--pp-schedule",
-            "dualpipev",
-            "--micro-batches",
-            "4",
-            "--ep",
-            "2",
-            "--use-distributed-optimizer",
-            "--ddp-bucket-size",
-            "20000",
+            *DUALPIPEV_EP2_ZERO1,
             "--overlap-moe-expert-parallel-comm",
             "--recompute-granularity",
             "selective",
