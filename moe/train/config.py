@@ -30,7 +30,7 @@ iterations_to_skip = []        # steps that make no update (their batches are sk
 log_straggler = false
 straggler_interval = 10
 straggler_factor = 1.5         # a rank whose phase time exceeds the median over the ranks by this factor ...
-straggler_min_seconds = 0.005  # ... and by this many seconds per step is reported
+straggler_min_seconds = 0.02   # ... and by this many seconds per step is reported
 
 [training.data]
 corpus = "python-stdlib" # or a directory: its *.py files, sorted by path
@@ -40,7 +40,8 @@ tokenizer = "bpe"        # byte-level BPE trained to the model's vocab_size, or 
 Megatron's names for the same settings: `train_iters`, `global_batch_size`, `seq_length`, `lr`, `min_lr`,
 `lr_warmup_iters`, `adam_beta1/2`, `adam_eps`, `weight_decay`, `clip_grad`, `save_interval`, `log_interval`;
 `check_for_nan_in_loss_and_grad`, `check_for_spiky_loss`, `iterations_to_skip` and `log_straggler` are Megatron's
-own names (its `--iterations-to-skip` steps likewise make no update and consume their batch).
+own names (its `--iterations-to-skip` steps likewise make no update and consume their batch; here the learning rate
+stays a function of the step number, see moe/train/rewind.py).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class TrainingConfig:
     log_straggler: bool = False
     straggler_interval: int = 10
     straggler_factor: float = 1.5
-    straggler_min_seconds: float = 0.005
+    straggler_min_seconds: float = 0.02
     data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:

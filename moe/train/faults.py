@@ -109,6 +109,10 @@ class FaultPlan:
     def has_delays(self) -> bool:
         return any(f.kind == "sleep" for f in self.faults)
 
+    @property
+    def has_loss_faults(self) -> bool:
+        return any(f.kind in LOSS_KINDS for f in self.faults)
+
 
 def _parse(item: object) -> Fault:
     if not isinstance(item, dict):

@@ -18,12 +18,20 @@ in), the FP8 delayed-scaling amax histories, and the spike window. After an anom
 restored, steps `s0 .. k-1` are run again with their own batches (none when the snapshot is taken every step), and
 step k is skipped.
 
-Skipping, step counter and schedule: a skipped step makes no update and consumes its batch, exactly as a step in
-`iterations_to_skip` (Megatron's semantics): step k+1 then takes batch k+1 and the learning rate of step k+1. The
-data position therefore stays "batch = step" (a checkpoint's `next_step` needs no correction), the run makes
-`steps - skipped` updates, and AdamW's own step count (its bias correction) counts the updates made. Because every
-step reseeds torch from `(seed, step)`, a rewound run's losses after step k equal, bit for bit on CPU, those of a
-run with `iterations_to_skip = [k]` from the start.
+Skipping, step counter and schedule: a skipped step makes no update and consumes its batch, as a step in
+`iterations_to_skip` does (so does Megatron's: the iteration counter moves on, the data iterator too). Step k+1
+then takes batch k+1 and the learning rate of step k+1 (the schedule is a function of the step number; Megatron's
+scheduler, advanced by updates only, would lag one step behind). The data position therefore stays "batch = step"
+(a checkpoint's `next_step` needs no correction), the run makes `steps - skipped` updates, and AdamW's own step
+count (its bias correction) counts the updates made. Because every step reseeds torch from `(seed, step)`, a
+rewound run's losses after step k equal, bit for bit on CPU, those of a run with `iterations_to_skip = [k]` from the
+start.
+
+Cost: detection precedes the update, so at an anomaly the parameters and the optimizer are still those the snapshot
+of the same step holds; what the failed step changed is what its forward and backward write (router counts, amax
+histories). The snapshot copies everything all the same, which also covers code that writes parameters in place,
+at the price of a copy of the parameters and optimizer state per snapshot (bench/rewind_straggler.py); snapshots
+every N steps trade that copy for up to N - 1 steps run again after an anomaly.
 
 Retries: `rewind_max_retries` anomalous steps in a row are rewound and skipped; the next one (or any anomaly
 without snapshots: `rewind_snapshot_interval = 0`) stops the run with `TrainingStopped`, naming the step and the

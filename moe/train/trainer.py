@@ -169,6 +169,8 @@ class Trainer:
             )  # fmt: skip
         elif faults is not None and faults.has_delays:
             raise ValueError("injected sleep faults act on the phase timer: set [training] log_straggler = true")
+        if faults is not None and pipeline is not None and faults.has_loss_faults:
+            raise ValueError("injected loss faults act in the trainer's micro-batch loop, which pipeline runs skip")
 
     # -- one optimizer step
 
