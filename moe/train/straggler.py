@@ -9,9 +9,11 @@ compare and reports nothing).
 Reading a report: compute phases (forward, backward, optimizer) are the signal. A rank that is late makes the
 others *wait* inside the next communication phase (dispatch, combine, grad_sync, p2p), where the wait is counted;
 with three or more peers the waiting ranks are the majority, so the median absorbs the wait and the late rank's
-compute phase stands out. A communication phase is reported when a rank spends longer in it than its peers after
-the data arrived or before it leaves (e.g. a slow copy out of the receive buffer); with two peers the one that
-waited also exceeds the median there, so the findings are listed compute phases first, each with its kind.
+compute phase stands out. A communication phase is reported when a rank spends longer in it than its peers, but a
+delay *inside* one (e.g. a slow copy out of the receive buffer) makes the peers wait in the same phase or the next
+one depending on timing, so it is reliably attributed only when the peers do not wait in that same phase; with two
+peers the one that waited also exceeds the median. The findings are therefore listed compute phases first, each
+with its kind.
 
 Cost: the timer itself (about a microsecond per phase boundary, counted in `events`) and one all-gather of
 `len(PHASES) + 3` float64 per rank every `straggler_interval` steps, timed in each report (`gather_s`).

@@ -299,20 +299,21 @@ def test_two_processes_rewind_and_report_the_slow_rank(tmp_path, corpus_and_cach
     """EP2 with ZeRO-1 over the two ranks (DeepEP dispatch, sharded AdamW states): a NaN loss on rank 1 at step 3
     and a loss spike on rank 0 at step 6 (snapshots every 2 steps, so step 5 is replayed from ZeRO-1's restored
     shards) give the losses of a run that skipped steps 3 and 6. The same run has slow-rank detection on, with rank
-    1 sleeping in its backward during steps 1-4 and rank 0 in its dispatch during steps 5-8: the reports name them
-    (and the timers change no result: the reference run has them off)."""
+    1 sleeping in its backward during steps 1-4 and rank 0 in its forward during steps 5-8: the reports name them
+    (and the timers change no result: the reference run has them off). The delays are in compute phases: with two
+    ranks, a delay inside a communication phase makes the other rank wait in the same phase or the next one,
+    depending on timing, so its report is not reliable (moe/train/straggler.py)."""
     flags = ["--seed", "7", "--ep", "2", "--use-distributed-optimizer", "--ddp-bucket-size", "20000"]
     ref_path = _config(tmp_path / "ref.toml", corpus_and_cache, iterations_to_skip=SKIPPED)
     _run(["--config", str(ref_path), "--out", str(tmp_path / "ref"), *flags], 2)
     # min_seconds 0.05 s/step: the 2-core machine's scheduling noise stays below it, the injected delays do not
-    # (rank 1: 2 micro-batches x 0.15 s of backward per step; rank 0: 0.01 s after each of the 24 dispatch calls,
-    # forward and backward, of a step's 4 MoE layers x 2 micro-batches).
+    # (2 micro-batches x 0.15 s per step).
     path = _config(tmp_path / "c.toml", corpus_and_cache, rewind_snapshot_interval=2, log_straggler=True,
                    straggler_interval=4, straggler_min_seconds=0.05)  # fmt: skip
     faults = json.dumps([
         {"kind": "nan_loss", "step": 3, "rank": 1}, {"kind": "loss_spike", "step": 6, "rank": 0, "factor": 20.0},
         {"kind": "sleep", "steps": [1, 4], "rank": 1, "phase": "backward", "seconds": 0.15},
-        {"kind": "sleep", "steps": [5, 8], "rank": 0, "phase": "dispatch", "seconds": 0.01},
+        {"kind": "sleep", "steps": [5, 8], "rank": 0, "phase": "forward", "seconds": 0.15},
     ])  # fmt: skip
     _run(["--config", str(path), "--out", str(tmp_path / "run"), *flags], 2, faults)
     _assert_matches_reference(tmp_path / "run", tmp_path / "ref")
@@ -333,8 +334,8 @@ def test_two_processes_rewind_and_report_the_slow_rank(tmp_path, corpus_and_cach
     second = [(e["rank"], e["phase"]) for e in slow if e["step"] == 8]
     # The findings come compute phases first, the largest excess first; with two ranks, the one that waited for
     # the late one may also show up in a communication phase.
-    assert first[0] == (1, "backward"), slow
-    assert (0, "dispatch") in second, slow
-    sleeper = next(e for e in slow if (e["step"], e["rank"], e["phase"]) == (4, 1, "backward"))
-    assert sleeper["seconds_per_step"] - sleeper["median_seconds_per_step"] > 0.1  # half the 0.3 s/step injected
-    assert not sleeper["communication"] and sleeper["ratio"] > 1.5
+    assert first[0] == (1, "backward") and second[0] == (0, "forward"), slow
+    for step, rank, phase in ((4, 1, "backward"), (8, 0, "forward")):
+        sleeper = next(e for e in slow if (e["step"], e["rank"], e["phase"]) == (step, rank, phase))
+        assert sleeper["seconds_per_step"] - sleeper["median_seconds_per_step"] > 0.1  # half the 0.3 s/step injected
+        assert not sleeper["communication"] and sleeper["ratio"] > 1.5
