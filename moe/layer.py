@@ -18,6 +18,7 @@ from moe.dispatcher import DispatchResult, EPBuffers, TokenDispatcher, build_dis
 from moe.experts import SwiGLUExperts, SwiGLUMLP
 from moe.fp8 import Fp8SwiGLUExperts
 from moe.interleave import in_flight
+from moe.phase_timer import PhaseTimer, mark_backward, phase
 from moe.recompute import checkpointed
 from moe.replication import HotExpertReplicas
 from moe.router import RouterOutput, TopKRouter
@@ -119,6 +120,13 @@ class MoELayer(nn.Module):
             )  # fmt: skip
         self.recompute_level = "full" if config.moe_layer_recompute else config.moe_recompute_level
         self.metrics: MoEMetrics | None = None
+        self.phase_timer: PhaseTimer | None = None
+
+    def set_phase_timer(self, timer: PhaseTimer | None) -> None:
+        """Time this layer's dispatch and combine (forward and backward) on `timer` (see moe/phase_timer.py); the
+        dispatcher gets it too, for the communication inside its backward. None stops timing."""
+        self.phase_timer = timer
+        self.dispatcher.phase_timer = timer
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Args:
@@ -158,11 +166,13 @@ class MoELayer(nn.Module):
         dispatch_idx_TK = topk_idx_TK if hot_TK is None else topk_idx_TK.masked_fill(hot_TK, -1)
         wgrad_store = self._wgrad_store()
         x_dispatch_TH = x_TH if wgrad_store is None else wgrad_store.anchor(x_TH)
-        pending = self.dispatcher.dispatch_begin(x_dispatch_TH, probs_TK, dispatch_idx_TK)
+        timer = self.phase_timer  # the overlapped shared expert is compute: timed outside the dispatch
+        with phase(timer, "dispatch"):
+            pending = self.dispatcher.dispatch_begin(x_dispatch_TH, probs_TK, dispatch_idx_TK)
         shared_TH = None
         if self.shared_experts is not None and cfg.moe_shared_expert_overlap and self.dispatcher.supports_async:
             shared_TH = self._shared(x_TH)
-        with in_flight("dispatch", self.dispatcher.supports_async and self.ep_size > 1):
+        with phase(timer, "dispatch"), in_flight("dispatch", self.dispatcher.supports_async and self.ep_size > 1):
             dispatched = self.dispatcher.dispatch_end(pending)
 
         # Step 3: local experts (recomputing their activations in backward if the level or the row count says so;
@@ -173,12 +183,19 @@ class MoELayer(nn.Module):
         with wgrad.deferring(wgrad_store):
             expert_out_NH = self._run_experts(dispatched, capacity, num_tokens, expert_recompute)
         num_dropped += self.experts.last_num_dropped
-        combining = self.dispatcher.combine_begin(expert_out_NH, dispatched.handle)
+        # The combine's backward (a dispatch of the gradients) is bracketed by two marks (moe/phase_timer.py).
+        marked = timer is not None and torch.is_grad_enabled() and expert_out_NH.requires_grad
+        if marked:
+            expert_out_NH = mark_backward(expert_out_NH, timer, "combine", enter=False)
+        with phase(timer, "combine"):
+            combining = self.dispatcher.combine_begin(expert_out_NH, dispatched.handle)
         hot_out_TH = None
         if hot_TK is not None:
             hot_out_TH = self.replicas(self.experts, x_TH, probs_TK, topk_idx_TK, hot_TK, expert_recompute)
-        with in_flight("combine", self.dispatcher.supports_async_combine and self.ep_size > 1):
+        with phase(timer, "combine"), in_flight("combine", self.dispatcher.supports_async_combine and self.ep_size > 1):
             out_TH = self.dispatcher.combine_end(combining)
+        if marked:
+            out_TH = mark_backward(out_TH, timer, "combine", enter=True)
         if hot_out_TH is not None:
             out_TH = (out_TH.float() + hot_out_TH).to(out_TH.dtype)
         if self.shared_experts is not None:

@@ -16,7 +16,11 @@ the rest is data parallel, with ZeRO-1 under `--use-distributed-optimizer`. For 
 layout starts from the same weights, trains on the same tokens and does the same maths per step (see
 moe/train/trainer.py).
 
-Writes into RUN_DIR: run.json (layout and config), metrics.jsonl (one line per optimizer step), loss.png,
+A step whose loss or gradients are NaN/Inf, or whose loss spikes, can be rewound from an in-memory snapshot and
+skipped ([training] rewind_*, check_for_*; moe/train/rewind.py); a run that cannot continue exits with status 3.
+Slow ranks are reported with `log_straggler` (moe/train/straggler.py).
+
+Writes into RUN_DIR: run.json (layout and config), metrics.jsonl (one line per optimizer step, and events), loss.png,
 tokenizer.json, val_tokens.npy (held-out sequences for evaluate.py), checkpoints/step_N/ and checkpoints/latest.
 Files are readable by their owner only.
 """
@@ -47,8 +51,10 @@ from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, check_schedule, split_l
 from moe.train import checkpoint as ckpt  # noqa: E402
 from moe.train.config import TrainingConfig  # noqa: E402
 from moe.train.data import TokenBatches, prepare_tokens  # noqa: E402
+from moe.train.faults import FaultPlan  # noqa: E402
 from moe.train.metrics import LOSS_PNG, METRICS, loss_table, plot_loss, read_metrics  # noqa: E402
 from moe.train.parallel import FP8_RECIPES, PP_SCHEDULES, Layout, ParallelState, env_local_rank, env_world_size  # noqa: E402
+from moe.train.rewind import TrainingStopped  # noqa: E402
 from moe.train.trainer import ModelIO, Trainer  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -214,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         data = prepare_tokens(train_cfg.data, model_cfg.vocab_size, build=env_local_rank() == 0)
         batches = TokenBatches(data.tokens, seq_len=train_cfg.seq_len, global_batch=train_cfg.global_batch,
                                val_sequences=train_cfg.data.val_sequences, seed=args.seed)  # fmt: skip
+        faults = FaultPlan.from_env()  # test hook (moe/train/faults.py)
+        if faults is not None and faults.has_delays and not train_cfg.log_straggler:
+            raise ValueError("injected sleep faults act on the phase timer: set [training] log_straggler = true")
     except (ValueError, FileNotFoundError) as exc:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
@@ -259,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = Trainer(model, train_cfg, parallel, batches, run_dir, seed=args.seed, model_io=model_io,
                       mtp_loss_weight=model_cfg.mtp_loss_weight, num_mtp=model_cfg.num_nextn_predict_layers,
                       extra_checkpoint_files=(data.tokenizer_path,), run_info=run_info,
-                      pipeline=pipeline)  # fmt: skip
+                      pipeline=pipeline, faults=faults)  # fmt: skip
 
     # Step 3: the run directory, the starting point, the loop.
     if parallel.is_main:
@@ -276,7 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     if parallel.is_main:
         print(f"training {Path(args.config).stem} ({_layout_text(layout)}) from step {start_step} to {train_cfg.steps}")
     t0 = time.perf_counter()
-    trainer.fit(start_step)
+    try:
+        trainer.fit(start_step)
+    except TrainingStopped as stop:  # every rank stops at the same step (the decision is all-reduced)
+        if parallel.is_main:
+            print(f"train.py: stopped: {stop}", file=sys.stderr)
+        ep_buffers.destroy()
+        parallel.destroy()
+        return 3
     if pipeline is not None and args.pipeline_timeline:
         report = pipeline.write_timeline(run_dir / "pipeline_timeline.json", run_dir / "pipeline_timeline.png")
         if parallel.is_main:

@@ -47,6 +47,9 @@ class TokenDispatcher(ABC):
 
     supports_async: bool = False
     supports_async_combine: bool = False
+    # A `moe.phase_timer.PhaseTimer` for the communication inside the backward (set by `MoELayer.set_phase_timer`;
+    # the layer times the forward calls itself). Dispatchers that do not use it leave that time to 'backward'.
+    phase_timer = None
 
     def __init__(self, *, num_experts: int, ep_group: dist.ProcessGroup | None = None) -> None:
         self.ep_group = ep_group

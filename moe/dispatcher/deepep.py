@@ -53,6 +53,7 @@ from moe import wgrad
 from moe.dispatcher.base import DispatchResult, TokenDispatcher, sort_slots_by_expert, weighted_scatter_sum
 from moe.dispatcher.buffers import EPBuffers, buffer_group, buffer_source
 from moe.interleave import in_flight
+from moe.phase_timer import phase
 from mtdeepep.utils.fp8 import FP8_BLOCK, per_token_cast_back, per_token_cast_to_fp8
 
 # Combine sends float32 partial sums (exact FP32 reduction across ranks); size the buffer for float32 rows.
@@ -140,29 +141,32 @@ class _DispatchGrad(torch.autograd.Function):
     gradients (`moe.wgrad.run_deferred`) run while the gradients travel."""
 
     @staticmethod
-    def forward(ctx, x_TH, weights_TK, recv_x_UH, recv_weights_UK, recv_idx_UK, buffer, comm_handle):
-        ctx.buffer, ctx.comm_handle = buffer, comm_handle
+    def forward(ctx, x_TH, weights_TK, recv_x_UH, recv_weights_UK, recv_idx_UK, buffer, comm_handle, timer):
+        ctx.buffer, ctx.comm_handle, ctx.timer = buffer, comm_handle, timer
         ctx.save_for_backward(recv_idx_UK)
         return recv_x_UH.view_as(recv_x_UH), recv_weights_UK.view_as(recv_weights_UK)
 
     @staticmethod
     def backward(ctx, grad_recv_x, grad_recv_weights):
         (recv_idx,) = ctx.saved_tensors
-        # Slots whose expert lives elsewhere were constant zeros: no gradient flows through them. (Gradients of
-        # unused outputs arrive as zeros: autograd materialises them.)
-        weights = grad_recv_weights.masked_fill(recv_idx < 0, 0.0).float().contiguous()
-        grad_x, grad_weights, event = ctx.buffer.combine(
-            grad_recv_x.contiguous(), ctx.comm_handle, topk_weights=weights, async_finish=True
-        )
-        try:
-            wgrad.run_deferred()
-        except BaseException:
-            event.current_stream_wait()  # never leave the combine in flight
-            raise
-        # In an overlapped DualPipeV chunk the other micro-batch computes while this combine is in flight.
-        with in_flight("dispatch_backward"):
-            event.current_stream_wait()
-        return grad_x, grad_weights, None, None, None, None, None
+        timer = ctx.timer  # the combine and its wait are 'dispatch' time, the delayed GEMMs 'backward'
+        with phase(timer, "dispatch"):
+            # Slots whose expert lives elsewhere were constant zeros: no gradient flows through them. (Gradients of
+            # unused outputs arrive as zeros: autograd materialises them.)
+            weights = grad_recv_weights.masked_fill(recv_idx < 0, 0.0).float().contiguous()
+            grad_x, grad_weights, event = ctx.buffer.combine(
+                grad_recv_x.contiguous(), ctx.comm_handle, topk_weights=weights, async_finish=True
+            )
+            try:
+                with phase(timer, "backward"):
+                    wgrad.run_deferred()
+            except BaseException:
+                event.current_stream_wait()  # never leave the combine in flight
+                raise
+            # In an overlapped DualPipeV chunk the other micro-batch computes while this combine is in flight.
+            with in_flight("dispatch_backward"):
+                event.current_stream_wait()
+        return grad_x, grad_weights, None, None, None, None, None, None
 
 
 def nvl_bytes_hint(hidden_size: int, num_ranks: int) -> int:
@@ -244,7 +248,7 @@ class DeepEPDispatcher(TokenDispatcher):
         )
         if torch.is_grad_enabled() and (x_TH.requires_grad or weights_TK.requires_grad):
             recv_x, recv_weights = _DispatchGrad.apply(
-                x_TH, weights_TK, recv_x, recv_weights, recv_idx, buffer, comm_handle
+                x_TH, weights_TK, recv_x, recv_weights, recv_idx, buffer, comm_handle, self.phase_timer
             )
         return _PendingFlexDispatch(T, x_TH.dtype, recv_x, recv_idx, recv_weights, counts, comm_handle, buffer, event)
 
@@ -271,7 +275,7 @@ class DeepEPDispatcher(TokenDispatcher):
             recv_x_UH = per_token_cast_back(*pending.recv_x_UH).to(pending.dtype)
             recv_x_UH, recv_weights_UK = _DispatchGrad.apply(
                 *pending.fp8_sources, recv_x_UH, pending.recv_weights_UK, pending.recv_idx_UK, pending.buffer,
-                pending.comm_handle,
+                pending.comm_handle, self.phase_timer,
             )  # fmt: skip
             pending.recv_x_UH, pending.recv_weights_UK = recv_x_UH, recv_weights_UK
         recv_row_N, _, weights_N = expand_by_local_expert(pending.recv_idx_UK, pending.recv_weights_UK)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleInterleavedZeroBubble
 
+from moe.phase_timer import PhaseTimer, phase
 from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, StageSplit, check_schedule, stages_of_rank
 from moe.pipeline.stages import DeepseekV3Stage, StageLoss, keep_stages
 from moe.pipeline.timeline import (
@@ -37,20 +38,23 @@ SPLIT_BACKWARD = ("zbh1", "dualpipev")  # schedules whose backward runs as separ
 
 
 class TimedStage(PipelineStage):
-    """torch's `PipelineStage` that records every action it runs (F, B, I, W) on a `TimelineRecorder`."""
+    """torch's `PipelineStage` that records every action it runs (F, B, I, W) on a `TimelineRecorder`, and times
+    them as 'forward' / 'backward' on a `PhaseTimer` (the rest of the schedule's step is 'p2p', see
+    `PipelineRunner.step`)."""
 
     recorder: TimelineRecorder | None = None
+    phase_timer: PhaseTimer | None = None
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
-        with self._slot("F", fwd_chunk_id):
+        with self._slot("F", fwd_chunk_id), phase(self.phase_timer, "forward"):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        with self._slot("B" if full_backward else "I", bwd_chunk_id):
+        with self._slot("B" if full_backward else "I", bwd_chunk_id), phase(self.phase_timer, "backward"):
             return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
-        with self._slot("W", bwd_chunk_id):
+        with self._slot("W", bwd_chunk_id), phase(self.phase_timer, "backward"):
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
     def _slot(self, kind: str, microbatch: int):
@@ -120,6 +124,7 @@ class PipelineRunner:
         self.overlap = None
         if overlap_moe_comm and schedule != "dualpipev":
             raise ValueError(f"overlap_moe_comm overlaps DualPipeV's forward-backward chunks; {schedule} has none")
+        self.phase_timer: PhaseTimer | None = None
         if schedule in SPLIT_BACKWARD:
             # torch's split backward runs each graph twice (I, then W): the MoE layers' own deferred weight
             # gradients hand theirs over in the first pass, which keeps input gradients only. The schedule's W
@@ -166,6 +171,14 @@ class PipelineRunner:
         outputs = torch.empty(1, dtype=torch.float32, device=device) if module.is_last else activations
         return inputs, outputs
 
+    def set_phase_timer(self, timer: PhaseTimer | None) -> None:
+        """Time this rank's pipeline actions on `timer`: F as 'forward', B / I / W as 'backward', the rest of the
+        schedule's step (sends, receives, waiting for the neighbours) as 'p2p'. The MoE layers are given the timer
+        separately (`MoELayer.set_phase_timer`). None stops timing."""
+        self.phase_timer = timer
+        for stage in self.stages:
+            stage.phase_timer = timer
+
     @property
     def holds_first(self) -> bool:
         return 0 in self.stage_ids
@@ -193,7 +206,8 @@ class PipelineRunner:
         args = (tokens_BS,) if self.holds_first else ()
         target = tokens_BS if self.holds_last else None
         try:
-            self.schedule.step(*args, target=target, tokens=tokens_BS)
+            with phase(self.phase_timer, "p2p"):
+                self.schedule.step(*args, target=target, tokens=tokens_BS)
         except Exception as exc:
             raise RuntimeError(
                 f"step {step}: pipeline rank {self.parallel.pp_rank} (stages {self.stage_ids} of {self.num_stages}, "

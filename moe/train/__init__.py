@@ -6,7 +6,10 @@
 - `schedule`: warm-up + cosine learning rate.
 - `optim`: `MasterAdamW` (FP32 master weights, gradient reduction over the layout, global-norm clipping).
 - `checkpoint`: atomic checkpoint directories and the `latest` pointer.
-- `metrics`: metrics.jsonl and the loss plot.
+- `metrics`: metrics.jsonl (step records and events) and the loss plot.
+- `rewind`: NaN/Inf and loss-spike checks, the in-memory snapshot, rewind and skip.
+- `straggler`: slow-rank reports from the per-rank phase times (`moe.phase_timer`).
+- `faults`: injected faults (the test hook of rewind and slow-rank detection).
 - `trainer`: `Trainer` (the step, the loop, save and resume).
 """
 

@@ -16,6 +16,21 @@ clip_grad = 1.0          # global gradient-norm clip; 0 = off
 dtype = "float32"        # parameters and activations: float32 or bfloat16 (FP32 master weights and Adam states)
 checkpoint_every = 100   # steps; the last step is always saved; 0 = only the last
 log_every = 10           # steps between console log lines (metrics.jsonl gets every step)
+# Anomalies and rewind (moe/train/rewind.py): a step whose loss or gradient norm is NaN/Inf, or whose loss is a
+# spike, makes no update; the state is restored from the last in-memory snapshot, the step's batch is skipped.
+check_for_nan_in_loss_and_grad = true
+check_for_spiky_loss = false
+spiky_loss_zscore = 6.0        # a spike: (loss - mean) / std of the last accepted steps' losses above this
+spiky_loss_window = 50         # steps in that window
+spiky_loss_min_steps = 10      # accepted steps before spikes are looked for
+rewind_snapshot_interval = 1   # steps between in-memory snapshots; 0 = none (an anomaly stops the run)
+rewind_max_retries = 3         # anomalous steps in a row that are rewound and skipped; the next one stops the run
+iterations_to_skip = []        # steps that make no update (their batches are skipped), e.g. known bad batches
+# Slow-rank detection (moe/train/straggler.py): per-rank, per-phase times gathered every straggler_interval steps.
+log_straggler = false
+straggler_interval = 10
+straggler_factor = 1.5         # a rank whose phase time exceeds the median over the ranks by this factor ...
+straggler_min_seconds = 0.02   # ... and by this many seconds per step is reported
 
 [training.data]
 corpus = "python-stdlib" # or a directory: its *.py files, sorted by path
@@ -23,7 +38,10 @@ tokenizer = "bpe"        # byte-level BPE trained to the model's vocab_size, or 
 ```
 
 Megatron's names for the same settings: `train_iters`, `global_batch_size`, `seq_length`, `lr`, `min_lr`,
-`lr_warmup_iters`, `adam_beta1/2`, `adam_eps`, `weight_decay`, `clip_grad`, `save_interval`, `log_interval`.
+`lr_warmup_iters`, `adam_beta1/2`, `adam_eps`, `weight_decay`, `clip_grad`, `save_interval`, `log_interval`;
+`check_for_nan_in_loss_and_grad`, `check_for_spiky_loss`, `iterations_to_skip` and `log_straggler` are Megatron's
+own names (its `--iterations-to-skip` steps likewise make no update and consume their batch; here the learning rate
+stays a function of the step number, see moe/train/rewind.py).
 """
 
 from __future__ import annotations
@@ -97,6 +115,21 @@ class TrainingConfig:
     use_distributed_optimizer: bool = False
     ddp_bucket_size: int | None = None
     overlap_grad_reduce: bool = True
+    # Anomaly detection and rewind (moe/train/rewind.py; the semantics are in its docstring). Defaults: NaN/Inf
+    # checked (an anomaly without snapshots stops the run, as it always did), spikes not, no snapshots.
+    check_for_nan_in_loss_and_grad: bool = True
+    check_for_spiky_loss: bool = False
+    spiky_loss_zscore: float = 6.0
+    spiky_loss_window: int = 50
+    spiky_loss_min_steps: int = 10
+    rewind_snapshot_interval: int = 0
+    rewind_max_retries: int = 3
+    iterations_to_skip: tuple[int, ...] = ()
+    # Slow-rank detection (moe/train/straggler.py).
+    log_straggler: bool = False
+    straggler_interval: int = 10
+    straggler_factor: float = 1.5
+    straggler_min_seconds: float = 0.02
     data: DataConfig = field(default_factory=DataConfig)
 
     def __post_init__(self) -> None:
@@ -133,8 +166,42 @@ class TrainingConfig:
             _positive_int("ddp_bucket_size", self.ddp_bucket_size)
         if self.dtype not in DTYPES:
             raise ValueError(f"[training] dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self._check_anomaly_settings()
         if isinstance(self.data, dict):
             self.data = data_config_from_dict(self.data)
+
+    def _check_anomaly_settings(self) -> None:
+        for name in ("check_for_nan_in_loss_and_grad", "check_for_spiky_loss", "log_straggler"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"[training] {name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("spiky_loss_window", "straggler_interval"):
+            _positive_int(name, getattr(self, name))
+        for name in ("spiky_loss_min_steps", "rewind_snapshot_interval", "rewind_max_retries"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"[training] {name} must be an int >= 0, got {value!r}")
+        if self.spiky_loss_min_steps < 2:
+            raise ValueError(f"[training] spiky_loss_min_steps must be >= 2 (a spread needs two losses), got "
+                             f"{self.spiky_loss_min_steps}")  # fmt: skip
+        if self.spiky_loss_min_steps > self.spiky_loss_window:
+            raise ValueError(
+                f"[training] spiky_loss_min_steps={self.spiky_loss_min_steps} exceeds spiky_loss_window="
+                f"{self.spiky_loss_window}: the window never holds that many losses"
+            )
+        for name in ("spiky_loss_zscore", "straggler_factor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"[training] {name} must be a number > 0, got {value!r}")
+        if self.straggler_factor <= 1:
+            raise ValueError(f"[training] straggler_factor must be > 1 (times the median), got {self.straggler_factor}")
+        value = self.straggler_min_seconds
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"[training] straggler_min_seconds must be a number >= 0, got {value!r}")
+        skip = self.iterations_to_skip
+        if not isinstance(skip, (list, tuple)) or any(isinstance(s, bool) or not isinstance(s, int) or s < 1
+                                                      for s in skip):  # fmt: skip
+            raise ValueError(f"[training] iterations_to_skip must be a list of steps >= 1, got {skip!r}")
+        self.iterations_to_skip = tuple(sorted(set(skip)))
 
     @classmethod
     def from_dict(cls, table: dict[str, Any]) -> TrainingConfig:
@@ -156,6 +223,7 @@ class TrainingConfig:
         """The resolved settings as plain JSON-able values (for run.json)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "data"}
         out["betas"] = list(self.betas)
+        out["iterations_to_skip"] = list(self.iterations_to_skip)
         out["data"] = {f.name: getattr(self.data, f.name) for f in fields(self.data)}
         return out
 

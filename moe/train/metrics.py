@@ -1,4 +1,10 @@
-"""Per-step metrics: `metrics.jsonl` (one JSON object per optimizer step) and the loss-curve PNG."""
+"""Per-step metrics: `metrics.jsonl` (one JSON object per optimizer step, and the run's events) and the loss-curve
+PNG.
+
+A step record has no "kind" key; an event has one, and the step it happened at: "skip" (a step of
+`iterations_to_skip`), "rewind" and "stop" (moe/train/rewind.py), "phase_times" and "slow_rank"
+(moe/train/straggler.py). `read_metrics` returns the step records, `read_events` the events.
+"""
 
 from __future__ import annotations
 
@@ -20,13 +26,14 @@ class MetricsLog:
 
     def __init__(self, run_dir: str | Path, resume_step: int | None = None) -> None:
         self.path = Path(run_dir) / METRICS
-        kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step] if resume_step is not None else []
+        kept = [r for r in _read_all(self.path) if r["step"] <= resume_step] if resume_step is not None else []
         with self.path.open("w") as f:
             for r in kept:
                 f.write(json.dumps(r) + "\n")
         self._file = self.path.open("a")
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append a step record or an event."""
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
@@ -34,12 +41,21 @@ class MetricsLog:
         self._file.close()
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl (an empty list when it does not exist)."""
+def _read_all(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The step records of a metrics.jsonl (an empty list when it does not exist); events are left out."""
+    return [r for r in _read_all(path) if "kind" not in r]
+
+
+def read_events(path: str | Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The events of a metrics.jsonl (those of `kind` only, when given), in the order they were written."""
+    return [r for r in _read_all(path) if "kind" in r and (kind is None or r["kind"] == kind)]
 
 
 def plot_loss(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path:

@@ -16,12 +16,18 @@ The maths of a step do not depend on the layout (see moe/train/parallel.py and m
 
 Randomness: torch's generator is reseeded from `(seed, step)` at the start of every step, so a resumed run draws
 the same numbers as an uninterrupted one and no generator state needs saving.
+
+Anomalies (moe/train/rewind.py): before the optimizer step, the global loss and gradient norm are checked for
+NaN/Inf and the loss for a spike; an anomalous step makes no update, `fit` restores the last in-memory snapshot and
+skips the step (its batch), as a step listed in `iterations_to_skip` is skipped. Slow ranks
+(moe/train/straggler.py): with `log_straggler`, every rank times its phases and every `straggler_interval` steps the
+ranks much slower than their peers in a phase are reported. Both write their events into metrics.jsonl (records
+with a "kind"; the step records have none).
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import shutil
 import time
 from collections.abc import Callable
@@ -35,14 +41,18 @@ from torch import nn
 
 from moe.balancing import load_imbalance, set_aux_loss_scale, update_expert_bias
 from moe.memory import process_peak_bytes
+from moe.phase_timer import PhaseTimer, phase
 from moe.train import checkpoint as ckpt
 from moe.train.config import TrainingConfig
 from moe.train.data import TokenBatches
+from moe.train.faults import Fault, FaultPlan
 from moe.train.loss import loss_share
 from moe.train.metrics import LOSS_PNG, MetricsLog, plot_loss
 from moe.train.optim import MasterAdamW
 from moe.train.parallel import ParallelState, all_reduce_sum
+from moe.train.rewind import AnomalyDetected, RewindGuard, TrainingStopped
 from moe.train.schedule import lr_at
+from moe.train.straggler import StragglerMonitor, slow_rank_event
 from moe.train.zero import DistributedAdamW, ZeroConfig
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -95,6 +105,7 @@ class Trainer:
         extra_checkpoint_files: files copied into every checkpoint (e.g. the tokenizer).
         pipeline: with pipeline parallelism, the `moe.pipeline.PipelineRunner` that runs each step's micro-batches
             (built first: it prunes `model` to this rank's stages).
+        faults: test hook: faults to inject (moe/train/faults.py), None for none.
     """
 
     def __init__(
@@ -112,6 +123,7 @@ class Trainer:
         extra_checkpoint_files: tuple[Path, ...] = (),
         run_info: dict[str, Any] | None = None,
         pipeline=None,
+        faults: FaultPlan | None = None,
     ) -> None:
         self.model = model
         self.pipeline = pipeline
@@ -140,12 +152,36 @@ class Trainer:
             self.optimizer = MasterAdamW(model, expert_params, config, parallel)
         self.local_rows = config.global_batch // parallel.layout.dp
         self.micro_rows = self.local_rows // config.micro_batches
+        # Anomaly checks and rewind, slow-rank detection, injected faults.
+        self.faults = faults
+        self.guard = RewindGuard(config, model, self.optimizer, world=parallel.layout.world, rank=parallel.rank)
+        self.phase_timer: PhaseTimer | None = None
+        self.straggler: StragglerMonitor | None = None
+        if config.log_straggler:
+            self.phase_timer = PhaseTimer()
+            for layer in self.moe_layers:
+                layer.set_phase_timer(self.phase_timer)
+            if pipeline is not None:
+                pipeline.set_phase_timer(self.phase_timer)
+            self.straggler = StragglerMonitor(
+                self.phase_timer, world=parallel.layout.world, pp=parallel.layout.pp,
+                interval=config.straggler_interval, factor=config.straggler_factor,
+                min_seconds=config.straggler_min_seconds,
+            )  # fmt: skip
+        elif faults is not None and faults.has_delays:
+            raise ValueError("injected sleep faults act on the phase timer: set [training] log_straggler = true")
+        if faults is not None and pipeline is not None and faults.has_loss_faults:
+            raise ValueError("injected loss faults act in the trainer's micro-batch loop, which pipeline runs skip")
 
     # -- one optimizer step
 
     def train_step(self, step: int) -> dict[str, Any]:
-        """Optimizer step `step` (1-based); returns its metrics record (the same on every rank)."""
+        """Optimizer step `step` (1-based); returns its metrics record (the same on every rank). Raises
+        `AnomalyDetected` on every rank, before any update, when the step fails its checks (moe/train/rewind.py)."""
         cfg, par = self.config, self.parallel
+        timer = self.phase_timer
+        if timer is not None and self.faults is not None:
+            timer.set_delays(self.faults.delays(step, par.rank))
         start = time.perf_counter()
         torch.manual_seed(step_seed(self.seed, step))
         self.model.train()
@@ -161,19 +197,27 @@ class Trainer:
                 sums, load_of = self.pipeline.step(tokens_BS, counts, step)
             loads = [load_of[id(layer)] for layer in self.moe_layers]
         else:
-            sums, loads = self._micro_batches(tokens_BS, counts)
-        self.optimizer.reduce_gradients()
-        grad_norm = self.optimizer.global_grad_norm()
-        if not math.isfinite(grad_norm):
-            raise FloatingPointError(f"step {step}: the gradient norm is {grad_norm} (the loss diverged)")
-        self.optimizer.clip(grad_norm)
-        lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
-        self.optimizer.step(lr)
-        # Every rank of the stage routed other tokens (other sequences, or under sequence parallelism another part
-        # of the sequence): the expert loads are summed over dp x tp. The loss sums are the same on the TP ranks
-        # of one data-parallel rank (the model's loss is its data-parallel batch's), so they are summed over dp.
-        update_expert_bias(self.model, par.token_group)
+            fault = self.faults.loss_fault(step, par.rank) if self.faults is not None else None
+            sums, loads = self._micro_batches(tokens_BS, counts, fault)
+        with phase(timer, "grad_sync"):  # the norm's all-reduce is where ranks wait for a late one: not 'optimizer'
+            self.optimizer.reduce_gradients()
+            grad_norm = self.optimizer.global_grad_norm()
+        # The loss sums are the same on the TP ranks of one data-parallel rank (the model's loss is its
+        # data-parallel batch's), so they are summed over dp. Before the update: the checks need the global loss.
+        local_finite = bool(torch.isfinite(sums).all())
         sums = all_reduce_sum(sums, par.dp_group)
+        loss = float(sums[0] / counts[0])
+        mtp = [float(sums[1 + d] / counts[1 + d]) for d in range(self.num_mtp)]
+        mtp_loss = sum(mtp) / len(mtp) if mtp else None
+        self.guard.check(step, loss, mtp_loss, grad_norm, local_finite)
+        with phase(timer, "optimizer"):
+            self.optimizer.clip(grad_norm)
+            lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
+            self.optimizer.step(lr)
+        # Every rank of the stage routed other tokens (other sequences, or under sequence parallelism another part
+        # of the sequence): the expert loads are summed over dp x tp.
+        update_expert_bias(self.model, par.token_group)
+        self.guard.accepted(step, loss)
         if loads:  # a pipeline rank may hold no MoE layer
             loads = all_reduce_sum(torch.cat(loads), par.token_group).split(num_experts)
         elapsed = time.perf_counter() - start
@@ -181,7 +225,6 @@ class Trainer:
         per_rank = torch.tensor([process_peak_bytes(), self.optimizer.state_bytes_per_rank()], dtype=torch.float64)
         if self.parallel.layout.world > 1:
             dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
-        mtp = [float(sums[1 + d] / counts[1 + d]) for d in range(self.num_mtp)]
         imbalance = {n: load_imbalance(c) for n, c in zip(self.moe_layer_names, loads)}
         if par.pp_group is not None:  # every stage's MoE layers in the record
             stages: list[dict] = [{} for _ in range(par.layout.pp)]
@@ -189,8 +232,8 @@ class Trainer:
             imbalance = {k: v for part in stages for k, v in part.items()}
         return {
             "step": step,
-            "loss": float(sums[0] / counts[0]),
-            "mtp_loss": sum(mtp) / len(mtp) if mtp else None,
+            "loss": loss,
+            "mtp_loss": mtp_loss,
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed,
@@ -200,18 +243,24 @@ class Trainer:
             "expert_load_max_over_mean": imbalance,
         }
 
-    def _micro_batches(self, tokens_BS: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, list]:
+    def _micro_batches(
+        self, tokens_BS: torch.Tensor, counts: torch.Tensor, fault: Fault | None = None
+    ) -> tuple[torch.Tensor, list]:
         """Forward and backward of each micro-batch in turn (no pipeline): `(loss sums [1 + D] float64, tokens per
-        expert of each MoE layer)`."""
-        cfg = self.config
+        expert of each MoE layer)`. `fault` (test hook) corrupts the first micro-batch's LM loss sum."""
+        cfg, timer = self.config, self.phase_timer
         sums = torch.zeros(1 + self.num_mtp, dtype=torch.float64)
         loads = [torch.zeros(layer.config.num_moe_experts, dtype=torch.float64) for layer in self.moe_layers]
         for index, mb_BS in enumerate(tokens_BS.split(self.micro_rows)):
             # ZeRO-1: no gradient communication before the last micro-batch's backward (then it overlaps it).
             with self.optimizer.accumulation_context(index, cfg.micro_batches):
-                out = self.model(mb_BS, labels=mb_BS)
-                loss, mb_sums = loss_share(out, counts, self.mtp_loss_weight, self.num_mtp)
-                loss.backward()
+                with phase(timer, "forward"):
+                    out = self.model(mb_BS, labels=mb_BS)
+                    if fault is not None and index == 0:
+                        out.lm_loss_sum = fault.apply(out.lm_loss_sum)
+                    loss, mb_sums = loss_share(out, counts, self.mtp_loss_weight, self.num_mtp)
+                with phase(timer, "backward"):
+                    loss.backward()
             sums += mb_sums
             for load, layer in zip(loads, self.moe_layers):
                 load += layer.metrics.tokens_per_expert.double()
@@ -293,33 +342,94 @@ class Trainer:
 
     def fit(self, start_step: int = 0) -> list[dict[str, Any]]:
         """Steps `start_step + 1 .. config.steps`, with metrics, progress bar, checkpoints (every
-        `checkpoint_every` steps and at the last) and the loss plot; returns the records of the steps run."""
+        `checkpoint_every` steps and at the last) and the loss plot; returns the records of the steps run.
+
+        Steps in `iterations_to_skip` make no update (a "skip" event). An anomalous step (`AnomalyDetected`) is
+        rewound: the snapshot is restored, the steps between it and the anomaly run again (their records and
+        checkpoints are not written twice) and the step is skipped (a "rewind" event); an anomaly that cannot be
+        rewound raises `TrainingStopped` after a "stop" event. With `log_straggler`, "phase_times" and
+        "slow_rank" events every `straggler_interval` steps.
+        """
         cfg = self.config
         main = self.parallel.is_main
         log = MetricsLog(self.run_dir, resume_step=start_step) if main else None
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start_step, disable=not main, unit="step", dynamic_ncols=True)
-        records = []
+
+        def event(record: dict[str, Any], line: str | None = None) -> None:
+            if main:
+                log.write(record)
+                if line:
+                    bar.write(line)
+
+        records: dict[int, dict[str, Any]] = {}
+        configured_skips = set(cfg.iterations_to_skip)
+        done, saved, step = start_step, set(), start_step + 1  # done: the last step past on the first pass
         try:
-            for step in range(start_step + 1, cfg.steps + 1):
-                record = self.train_step(step)
-                records.append(record)
-                if main:
-                    log.write(record)
+            while step <= cfg.steps:
+                fresh = step > done
+                if step in configured_skips or step in self.guard.skipped:
+                    if fresh and step in configured_skips:
+                        line = f"step {step:>5} skipped (iterations_to_skip): no update, its batch is not used"
+                        event({"kind": "skip", "step": step, "reason": "iterations_to_skip"}, line)
+                else:
+                    snapshot_s = self.guard.maybe_snapshot(step)
+                    try:
+                        record = self.train_step(step)
+                    except AnomalyDetected as anomaly:
+                        if self.straggler is not None:
+                            self.straggler.step_done(step)
+                        try:
+                            rewind = self.guard.rewind(anomaly)
+                        except TrainingStopped as stop:
+                            event({"kind": "stop", "step": stop.step, "reason": stop.reason, "message": str(stop)},
+                                  f"stopped: {stop}")  # fmt: skip
+                            raise
+                        e = rewind.event
+                        event(e, f"step {step:>5} rewound ({e['reason']}): {e['message']}; restored the state after "
+                                 f"step {e['restored_to_step']}, step {step} is skipped")  # fmt: skip
+                        step = rewind.resume_step
+                        continue
+                    if snapshot_s is not None:  # taken before the step, outside its step_s
+                        record["snapshot_s"] = snapshot_s
+                        record["snapshot_mib"] = self.guard.snapshot.nbytes / 2**20
+                    records[step] = record
+                    if fresh:
+                        event(record)
+                        if main:
+                            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                            if step % cfg.log_every == 0 or step == cfg.steps:
+                                bar.write(_log_line(record))
+                    if self.straggler is not None:
+                        self._report_stragglers(step, event)
+                if fresh:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-                    if step % cfg.log_every == 0 or step == cfg.steps:
-                        bar.write(_log_line(record))
-                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
+                if ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps) and (
+                    step not in saved
+                ):
                     self.save(step)
+                    saved.add(step)
+                done = max(done, step)
+                step += 1
         finally:
             bar.close()
             if log is not None:
                 log.close()
-        if main:
+        if main and records:
             plot_loss(log.path, self.run_dir / LOSS_PNG, title=self.run_info.get("title", ""))
-        return records
+        return [records[s] for s in sorted(records)]
+
+    def _report_stragglers(self, step: int, event: Callable[..., None]) -> None:
+        """Count the step; every `straggler_interval` steps gather the phase times and report the slow ranks."""
+        self.straggler.step_done(step)
+        if not self.straggler.due(step):
+            return
+        times, findings = self.straggler.report(step)
+        event(times)
+        for finding in findings:
+            event(slow_rank_event(step, times["first_step"], finding),
+                  f"steps {times['first_step']}-{step}: {finding.describe()}")  # fmt: skip
 
 
 def _log_line(r: dict[str, Any]) -> str:

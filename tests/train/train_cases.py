@@ -98,3 +98,11 @@ def torchrun_rank(proc, argv: list[str]) -> int:
     if code != 0:
         raise RuntimeError(f"train.py exited with {code}")
     return code
+
+
+def torchrun_rank_with_faults(proc, argv: list[str], faults: str) -> int:
+    """`torchrun_rank` with the fault plan `faults` (JSON, moe/train/faults.py) in the rank's environment."""
+    from moe.train.faults import ENV
+
+    os.environ[ENV] = faults
+    return torchrun_rank(proc, argv)
