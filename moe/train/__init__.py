@@ -10,7 +10,7 @@
 - `shard_files`: their files: streamed safetensors with sha256, the manifest, the resharding reader.
 - `sharded`: the geometry: a rank's part of a global tensor as boxes (experts, TP shards, ZeRO-1 ranges).
 - `train_state`: what a checkpoint holds of a rank (model, optimizer, RNG, FP8 amax histories), and loading it.
-- `faults`: fault injection for the checkpoint tests (a rank SIGKILLs itself).
+- `crash_faults`: crash injection for the checkpoint tests (a rank SIGKILLs itself).
 - `metrics`: metrics.jsonl and the loss plot.
 - `trainer`: `Trainer` (the step, the loop, save and resume).
 """

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from moe.train import checkpoint as ckpt
-from moe.train import faults
+from moe.train import crash_faults
 from moe.train import shard_files as sf
 from moe.train.parallel import ParallelState
 from moe.train.sharded import Box, check_tiling, pieces
@@ -110,7 +110,7 @@ class _Job:
     stats: SaveStats
     layout: dict[str, Any]
     timeout_s: float
-    fault: faults.Fault | None
+    fault: crash_faults.Fault | None
     shard_done: threading.Event = field(default_factory=threading.Event)
     shard_ok: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -137,7 +137,7 @@ class FlashCheckpointer:
         self.run_dir = Path(run_dir)
         self.parallel = parallel
         self.timeout_s = float(timeout_s)
-        self.fault = faults.from_env()
+        self.fault = crash_faults.from_env()
         self.session: str | None = None
         self.stats: list[SaveStats] = []
         self._job: _Job | None = None
@@ -355,7 +355,7 @@ def _write_shard(job: _Job) -> None:
 
 
 class _FaultHook:
-    """`kill_in_write` (moe/train/faults.py): SIGKILL once half of this rank's sharded bytes are written."""
+    """`kill_in_write` (moe/train/crash_faults.py): SIGKILL once half of this rank's sharded bytes are written."""
 
     def __init__(self, job: _Job) -> None:
         f = job.fault
@@ -371,7 +371,7 @@ class _FaultHook:
         def hook(written: int, total: int) -> None:
             if self.before + written >= self.total // 2:
                 done = self.before + written
-                faults.kill_self(f"rank {self.job.rank} writing {rel} of step {self.job.step} ({done} of about "
+                crash_faults.kill_self(f"rank {self.job.rank} writing {rel} of step {self.job.step} ({done} of about "
                                  f"{self.total} bytes of its shard written)")  # fmt: skip
 
         return hook

@@ -41,7 +41,7 @@ from torch import nn
 from moe.balancing import load_imbalance, set_aux_loss_scale, update_expert_bias
 from moe.memory import process_peak_bytes
 from moe.train import checkpoint as ckpt
-from moe.train import faults
+from moe.train import crash_faults
 from moe.train import train_state as ts
 from moe.train.config import TrainingConfig
 from moe.train.data import TokenBatches
@@ -263,12 +263,13 @@ class Trainer:
         self.checkpointer.close(ok)
 
     def _before_step(self, step: int) -> None:
-        """A background write's error surfaces at the next step; the tests' fault injection (moe/train/faults.py)."""
+        """A background write's error surfaces at the next step; the tests' crash injection
+        (moe/train/crash_faults.py)."""
         self.checkpointer.raise_if_failed()
         fault = self.checkpointer.fault
         if fault is not None and (fault.kind, fault.rank, fault.step) == ("kill_at_step", self.parallel.rank, step):
             self.checkpointer.wait()
-            faults.kill_self(f"rank {self.parallel.rank} before step {step}")
+            crash_faults.kill_self(f"rank {self.parallel.rank} before step {step}")
 
     def _merge_stages(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """With pipeline parallelism, every pipeline rank's part of a state dict in one (collective over the

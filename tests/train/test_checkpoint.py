@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from moe.train import checkpoint as ckpt
-from moe.train import faults
+from moe.train import crash_faults
 from moe.train import shard_files as sf
 from moe.train import train_state as ts
 from moe.train.config import TrainingConfig
@@ -151,7 +151,7 @@ def _save_then_die_writing(proc, run_dir: str) -> None:
     cp = FlashCheckpointer(run_dir, PAR)
     _save(cp, 1, model, opt)
     cp.close()
-    os.environ[faults.ENV] = "kill_in_write:0:2"
+    os.environ[crash_faults.ENV] = "kill_in_write:0:2"
     cp = FlashCheckpointer(run_dir, PAR)
     _save(cp, 2, model, opt)
     cp.close()
@@ -218,6 +218,6 @@ def test_bad_pointer_is_reported(tmp_path):
 
 
 def test_fault_specs_are_checked():
-    assert faults.Fault.parse("kill_in_write:1:8") == faults.Fault("kill_in_write", 1, 8)
+    assert crash_faults.Fault.parse("kill_in_write:1:8") == crash_faults.Fault("kill_in_write", 1, 8)
     with pytest.raises(ValueError, match="KIND:RANK:STEP"):
-        faults.Fault.parse("kill:1")
+        crash_faults.Fault.parse("kill:1")

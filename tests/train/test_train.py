@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 
 from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, read_model_dir
 from moe.train import checkpoint as ckpt
+from moe.train import crash_faults
 from moe.train.config import TrainingConfig
 from moe.train.data import TokenBatches, prepare_tokens
 from moe.train.metrics import read_metrics
@@ -66,6 +67,17 @@ def _keep_umask():
 
 def _run(argv, nproc=1, timeout_s=300):
     return run_processes(tc.torchrun_rank, nproc, (argv,), timeout_s=timeout_s)
+
+
+def _rank_with_crash(proc, argv: list[str], fault: str) -> str:
+    """`tc.torchrun_rank` with `MTDEEPEP_CRASH_FAULT=fault` (moe/train/crash_faults.py): the named rank SIGKILLs
+    itself (no value, exit code -9); the others' failure, once their peer is gone, is returned as text."""
+    os.environ[crash_faults.ENV] = fault
+    try:
+        tc.torchrun_rank(proc, argv)
+    except Exception as exc:  # noqa: BLE001 (the survivors of a killed rank are expected to fail)
+        return f"{type(exc).__name__}: {exc}"
+    return "finished"
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +312,7 @@ def test_kills_leave_the_last_complete_checkpoint(tmp_path, config, layout_run):
     root = tmp_path / "run" / "checkpoints"
 
     def launch(flags, fault):
-        return run_processes(tc.torchrun_rank_with_fault, 2, (argv + flags, fault), timeout_s=300)
+        return run_processes(_rank_with_crash, 2, (argv + flags, fault), timeout_s=300)
 
     def check_only_step_4():
         assert sorted(p.name for p in root.iterdir()) == ["latest", "step_4"]  # nothing partial left behind

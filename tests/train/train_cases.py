@@ -98,14 +98,3 @@ def torchrun_rank(proc, argv: list[str]) -> int:
     if code != 0:
         raise RuntimeError(f"train.py exited with {code}")
     return code
-
-
-def torchrun_rank_with_fault(proc, argv: list[str], fault: str) -> str:
-    """`torchrun_rank` with `MTDEEPEP_FAULT=fault` (moe/train/faults.py): the named rank SIGKILLs itself (no value,
-    exit code -9); the others' failure, once their peer is gone, is returned as text instead of raised."""
-    os.environ["MTDEEPEP_FAULT"] = fault
-    try:
-        torchrun_rank(proc, argv)
-    except Exception as exc:  # noqa: BLE001 (the survivors of a killed rank are expected to fail)
-        return f"{type(exc).__name__}: {exc}"
-    return "finished"

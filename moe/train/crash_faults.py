@@ -1,6 +1,6 @@
-"""Fault injection for the checkpoint tests: a rank SIGKILLs itself at a chosen point of a run.
+"""Crash injection for the checkpoint tests: a rank SIGKILLs itself at a chosen point of a run.
 
-Set `MTDEEPEP_FAULT` in the environment of the ranks (every rank reads it; only the named one acts):
+Set `MTDEEPEP_CRASH_FAULT` in the environment of the ranks (every rank reads it; only the named one acts):
     kill_at_step:R:S    rank R kills itself when optimizer step S is about to start, once its pending checkpoint
                         write has finished (so the checkpoint before S is on disk and the run dies in training)
     kill_in_write:R:S   rank R kills itself in the middle of writing its model shard of the checkpoint of step S
@@ -15,7 +15,7 @@ import signal
 import sys
 from dataclasses import dataclass
 
-ENV = "MTDEEPEP_FAULT"
+ENV = "MTDEEPEP_CRASH_FAULT"
 KINDS = ("kill_at_step", "kill_in_write")
 
 
