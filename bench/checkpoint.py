@@ -21,7 +21,7 @@ ZeRO-1: each rank copies and writes its half of the optimizer state), `ep2` (2 r
 The largest rank's figures are reported. Checkpoints go to `--dir` (default: a temporary directory on the same disk
 as /tmp).
 
-Run (about 3 minutes on a 2-core machine with the defaults):
+Run (about 8 minutes on a 2-core machine with the defaults):
 
     .venv/bin/python bench/checkpoint.py
     .venv/bin/python bench/checkpoint.py --rows 1 --global-batch 32 --seq-len 512 --micro-batches 4
