@@ -22,7 +22,10 @@ Slow ranks are reported with `log_straggler` (moe/train/straggler.py).
 
 Writes into RUN_DIR: run.json (layout and config), metrics.jsonl (one line per optimizer step, and events), loss.png,
 tokenizer.json, val_tokens.npy (held-out sequences for evaluate.py), checkpoints/step_N/ and checkpoints/latest.
-Files are readable by their owner only.
+Checkpoints are sharded flash checkpoints (moe/train/flash.py: each rank writes its shard in the background); the
+last one also holds the whole model as a model directory. Every checkpoint reads as a model directory (--init,
+evaluate.py, hf.py), and `--resume` continues from the newest complete one in any layout. Files are readable by
+their owner only.
 """
 
 from __future__ import annotations
@@ -94,7 +97,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--ddp-bucket-size", type=int, default=None, help="gradient bucket size in elements (ZeRO-1)")
     p.add_argument("--init", default=None, help="start from the weights of this checkpoint / model directory")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its newest complete checkpoint (any layout)",
+    )
     p.add_argument("--data-cache", default=None, help="token cache directory (default: [training.data] cache_dir)")
     p.add_argument("--prepare-data", action="store_true", help="build the tokenizer and token file, then exit")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on every collective wait, seconds")
@@ -161,10 +168,12 @@ def pipeline_split(model_cfg, train_cfg: TrainingConfig, layout: Layout, args):
 
 
 def check_run_dir(run_dir: Path, resume: bool, init: str | None) -> Path | None:
-    """The checkpoint to resume from (None: a new run); ValueError for a run directory that does not fit."""
+    """The checkpoint to resume from (None: a new run): the newest complete one (incomplete newer ones are skipped
+    with a warning; the ranks agree on one with verified checksums later, `Trainer.find_checkpoint`); ValueError
+    for a run directory that does not fit."""
     if resume and init:
         raise ValueError("--resume continues a run from its own checkpoint; --init starts a new one: pick one")
-    latest = ckpt.latest_checkpoint(run_dir)
+    latest, _ = ckpt.find_resumable(run_dir, warn=resume and env_rank() == 0)
     if resume and latest is None:
         raise ValueError(f"--resume: {run_dir} has no checkpoint to continue from")
     if not resume and latest is not None:
@@ -191,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Step 1: everything that can be wrong is checked before any process group exists.
     from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, RecomputeConfig
-    from moe.models.deepseek_v3.model_dir import read_model_dir, write_model_dir
+    from moe.models.deepseek_v3.model_dir import config_json, read_model_dir, write_model_dir
 
     try:
         model_cfg = DeepseekV3Config.from_toml(args.config)
@@ -259,16 +268,21 @@ def main(argv: list[str] | None = None) -> int:
         state_dict, _ = _read_model(read_model_dir, path)
         model.load_full_state_dict(state_dict)
 
+    def write_config(directory: Path) -> None:
+        text = json.dumps(config_json(model_cfg, DTYPES[train_cfg.dtype]), indent=2, sort_keys=True) + "\n"
+        (directory / "config.json").write_text(text)
+
     model_io = ModelIO(
         full_state_dict=model.full_state_dict,
         write=lambda path, sd: write_model_dir(path, sd, model_cfg),
         load=load_model,
+        write_config=write_config,
     )
     run_info = {"title": _title(args, layout)}
     trainer = Trainer(model, train_cfg, parallel, batches, run_dir, seed=args.seed, model_io=model_io,
                       mtp_loss_weight=model_cfg.mtp_loss_weight, num_mtp=model_cfg.num_nextn_predict_layers,
                       extra_checkpoint_files=(data.tokenizer_path,), run_info=run_info,
-                      pipeline=pipeline, faults=faults)  # fmt: skip
+                      pipeline=pipeline, faults=faults, checkpoint_timeout_s=args.timeout)  # fmt: skip
 
     # Step 3: the run directory, the starting point, the loop.
     if parallel.is_main:
@@ -278,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         np.save(run_dir / "val_tokens.npy", batches.val_tokens().numpy())
     start_step = 0
     if latest is not None:
+        latest = trainer.find_checkpoint()  # rank 0 verifies the checksums; every rank takes its choice
+        if latest is None:
+            raise RuntimeError(f"--resume: no checkpoint of {run_dir} passed the checksum verification")
         start_step = trainer.resume(latest)
     elif args.init is not None:
         load_model(Path(args.init))

@@ -44,7 +44,7 @@ from moe.fp8_training.experts import Fp8GroupedExperts, fp8_grouped_linear, to_f
 from moe.fp8_training.gemm import scaled_matmul
 from moe.fp8_training.linear import Fp8Caster, Fp8LinearFn, fp8_linear
 from moe.fp8_training.recipe import BlockwiseScaling, DelayedScaling, Fp8Recipe, recipe_from_name
-from moe.fp8_training.state import AmaxHistory, DelayedState
+from moe.fp8_training.state import AmaxHistory, DelayedState, delayed_states
 
 __all__ = [
     "AmaxHistory",
@@ -63,6 +63,7 @@ __all__ = [
     "apply_fp8",
     "cast_blockwise",
     "cast_per_tensor",
+    "delayed_states",
     "fp8_grouped_linear",
     "fp8_linear",
     "recipe_from_name",

@@ -3,14 +3,16 @@
 `AmaxHistory.scale_for(x)` is what one cast of a role does: it takes `x`'s amax (max-reduced over `tp_group`, so all
 tensor-parallel ranks agree on one scale, as Transformer Engine reduces amaxes over its amax-reduction group),
 returns the scale computed from the history *before* this step, and then records the amax. The history is a
-buffer of the module's Python object, not a parameter or a state-dict entry: checkpoints stay identical with and
-without FP8 (a resumed run starts a fresh history, i.e. its first step scales from the current amax again).
+buffer of the module's Python object, not a parameter or a state-dict entry: model state dicts stay identical with
+and without FP8. The training checkpoints save it per rank (`delayed_states` names every site; `AmaxHistory.state`
+/ `load_state`), so a resumed FP8-delayed run scales exactly as the uninterrupted one.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from moe.fp8_training.cast import amax_to_scale
 from moe.fp8_training.recipe import DelayedScaling
@@ -66,6 +68,21 @@ class AmaxHistory:
         self.record(amax)
         return scale
 
+    def state(self) -> tuple[torch.Tensor, int]:
+        """`(history [amax_history_len] float32 (a copy), number of amaxes recorded so far)`."""
+        return self.history.detach().clone(), self.num_recorded
+
+    def load_state(self, history: torch.Tensor, num_recorded: int) -> None:
+        """Restore what `state` returned (ValueError for a history of another length or a negative count)."""
+        if tuple(history.shape) != (self.recipe.amax_history_len,):
+            raise ValueError(
+                f"amax history of shape {tuple(history.shape)}, the recipe keeps {self.recipe.amax_history_len}"
+            )
+        if int(num_recorded) < 0:
+            raise ValueError(f"num_recorded must be >= 0, got {num_recorded}")
+        self.history = history.detach().to(device=self.history.device, dtype=torch.float32).clone()
+        self.num_recorded = int(num_recorded)
+
 
 class DelayedState:
     """The three amax histories of one FP8 GEMM site (a Linear, or one grouped expert GEMM)."""
@@ -74,3 +91,24 @@ class DelayedState:
         self.input = AmaxHistory(recipe, tp_group)
         self.weight = AmaxHistory(recipe, tp_group)
         self.grad_output = AmaxHistory(recipe, tp_group)
+
+
+def delayed_states(model: nn.Module) -> dict[str, DelayedState]:
+    """Every delayed-scaling GEMM site of `model` by a name stable across runs of the same model:
+    `<module>.linear_fn` (a Linear's `Fp8LinearFn`), `<module>.linear_fns.<w13|w2>` (a SwiGLU MLP's),
+    `<module>.fp8_casters.<fc1|fc2>` (grouped experts'). Empty without FP8 or under the block-wise recipe."""
+    out: dict[str, DelayedState] = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        sites = []
+        if getattr(module, "linear_fn", None) is not None:
+            sites.append(("linear_fn", module.linear_fn))
+        for attr in ("linear_fns", "fp8_casters"):
+            table = getattr(module, attr, None)
+            if isinstance(table, dict):
+                sites += [(f"{attr}.{key}", obj) for key, obj in table.items()]
+        for site, obj in sites:
+            delayed = getattr(getattr(obj, "caster", obj), "delayed", None)
+            if isinstance(delayed, DelayedState):
+                out[prefix + site] = delayed
+    return out

@@ -1,32 +1,34 @@
-"""Checkpoint directories written atomically, and the `latest` pointer.
+"""The checkpoints of a run directory: names, the `latest` pointer, which checkpoints are complete, and which one a
+resumed run takes.
 
 Layout of a run directory:
 ```
-RUN_DIR/checkpoints/step_N/      one checkpoint (what --init, evaluate.py and hf.py export take)
-RUN_DIR/checkpoints/latest       text file: the name of the newest complete checkpoint ("step_N")
+RUN_DIR/checkpoints/step_N/                   one complete checkpoint (moe/train/shard_files.py: manifest.json, ...)
+RUN_DIR/checkpoints/latest                    text file: the name of the newest committed checkpoint ("step_N")
+RUN_DIR/checkpoints/.step_N.partial-SESSION/  a checkpoint being written (or left by a crash)
 ```
-A checkpoint is written into a hidden temporary directory (`.step_N.tmp-PID`) next to its final place; every file
-and the directory are flushed to disk, then it is renamed to `step_N` (an atomic rename: a reader sees the whole
-directory or none), and only then is `latest` replaced (written to a temporary file, flushed, renamed over the old
-pointer). A crash at any point leaves the previous checkpoint and pointer intact and, at worst, a hidden
-temporary directory that the next save removes.
+A checkpoint is complete when its `manifest.json` (written last, before the directory is renamed into place) lists
+files that all exist with their sizes (and, verified, their sha256). A directory that fails this is skipped with a
+warning, whatever `latest` says: a resumed run takes the newest complete checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
+import sys
 from pathlib import Path
 from typing import Any
 
+from moe.train import shard_files as sf
+
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
-TRAINER_STATE = "trainer_state.json"
+TRAINER_STATE = sf.TRAINER_STATE
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_PARTIAL_RE = re.compile(r"^\.step_\d+\.(partial|old)-")
 
 
 def checkpoint_name(step: int) -> str:
@@ -38,60 +40,12 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 
 
 def fsync_path(path: Path) -> None:
-    """Flush a file's or a directory's data and metadata to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    """Flush every file and directory under `root` (and `root`), children before parents."""
-    for dirpath, _, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            fsync_path(Path(dirpath) / name)
-        fsync_path(Path(dirpath))
-
-
-@contextlib.contextmanager
-def atomic_directory(final: Path) -> Iterator[Path]:
-    """Yields a fresh temporary directory next to `final`; when the block ends without an exception it is flushed
-    and renamed to `final` (a `final` that exists already is replaced); on an exception it is removed.
-
-    The temporary directory does not exist when the block starts (only its parent does), so writers that create
-    their target themselves can be given it; the block creates it (`mkdir`) or lets a writer do so.
-    """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        yield tmp
-        if not tmp.is_dir():
-            raise RuntimeError(f"nothing was written to {tmp}")
-        fsync_tree(tmp)
-        old = None
-        if final.exists():  # a re-save of the same step: move the old one aside, then swap
-            old = final.parent / f".{final.name}.old-{os.getpid()}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-        os.rename(tmp, final)
-        fsync_path(final.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    sf.fsync_path(path)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace `path`'s content with `text` atomically (temporary file, fsync, rename, fsync of the directory)."""
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    sf.write_bytes(path, text.encode())
     fsync_path(path.parent)
 
 
@@ -99,10 +53,25 @@ def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
 
 
-def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
-    """Remove the hidden temporary directories that interrupted saves left; returns them."""
+def publish(partial: Path, final: Path) -> None:
+    """Rename the finished directory `partial` to `final` (atomic), replacing a `final` that exists (a re-save of
+    the same step: moved aside first, removed after), and flush the parent directory."""
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{os.getpid()}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(partial, final)
+    fsync_path(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_partials(run_dir: str | Path) -> list[Path]:
+    """Remove the hidden directories that unfinished checkpoints left (call when none is being written); returns
+    them."""
     root = checkpoints_dir(run_dir)
-    stale = [p for p in root.glob(".step_*.*-*") if p.is_dir()] if root.is_dir() else []
+    stale = [p for p in root.iterdir() if p.is_dir() and _PARTIAL_RE.match(p.name)] if root.is_dir() else []
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
     return stale
@@ -132,23 +101,42 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return path
 
 
-def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """The complete `step_N` directories of a run, by step (temporary directories are hidden and skipped)."""
+def _step_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
     root = checkpoints_dir(run_dir)
     found = []
     for p in root.iterdir() if root.is_dir() else []:
         m = _STEP_RE.match(p.name)
-        if m and is_complete(p):
+        if m and p.is_dir():
             found.append((int(m.group(1)), p))
     return sorted(found)
 
 
-def is_complete(path: Path) -> bool:
-    """A trainer checkpoint directory with its trainer state (written last, inside the atomic directory)."""
-    return path.is_dir() and (path / TRAINER_STATE).is_file()
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """The complete `step_N` directories of a run, by step."""
+    return [(s, p) for s, p in _step_dirs(run_dir) if is_complete(p)]
+
+
+def is_complete(path: Path, *, verify_checksums: bool = False) -> bool:
+    return sf.check_checkpoint(Path(path), verify_checksums=verify_checksums) is None
+
+
+def find_resumable(run_dir: str | Path, *, verify_checksums: bool = False,
+                   warn: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:  # fmt: skip
+    """The newest complete checkpoint of a run (None: none) and the newer ones skipped, with the reason each is not
+    complete. `warn`: print a warning line per skipped checkpoint to stderr."""
+    skipped = []
+    for _, path in reversed(_step_dirs(run_dir)):
+        reason = sf.check_checkpoint(path, verify_checksums=verify_checksums)
+        if reason is None:
+            return path, skipped
+        skipped.append((path, reason))
+        if warn:
+            print(f"warning: skipping checkpoint {path}: {reason}", file=sys.stderr, flush=True)
+    return None, skipped
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
-    if not is_complete(path):
-        raise ValueError(f"{path} is not a complete trainer checkpoint (no {TRAINER_STATE})")
-    return json.loads((path / TRAINER_STATE).read_text())
+    reason = sf.check_checkpoint(Path(path))
+    if reason is not None:
+        raise ValueError(f"{path} is not a complete trainer checkpoint: {reason}")
+    return json.loads((Path(path) / TRAINER_STATE).read_text())

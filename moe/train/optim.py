@@ -31,6 +31,24 @@ from moe.train.parallel import ParallelState, all_reduce_sum
 
 
 @dataclass
+class StateTensor:
+    """One optimizer tensor of this rank, for the sharded checkpoints (moe/train/flash.py).
+
+    key: `<param name>.<exp_avg | exp_avg_sq | master>` (the keys of `full_state`).
+    tensor: the live tensor (a load writes into it): the parameter's local shape, or with `flat` 1-D.
+    param: its parameter (local shape and tensor-parallel tags).
+    expert: sharded over the EP group along dim 0.
+    flat: ZeRO-1: `tensor` holds the elements `[lo, hi)` of the parameter's local tensor (row-major) only.
+    """
+
+    key: str
+    tensor: torch.Tensor
+    param: nn.Parameter
+    expert: bool
+    flat: tuple[int, int] | None = None
+
+
+@dataclass
 class _Param:
     name: str
     param: nn.Parameter
@@ -132,6 +150,41 @@ class MasterAdamW:
         for q in self.params:
             if q.master is not q.param:
                 q.param.copy_(q.master)
+
+    # -- state for sharded checkpoints: this rank's tensors as they are
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken (AdamW's step count; every parameter steps together)."""
+        for q in self.params:
+            state = self.adamw.state.get(q.master)
+            if state:
+                return int(state["step"])
+        return 0
+
+    def state_tensors(self, *, create: bool = False) -> list[StateTensor]:
+        """This rank's optimizer tensors, live: `<name>.exp_avg` and `.exp_avg_sq` (once stepped; with `create`,
+        zero moments are made for a load to fill) and `.master` for the non-FP32 parameters."""
+        out = []
+        for q in self.params:
+            state = self.adamw.state.get(q.master)
+            if not state and create:
+                state = self.adamw.state[q.master] = {
+                    "step": torch.tensor(float(self.steps), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(q.master, memory_format=torch.contiguous_format),
+                    "exp_avg_sq": torch.zeros_like(q.master, memory_format=torch.contiguous_format),
+                }
+            if state:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    out.append(StateTensor(f"{q.name}.{key}", state[key], q.param, q.expert))
+            if q.master is not q.param:
+                out.append(StateTensor(f"{q.name}.master", q.master.detach(), q.param, q.expert))
+        return out
+
+    def set_steps(self, steps: int) -> None:
+        """Set AdamW's step count of every parameter (after a load)."""
+        for state in self.adamw.state.values():
+            state["step"].fill_(float(steps))
 
     # -- state (layout independent: expert tensors gathered to all experts)
 

@@ -15,7 +15,13 @@ The maths of a step do not depend on the layout (see moe/train/parallel.py and m
    all ranks in float64), the same value whatever the layout up to reduction order.
 
 Randomness: torch's generator is reseeded from `(seed, step)` at the start of every step, so a resumed run draws
-the same numbers as an uninterrupted one and no generator state needs saving.
+the same numbers as an uninterrupted one whatever the layout (the generator states are saved anyway).
+
+Checkpoints (moe/train/flash.py): every `checkpoint_every` steps and at the last one, each rank copies its shard
+of the state (its experts, its TP shard, its stages, its ZeRO-1 shards, its generators and FP8 amax histories)
+into CPU memory and a background thread writes it; rank 0 commits the checkpoint once every shard is on disk. The
+last checkpoint also holds the whole model as a model directory (model.safetensors + config.json). `resume` reads
+the boxes this rank needs from any layout's checkpoint.
 
 Anomalies (moe/train/rewind.py): before the optimizer step, the global loss and gradient norm are checked for
 NaN/Inf and the loss for a spike; an anomalous step makes no update, `fit` restores the last in-memory snapshot and
@@ -28,7 +34,6 @@ with a "kind"; the step records have none).
 from __future__ import annotations
 
 import hashlib
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,19 +48,22 @@ from moe.balancing import load_imbalance, set_aux_loss_scale, update_expert_bias
 from moe.memory import process_peak_bytes
 from moe.phase_timer import PhaseTimer, phase
 from moe.train import checkpoint as ckpt
+from moe.train import crash_faults
+from moe.train import train_state as ts
 from moe.train.config import TrainingConfig
 from moe.train.data import TokenBatches
 from moe.train.faults import Fault, FaultPlan
+from moe.train.flash import FlashCheckpointer, SaveRequest
 from moe.train.loss import loss_share
 from moe.train.metrics import LOSS_PNG, MetricsLog, plot_loss
 from moe.train.optim import MasterAdamW
 from moe.train.parallel import ParallelState, all_reduce_sum
 from moe.train.rewind import AnomalyDetected, RewindGuard, TrainingStopped
 from moe.train.schedule import lr_at
+from moe.train.shard_files import CheckpointReader
 from moe.train.straggler import StragglerMonitor, slow_rank_event
 from moe.train.zero import DistributedAdamW, ZeroConfig
 
-OPTIMIZER_FILE = "optimizer.safetensors"
 IGNORE_INDEX = -100
 
 
@@ -66,11 +74,14 @@ class ModelIO:
     full_state_dict: collective over the ranks: the whole model's state (every expert) on each rank.
     write: `write(path, state_dict)` writes a model directory at `path` (which does not exist yet); rank 0 only.
     load: `load(path)` loads a model directory into this rank's model (its experts only); every rank.
+    write_config: `write_config(directory)` writes the model's config.json there (every checkpoint has one, so any
+        checkpoint reads as a model directory); None: none.
     """
 
     full_state_dict: Callable[[], dict[str, torch.Tensor]]
     write: Callable[[Path, dict[str, torch.Tensor]], None]
     load: Callable[[Path], None]
+    write_config: Callable[[Path], None] | None = None
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -106,6 +117,7 @@ class Trainer:
         pipeline: with pipeline parallelism, the `moe.pipeline.PipelineRunner` that runs each step's micro-batches
             (built first: it prunes `model` to this rank's stages).
         faults: test hook: faults to inject (moe/train/faults.py), None for none.
+        checkpoint_timeout_s: how long rank 0 waits for the other ranks' shards of one checkpoint.
     """
 
     def __init__(
@@ -124,6 +136,7 @@ class Trainer:
         run_info: dict[str, Any] | None = None,
         pipeline=None,
         faults: FaultPlan | None = None,
+        checkpoint_timeout_s: float = 600.0,
     ) -> None:
         self.model = model
         self.pipeline = pipeline
@@ -172,6 +185,8 @@ class Trainer:
             raise ValueError("injected sleep faults act on the phase timer: set [training] log_straggler = true")
         if faults is not None and pipeline is not None and faults.has_loss_faults:
             raise ValueError("injected loss faults act in the trainer's micro-batch loop, which pipeline runs skip")
+        # Flash checkpoints.
+        self.checkpointer = FlashCheckpointer(self.run_dir, parallel, timeout_s=checkpoint_timeout_s)
 
     # -- one optimizer step
 
@@ -269,25 +284,38 @@ class Trainer:
     # -- checkpoints
 
     def save(self, step: int) -> Path:
-        """Checkpoint `RUN_DIR/checkpoints/step_<step>/` (collective; rank 0 writes): the model directory, the
-        optimizer state (all experts), the trainer state, then `latest`."""
-        model_sd = self._merge_stages(self.model_io.full_state_dict())
-        optim_sd = self._merge_stages(self.optimizer.full_state())
-        final = ckpt.checkpoints_dir(self.run_dir) / ckpt.checkpoint_name(step)
+        """Checkpoint `RUN_DIR/checkpoints/step_<step>/` (collective): blocks for the copy of this rank's state into
+        CPU memory (and for the previous checkpoint's write, if it is still going), then writes in the background.
+        The run's last step also exports the whole model (gathered, rank 0 writes it). Returns the directory."""
+        request = SaveRequest()
+        export = None
+        if step == self.config.steps and self.model_io is not None:
+            export = {k: v.detach().clone() for k, v in self._merge_stages(self.model_io.full_state_dict()).items()}
         if self.parallel.is_main:
-            from safetensors.torch import save_file
+            request = SaveRequest(
+                trainer_state=self.trainer_state(step),
+                write_config=self.model_io.write_config if self.model_io is not None else None,
+                extra_files=self.extra_checkpoint_files,
+                export=export,
+                write_model_dir=self.model_io.write if self.model_io is not None else None,
+            )
+        entries = ts.model_entries(self.model, self.parallel) + ts.optimizer_entries(self.optimizer, self.parallel)
+        tensors, info = ts.rank_state(self.model)
+        return self.checkpointer.save(step, entries, tensors, info, request)
 
-            ckpt.remove_stale_temporaries(self.run_dir)
-            with ckpt.atomic_directory(final) as tmp:
-                self.model_io.write(tmp, model_sd)
-                tmp.mkdir(exist_ok=True)
-                save_file(optim_sd, str(tmp / OPTIMIZER_FILE), metadata={"step": str(step)})
-                for path in self.extra_checkpoint_files:
-                    shutil.copyfile(path, tmp / path.name)
-                ckpt.write_json(tmp / ckpt.TRAINER_STATE, self.trainer_state(step))  # last: marks it complete
-            ckpt.set_latest(self.run_dir, step)
-        self.parallel.barrier()
-        return final
+    def close_checkpoints(self, ok: bool = True) -> None:
+        """Finish the last checkpoint before the process exits (`FlashCheckpointer.close`): collective and raising
+        when `ok`; on an exception path (`ok=False`) local and silent."""
+        self.checkpointer.close(ok)
+
+    def _before_step(self, step: int) -> None:
+        """A background write's error surfaces at the next step; the tests' crash injection
+        (moe/train/crash_faults.py)."""
+        self.checkpointer.raise_if_failed()
+        fault = self.checkpointer.fault
+        if fault is not None and (fault.kind, fault.rank, fault.step) == ("kill_at_step", self.parallel.rank, step):
+            self.checkpointer.wait()
+            crash_faults.kill_self(f"rank {self.parallel.rank} before step {step}")
 
     def _merge_stages(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """With pipeline parallelism, every pipeline rank's part of a state dict in one (collective over the
@@ -310,32 +338,67 @@ class Trainer:
                 "epoch": (step * cfg.global_batch) // self.batches.num_train,
                 "global_batch": cfg.global_batch,
                 "seq_len": cfg.seq_len,
+                "num_train_windows": self.batches.num_train,
             },
-            "rng": {"policy": "torch.manual_seed(step_seed(seed, step)) at the start of every step"},
+            "schedule": {
+                "lr": cfg.lr,
+                "min_lr": cfg.min_lr,
+                "warmup_steps": cfg.warmup_steps,
+                "total_steps": cfg.steps,
+                "last_lr": lr_at(
+                    step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps
+                ),  # fmt: skip
+            },
+            "optimizer": {"kind": type(self.optimizer).__name__, "steps": self.optimizer.steps},
+            "rng": {
+                "policy": "torch.manual_seed(step_seed(seed, step)) at the start of every step; the generator "
+                "states of every rank are in its rank_*/state.safetensors"
+            },  # fmt: skip
             "layout": self.parallel.layout.to_dict(),
             **self.run_info,
         }
 
-    def resume(self, path: Path) -> int:
-        """Load a checkpoint of this run (model, optimizer, trainer state); returns its step."""
-        from safetensors.torch import load_file
+    def find_checkpoint(self) -> Path | None:
+        """The checkpoint to resume from (collective): rank 0 takes the newest complete one, the sha256 of every
+        file verified (newer incomplete ones skipped with a warning), and every rank takes rank 0's choice."""
+        box = [None]
+        if self.parallel.is_main:
+            path, _ = ckpt.find_resumable(self.run_dir, verify_checksums=True)
+            box = [None if path is None else str(path)]
+        if self.parallel.layout.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        return None if box[0] is None else Path(box[0])
 
+    def resume(self, path: Path) -> int:
+        """Load a checkpoint of this run, saved in any layout (model, optimizer, rank-local state); returns its
+        step."""
         state = ckpt.read_trainer_state(path)
         for key, mine in (("seed", self.seed),):
             if state[key] != mine:
                 raise ValueError(f"{path} was trained with {key}={state[key]}, this run has {mine}")
-        for key in ("global_batch", "seq_len"):
-            if state["data"][key] != getattr(self.config, key):
+        data = dict(state["data"], num_train_windows=state["data"].get("num_train_windows", self.batches.num_train))
+        for key, mine in (("global_batch", self.config.global_batch), ("seq_len", self.config.seq_len),
+                          ("num_train_windows", self.batches.num_train)):  # fmt: skip
+            if data[key] != mine:
                 raise ValueError(
-                    f"{path} was trained with {key}={state['data'][key]}, this run has {getattr(self.config, key)}: "
-                    "the data position would not carry over"
+                    f"{path} was trained with {key}={data[key]}, this run has {mine}: the data position would not "
+                    "carry over"
                 )
-        self.model_io.load(path)
-        full = load_file(str(path / OPTIMIZER_FILE))
-        if self.parallel.pp_group is not None:  # this pipeline rank's parameters only
-            own = {name for name, _ in self.model.named_parameters()}
-            full = {k: v for k, v in full.items() if k.rsplit(".", 1)[0] in own}
-        self.optimizer.load_full_state(full)
+        cfg, sched = self.config, state["schedule"]
+        mine = {"lr": cfg.lr, "min_lr": cfg.min_lr, "warmup_steps": cfg.warmup_steps, "total_steps": cfg.steps}
+        changed = {k: (sched[k], v) for k, v in mine.items() if sched[k] != v}
+        if changed and self.parallel.is_main:
+            print(f"note: the learning-rate schedule changed since {path.name} (checkpoint, now): {changed}")
+        steps = int(state["optimizer"]["steps"])
+        with CheckpointReader(path) as reader:
+            ts.load_entries(reader, ts.model_entries(self.model, self.parallel))
+            ts.load_entries(reader, ts.optimizer_entries(self.optimizer, self.parallel, create=steps > 0))
+            self.optimizer.set_steps(steps)
+            same = reader.manifest["layout"] == self.parallel.layout.to_dict()
+            note = ts.load_rank_state(reader, self.model, self.parallel, same_layout=same)
+        if self.parallel.is_main:
+            layout = "the same layout" if same else f"layout {reader.manifest['layout']} resharded"
+            print(f"resumed from {path} (step {state['step']}, {layout}; {note})")
         return int(state["step"])
 
     # -- the loop
@@ -366,8 +429,10 @@ class Trainer:
         records: dict[int, dict[str, Any]] = {}
         configured_skips = set(cfg.iterations_to_skip)
         done, saved, step = start_step, set(), start_step + 1  # done: the last step past on the first pass
+        ok = False
         try:
             while step <= cfg.steps:
+                self._before_step(step)
                 fresh = step > done
                 if step in configured_skips or step in self.guard.skipped:
                     if fresh and step in configured_skips:
@@ -412,10 +477,12 @@ class Trainer:
                     saved.add(step)
                 done = max(done, step)
                 step += 1
+            ok = True
         finally:
             bar.close()
             if log is not None:
                 log.close()
+            self.close_checkpoints(ok)  # the last checkpoint is complete (or its error raised) before we return
         if main and records:
             plot_loss(log.path, self.run_dir / LOSS_PNG, title=self.run_info.get("title", ""))
         return [records[s] for s in sorted(records)]

@@ -52,7 +52,15 @@ import torch.distributed as dist
 from torch import nn
 
 from moe.train.config import TrainingConfig
-from moe.train.optim import build_adamw, check_state_keys, clip_factor, decays, full_to_local, local_to_full
+from moe.train.optim import (
+    StateTensor,
+    build_adamw,
+    check_state_keys,
+    clip_factor,
+    decays,
+    full_to_local,
+    local_to_full,
+)
 from moe.train.parallel import ParallelState
 
 MEGATRON_MIN_BUCKET = 40_000_000  # Megatron's default bucket size: max(40M, 1M * dp) elements
@@ -469,6 +477,30 @@ class DistributedAdamW:
             works.append((b, _all_gather(b.params, inp, b.group)))
         for b, work in works:
             self._wait(work, f"parameter all-gather of {b.describe()}")
+
+    # -- state for sharded checkpoints: this rank's shards as they are
+
+    def state_tensors(self, *, create: bool = False) -> list[StateTensor]:
+        """This rank's optimizer shards, live (views into the bucket shards): for every segment of a parameter in
+        this rank's shards, `<name>.exp_avg` and `.exp_avg_sq` (once stepped, or with `create`) and `.master`
+        (non-FP32 buckets), 1-D with `flat = (lo, hi)`: elements `[lo, hi)` of the parameter's local tensor."""
+        out = []
+        for b in self.buckets:
+            flats = [("exp_avg", b.exp_avg), ("exp_avg_sq", b.exp_avg_sq)] if self.steps or create else []
+            if b.master is not None:
+                flats.append(("master", b.master))
+            for s in b.segments:
+                n = s.hi - s.lo
+                for key, flat in flats:
+                    view = flat[s.shard_lo : s.shard_lo + n]
+                    out.append(StateTensor(f"{s.entry.name}.{key}", view, s.entry.param, s.entry.expert, (s.lo, s.hi)))
+        return out
+
+    def set_steps(self, steps: int) -> None:
+        """Set the step count (AdamW's of every slice too) after a load."""
+        self.steps = int(steps)
+        for state in self.adamw.state.values():
+            state["step"].fill_(float(self.steps))
 
     # -- state (layout independent, MasterAdamW's format)
 

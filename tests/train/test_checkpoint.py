@@ -1,89 +1,223 @@
-"""Atomic checkpoint directories and the `latest` pointer: an interrupted save leaves nothing a reader takes for a
-whole checkpoint."""
+"""Flash checkpoints in one process (moe/train/flash.py): what the step blocks for is a copy, the background write
+commits an atomic directory with a manifest of sha256s, its errors reach the main thread, a process killed in the
+middle of a write leaves the previous checkpoint, and damaged checkpoints are skipped with a warning."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
+import threading
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
 
 from moe.train import checkpoint as ckpt
+from moe.train import crash_faults
+from moe.train import shard_files as sf
+from moe.train import train_state as ts
+from moe.train.config import TrainingConfig
+from moe.train.flash import CheckpointWriteError, FlashCheckpointer, SaveRequest
+from moe.train.optim import MasterAdamW
+from moe.train.parallel import Layout, ParallelState
 from mtdeepep.utils.testing import run_processes
 
-
-def _save(run_dir: Path, step: int, payload: bytes, die_after_bytes: int | None = None) -> None:
-    """A checkpoint of two files and the trainer state; with `die_after_bytes` the process SIGKILLs itself in the
-    middle of the second file."""
-    with ckpt.atomic_directory(ckpt.checkpoints_dir(run_dir) / ckpt.checkpoint_name(step)) as tmp:
-        tmp.mkdir()
-        (tmp / "model.safetensors").write_bytes(payload)
-        with open(tmp / "optimizer.safetensors", "wb") as f:
-            if die_after_bytes is not None:
-                f.write(payload[:die_after_bytes])
-                f.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
-            f.write(payload)
-        ckpt.write_json(tmp / ckpt.TRAINER_STATE, {"step": step})
-    ckpt.set_latest(run_dir, step)
+PAR = ParallelState.single()
 
 
-def _crashing_save(proc, run_dir: str) -> None:
-    _save(Path(run_dir), 2, b"x" * 100_000, die_after_bytes=50_000)
+def _trained(seed: int = 0, par: ParallelState = PAR) -> tuple[nn.Module, MasterAdamW]:
+    """A small model after one AdamW step (moments exist), random weights (the same on every rank)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(32, 96), nn.ReLU(), nn.Linear(96, 64), nn.ReLU(), nn.Linear(64, 16))
+    opt = MasterAdamW(model, [], TrainingConfig(steps=4, global_batch=1, seq_len=2, lr=1e-2), par)
+    model(torch.randn(8, 32)).square().sum().backward()
+    opt.reduce_gradients()
+    opt.step(1e-2)
+    return model, opt
 
 
-def test_complete_save_and_latest(tmp_path):
-    _save(tmp_path, 1, b"a" * 10)
-    _save(tmp_path, 3, b"b" * 10)
-    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_3"
+def _save(cp: FlashCheckpointer, step: int, model: nn.Module, opt: MasterAdamW, extra=(), par=PAR) -> Path:
+    entries = ts.model_entries(model, par) + ts.optimizer_entries(opt, par)
+    tensors, info = ts.rank_state(model)
+    return cp.save(step, entries, tensors, info, SaveRequest(trainer_state={"step": step}, extra_files=tuple(extra)))
+
+
+def _writer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("flash-checkpoint-")]
+
+
+def test_save_commits_what_the_step_copied(tmp_path):
+    model, opt = _trained()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = {st.key: st.tensor.clone() for st in opt.state_tensors()}
+    (tmp_path / "tokenizer.json").write_text("{}")
+    cp = FlashCheckpointer(tmp_path, PAR)
+    final = _save(cp, 3, model, opt, extra=[tmp_path / "tokenizer.json"])
+    with torch.no_grad():  # training goes on while the thread writes: the checkpoint keeps the copied values
+        for p in model.parameters():
+            p.add_(1.0)
+    cp.close()
+    assert not _writer_threads()
+    assert cp.stats[0].copy_s > 0 and cp.stats[0].shard_bytes > 0 and cp.stats[0].total_bytes > cp.stats[0].shard_bytes
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_3"]
+    assert ckpt.latest_checkpoint(tmp_path) == final and ckpt.is_complete(final, verify_checksums=True)
+    manifest = json.loads((final / "manifest.json").read_text())
+    assert manifest["step"] == 3 and manifest["world"] == 1 and len(manifest["session"]) == 12
+    assert set(manifest["files"]) == {"trainer_state.json", "tokenizer.json", "rank_00000/index.json",
+                                      *(f"rank_00000/{n}" for n in sf.SECTION_FILES.values())}  # fmt: skip
+    for rel, record in manifest["files"].items():
+        assert sf.sha256_file(final / rel) == sf.FileRecord(record["sha256"], record["bytes"]), rel
+    # The streamed files are plain safetensors.
+    stored = load_file(str(final / "rank_00000" / "model.safetensors"))
+    assert stored["0.weight@0,0"].shape == (96, 32) and torch.equal(stored["0.weight@0,0"], before["0.weight"])
+    # Read back into another model and optimizer: exactly the state at the save.
+    model2, opt2 = _trained(seed=1)
+    with sf.CheckpointReader(final) as reader:
+        ts.load_entries(reader, ts.model_entries(model2, PAR) + ts.optimizer_entries(opt2, PAR, create=True))
+    assert all(torch.equal(model2.state_dict()[k], v) for k, v in before.items())
+    assert all(torch.equal(st.tensor, moments[st.key]) for st in opt2.state_tensors())
+
+
+def test_a_write_error_reaches_the_main_thread(tmp_path, monkeypatch):
+    model, opt = _trained()
+    cp = FlashCheckpointer(tmp_path, PAR)
+    _save(cp, 1, model, opt)
+    cp.wait()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sf, "write_safetensors", full_disk)
+    _save(cp, 2, model, opt)
+    with pytest.raises(CheckpointWriteError, match="checkpoint of step 2 failed: .*No space left"):
+        cp.wait()
+    cp.close()  # reported once
+    assert not _writer_threads()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_1"]
+    _save(cp, 3, model, opt)
+    with pytest.raises(CheckpointWriteError, match="No space left"):
+        cp.close()  # the last checkpoint's error is raised by close
+    assert not _writer_threads() and ckpt.latest_checkpoint(tmp_path).name == "step_1"
+
+
+def _dp2_then_rank1_fails(proc, run_dir: str, monkeypatch_target) -> str:
+    proc.init_group(timeout_s=60)
+    par = ParallelState.from_process_group(Layout(world=2))
+    model, opt = _trained(par=par)
+    cp = FlashCheckpointer(run_dir, par, timeout_s=60)
+    _save(cp, 1, model, opt, par=par)
+    cp.close()
+    proc.send({("model", k): v.numpy().copy() for k, v in model.state_dict().items()}
+              | {("optimizer", st.key): st.tensor.detach().numpy().copy() for st in opt.state_tensors()})  # fmt: skip
+    if par.rank == 1:
+        sf.write_safetensors = monkeypatch_target
+    _save(cp, 2, model, opt, par=par)
+    try:
+        cp.close()
+    except CheckpointWriteError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _full_disk(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+def test_two_ranks_share_the_writes_and_one_failing_fails_the_checkpoint(tmp_path):
+    result = run_processes(_dp2_then_rank1_fails, 2, (str(tmp_path), _full_disk), timeout_s=120)
+    messages = [result.values[r][-1] for r in range(2)]
+    saved = result.values[0][0]  # rank 0's state at step 1 (the replicas are identical)
+    assert "checkpoint of step 2 failed: [Errno 28] No space left" in messages[1]
+    # Rank 0 learns it from rank 1's error marker or from the all-reduce of close, whichever comes first.
+    assert re.search("another rank failed to write its shard|rank 1 failed to write its shard: OSError", messages[0])
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_1"]
+    step1 = tmp_path / "checkpoints" / "step_1"
+    assert ckpt.is_complete(step1, verify_checksums=True)
+    # Two data-parallel replicas: each stored about half of the model and optimizer bytes, every element once.
+    sizes = [sum(f.stat().st_size for f in (step1 / f"rank_0000{r}").glob("*.safetensors")) for r in range(2)]
+    assert min(sizes) > 0.4 * sum(sizes), sizes
+    with sf.CheckpointReader(step1) as reader:
+        assert reader.world == 2 and len(saved) == 6 + 12  # 3 weights and biases, 2 moments each
+        for (section, key), value in saved.items():
+            assert torch.equal(reader.read_full(section, key), torch.from_numpy(value)), key
+
+
+def _save_then_die_writing(proc, run_dir: str) -> None:
+    model, opt = _trained()
+    cp = FlashCheckpointer(run_dir, PAR)
+    _save(cp, 1, model, opt)
+    cp.close()
+    os.environ[crash_faults.ENV] = "kill_in_write:0:2"
+    cp = FlashCheckpointer(run_dir, PAR)
+    _save(cp, 2, model, opt)
+    cp.close()
+    raise AssertionError("the fault did not fire")
+
+
+def test_killed_in_the_middle_of_a_write_leaves_the_previous_checkpoint(tmp_path):
+    result = run_processes(_save_then_die_writing, 1, (str(tmp_path),), timeout_s=120)
+    assert result.exitcodes == [-signal.SIGKILL]
+    root = tmp_path / "checkpoints"
+    partial = [p for p in root.iterdir() if p.name.startswith(".step_2.partial-")]
+    assert len(partial) == 1 and not (partial[0] / "manifest.json").exists()
+    assert [p.name for p in (partial[0] / "rank_00000").iterdir() if p.name.endswith(".tmp")]  # really mid-write
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_1"
+    assert ckpt.find_resumable(tmp_path, verify_checksums=True)[0].name == "step_1"
+    # The next run's first save removes the leftover.
+    model, opt = _trained()
+    cp = FlashCheckpointer(tmp_path, PAR)
+    _save(cp, 3, model, opt)
+    cp.close()
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1", "step_3"]
+
+
+def test_damaged_checkpoints_are_skipped_with_a_warning(tmp_path, capsys):
+    model, opt = _trained()
+    cp = FlashCheckpointer(tmp_path, PAR)
+    for step in (1, 2, 3):
+        _save(cp, step, model, opt)
+    cp.close()
+    root = tmp_path / "checkpoints"
+    optimizer_file = root / "step_3" / "rank_00000" / "optimizer.safetensors"
+    data = bytearray(optimizer_file.read_bytes())
+    data[-1] ^= 0xFF  # same size: only the checksum tells
+    optimizer_file.write_bytes(bytes(data))
+    (root / "step_2" / "manifest.json").unlink()  # never finished
+    assert ckpt.find_resumable(tmp_path, warn=False)[0].name == "step_3"  # sizes only
+    path, skipped = ckpt.find_resumable(tmp_path, verify_checksums=True)
+    assert path.name == "step_1"
+    assert [(p.name, reason.split()[0]) for p, reason in skipped] == [("step_3", "rank_00000/optimizer.safetensors"),
+                                                                      ("step_2", "no")]  # fmt: skip
+    err = capsys.readouterr().err
+    assert "skipping checkpoint" in err and "corrupted" in err and "was not finished" in err
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [1, 3]
-    assert ckpt.read_trainer_state(tmp_path / "checkpoints" / "step_3") == {"step": 3}
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_1", "step_3"]
+    with pytest.raises(ValueError, match="not a complete"):
+        ckpt.read_trainer_state(root / "step_2")
 
 
 def test_no_checkpoint_yet(tmp_path):
     assert ckpt.latest_checkpoint(tmp_path) is None and ckpt.list_checkpoints(tmp_path) == []
-
-
-def test_exception_during_save_leaves_nothing(tmp_path):
-    _save(tmp_path, 1, b"a")
-    final = ckpt.checkpoints_dir(tmp_path) / "step_2"
-    with pytest.raises(RuntimeError, match="disk full"), ckpt.atomic_directory(final) as tmp:
-        tmp.mkdir()
-        (tmp / "model.safetensors").write_bytes(b"partial")
-        raise RuntimeError("disk full")
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_1"]
-
-
-def test_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
-    _save(tmp_path, 1, b"a" * 10)
-    result = run_processes(_crashing_save, 1, (str(tmp_path),), timeout_s=60)
-    assert result.exitcodes == [-signal.SIGKILL]
-    root = tmp_path / "checkpoints"
-    leftovers = [p for p in root.iterdir() if p.name.startswith(".")]
-    assert len(leftovers) == 1 and (leftovers[0] / "model.safetensors").is_file()  # the crash really was mid-write
-    assert not (root / "step_2").exists()
-    assert ckpt.latest_checkpoint(tmp_path) == root / "step_1"
-    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [1]
-    # The next save removes the leftover.
-    assert ckpt.remove_stale_temporaries(tmp_path) == leftovers
-    _save(tmp_path, 2, b"c" * 10)
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1", "step_2"]
-
-
-def test_resaving_a_step_replaces_it(tmp_path):
-    _save(tmp_path, 1, b"old")
-    _save(tmp_path, 1, b"new")
-    assert (tmp_path / "checkpoints" / "step_1" / "model.safetensors").read_bytes() == b"new"
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_1"]
+    assert ckpt.find_resumable(tmp_path) == (None, [])
 
 
 def test_bad_pointer_is_reported(tmp_path):
-    _save(tmp_path, 1, b"a")
+    model, opt = _trained()
+    cp = FlashCheckpointer(tmp_path, PAR)
+    _save(cp, 1, model, opt)
+    cp.close()
     (tmp_path / "checkpoints" / "latest").write_text("step_9\n")
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         ckpt.latest_checkpoint(tmp_path)
     (tmp_path / "checkpoints" / "latest").write_text("../../etc\n")
     with pytest.raises(ValueError, match="not a checkpoint name"):
         ckpt.latest_checkpoint(tmp_path)
+
+
+def test_fault_specs_are_checked():
+    assert crash_faults.Fault.parse("kill_in_write:1:8") == crash_faults.Fault("kill_in_write", 1, 8)
+    with pytest.raises(ValueError, match="KIND:RANK:STEP"):
+        crash_faults.Fault.parse("kill:1")

@@ -1,7 +1,11 @@
 """End to end: examples/deepseek_v3/train.py and evaluate.py on tiny's model with a short batch.
 
-- EP2 x DP2 (4 processes) reproduces the one-process losses step by step.
-- --resume continues bit-exactly; a checkpoint of one layout resumes in another.
+- EP2 x DP2 (4 processes) reproduces the one-process losses step by step; every layout's sharded checkpoint holds
+  the model it exports and the optimizer state of the one-process run.
+- --resume continues bit-exactly (FP32, FP8 delayed scaling, ZeRO-1), skipping a damaged newer checkpoint; a
+  checkpoint of one layout resumes in another (EP2 x DP2 -> 1 process, DP2 ZeRO-1 -> TP2 x EP2).
+- A rank SIGKILLed in training, and another in the middle of writing its shard, leave the last complete checkpoint,
+  from which --resume continues.
 - The router-bias update moves the expert load towards balance.
 - Bad configs and flags fail with a clear message before any process group exists.
 - evaluate.py's JSON line matches a plain-PyTorch cross-entropy of the model's logits.
@@ -14,6 +18,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import stat
 
 import numpy as np
@@ -25,10 +30,12 @@ from safetensors.torch import load_file
 
 from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, read_model_dir
 from moe.train import checkpoint as ckpt
+from moe.train import crash_faults
 from moe.train.config import TrainingConfig
 from moe.train.data import TokenBatches, prepare_tokens
 from moe.train.metrics import read_metrics
 from moe.train.parallel import ParallelState
+from moe.train.shard_files import read_full_section
 from moe.train.trainer import ModelIO, Trainer
 from mtdeepep.utils.testing import run_processes
 from tests.train import train_cases as tc
@@ -62,6 +69,17 @@ def _run(argv, nproc=1, timeout_s=300):
     return run_processes(tc.torchrun_rank, nproc, (argv,), timeout_s=timeout_s)
 
 
+def _rank_with_crash(proc, argv: list[str], fault: str) -> str:
+    """`tc.torchrun_rank` with `MTDEEPEP_CRASH_FAULT=fault` (moe/train/crash_faults.py): the named rank SIGKILLs
+    itself (no value, exit code -9); the others' failure, once their peer is gone, is returned as text."""
+    os.environ[crash_faults.ENV] = fault
+    try:
+        tc.torchrun_rank(proc, argv)
+    except Exception as exc:  # noqa: BLE001 (the survivors of a killed rank are expected to fail)
+        return f"{type(exc).__name__}: {exc}"
+    return "finished"
+
+
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory, config):
     """8 steps in one process (checkpoints at 4 and 8)."""
@@ -91,11 +109,27 @@ def test_run_outputs(one_process_run):
     assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [4, 8]
     assert ckpt.latest_checkpoint(run_dir).name == "step_8"
-    step8 = run_dir / "checkpoints" / "step_8"
-    assert {"model.safetensors", "config.json", "optimizer.safetensors", "trainer_state.json", "tokenizer.json"} <= {
-        p.name for p in step8.iterdir()
-    }
-    assert json.loads((step8 / "trainer_state.json").read_text())["data"]["next_step"] == 9
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_4", "step_8"]
+    step4, step8 = run_dir / "checkpoints" / "step_4", run_dir / "checkpoints" / "step_8"
+    shard = {"index.json", "model.safetensors", "optimizer.safetensors", "state.safetensors"}
+    for path in (step4, step8):
+        assert ckpt.is_complete(path, verify_checksums=True)
+        assert {p.name for p in (path / "rank_00000").iterdir()} == shard
+    # The last checkpoint is also a model directory (model.safetensors + config.json); step 4 is the flash one only.
+    top = {"manifest.json", "trainer_state.json", "config.json", "tokenizer.json", "rank_00000"}
+    assert {p.name for p in step4.iterdir()} == top and {p.name for p in step8.iterdir()} == top | {"model.safetensors"}
+    manifest = json.loads((step8 / "manifest.json").read_text())
+    assert manifest["format"] == "mtdeepep.flash_checkpoint" and manifest["step"] == 8 and manifest["world"] == 1
+    assert set(manifest["files"]) == {"trainer_state.json", "config.json", "tokenizer.json", "model.safetensors",
+                                      *(f"rank_00000/{n}" for n in shard)}  # fmt: skip
+    state = json.loads((step8 / "trainer_state.json").read_text())
+    assert state["data"]["next_step"] == 9 and state["optimizer"] == {"kind": "MasterAdamW", "steps": 8}
+    assert state["schedule"]["last_lr"] == pytest.approx(records[-1]["lr"])
+    # The shards hold the model the last checkpoint exports (router biases among it), bit for bit.
+    exported, sharded = load_file(str(step8 / "model.safetensors")), read_full_section(step8, "model")
+    assert exported.keys() == sharded.keys() and all(torch.equal(exported[k], sharded[k]) for k in exported)
+    biases = [k for k in sharded if k.endswith("expert_bias.bias")]
+    assert len(biases) == 4 and all(sharded[k].abs().sum() > 0 for k in biases)  # updated by training
     for path in [run_dir, *run_dir.rglob("*")]:  # nothing for group or others
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
 
@@ -164,11 +198,26 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def layout_run(tmp_path_factory, config):
+    """`layout_run(name)`: the 8-step run of `LAYOUTS[name]` (run once per module, shared by the tests)."""
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            flags, nproc, _, _ = LAYOUTS[name]
+            run_dir = tmp_path_factory.mktemp(name) / "run"
+            _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", *flags], nproc=nproc)
+            runs[name] = run_dir
+        return runs[name]
+
+    return get
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_layout_matches_one_process(tmp_path, config, one_process_run, layout):
+def test_layout_matches_one_process(config, one_process_run, layout_run, layout):
     flags, nproc, expected, zero = LAYOUTS[layout]
-    run_dir = tmp_path / layout
-    _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", *flags], nproc=nproc)
+    run_dir = layout_run(layout)
     info = json.loads((run_dir / "run.json").read_text())
     lay = info["layout"]
     assert (lay["world"], lay["dp"], lay["tp"], lay["ep"], lay["expert_dp"]) == expected
@@ -206,38 +255,100 @@ def test_layout_matches_one_process(tmp_path, config, one_process_run, layout):
         assert 0 < trace["otherData"]["bubble"]["bubble_fraction"] < 1
         assert (run_dir / "pipeline_timeline.png").stat().st_size > 1000
     # Final weights (every expert, gathered): 8 steps of up to lr 3e-3 each; measured 2e-6 apart at most.
-    final_ref = load_file(str(one_process_run / "checkpoints" / "step_8" / "model.safetensors"))
-    final = load_file(str(run_dir / "checkpoints" / "step_8" / "model.safetensors"))
+    step8, step8_ref = run_dir / "checkpoints" / "step_8", one_process_run / "checkpoints" / "step_8"
+    final_ref = load_file(str(step8_ref / "model.safetensors"))
+    final = load_file(str(step8 / "model.safetensors"))
     assert final.keys() == final_ref.keys()
     for key, value in final_ref.items():
         torch.testing.assert_close(final[key], value, rtol=0, atol=1e-5, msg=key)
+    # Every rank wrote its shard (its experts, TP shard, stages, ZeRO-1 shards): assembled, they are the exported
+    # model bit for bit, and the optimizer state of the one-process run. Its moments are linear in the gradients
+    # (agreeing to ~1e-7 of their largest element, see above), so a misplaced shard, off by O(1), cannot pass.
+    sharded = read_full_section(step8, "model")
+    assert sharded.keys() == final.keys() and all(torch.equal(sharded[k], final[k]) for k in final)
+    assert sorted(p.name for p in step8.glob("rank_*")) == [f"rank_{r:05d}" for r in range(nproc)]
+    optim, optim_ref = read_full_section(step8, "optimizer"), read_full_section(step8_ref, "optimizer")
+    assert optim.keys() == optim_ref.keys()
+    for key, value in optim_ref.items():
+        torch.testing.assert_close(optim[key], value, rtol=1e-3, atol=1e-5 * float(value.abs().max()), msg=key)
+
+
+def _damage(path, name="rank_00000/optimizer.safetensors"):
+    """Cut a file of a checkpoint short, as a crash on a file system without atomic renames could."""
+    with open(path / name, "r+b") as f:
+        f.truncate(os.path.getsize(path / name) // 2)
+
+
+def _same_states(a, b):
+    for section in ("model", "optimizer"):
+        ref, got = read_full_section(a, section), read_full_section(b, section)
+        assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref), section
 
 
 def test_resume_continues_bit_exactly(tmp_path, config, one_process_run):
-    # A run that stopped after its step-4 checkpoint (the later files lost), then resumed.
+    # step_8 damaged (the manifest catches it): skipped with a warning, the run resumes from step 4.
     run_dir = tmp_path / "resumed"
     shutil.copytree(one_process_run, run_dir)
-    shutil.rmtree(run_dir / "checkpoints" / "step_8")
-    ckpt.set_latest(run_dir, 4)
+    _damage(run_dir / "checkpoints" / "step_8")
+    path, skipped = ckpt.find_resumable(run_dir, warn=False)
+    assert path.name == "step_4" and [(p.name, "has" in why) for p, why in skipped] == [("step_8", True)]
     _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", "--resume"])
     ref, got = _records(one_process_run), _records(run_dir)
     assert [r["step"] for r in got] == list(range(1, 9))
     for a, b in zip(ref, got):
         assert (a["loss"], a["grad_norm"], a["mtp_loss"]) == (b["loss"], b["grad_norm"], b["mtp_loss"])
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        ref_t = load_file(str(one_process_run / "checkpoints" / "step_8" / name))
-        got_t = load_file(str(run_dir / "checkpoints" / "step_8" / name))
-        assert ref_t.keys() == got_t.keys() and all(torch.equal(ref_t[k], got_t[k]) for k in ref_t), name
+    assert ckpt.latest_checkpoint(run_dir).name == "step_8"  # the damaged one replaced
+    _same_states(one_process_run / "checkpoints" / "step_8", run_dir / "checkpoints" / "step_8")
 
 
-def test_checkpoint_resumes_in_another_layout(tmp_path, config, one_process_run):
+def test_checkpoint_resumes_in_another_layout(tmp_path, config, one_process_run, layout_run):
+    # EP2 x DP2 (4 ranks: experts in halves, dense weights on DP rank 0) -> one process.
     run_dir = tmp_path / "relayout"
-    shutil.copytree(one_process_run, run_dir)
+    shutil.copytree(layout_run("ep2_dp2"), run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "step_8")
-    ckpt.set_latest(run_dir, 4)
-    _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", "--resume", "--ep", "4"], nproc=4)
+    _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", "--resume"])
+    # The losses of EP2 x DP2 and of one process agree to 1e-5 (test_layout_matches_one_process); so do these.
     for a, b in zip(_records(one_process_run)[4:], _records(run_dir)[4:]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    assert json.loads((run_dir / "checkpoints" / "step_8" / "manifest.json").read_text())["world"] == 1
+
+
+def test_kills_leave_the_last_complete_checkpoint(tmp_path, config, layout_run):
+    """DP2 ZeRO-1. Launch 1: rank 1 is SIGKILLed before step 6: step_4 is complete, rank 0 fails. Launch 2 resumes
+    in another layout (TP2 x EP2, plain AdamW) and rank 1 is SIGKILLed halfway through writing its shard of step 8:
+    no step_8, no partial directory, rank 0 fails. Launch 3 resumes DP2 ZeRO-1 from step_4 and reproduces the
+    uninterrupted run bit for bit."""
+    ref = _records(layout_run("dp2_zero1"))
+    zero = ["--use-distributed-optimizer", "--ddp-bucket-size", "20000"]
+    argv = ["--config", str(config), "--out", str(tmp_path / "run"), "--seed", "7"]
+    root = tmp_path / "run" / "checkpoints"
+
+    def launch(flags, fault):
+        return run_processes(_rank_with_crash, 2, (argv + flags, fault), timeout_s=300)
+
+    def check_only_step_4():
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step_4"]  # nothing partial left behind
+        assert ckpt.latest_checkpoint(tmp_path / "run").name == "step_4"
+        assert ckpt.is_complete(root / "step_4", verify_checksums=True)
+
+    first = launch(zero, "kill_at_step:1:6")
+    assert first.exitcodes == [0, -signal.SIGKILL] and first.values[0][0] != "finished", first.values
+    check_only_step_4()
+    assert [r["step"] for r in _records(tmp_path / "run")] == list(range(1, 6))
+    second = launch(["--resume", "--tp", "2", "--ep", "2"], "kill_in_write:1:8")
+    assert second.exitcodes == [0, -signal.SIGKILL] and "CheckpointWriteError" in second.values[0][0], second.values
+    check_only_step_4()
+    moved = _records(tmp_path / "run")  # steps 5-8 ran in the other layout (step 8 logged before its checkpoint)
+    assert [r["step"] for r in moved] == list(range(1, 9))
+    for a, b in zip(ref[4:], moved[4:]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a["step"], a["loss"], b["loss"])
+    third = launch(["--resume", *zero], "kill_at_step:1:99")  # a fault that never fires
+    assert third.exitcodes == [0, 0] and third.values[0] == ["finished"]
+    got = _records(tmp_path / "run")
+    assert [r["step"] for r in got] == list(range(1, 9))
+    for a, b in zip(ref, got):
+        assert (a["loss"], a["grad_norm"], a["mtp_loss"]) == (b["loss"], b["grad_norm"], b["mtp_loss"]), a["step"]
+    _same_states(layout_run("dp2_zero1") / "checkpoints" / "step_8", root / "step_8")
 
 
 def test_finished_run_and_existing_run_dir(capsys, config, one_process_run):
@@ -388,6 +499,13 @@ def test_init_with_another_model_is_refused(tmp_path, capsys, corpus_and_cache, 
     assert "moe_intermediate_size" in capsys.readouterr().err
 
 
+@pytest.fixture(scope="module")
+def fp8_delayed_run(tmp_path_factory, config):
+    run_dir = tmp_path_factory.mktemp("fp8") / "fp8-delayed"
+    _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", "--fp8", "delayed"])
+    return run_dir
+
+
 @pytest.mark.parametrize(
     "recipe, flags, nproc",
     [
@@ -398,7 +516,7 @@ def test_init_with_another_model_is_refused(tmp_path, capsys, corpus_and_cache, 
     ],
     ids=["blockwise", "delayed", "blockwise_tp2_ep2", "delayed_pp2_dualpipev"],
 )
-def test_fp8_runs_track_the_fp32_run(tmp_path, config, one_process_run, recipe, flags, nproc):
+def test_fp8_runs_track_the_fp32_run(tmp_path, config, one_process_run, fp8_delayed_run, recipe, flags, nproc):
     """`--fp8` in the training command, alone and composed with TP + SP and folded EP (FP8 GEMMs on TP shards,
     FP8 dispatch through mtdeepep): 8 steps follow the FP32 run. E4M3 keeps 3 mantissa bits (relative rounding up
     to 2^-4 per element, ~30 dB SQNR per GEMM, tests/fp8_training): over 8 steps the losses move by at most 0.36%
@@ -406,7 +524,10 @@ def test_fp8_runs_track_the_fp32_run(tmp_path, config, one_process_run, recipe, 
     GEMM left unscaled or a dispatch that drops its scales. Under DualPipeV, torch's split backward runs every FP8
     GEMM's backward node twice (I, then W): the casts must outlive the first."""
     run_dir = tmp_path / f"fp8-{recipe}"
-    _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", "--fp8", recipe, *flags], nproc=nproc)
+    if recipe == "delayed":
+        run_dir = fp8_delayed_run
+    else:
+        _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", "--fp8", recipe, *flags], nproc=nproc)
     info = json.loads((run_dir / "run.json").read_text())
     assert info["layout"]["fp8"] == recipe
     ref, got = _records(one_process_run), _records(run_dir)
@@ -414,3 +535,20 @@ def test_fp8_runs_track_the_fp32_run(tmp_path, config, one_process_run, recipe, 
     for a, b in zip(ref, got):
         assert math.isfinite(b["loss"]) and b["loss"] == pytest.approx(a["loss"], rel=0.02), (a["step"], a, b)
     assert [a["loss"] for a in ref] != [b["loss"] for b in got]  # FP8 changed the arithmetic
+
+
+def test_fp8_delayed_resume_is_exact(tmp_path, config, fp8_delayed_run):
+    """The delayed recipe scales each GEMM from its amax history: the checkpoint keeps every site's history, so the
+    resumed run casts with the same scales and reproduces the losses bit for bit."""
+    step4 = fp8_delayed_run / "checkpoints" / "step_4"
+    index = json.loads((step4 / "rank_00000" / "index.json").read_text())["state"]["fp8_delayed"]
+    # Every site casts each operand once per micro-batch: 2 micro-batches x 4 steps.
+    assert len(index) > 20 and {tuple(v.values()) for v in index.values()} == {(8, 8, 8)}
+    histories = load_file(str(step4 / "rank_00000" / "state.safetensors"))
+    assert all(histories[f"fp8.{site}.input"].max() > 0 for site in index)
+    run_dir = tmp_path / "fp8-resumed"
+    shutil.copytree(fp8_delayed_run, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_8")
+    _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", "--fp8", "delayed", "--resume"])
+    for a, b in zip(_records(fp8_delayed_run), _records(run_dir)):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), a["step"]

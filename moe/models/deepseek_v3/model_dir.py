@@ -123,8 +123,13 @@ def read_config(path: str | Path) -> DeepseekV3Config:
 
 def read_model_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], DeepseekV3Config]:
     """`(state_dict, config)` of a model directory written by `write_model_dir` (tensors on the CPU, in their
-    stored dtype)."""
+    stored dtype), or of a training checkpoint without `model.safetensors` (a sharded flash checkpoint: the model's
+    boxes of every rank assembled, moe/train/shard_files.py)."""
     path = Path(path)
+    if not (path / MODEL_FILE).is_file() and (path / "manifest.json").is_file() and (path / CONFIG_FILE).is_file():
+        from moe.train.shard_files import read_full_section
+
+        return read_full_section(path, "model"), read_config(path)
     for name in (MODEL_FILE, CONFIG_FILE):
         if not (path / name).is_file():
             raise FileNotFoundError(f"{path} is not a model directory: {name} is missing")
