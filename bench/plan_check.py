@@ -1,19 +1,25 @@
 """The planner against reality: its memory and step-time estimates for several layouts of a small config, next to
 the peak memory and step time that examples/deepseek_v3/train.py measures for the same layouts on this CPU.
 
-For every row, one short run of train.py (the one launcher, `mtdeepep.utils.testing.run_processes`, as
-bench/train_layouts.py does; gloo, `max(1, cores // ranks)` threads per rank) gives, from its metrics.jsonl:
+For every row, short runs of train.py (the one launcher, `mtdeepep.utils.testing.run_processes`, as
+bench/train_layouts.py does; gloo) give, from their metrics.jsonl:
 - measured peak MiB: `max_peak_memory_mib` of the last step (the largest rank's resident-set high-water mark, the
   whole process, after the optimizer states exist);
-- measured step s: the fastest and the median `step_s` of the steps after the first (the machine is shared: the
-  fastest step is the least disturbed one).
-The estimates are `moe.plan.search.estimate` of the same layout on the 'cpu' device spec, calibrated first
-(`moe.plan.calibrate`) unless --no-calibrate. Printed: the error of the memory estimate per layout, and the
-step-time order (measured vs estimated, with Spearman's rank correlation). `--measured OLD.json` estimates again
-for the runs of an earlier check (with the spec calibrated then), without running anything.
+- measured step s: the fastest and the median `step_s` of the steps after the first, over `--rounds` runs of
+  every row taken in turn (the machine is shared: the fastest step is the least disturbed one, and interleaving the
+  rows spreads a busy spell over all of them).
+Every rank runs ONE intra-op thread, as the 'cpu' device spec assumes (moe/plan/devices.py): on this machine,
+shared with other work, one process with two threads was measured 7x slower per step than two single-threaded
+ranks doing the same work (32.9 vs 4.5 s), an effect of the other work, not of the layout.
 
-    .venv/bin/python bench/plan_check.py                      # ~5 minutes on 2 cores
-    .venv/bin/python bench/plan_check.py --rows 1,dp2,tp2 --steps 3
+The estimates are `moe.plan.search.estimate` of the same layout on the 'cpu' device spec, calibrated first
+(`moe.plan.calibrate`; and the process baseline `runtime_gib` from a 2-rank run of a ~0.6M-parameter model, whose
+state and activations are negligible) unless --no-calibrate. Printed: the error of the memory estimate per layout,
+and the step-time order (measured vs estimated, with Spearman's rank correlation). `--measured OLD.json` estimates
+again for the runs of an earlier check (with the spec calibrated then), without running anything.
+
+    .venv/bin/python bench/plan_check.py                      # ~8 minutes on 2 idle cores
+    .venv/bin/python bench/plan_check.py --rows 1,dp2,tp2 --rounds 1
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from pathlib import Path
 
 import tomllib
 from _common import RESULTS_DIR, environment, num_cores, print_table, save_results
-from train_layouts import _dump_toml, train_rank
+from train_layouts import TRAIN_PY, _dump_toml
 
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.plan.devices import CPU, DeviceSpec
@@ -88,21 +94,71 @@ def check_config(args, out: Path) -> Path:
     return path
 
 
-def measure_row(name: str, config: Path, work: Path, timeout: float) -> dict:
+def train_rank(proc, argv: list[str]) -> None:
+    """One rank of `train.py argv` with torchrun's environment, on ONE intra-op thread (see the module docstring)."""
+    import importlib.util
+    import os
+
+    import torch
+
+    os.environ.update(
+        RANK=str(proc.rank), LOCAL_RANK=str(proc.rank), WORLD_SIZE=str(proc.num_processes),
+        LOCAL_WORLD_SIZE=str(proc.num_processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(proc.port),
+        GLOO_SOCKET_IFNAME="lo",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    spec = importlib.util.spec_from_file_location("dsv3_train", TRAIN_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if module.main(argv) != 0:
+        raise RuntimeError("train.py failed")
+
+
+def run_train(processes: int, flags: list[str], config: Path, run_dir: Path, timeout: float) -> list[dict]:
+    """One train.py job; its metrics records."""
+    argv = ["--config", str(config), "--out", str(run_dir), "--seed", "0", *flags]
+    run_processes(train_rank, processes, (argv,), timeout_s=timeout)
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def measure_row(name: str, config: Path, run_dir: Path, timeout: float) -> dict:
     processes, flags, _ = ROWS[name]
-    run_dir = work / name
     start = time.perf_counter()
-    run_processes(train_rank, processes, (["--config", str(config), "--out", str(run_dir), "--seed", "0", *flags],),
-                  timeout_s=timeout)  # fmt: skip
-    records = read_metrics(run_dir / "metrics.jsonl")
-    timed = [r["step_s"] for r in records[1:]]
+    records = run_train(processes, flags, config, run_dir, timeout)
     return {
         "peak_mib": records[-1]["max_peak_memory_mib"],
         "optimizer_mib": records[-1]["max_optimizer_state_mib"],
-        "step_min_s": min(timed),
-        "step_median_s": statistics.median(timed),
-        "steps_s": [r["step_s"] for r in records],
+        "steps_s": [r["step_s"] for r in records[1:]],  # the first step builds kernels and caches: left out
         "wall_s": time.perf_counter() - start,
+    }
+
+
+# A model whose state and activations are negligible (~0.6M parameters; the small config's vocabulary, so the same
+# token cache serves): what its train.py ranks hold is the process baseline (Python, torch, gloo, the data, ...).
+BASELINE_MODEL = dict(
+    hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+    num_key_value_heads=2, n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2, kv_lora_rank=32,
+    q_lora_rank=32, qk_rope_head_dim=16, v_head_dim=16, qk_nope_head_dim=16, first_k_dense_replace=1,
+)  # fmt: skip
+
+
+def measure_runtime_baseline(args, work: Path, spec) -> tuple[float, dict]:
+    """The 'runtime_gib' of the cpu spec from a 2-rank train.py run of `BASELINE_MODEL`: its measured peak minus the
+    planner's estimate of everything else (state, activations, allocator share: a few MiB)."""
+    doc = tomllib.loads((REPO / args.config).read_text())
+    doc["model"].update(BASELINE_MODEL)
+    doc["training"].update(global_batch=2, seq_len=args.seq_len, micro_batches=1, steps=2, warmup_steps=1,
+                           dtype=args.dtype, checkpoint_every=0, log_every=2)  # fmt: skip
+    path = work / "baseline.toml"
+    path.write_text(_dump_toml(doc))
+    records = run_train(2, [], path, work / "baseline", args.timeout)
+    model = DeepseekV3Config.from_dict(doc["model"], strict=True)
+    est = estimate(Candidate(world=2, tp=1, pp=1, ep=1), model, Workload(2, 1, args.seq_len, args.dtype),
+                   spec.replace(runtime_gib=0.0))  # fmt: skip
+    peak = records[-1]["max_peak_memory_mib"]
+    return (peak - est.memory.total / 2**20) / 1024, {
+        "peak_mib": peak,
+        "est_without_runtime_mib": est.memory.total / 2**20,
     }
 
 
@@ -134,12 +190,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--config", default="examples/deepseek_v3/configs/small.toml")
     p.add_argument("--rows", default=DEFAULT_ROWS, help=f"comma-separated subset of {list(ROWS)}")
     p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batches", type=int, default=4, help="per data-parallel rank")
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2, help="runs of every row, interleaved")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--no-calibrate", action="store_true", help="use the built-in 'cpu' spec")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per row")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per row")
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "plan_check.json")
     p.add_argument("--measured", type=Path, default=None,
                    help="estimate again for the measurements of an earlier --json (no runs)")  # fmt: skip
@@ -148,6 +205,8 @@ def parse_args() -> argparse.Namespace:
     unknown = [r for r in args.rows if r not in ROWS]
     if unknown or not args.rows:
         p.error(f"--rows: unknown {unknown}; choose from {list(ROWS)}")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first step is left out of the timings)")
     return args
@@ -200,43 +259,74 @@ def print_report(args, rows: list[dict]) -> tuple[float, float]:
     return rho_min, rho_med
 
 
+def merge_rounds(name: str, rounds: list[dict]) -> dict:
+    """One row from its runs: the largest peak, the fastest and the median step over every round's timed steps."""
+    steps = [t for r in rounds for t in r["steps_s"]]
+    return {
+        "row": name,
+        "peak_mib": max(r["peak_mib"] for r in rounds),
+        "optimizer_mib": rounds[0]["optimizer_mib"],
+        "step_min_s": min(steps),
+        "step_median_s": statistics.median(steps),
+        "rounds": rounds,
+    }
+
+
 def main() -> None:
     args = parse_args()
     model = DeepseekV3Config.from_toml(REPO / args.config)
     workload = Workload(args.global_batch, args.micro_batches, args.seq_len, args.dtype)
     if args.measured is not None:  # estimate again for measurements taken before (and the spec they were taken with)
         saved = json.loads(args.measured.read_text())
-        spec = DeviceSpec(**{**saved["spec"], "estimated": frozenset(saved["spec"]["estimated"])})
+        # Fields an older calibration did not measure keep the built-in 'cpu' spec's values.
+        fields = {**CPU.to_dict(), **saved["spec"]}
+        spec = DeviceSpec(**{**fields, "estimated": frozenset(fields["estimated"])})
         measured = [{k: v for k, v in r.items() if not k.startswith("est") and k != "layout"} for r in saved["rows"]]
-        for key in ("global_batch", "seq_len", "micro_batches", "steps", "dtype", "config"):
-            setattr(args, key, type(getattr(args, key))(saved["args"][key]))
+        for r in measured:  # files of the first version: one run per row, its steps under "steps_s"
+            r.setdefault("rounds", [{"steps_s": r.get("steps_s", [])[1:], "peak_mib": r["peak_mib"]}])
+        for key in ("global_batch", "seq_len", "micro_batches", "steps", "rounds", "dtype", "config"):
+            if key in saved["args"]:
+                setattr(args, key, type(getattr(args, key))(saved["args"][key]))
         workload = Workload(args.global_batch, args.micro_batches, args.seq_len, args.dtype)
         model = DeepseekV3Config.from_toml(REPO / args.config)
+        baseline = saved.get("runtime_baseline")
     else:
         spec = CPU
         if not args.no_calibrate:
             from moe.plan.calibrate import calibrated_cpu_spec
 
             spec = calibrated_cpu_spec()
-        shown = ("tflops", "memory_gbps", "intra_node_gbps", "comm_latency_us", "runtime_gib")
-        print("cpu spec:", json.dumps({k: spec.to_dict()[k] for k in shown}), flush=True)
-        measured = []
         with tempfile.TemporaryDirectory(prefix="plan_check-") as tmp:
             work = Path(tmp)
             config = check_config(args, work)
-            for name in args.rows:
-                got = {"row": name, **measure_row(name, config, work, args.timeout)}
-                measured.append(got)
-                r = estimate_rows([got], model, workload, spec)[0]
-                print(
-                    f"{name:>14}: peak {r['peak_mib']:.0f} MiB (est {r['est_mib']:.0f}), step {r['step_min_s']:.2f} s "
-                    f"min / {r['step_median_s']:.2f} median (est {r['est_step_s']:.2f}); {r['wall_s']:.0f} s",
-                    flush=True,
-                )
+            baseline = None
+            if not args.no_calibrate:
+                runtime, baseline = measure_runtime_baseline(args, work, spec)
+                sources = {
+                    **spec.sources,
+                    "runtime_gib": "calibrated by bench/plan_check.py: peak of a 2-rank train.py "
+                    "run of a ~0.6M-parameter model minus the planner's estimate of its state and activations",
+                }
+                spec = spec.replace(runtime_gib=runtime, sources=sources)  # fmt: skip
+            shown = ("tflops", "memory_gbps", "intra_node_gbps", "ep_intra_node_gbps", "comm_latency_us", "runtime_gib")
+            print("cpu spec:", json.dumps({k: spec.to_dict()[k] for k in shown}), flush=True)
+            runs: dict[str, list[dict]] = {name: [] for name in args.rows}
+            for round_index in range(args.rounds):  # rounds interleave the rows: a slow spell of the machine hits all
+                for name in args.rows:
+                    got = measure_row(name, config, work / f"{name}-{round_index}", args.timeout)
+                    runs[name].append(got)
+                    r = estimate_rows([merge_rounds(name, [got])], model, workload, spec)[0]
+                    print(
+                        f"round {round_index + 1} {name:>14}: peak {r['peak_mib']:.0f} MiB (est {r['est_mib']:.0f}), "
+                        f"steps {', '.join(f'{t:.2f}' for t in got['steps_s'])} s (est {r['est_step_s']:.2f}); "
+                        f"{got['wall_s']:.0f} s",
+                        flush=True,
+                    )
+        measured = [merge_rounds(name, runs[name]) for name in args.rows]
     rows = estimate_rows(measured, model, workload, spec)
     rho_min, rho_med = print_report(args, rows)
     payload = {"args": {k: str(v) for k, v in vars(args).items()}, "spec": spec.to_dict(), "rows": rows}
-    payload.update(spearman_min=rho_min, spearman_median=rho_med, environment=environment())
+    payload.update(spearman_min=rho_min, spearman_median=rho_med, runtime_baseline=baseline, environment=environment())
     save_results(args.json, payload)
 
 

@@ -1,16 +1,18 @@
 """Micro-benchmarks of this machine for the 'cpu' device spec (`plan.py --calibrate`): a few seconds in all.
 
-    GEMM        a 1024 x 1024 x 1024 matmul in FP32 and BF16 on all cores, and the FP8 recipes' emulated GEMM
+    GEMM        a 1024 x 1024 x 1024 matmul in FP32 and BF16 on one thread, and the FP8 recipes' emulated GEMM
                 (block-wise casts of both operands, then the dequantised FP32 product); the fastest of several runs
                 (other work shares the cores: the fastest run is the least disturbed one)
-    memory      a 256 MiB tensor copy (bytes read + written per second)
+    memory      a 256 MiB tensor copy on one thread (bytes read + written per second), and the filling of a newly
+                allocated 64 MiB tensor (the first touch of fresh pages: page faults)
     gloo        between 2 processes of the project's launcher (mtdeepep.utils.testing.run_processes): a 16 MiB
                 all-reduce (bus bandwidth 2 (n-1)/n x bytes / time), a 16 MiB all-to-all, and a 4-byte
                 all-reduce (the latency)
     runtime     the resident set of a fresh process that imported train.py's modules and joined a gloo group
 
-Each figure replaces the built-in 'cpu' spec's, with "calibrated <date>" as its source. The machine is shared with
-other work: rates measured while it is busy are what a rank gets then, not the cores' peak.
+Single-threaded, as the 'cpu' spec's ranks run (moe/plan/devices.py); the machine's rates are the one-thread rates
+times the cores. Each figure replaces the built-in 'cpu' spec's, with "calibrated <date>" as its source. The
+machine is shared with other work: rates measured while it is busy are what a rank gets then, not the cores' peak.
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ def copy_gbps(nbytes: int = 256 << 20) -> float:
     return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), repeats=3) / 1e9
 
 
+def fresh_gbps(nbytes: int = 64 << 20) -> float:
+    """GB/s of filling a newly allocated tensor (page faults: the first touch of fresh mappings)."""
+    return nbytes / _best_seconds(lambda: torch.empty(nbytes // 4).fill_(1.0), repeats=3) / 1e9
+
+
 def _rss_mib(field: str = "VmRSS") -> float:
     with open("/proc/self/status") as f:
         match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
@@ -102,13 +109,15 @@ def measure(timeout_s: float = 180.0) -> dict[str, float]:
     from mtdeepep.utils.testing import num_cores, run_processes
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(num_cores())
+    torch.set_num_threads(1)
+    cores = num_cores()
     try:
         out = {
-            "float32_tflops": gemm_tflops(torch.float32),
-            "bfloat16_tflops": gemm_tflops(torch.bfloat16),
-            "fp8_tflops": fp8_emulated_tflops(),
-            "copy_gbps": copy_gbps(),
+            "float32_tflops": cores * gemm_tflops(torch.float32),
+            "bfloat16_tflops": cores * gemm_tflops(torch.bfloat16),
+            "fp8_tflops": cores * fp8_emulated_tflops(),
+            "copy_gbps": cores * copy_gbps(),
+            "fresh_gbps": fresh_gbps(),  # machine-wide: two processes get half each (devices.py)
         }
     finally:
         torch.set_num_threads(threads)
@@ -133,11 +142,12 @@ def calibrated_cpu_spec(measured: dict[str, float] | None = None) -> DeviceSpec:
     src = f"calibrated here {when} (moe/plan/calibrate.py)"
     sources = dict(CPU.sources)
     for key, what in (
-        ("tflops.float32", "1024^3 FP32 matmul, all cores"),
-        ("tflops.bfloat16", "1024^3 BF16 matmul, all cores"),
-        ("tflops.fp8", "emulated block-wise FP8 GEMM, casts included"),
-        ("memory_gbps", "256 MiB copy, read + write"),
-        ("ep_intra_node_gbps", "half the 256 MiB copy rate (mtdeepep copies through shared memory)"),
+        ("tflops.float32", "1024^3 FP32 matmul, one thread x cores"),
+        ("tflops.bfloat16", "1024^3 BF16 matmul, one thread x cores"),
+        ("tflops.fp8", "emulated block-wise FP8 GEMM, casts included, one thread x cores"),
+        ("memory_gbps", "256 MiB copy, read + write, one thread x cores"),
+        ("ep_intra_node_gbps", "half the one-thread copy rate (mtdeepep copies through shared memory)"),
+        ("fresh_memory_gbps", "filling a newly allocated 64 MiB tensor (page faults), one process (machine-wide)"),
         ("intra_node_gbps", "gloo 16 MiB all-reduce bus bandwidth, 2 processes"),
         ("comm_latency_us", "gloo 4-byte all-reduce"),
         ("runtime_gib", "resident set after importing train.py's modules and joining gloo"),
@@ -149,7 +159,8 @@ def calibrated_cpu_spec(measured: dict[str, float] | None = None) -> DeviceSpec:
         intra_node_gbps=m["allreduce_bus_gbps"],
         inter_node_gbps=m["allreduce_bus_gbps"],
         comm_latency_us=m["latency_us"],
-        ep_intra_node_gbps=m["copy_gbps"] / 2,
+        ep_intra_node_gbps=m["copy_gbps"] / m["cores"] / 2,
+        fresh_memory_gbps=m["fresh_gbps"],
         runtime_gib=m["runtime_gib"],
         shared_cores=int(m["cores"]),
         sources=sources,

@@ -7,9 +7,12 @@ is lower, which the `*_efficiency` fields state (measured where this project mea
 
 Units: TFLOP/s dense (no 2:4 sparsity), GB/s = 1e9 bytes/s per direction per device, memory in GiB (2**30 bytes).
 
-The 'cpu' spec models this machine, where the "devices" are rank processes sharing its cores: a rank's share of the
-machine's GEMM rate, memory bandwidth and RAM is `1 / world` (`shared_cores` > 0 marks such a spec). Its figures
-are measured here (see `moe/plan/calibrate.py`; `--calibrate` measures them again on the spot).
+The 'cpu' spec models this machine, where the "devices" are single-threaded rank processes sharing its
+`shared_cores` cores (`shared_cores` > 0 marks such a spec): its rates are the whole machine's, a rank gets
+`1 / max(world, cores)` of them (one core, or a turn at one when there are more ranks than cores), and `1 / world`
+of the RAM. Single-threaded ranks because on this machine, shared with other work, one process running two intra-op
+threads was measured up to 7x slower than two single-threaded processes (its threads wait for each other at every
+parallel region). Its figures are measured here (`moe/plan/calibrate.py`; `--calibrate` measures them again).
 """
 
 from __future__ import annotations
@@ -43,11 +46,16 @@ class DeviceSpec:
         for 'cpu' the Python + torch + trainer process baseline).
     allocator_overhead: fraction added to the dynamic memory (activations, transients) for allocator caching and
         fragmentation.
-    shared_cores: 'cpu' only: the cores the rank processes share (0 for a GPU: each device is its own).
+    shared_cores: 'cpu' only: the cores the single-threaded rank processes share (0 for a GPU).
     reduce_scatter_as_all_reduce: the backend implements reduce-scatter as an all-reduce (torch 2.13's gloo; see
         moe/train/zero.py), so it moves twice the bytes.
     ep_intra_node_gbps: the EP dispatch / combine bandwidth inside a node when it is not the collectives' link (on
         'cpu' mtdeepep copies through shared memory, not gloo); None: `intra_node_gbps`.
+    all_gather_extra: memory the backend allocates inside an all-gather, per byte of its output (gloo copies it;
+        NCCL / MCCL gather in place: 0).
+    fresh_memory_gbps: the rate at which a rank touches newly mapped memory (page faults), for the large tensors
+        a micro-batch allocates afresh (the allocator maps them and returns them to the system); None: free, as
+        with the caching allocators of CUDA / MUSA. On 'cpu' a machine-wide rate that the ranks share.
     sources: field name -> where the figure comes from. estimated: the fields that are estimates.
     """
 
@@ -68,6 +76,8 @@ class DeviceSpec:
     shared_cores: int = 0
     reduce_scatter_as_all_reduce: bool = False
     ep_intra_node_gbps: float | None = None
+    all_gather_extra: float = 0.0
+    fresh_memory_gbps: float | None = None
     sources: dict[str, str] = field(default_factory=dict)
     estimated: frozenset[str] = frozenset()
 
@@ -112,9 +122,9 @@ class DeviceSpec:
 
     def share(self, world: int) -> float:
         """The fraction of one device's compute and memory bandwidth a rank gets: 1 on a GPU; on 'cpu', whose rates
-        are the whole machine's, `1 / world` (the ranks split the cores, `max(1, cores // world)` threads each, and
-        take turns when there are more ranks than cores)."""
-        return 1.0 / world if self.shared_cores else 1.0
+        are the whole machine's, `1 / max(world, cores)` (single-threaded ranks: one core each, taking turns when
+        there are more ranks than cores)."""
+        return 1.0 / max(world, self.shared_cores) if self.shared_cores else 1.0
 
     def has_fp8(self) -> bool:
         return self.tflops.get("fp8") is not None
@@ -126,6 +136,13 @@ class DeviceSpec:
             raise ValueError(f"device {self.name!r} has no {dtype} GEMM rate")
         eff = self.gemm_efficiency.get(dtype, self.gemm_efficiency["bfloat16"])
         return rate * 1e12 * eff * self.share(world)
+
+    def fresh_bytes_per_s(self, world: int) -> float | None:
+        """A rank's rate of touching fresh memory: a machine-wide rate split by the ranks on 'cpu' (two processes
+        were measured to get half each: page faults do not scale with the cores here), the device's own on a GPU."""
+        if self.fresh_memory_gbps is None:
+            return None
+        return self.fresh_memory_gbps * 1e9 / (world if self.shared_cores else 1)
 
     def memory_bytes_per_s(self, world: int) -> float:
         return self.memory_gbps * 1e9 * self.memory_efficiency * self.share(world)
@@ -337,32 +354,39 @@ CPU = DeviceSpec(
     name="cpu",
     title="this machine's CPU: rank processes sharing its cores (gloo over loopback)",
     memory_gib=24.0,
-    tflops={"float32": 0.065, "bfloat16": 0.12, "fp8": 0.01},
-    memory_gbps=15.0,
-    intra_node_gbps=1.0,
-    inter_node_gbps=1.0,
+    tflops={"float32": 0.12, "bfloat16": 0.28, "fp8": 0.05},
+    memory_gbps=27.0,
+    intra_node_gbps=0.9,
+    inter_node_gbps=0.9,
     devices_per_node=1024,
     gemm_efficiency={"float32": 1.0, "bfloat16": 1.0, "fp8": 1.0},
     memory_efficiency=1.0,
     comm_efficiency=1.0,
-    comm_latency_us=200.0,
-    runtime_gib=0.30,
+    comm_latency_us=180.0,
+    runtime_gib=0.33,
     allocator_overhead=0.30,
     shared_cores=2,
     reduce_scatter_as_all_reduce=True,
-    ep_intra_node_gbps=7.5,
+    ep_intra_node_gbps=6.7,
+    all_gather_extra=0.9,
+    fresh_memory_gbps=1.4,
     sources={
         "memory_gib": "this machine's RAM (24 GiB), shared by the ranks",
-        "tflops.float32": _CPU_MEASURED + ": 1024^2 x 1024 FP32 matmul on all cores (already achieved: efficiency 1)",
+        "tflops.float32": _CPU_MEASURED + ": 1024^3 FP32 matmul on one thread, x cores (achieved: efficiency 1)",
         "tflops.bfloat16": _CPU_MEASURED + ": the same in BF16 (oneDNN)",
-        "tflops.fp8": _CPU_MEASURED + ": the FP8 recipes' emulated GEMM (casts + FP32 matmul)",
-        "memory_gbps": _CPU_MEASURED + ": a 256 MiB tensor copy (bytes read + written)",
+        "tflops.fp8": _CPU_MEASURED + ": the FP8 recipes' emulated GEMM (casts + FP32 matmul), one thread, x cores",
+        "memory_gbps": _CPU_MEASURED + ": a 256 MiB tensor copy on one thread (bytes read + written), x cores",
         "intra_node_gbps": _CPU_MEASURED + ": gloo all-reduce bus bandwidth between 2 processes",
         "inter_node_gbps": "the same (one machine)",
+        "all_gather_extra": "measured here: a gloo all_gather_into_tensor of a 200 MB output from 2 processes raised "
+        "the resident-set peak by ~0.9x the output beyond its input and output (a gloo all-reduce: by nothing)",
+        "fresh_memory_gbps": _CPU_MEASURED + ": filling newly allocated 64 MiB tensors (page faults of this VM: "
+        "0.7 to 2.0 GB/s from one process as the load varies; two processes together get the same in all)",
         "ep_intra_node_gbps": "half the copy rate: mtdeepep's CPU executor writes each row into shared memory and "
         "the receiver copies it out",
         "comm_latency_us": _CPU_MEASURED + ": a small gloo all-reduce",
-        "runtime_gib": _CPU_MEASURED + ": resident set of a process that imported train.py's modules and joined gloo",
+        "runtime_gib": "measured by bench/plan_check.py: peak of a 2-rank train.py run of a ~0.6M-parameter model "
+        "minus the estimate of its state and activations (calibrate.py's import-only figure is 0.29)",
         "allocator_overhead": "measured once here: glibc keeps ~0.3 of a step's freed activations resident (a small "
         "model's forward + backward with and without `moe.memory`'s exact accounting)",
         "shared_cores": "os.sched_getaffinity",

@@ -15,7 +15,10 @@ the micro-batches each chunk holds at the schedule's peak (`moe.plan.stages.infl
 FP8 copy of every GEMM weight per micro-batch in flight (the autograd context holds it for the backward).
 
 Transients at the backward's peak: one layer's activation gradients (the largest layer of the rank) and, on the
-rank with the head, the FP32 logits gradient (twice: the softmax's and the cross entropy's). The process baseline
+rank with the head, the FP32 logits gradient (twice: the softmax's and the cross entropy's). After the backward
+(activations freed), the gradient reduction's own buffers may be the peak instead: MasterAdamW's concatenated
+gradients, or ZeRO-1's parameter all-gathers (the shard copies, plus `DeviceSpec.all_gather_extra` of the gathered
+bytes that gloo allocates inside the collective). The process baseline
 (`DeviceSpec.runtime_gib`) and the allocator's share (`allocator_overhead` of the dynamic memory) complete it; the
 mtdeepep buffer (`moe.dispatcher.deepep.nvl_bytes_hint`) counts with EP > 1.
 """
@@ -169,6 +172,10 @@ def estimate_memory(cand: Candidate, shape: ModelShape, work: Workload, spec: De
         if not cand.zero1:  # the post-backward concatenation of one group's gradients (activations freed by then)
             flat = max(p.dense * FP32 if cand.dp * cand.tp > 1 else 0.0, p.experts * FP32 if cand.edp > 1 else 0.0)
             transient = max(transient, flat - activations)
+        else:  # after the step: every bucket's parameter all-gather in flight (the shard copy, the backend's buffers)
+            gathered = (p.dense * b if cand.dp > 1 else 0.0) + (p.experts * b if cand.edp > 1 else 0.0)
+            copies = (p.dense * b / cand.dp if cand.dp > 1 else 0.0) + (p.experts * b / cand.edp if cand.edp > 1 else 0)
+            transient = max(transient, gathered * spec.all_gather_extra + copies - activations)
         dynamic = activations + transient
         mem = MemoryBreakdown(
             weights=weights,

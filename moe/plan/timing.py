@@ -14,6 +14,9 @@ work, sequence-parallel parts included):
        selective+: also the MLA up projections, norms and SwiGLU; full: the whole forward, communication included).
     W  the weight-gradient share of B (ZB-H1 and DualPipeV defer it into the bubbles).
 The trainer runs communication and compute of one rank in sequence (no overlap), so TP and EP time counts in full.
+On a device spec with `fresh_memory_gbps` (the 'cpu' one: glibc maps large tensors afresh and this VM's page faults
+are slow, ~0.7 GB/s per core) every micro-batch also pays for touching its new memory: the activations in the
+forward, their gradients and the weight gradients (one per weight, in the GEMM's output) in the backward.
 
 Step on the bottleneck pipeline rank: `m x sum over its chunks of (F + B)` + the p2p sends + the bubble of
 `moe.pipeline.timeline.analytic_bubble` (DualPipe's table: 1F1B (P-1)(F+B), ZB-H1 (P-1)(F+B-2W), DualPipeV
@@ -126,6 +129,10 @@ def chunk_times(chunk: Chunk, cand: Candidate, shape: ModelShape, work: Workload
     fwd = max(gemm_fwd, weight_bytes / mem_bw) + core_fwd + ELEMENTWISE_PASSES_FWD * elem
     bwd = max(2 * gemm_fwd, (2 * b + 2 * FP32) * (p.dense + p.experts) / mem_bw) + 2.5 * core_fwd
     bwd += ELEMENTWISE_PASSES_BWD * elem
+    fresh = spec.fresh_bytes_per_s(world)
+    if fresh is not None:  # page faults of what a micro-batch allocates afresh (see the module docstring)
+        fwd += t_rank * act_bytes / fresh
+        bwd += (t_rank * act_bytes + weight_bytes) / fresh
 
     tp_fwd = _tp_comm(chunk, layers, cand, shape, tokens, b, spec)
     ep_fwd, ep_bwd = _ep_comm(layers, cand, shape, tokens, b, spec)

@@ -130,4 +130,6 @@ def test_device_spec_validation(tmp_path):
     with pytest.raises(ValueError, match="unknown fields \\['warp_drive'\\]"):
         load_device_spec(str(bad))
     assert SPECS["mtt-s4000"].has_fp8() is False and SPECS["mtt-s5000"].has_fp8()
-    assert SPECS["cpu"].memory_capacity_bytes(4) == SPECS["cpu"].memory_capacity_bytes(1) / 4
+    cpu = SPECS["cpu"]  # single-threaded ranks on 2 cores: one core each, turns beyond 2 ranks; RAM split
+    assert (cpu.share(1), cpu.share(2), cpu.share(4)) == (0.5, 0.5, 0.25) and SPECS["h100"].share(8) == 1.0
+    assert cpu.memory_capacity_bytes(4) == cpu.memory_capacity_bytes(1) / 4

@@ -115,3 +115,22 @@ def test_collective_helpers():
     assert ring_time("all_gather", 1e9, 16, 16, H100) > ring_time("all_gather", 1e9, 16, 8, H100)  # off the node
     # gloo's reduce-scatter is an all-reduce (moe/train/zero.py)
     assert ring_time("reduce_scatter", 1e8, 2, 2, CPU) == ring_time("all_reduce", 1e8, 2, 2, CPU)
+
+
+def test_fresh_memory_term_on_cpu():
+    """The 'cpu' spec's page-fault term: every micro-batch touches its activations twice (forward outputs, their
+    gradients) and its weight gradients once in fresh memory, at the machine-wide rate the ranks share."""
+    from moe.plan.memory import rank_params
+
+    cand = Candidate(world=1, tp=1, pp=1, ep=1)
+    with_faults = estimate_time(cand, SHAPE, WORK32, CPU)
+    without = estimate_time(cand, SHAPE, WORK32, CPU.replace(fresh_memory_gbps=None))
+    tokens = cand.micro_rows(WORK32) * WORK32.seq_len
+    chunk = rank_chunks(cand, SHAPE.L)[0][0]
+    layers = list(chunk.layers) + [SHAPE.L + k for k in range(SHAPE.D)]
+    act = sum(SHAPE.activation_bytes(i, dtype="float32", tp=1, recompute="none") for i in layers)
+    p = rank_params(SHAPE, [chunk], cand)
+    per_mb = (2 * tokens * act + 4 * (p.dense + p.experts) + 4 * p.router) / (CPU.fresh_memory_gbps * 1e9)
+    assert with_faults.compute - without.compute == pytest.approx(WORK32.micro_batches * per_mb)
+    assert CPU.fresh_bytes_per_s(2) == CPU.fresh_bytes_per_s(1) / 2  # shared by the ranks
+    assert H100.fresh_bytes_per_s(8) is None  # a caching allocator: no page faults per micro-batch
