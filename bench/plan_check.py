@@ -243,6 +243,9 @@ def print_report(args, rows: list[dict]) -> tuple[float, float]:
     rho_min = spearman(measured, estimated)
     rho_med = spearman([r["step_median_s"] for r in rows], estimated)
     mem_err = [abs(r["est_mib"] / r["peak_mib"] - 1) for r in rows]
+    # The noise floor: how well the measured rounds agree with each other on the order.
+    per_round = [[min(r["rounds"][k]["steps_s"]) for r in rows] for k in range(min(len(r["rounds"]) for r in rows))]
+    agreement = spearman(per_round[0], per_round[1]) if len(per_round) > 1 else float("nan")
     print(
         f"\n{args.config}, global batch {args.global_batch} x {args.seq_len}, {args.micro_batches} micro-batches "
         f"per dp rank, {args.dtype}, {args.steps} steps per row; {num_cores()} cores (shared with other work)"
@@ -254,7 +257,7 @@ def print_report(args, rows: list[dict]) -> tuple[float, float]:
         f"memory: mean |error| {100 * statistics.mean(mem_err):.1f}%, max {100 * max(mem_err):.1f}%; est state = "
         "weights + grads + optimizer, est other = process runtime + allocator share + mtdeepep buffer.",
         f"step-time order: Spearman rho {rho_min:.2f} against the fastest measured step, {rho_med:.2f} against the "
-        "median.",
+        f"median; the measured rounds agree with each other at rho {agreement:.2f} (round 1 vs 2, fastest steps).",
     )  # fmt: skip
     return rho_min, rho_med
 
@@ -308,7 +311,8 @@ def main() -> None:
                     "run of a ~0.6M-parameter model minus the planner's estimate of its state and activations",
                 }
                 spec = spec.replace(runtime_gib=runtime, sources=sources)  # fmt: skip
-            shown = ("tflops", "memory_gbps", "intra_node_gbps", "ep_intra_node_gbps", "comm_latency_us", "runtime_gib")
+            shown = ("tflops", "memory_gbps", "fresh_memory_gbps", "intra_node_gbps", "ep_intra_node_gbps",
+                     "comm_latency_us", "runtime_gib")  # fmt: skip
             print("cpu spec:", json.dumps({k: spec.to_dict()[k] for k in shown}), flush=True)
             runs: dict[str, list[dict]] = {name: [] for name in args.rows}
             for round_index in range(args.rounds):  # rounds interleave the rows: a slow spell of the machine hits all

@@ -11,9 +11,9 @@ interleaved 1F1B with its virtual stages, the recompute setting, the FP8 recipe 
 would refuse (the trainer's own rules: moe/plan/space.py), estimates every remaining layout's peak memory and step
 time analytically (moe/plan/memory.py, moe/plan/timing.py) on the --device-spec (h100, h200, mtt-s4000, mtt-s5000,
 cpu, or a JSON file of DeviceSpec fields; --list-devices prints every figure with its source), drops what does not
-fit in memory, and prints the K fastest with their breakdown, the train.py command of the best, and how many
-choices each rule rejected. The batch (global_batch, micro_batches, seq_len) and dtype come from the config's
-[training] table unless given.
+fit in memory, and prints the K fastest with their breakdown, the train.py command of the best layout train.py
+runs, and how many choices each rule rejected. The batch (global_batch, micro_batches, seq_len) and dtype come
+from the config's [training] table unless given.
 
 Exit status: 0, 1 when no layout fits, 2 for bad arguments (unknown spec, bad config, ...).
 """
@@ -63,6 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _human(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
 def _fail(message: str) -> int:
     print(f"plan.py: error: {message}", file=sys.stderr)
     return 2
@@ -107,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
 
     model_flops = shape.model_flops_per_token(work.seq_len)
-    total, activated, mtp = shape.total_params() / 1e9, shape.activated_params() / 1e9, shape.mtp_params() / 1e9
+    total, activated, mtp = (_human(n) for n in (shape.total_params(), shape.activated_params(), shape.mtp_params()))
     print(
-        f"DeepSeek-V3 {args.config}: {total:.3g}B parameters ({activated:.3g}B activated) + MTP {mtp:.3g}B; "
+        f"DeepSeek-V3 {args.config}: {total} parameters ({activated} activated) + MTP {mtp}; "
         f"{model_flops / 1e9:.3g} GFLOP per token (fwd + bwd)"
     )
     print(f"{args.devices} x {spec.name} ({spec.title}); global batch {work.global_batch} x {work.seq_len} tokens, "
@@ -120,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"top {min(args.top, len(result.ranked))} (fastest first):")
         print(report.ranked_table(result, args.top, shape, work, spec))
         print("\n" + report.legend())
-        print("\nthe best as a train.py run:\n  " + report.flags_line(result.ranked[0], args.config))
+        runnable = next((i for i, e in enumerate(result.ranked, start=1) if e.candidate.runnable), None)
+        if runnable is not None:
+            best = result.ranked[runnable - 1]
+            print(f"\nthe best train.py runs (#{runnable}):\n  " + report.flags_line(best, args.config))
     else:
         print("no layout fits: see the rejections (more devices, fewer sequences per micro-batch, recompute)")
     print("\nrejected:")
