@@ -72,18 +72,20 @@ def test_activation_bytes_hand_computed():
 
 
 def _measured_activation_bytes(model, ids) -> float:
-    """Resident-set growth over a forward (graph alive), per token; the second of two passes (the first builds the
-    setting's caches: kernels, rotary tables, recompute hooks)."""
-    for _ in range(2):
+    """Resident-set growth over a forward (graph alive), per token: the larger of the second and third passes (the
+    first builds the setting's caches: kernels, rotary tables, recompute hooks; a small tensor that reuses freed heap
+    memory does not grow the resident set, so a pass can undercount, never overcount)."""
+    growth = []
+    for _ in range(3):
         model.zero_grad(set_to_none=True)
         gc.collect()
         before = _status_bytes("VmRSS")
         out = model(ids, labels=ids)
         loss = out.lm_loss_sum + sum(out.mtp_loss_sums)
-        after = _status_bytes("VmRSS")
+        growth.append(_status_bytes("VmRSS") - before)
         loss.backward()
         del out, loss
-    return (after - before) / ids.numel()
+    return max(growth[1:]) / ids.numel()
 
 
 def _saved_tensor_bytes(model, ids) -> float:
@@ -107,7 +109,7 @@ def _saved_tensor_bytes(model, ids) -> float:
     [("float32", ("none", "selective", "selective+", "full")), ("bfloat16", ("none", "selective+", "full"))],
 )
 def test_activation_bytes_against_a_real_forward(dtype, settings):
-    """The estimate of what a forward keeps against the real model (tiny config, 4 x 64 tokens): the resident-set
+    """The estimate of what a forward keeps against the real model (tiny config, 4 x 128 tokens): the resident-set
     growth over the forward (every large tensor is its own mapping, so the resident set counts live tensors), and
     for 'full' recompute the saved-tensor count (its figures are small: a few heap-allocated tensors skew the
     resident set; the hooks see every saved tensor there). Tolerance 12%. Measured at the time of writing (none /
@@ -115,7 +117,7 @@ def test_activation_bytes_against_a_real_forward(dtype, settings):
     config = DeepseekV3Config.from_toml(CONFIGS / "tiny.toml")
     shape = ModelShape.from_config(config)
     torch.manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (4, 64))
+    ids = torch.randint(0, config.vocab_size, (4, 128))
     model = DeepseekV3ForCausalLM(config, dtype=getattr(torch, dtype))
     for name in settings:
         kw = RECOMPUTE_CHOICES[name]
