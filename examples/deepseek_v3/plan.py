@@ -1,0 +1,151 @@
+"""Plan the parallel layout of a DeepSeek-V3 training run before running it (a SimuMax-like strategy search).
+
+    python examples/deepseek_v3/plan.py --config examples/deepseek_v3/configs/671b.toml --devices 2048 \
+        --device-spec h100 --top 10
+    python examples/deepseek_v3/plan.py --config examples/deepseek_v3/configs/tiny.toml --devices 4 \
+        --device-spec cpu --calibrate
+    python examples/deepseek_v3/plan.py --list-devices
+
+Enumerates every TP / PP / EP / DP split of --devices (with ETP, the pipeline schedule 1F1B / ZB-H1 / DualPipeV /
+interleaved 1F1B with its virtual stages, the recompute setting, the FP8 recipe and ZeRO-1), drops what train.py
+would refuse (the trainer's own rules: moe/plan/space.py), estimates every remaining layout's peak memory and step
+time analytically (moe/plan/memory.py, moe/plan/timing.py) on the --device-spec (h100, h200, mtt-s4000, mtt-s5000,
+cpu, or a JSON file of DeviceSpec fields; --list-devices prints every figure with its source), drops what does not
+fit in memory, and prints the K fastest with their breakdown, the train.py command of the best layout train.py
+runs, and how many choices each rule rejected. The batch (global_batch, micro_batches, seq_len) and dtype come
+from the config's [training] table unless given.
+
+Exit status: 0, 1 when no layout fits, 2 for bad arguments (unknown spec, bad config, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+# Runs as a script from any directory: the repository root holds the packages.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from moe.models.deepseek_v3.config import DeepseekV3Config  # noqa: E402
+from moe.plan import report  # noqa: E402
+from moe.plan.devices import SPECS, load_device_spec  # noqa: E402
+from moe.plan.model import RECOMPUTE_CHOICES, ModelShape  # noqa: E402
+from moe.plan.search import plan  # noqa: E402
+from moe.plan.space import Workload  # noqa: E402
+from moe.train.config import TrainingConfig  # noqa: E402
+from moe.train.parallel import FP8_RECIPES  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", help="TOML file with [model] and [training] tables")
+    p.add_argument("--devices", type=int, help="number of devices (ranks)")
+    p.add_argument("--device-spec", help=f"one of {', '.join(SPECS)}, or a JSON file of DeviceSpec fields")
+    p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
+    p.add_argument("--global-batch", type=int, help="sequences per step (default: [training] global_batch)")
+    p.add_argument("--micro-batches", type=int, help="micro-batches per dp rank (default: [training])")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: [training] seq_len)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="model dtype (default: [training] dtype)")
+    p.add_argument("--recompute", nargs="+", choices=tuple(RECOMPUTE_CHOICES), default=list(RECOMPUTE_CHOICES),
+                   help="recompute choices to consider (default: all)")  # fmt: skip
+    p.add_argument("--fp8", nargs="+", choices=FP8_RECIPES, default=list(FP8_RECIPES),
+                   help="FP8 recipes to consider (default: all)")  # fmt: skip
+    p.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel size to consider")
+    p.add_argument("--trainer-only", action="store_true",
+                   help="only layouts train.py runs (no interleaved 1F1B)")  # fmt: skip
+    p.add_argument("--calibrate", action="store_true",
+                   help="with --device-spec cpu: measure GEMM, copy and gloo rates on this machine first")  # fmt: skip
+    p.add_argument("--list-devices", action="store_true", help="print the device specs with their sources; exit")
+    p.add_argument("--json", type=Path, default=None, help="also write the ranked layouts and rejections here")
+    return p.parse_args(argv)
+
+
+def _human(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+def _fail(message: str) -> int:
+    print(f"plan.py: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.list_devices:
+        print("\n\n".join(report.spec_table(spec) for spec in SPECS.values()))
+        return 0
+    missing = [f"--{n.replace('_', '-')}" for n in ("config", "devices", "device_spec") if getattr(args, n) is None]
+    if missing:
+        return _fail(f"the following arguments are required: {', '.join(missing)}")
+    try:
+        if args.devices < 1:
+            raise ValueError(f"--devices must be >= 1, got {args.devices}")
+        if args.top < 1:
+            raise ValueError(f"--top must be >= 1, got {args.top}")
+        spec = load_device_spec(args.device_spec)
+        if args.calibrate and spec.name != "cpu":
+            raise ValueError("--calibrate measures this machine: use it with --device-spec cpu")
+        config = DeepseekV3Config.from_toml(args.config)
+        training = TrainingConfig.from_toml(args.config)
+        work = Workload(
+            global_batch=args.global_batch or training.global_batch,
+            micro_batches=args.micro_batches or training.micro_batches,
+            seq_len=args.seq_len or training.seq_len,
+            dtype=args.dtype or training.dtype,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        return _fail(str(exc))
+    if args.calibrate:
+        from moe.plan.calibrate import calibrated_cpu_spec
+
+        print("calibrating the 'cpu' spec on this machine ...", flush=True)
+        spec = calibrated_cpu_spec()
+
+    shape = ModelShape.from_config(config)
+    start = time.perf_counter()
+    result = plan(config, work, args.devices, spec, trainer_only=args.trainer_only, recomputes=tuple(args.recompute),
+                  fp8s=tuple(args.fp8), max_tp=args.max_tp)  # fmt: skip
+    elapsed = time.perf_counter() - start
+
+    model_flops = shape.model_flops_per_token(work.seq_len)
+    total, activated, mtp = (_human(n) for n in (shape.total_params(), shape.activated_params(), shape.mtp_params()))
+    print(
+        f"DeepSeek-V3 {args.config}: {total} parameters ({activated} activated) + MTP {mtp}; "
+        f"{model_flops / 1e9:.3g} GFLOP per token (fwd + bwd)"
+    )
+    print(f"{args.devices} x {spec.name} ({spec.title}); global batch {work.global_batch} x {work.seq_len} tokens, "
+          f"{work.micro_batches} micro-batches per dp rank, {work.dtype}")  # fmt: skip
+    print(f"{result.total:,} choices considered in {elapsed:.1f} s: {len(result.ranked):,} fit, "
+          f"{sum(result.rejected.values()):,} rejected\n")  # fmt: skip
+    if result.ranked:
+        print(f"top {min(args.top, len(result.ranked))} (fastest first):")
+        print(report.ranked_table(result, args.top, shape, work, spec))
+        print("\n" + report.legend())
+        runnable = next((i for i, e in enumerate(result.ranked, start=1) if e.candidate.runnable), None)
+        if runnable is not None:
+            best = result.ranked[runnable - 1]
+            print(f"\nthe best train.py runs (#{runnable}):\n  " + report.flags_line(best, args.config))
+    else:
+        print("no layout fits: see the rejections (more devices, fewer sequences per micro-batch, recompute)")
+    print("\nrejected:")
+    print(report.rejection_table(result))
+    if args.json is not None:
+        rows = [
+            {"layout": e.candidate.name(), "flags": e.candidate.train_flags(), "runnable": e.candidate.runnable,
+             "memory_gib": e.memory.gib(), "time_s": e.time.as_dict()}
+            for e in result.ranked[: args.top]
+        ]  # fmt: skip
+        payload = {"spec": spec.to_dict(), "workload": vars(work), "ranked": rows}
+        payload.update(rejected=dict(result.rejected), total=result.total)
+        args.json.write_text(json.dumps(payload, indent=1))
+    return 0 if result.ranked else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Collective costs and where each group's ranks sit (same node or not), for the planner.
+
+Rank order is the trainer's (moe/train/parallel.py): the dense mesh is `(pp, dp, tp)` with TP fastest and the expert
+mesh `(pp, edp, ep, etp)` over the same ranks, so
+- a TP group is `tp` consecutive ranks;
+- an EP group is `ep` ranks `etp` apart inside a block of `ep * etp` consecutive ranks;
+- a DP group is `dp` ranks `tp` apart (a block of `dp * tp`), an EDP group spans the block of `dp * tp` too;
+- the next pipeline stage is `dp * tp` ranks away.
+Nodes hold `devices_per_node` consecutive ranks, so a group stays inside a node when its block fits in one.
+
+Costs (ring algorithms, bus-bandwidth convention): all-gather and reduce-scatter move `(n-1)/n` of the whole
+tensor through every rank's link, all-reduce twice that; each call also pays `comm_latency_us`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from moe.plan.devices import DeviceSpec
+
+
+def intra_node(block: int, spec: DeviceSpec) -> bool:
+    """Whether a group whose ranks lie in `block` consecutive ranks stays inside one node."""
+    return block <= spec.devices_per_node
+
+
+def ring_time(kind: str, nbytes: float, n: int, block: int, spec: DeviceSpec) -> float:
+    """Seconds of one collective of `kind` ('all_gather', 'reduce_scatter', 'all_reduce') over `n` ranks on a tensor
+    of `nbytes` (the whole, unsharded tensor), whose ranks lie in `block` consecutive ranks. 0 for one rank.
+    A spec with `reduce_scatter_as_all_reduce` (gloo) pays an all-reduce for a reduce-scatter."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    factor = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}[kind]
+    if kind == "reduce_scatter" and spec.reduce_scatter_as_all_reduce:
+        factor = 2.0
+    bw = spec.link_bytes_per_s(intra_node(block, spec))
+    return factor * (n - 1) / n * nbytes / bw + spec.comm_latency_us * 1e-6
+
+
+def p2p_time(nbytes: float, intra: bool, spec: DeviceSpec) -> float:
+    """Seconds of one point-to-point send of `nbytes`."""
+    if nbytes <= 0:
+        return 0.0
+    return nbytes / spec.link_bytes_per_s(intra) + spec.comm_latency_us * 1e-6
+
+
+def expected_distinct(groups: int, num_experts: int, topk: int) -> float:
+    """Expected number of distinct groups (ranks or nodes, each holding `num_experts / groups` experts) among a
+    token's `topk` experts drawn uniformly without replacement (node-limited routing would lower it)."""
+    if groups <= 1:
+        return 1.0
+    per = num_experts // groups
+    miss = math.comb(num_experts - per, topk) / math.comb(num_experts, topk) if num_experts - per >= topk else 0.0
+    return groups * (1.0 - miss)
+
+
+def all_to_all_time(
+    tokens: float, row_bytes: float, ep: int, etp: int, num_experts: int, topk: int, spec: DeviceSpec
+) -> float:
+    """Seconds of one dispatch (or combine) of `tokens` local tokens of `row_bytes` each over an EP group of `ep`.
+
+    DeepEP sends a token once per destination rank (not per expert). Inside a node the rows leave through the
+    intra-node link; with an EP group larger than a node, a token crosses the NIC once per other destination node
+    (DeepEP forwards inside the node), and the slower of the two paths bounds the time.
+    """
+    if ep <= 1 or tokens <= 0:
+        return 0.0
+    ranks = expected_distinct(ep, num_experts, topk)
+    off_rank = ranks * (ep - 1) / ep
+    node = spec.devices_per_node
+    ranks_per_node = max(1, node // etp)
+    if ep * etp <= node:
+        bw = spec.link_bytes_per_s(True, expert_parallel=True)
+        return tokens * off_rank * row_bytes / bw + spec.comm_latency_us * 1e-6
+    nodes = math.ceil(ep / ranks_per_node)
+    other_nodes = expected_distinct(nodes, num_experts, topk) * (nodes - 1) / nodes
+    local_peers = min(off_rank, ranks * (ranks_per_node - 1) / ep + other_nodes)  # intra-node hops incl. forwarding
+    inter = tokens * other_nodes * row_bytes / spec.link_bytes_per_s(False)
+    intra = tokens * local_peers * row_bytes / spec.link_bytes_per_s(True, expert_parallel=True)
+    return max(inter, intra) + 2 * spec.comm_latency_us * 1e-6

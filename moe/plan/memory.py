@@ -1,0 +1,194 @@
+"""Peak memory of one rank for a layout: model state, activations of the micro-batches in flight, transients.
+
+Accounting of this trainer (moe/train/optim.py, moe/train/zero.py), per local parameter, b = model dtype bytes:
+
+    state                    weights   gradients                  optimizer (AdamW)
+    MasterAdamW, FP32        4         4                          8 (moments; the parameter is its own master)
+    MasterAdamW, BF16        2         2 + 4 (FP32 master grad)   8 + 4 (FP32 master)
+    ZeRO-1 (DistributedAdamW) b        4 (FP32 bucket)            (8 + 4 if BF16) / shard group
+The FP32 router weight counts 4 bytes whatever the model dtype (its own master). ZeRO-1 shards the dense state over
+the dp ranks and the expert state over the edp ranks. Without ZeRO-1 the gradient reduction concatenates each
+group's gradients into one FP32 buffer after the backward (a transient of their size).
+
+Activations: `ModelShape.stage_activation_bytes` per token of a micro-batch, times the micro-batch's tokens, times
+the micro-batches each chunk holds at the schedule's peak (`moe.plan.stages.inflight`). FP8 recipes also keep an
+FP8 copy of every GEMM weight per micro-batch in flight (the autograd context holds it for the backward).
+
+Transients at the backward's peak: one layer's activation gradients (the largest layer of the rank) and, on the
+rank with the head, the FP32 logits gradient (twice: the softmax's and the cross entropy's). After the backward
+(activations freed), the gradient reduction's own buffers may be the peak instead: MasterAdamW's concatenated
+gradients, or ZeRO-1's parameter all-gathers (the shard copies, plus `DeviceSpec.all_gather_extra` of the gathered
+bytes that gloo allocates inside the collective). The process baseline
+(`DeviceSpec.runtime_gib`) and the allocator's share (`allocator_overhead` of the dynamic memory) complete it; the
+mtdeepep buffer (`moe.dispatcher.deepep.nvl_bytes_hint`) counts with EP > 1.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, fields
+
+from moe.plan.devices import DeviceSpec
+from moe.plan.model import DTYPE_BYTES, FP32, ModelShape
+from moe.plan.space import Candidate, Workload
+from moe.plan.stages import Chunk, distinct_ranks, inflight
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class LocalParams:
+    """Parameters one rank holds: `dense` (model dtype, reduced over dp), `router` (FP32, over dp), `experts` (model
+    dtype, over edp), and `linear` (those that are GEMM weights, for the FP8 copies)."""
+
+    dense: float
+    router: float
+    experts: float
+    linear: float
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.router + self.experts
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes at the peak of the worst pipeline rank (`pp_rank`). `inflight`: micro-batch chunks it holds."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    transient: float
+    comm_buffers: float
+    runtime: float
+    allocator: float
+    pp_rank: int = 0
+    inflight: float = 1.0
+
+    @property
+    def total(self) -> float:
+        return (self.weights + self.grads + self.optimizer + self.activations + self.transient + self.comm_buffers
+                + self.runtime + self.allocator)  # fmt: skip
+
+    def gib(self) -> dict[str, float]:
+        out = {f.name: getattr(self, f.name) / GIB for f in fields(self) if f.name not in ("pp_rank", "inflight")}
+        out["total"] = self.total / GIB
+        return out
+
+
+def chunk_params(shape: ModelShape, chunk: Chunk, cand: Candidate) -> LocalParams:
+    """This rank's share of a chunk's parameters (TP-sharded weights / tp, experts / (ep * etp))."""
+    return _chunk_params(shape, chunk, cand.tp, cand.ep * cand.etp)
+
+
+def _chunk_params(shape: ModelShape, chunk: Chunk, tp: int, expert_split: int) -> LocalParams:
+    return _params_of(shape, chunk.signature(shape.first_dense), tp, expert_split)
+
+
+@functools.cache
+def _params_of(shape: ModelShape, signature: tuple, tp: int, expert_split: int) -> LocalParams:
+    n_dense, n_moe, first, last = signature
+    dense = router = experts = linear = 0.0
+    layers = [0] * n_dense + [shape.L] * n_moe + ([shape.L + k for k in range(shape.D)] if last else [])
+    for i in layers:
+        p = shape.layer_params(i)
+        dense += p.tp_sharded / tp + p.replicated
+        router += p.router
+        experts += p.experts / expert_split
+        norms = 2 * shape.H + shape.C + (shape.Q or 0)
+        linear += p.tp_sharded / tp + p.replicated - norms + p.experts / expert_split
+    if last:
+        dense += shape.D * shape.mtp_extra_params() + shape.H + shape.head_params() / tp
+        linear += shape.D * 2 * shape.H * shape.H
+    if first:
+        dense += shape.embedding_params() / tp
+    return LocalParams(dense, router, experts, linear)
+
+
+def rank_params(shape: ModelShape, chunks: list[Chunk], cand: Candidate) -> LocalParams:
+    parts = [chunk_params(shape, c, cand) for c in chunks]
+    total = LocalParams(*(sum(getattr(p, f.name) for p in parts) for f in fields(LocalParams)))
+    if shape.tied and any(c.last for c in chunks) and not any(c.first for c in chunks):
+        # a tied head on a rank without the embedding holds its own copy (train.py refuses it; counted anyway)
+        total = LocalParams(total.dense + shape.embedding_params() / cand.tp, total.router, total.experts, total.linear)
+    return total
+
+
+def _chunk_activation(shape: ModelShape, chunk: Chunk, dtype: str, tp: int, recompute: str, fp8: str) -> float:
+    return _activation_of(shape, chunk.signature(shape.first_dense), dtype, tp, recompute, fp8)
+
+
+@functools.cache
+def _activation_of(shape: ModelShape, signature: tuple, dtype: str, tp: int, recompute: str, fp8: str) -> float:
+    n_dense, n_moe, first, last = signature
+    layers = [0] * n_dense + [shape.L] * n_moe
+    return shape.stage_activation_bytes(layers, first=first, last=last, dtype=dtype, tp=tp, recompute=recompute,
+                                        fp8=fp8)  # fmt: skip
+
+
+@functools.cache
+def ep_buffer_bytes(hidden: int, ep: int) -> float:
+    """The mtdeepep normal-mode buffer the 'flex' dispatcher asks for (0 without EP)."""
+    if ep <= 1:
+        return 0.0
+    try:
+        from moe.dispatcher.deepep import nvl_bytes_hint
+
+        return float(nvl_bytes_hint(hidden, ep))
+    except (ImportError, RuntimeError, OSError):  # no compiled mtdeepep here: DeepEP's default config's size
+        return float(ep * 8 * 4096 * hidden * FP32 / 16)
+
+
+def estimate_memory(cand: Candidate, shape: ModelShape, work: Workload, spec: DeviceSpec) -> MemoryBreakdown:
+    """Peak bytes of the worst pipeline rank (see the module docstring)."""
+    b = DTYPE_BYTES[work.dtype]
+    tokens = cand.micro_rows(work) * work.seq_len
+    best: MemoryBreakdown | None = None
+    for r, chunks in distinct_ranks(cand, shape.L, shape.first_dense):
+        p = rank_params(shape, chunks, cand)
+        low = b != FP32  # BF16 parameters get FP32 masters
+        weights = (p.dense + p.experts) * b + p.router * FP32
+        if cand.zero1:
+            grads = p.total * FP32
+            per = 8 + 4 * low
+            optimizer = (p.dense * per + p.router * 8) / cand.dp + p.experts * per / cand.edp
+        else:
+            grads = (p.dense + p.experts) * (b + FP32 * low) + p.router * FP32
+            optimizer = (p.dense + p.experts) * (8 + 4 * low) + p.router * 8
+        counts = inflight(cand, r, work.micro_batches)
+        per_chunk = [
+            _chunk_activation(shape, c, work.dtype, cand.tp, cand.recompute, cand.fp8) * tokens for c in chunks
+        ]
+        activations = sum(n * a for n, a in zip(counts, per_chunk))
+        if cand.fp8 != "none":
+            activations += sum(counts) / len(counts) * p.linear * 1.0
+        kinds = {shape.is_moe(i) for c in chunks for i in c.layers}
+        layer_peak = max((shape.activation_bytes(shape.L if moe else 0, dtype=work.dtype, tp=cand.tp, recompute="none")
+                          for moe in kinds), default=0.0)  # fmt: skip
+        transient = layer_peak * tokens
+        if any(c.last for c in chunks):
+            transient += 2 * tokens * shape.V / cand.tp * FP32
+        if not cand.zero1:  # the post-backward concatenation of one group's gradients (activations freed by then)
+            flat = max(p.dense * FP32 if cand.dp * cand.tp > 1 else 0.0, p.experts * FP32 if cand.edp > 1 else 0.0)
+            transient = max(transient, flat - activations)
+        else:  # after the step: every bucket's parameter all-gather in flight (the shard copy, the backend's buffers)
+            gathered = (p.dense * b if cand.dp > 1 else 0.0) + (p.experts * b if cand.edp > 1 else 0.0)
+            copies = (p.dense * b / cand.dp if cand.dp > 1 else 0.0) + (p.experts * b / cand.edp if cand.edp > 1 else 0)
+            transient = max(transient, gathered * spec.all_gather_extra + copies - activations)
+        dynamic = activations + transient
+        mem = MemoryBreakdown(
+            weights=weights,
+            grads=grads,
+            optimizer=optimizer,
+            activations=activations,
+            transient=transient,
+            comm_buffers=ep_buffer_bytes(shape.H, cand.ep),
+            runtime=spec.runtime_gib * GIB,
+            allocator=spec.allocator_overhead * dynamic,
+            pp_rank=r,
+            inflight=sum(counts),
+        )
+        if best is None or mem.total > best.total:
+            best = mem
+    return best

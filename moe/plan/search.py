@@ -1,0 +1,79 @@
+"""The search: enumerate the layouts (`moe.plan.space`), estimate each one's memory and step time, drop those that
+do not fit, rank the rest by step time (then by memory)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from moe.models.deepseek_v3.config import DeepseekV3Config
+from moe.plan.devices import DeviceSpec
+from moe.plan.memory import MemoryBreakdown, estimate_memory
+from moe.plan.model import RECOMPUTE_CHOICES, ModelShape
+from moe.plan.space import Candidate, Workload, enumerate_candidates
+from moe.plan.timing import TimeBreakdown, estimate_time
+from moe.train.parallel import FP8_RECIPES
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A layout with its estimated peak memory (worst rank) and step time (bottleneck rank)."""
+
+    candidate: Candidate
+    memory: MemoryBreakdown
+    time: TimeBreakdown
+
+    def tokens_per_s(self, work: Workload) -> float:
+        return work.global_batch * work.seq_len / self.time.step
+
+    def mfu(self, shape: ModelShape, work: Workload, spec: DeviceSpec) -> float:
+        """Model FLOPs (3x forward, no recompute) per second over the devices' peak rate of the model dtype."""
+        flops = shape.model_flops_per_token(work.seq_len) * work.global_batch * work.seq_len
+        dtype = "fp8" if self.candidate.fp8 != "none" else work.dtype
+        peak = spec.tflops[dtype] * 1e12 * spec.share(self.candidate.world) * self.candidate.world
+        return flops / self.time.step / peak
+
+
+@dataclass
+class PlanResult:
+    """`ranked`: the layouts that fit, fastest first. `rejected`: counts per reason key (moe.plan.space.REASONS),
+    `examples`: one rejected choice per reason. `total`: every choice considered (accepted + rejected)."""
+
+    ranked: list[Estimate]
+    rejected: Counter
+    examples: dict[str, str]
+    total: int
+
+
+def estimate(cand: Candidate, config: DeepseekV3Config, work: Workload, spec: DeviceSpec) -> Estimate:
+    """Memory and time of one layout (no rule checked: see `moe.plan.space` for those)."""
+    shape = ModelShape.from_config(config)
+    return Estimate(cand, estimate_memory(cand, shape, work, spec), estimate_time(cand, shape, work, spec))
+
+
+def plan(
+    config: DeepseekV3Config,
+    work: Workload,
+    devices: int,
+    spec: DeviceSpec,
+    *,
+    trainer_only: bool = False,
+    recomputes: tuple[str, ...] = tuple(RECOMPUTE_CHOICES),
+    fp8s: tuple[str, ...] = FP8_RECIPES,
+    max_tp: int | None = None,
+) -> PlanResult:
+    """Every layout of `devices` devices for `config` and `work`, ranked (see the module docstring)."""
+    shape = ModelShape.from_config(config)
+    space = enumerate_candidates(config, work, devices, spec, trainer_only=trainer_only, recomputes=recomputes,
+                                 fp8s=fp8s, max_tp=max_tp)  # fmt: skip
+    ranked = []
+    capacity = spec.memory_capacity_bytes(devices)
+    for cand in space.accepted:
+        mem = estimate_memory(cand, shape, work, spec)
+        if mem.total > capacity:
+            space.reject("memory", 1, f"{cand.name()}: {mem.total / 2**30:.1f} GiB")
+            continue
+        ranked.append(Estimate(cand, mem, estimate_time(cand, shape, work, spec)))
+    ranked.sort(key=lambda e: (e.time.step, e.memory.total, e.candidate.name()))
+    total = len(ranked) + sum(space.rejected.values())
+    return PlanResult(ranked, space.rejected, space.examples, total)

@@ -1,0 +1,312 @@
+"""The layouts the planner considers and the rules that reject them, each rule the trainer's own.
+
+A `Candidate` is one complete choice: TP, PP, EP, ETP (DP follows), a pipeline schedule and its virtual stages, a
+recompute setting, an FP8 recipe and ZeRO-1 on or off. `enumerate_candidates` walks them all and sorts out those
+the trainer would refuse, calling the functions train.py calls:
+- `moe.train.parallel.Layout` (world = tp * pp * dp; MoE folding: ep * etp divides dp * tp), `Layout.check_experts`,
+  `Layout.check_batch` (global batch = dp x micro-batches x rows);
+- `moe.models.deepseek_v3.tensor_parallel.check_tensor_parallel` (heads, vocabulary, dense FFN divisible by tp);
+- `moe.pipeline.split.check_schedule` (micro-batch counts per schedule) and `split_layers`;
+- train.py's `check_model_layout` (etp > 1 refused, sequence long enough for sequence parallelism, ...), run last
+  as a catch-all, and `apply_fp8`'s rule (FP8 dispatch needs hidden % 128 == 0).
+Rejected choices are counted per reason; a rule decided for a partial choice (e.g. a TP size) counts every complete
+choice it covers, so the counts add up to the whole space.
+
+Interleaved 1F1B (Megatron's virtual pipeline, `vpp` chunks per rank) is not in train.py: such candidates are
+estimated ("modelled only") unless `trainer_only` drops them; Megatron's rule for it (micro-batches a multiple of
+pp) applies.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import itertools
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from moe.models.deepseek_v3.config import DeepseekV3Config
+from moe.models.deepseek_v3.tensor_parallel import check_tensor_parallel
+from moe.pipeline.split import check_schedule
+from moe.plan.devices import DeviceSpec
+from moe.plan.model import DTYPE_BYTES, RECOMPUTE_CHOICES
+from moe.train.parallel import FP8_RECIPES, Layout
+
+TRAIN_PY = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "train.py"
+
+# (schedule, chunks per rank) for pp > 1; 'interleaved' is Megatron's virtual pipeline (not in train.py).
+PIPELINE_SCHEDULES: tuple[tuple[str, int], ...] = (
+    ("1f1b", 1), ("zbh1", 1), ("dualpipev", 2), ("interleaved", 2), ("interleaved", 4),
+)  # fmt: skip
+TRAINER_SCHEDULES = ("1f1b", "zbh1", "dualpipev")
+
+# Reason keys -> the text the report prints.
+REASONS = {
+    "folding": "ep * etp does not divide dp * tp (MoE parallel folding; moe.train.parallel.Layout)",
+    "experts": "n_routed_experts not divisible by ep (Layout.check_experts)",
+    "batch": "global_batch not divisible by dp * micro_batches (Layout.check_batch)",
+    "tp_shapes": "heads / vocabulary / dense FFN not divisible by tp (check_tensor_parallel)",
+    "etp": "etp > 1: expert tensor parallelism is refused by train.py",
+    "schedule": "micro-batches do not fit the pipeline schedule (moe.pipeline.split.check_schedule)",
+    "vpp": "interleaved 1F1B: micro-batches not a multiple of pp (Megatron's rule; modelled only)",
+    "trainer_only": "interleaved 1F1B is not in train.py (--trainer-only)",
+    "tied": "tied embeddings across pipeline ranks need dualpipev (train.py)",
+    "train_py": "another train.py rule (check_model_layout)",
+    "no_fp8": "the device has no FP8 GEMMs",
+    "fp8_dispatch": "FP8 dispatch needs hidden_size % 128 == 0 (apply_fp8)",
+    "memory": "exceeds the device memory",
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step computes: `global_batch` sequences of `seq_len` tokens, `micro_batches` per
+    data-parallel rank, in `dtype` ('float32' | 'bfloat16', the [training] dtype)."""
+
+    global_batch: int
+    micro_batches: int
+    seq_len: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "micro_batches", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One complete layout choice. `schedule` is 'none' without pipeline parallelism; `vpp` the model chunks per
+    pipeline rank (2 for dualpipev, the interleave factor for 'interleaved', else 1)."""
+
+    world: int
+    tp: int
+    pp: int
+    ep: int
+    etp: int = 1
+    schedule: str = "none"
+    vpp: int = 1
+    recompute: str = "none"
+    fp8: str = "none"
+    zero1: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+    @property
+    def edp(self) -> int:
+        return self.dp * self.tp // (self.ep * self.etp)
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages (model chunks) in all: pp * vpp."""
+        return self.pp * self.vpp
+
+    @property
+    def runnable(self) -> bool:
+        """Whether train.py runs it (interleaved 1F1B is modelled only)."""
+        return self.schedule != "interleaved" and self.etp == 1
+
+    def micro_rows(self, work: Workload) -> int:
+        """Sequences per micro-batch on a data-parallel rank; ValueError when the batch does not split evenly."""
+        rows, rest = divmod(work.global_batch, self.dp * work.micro_batches)
+        if rest or not rows:
+            raise ValueError(
+                f"global_batch={work.global_batch} does not split into dp={self.dp} x "
+                f"micro_batches={work.micro_batches} equal micro-batches"
+            )
+        return rows
+
+    def name(self) -> str:
+        """Short label, e.g. 'tp2 pp4 ep8 dp16 dualpipev sel+ fp8b zero1'."""
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"ep{self.ep}", f"dp{self.dp}"]
+        if self.etp > 1:
+            parts.append(f"etp{self.etp}")
+        if self.pp > 1:
+            parts.append(self.schedule + (f"-v{self.vpp}" if self.schedule == "interleaved" else ""))
+        if self.recompute != "none":
+            parts.append({"selective": "sel", "selective+": "sel+", "full": "full"}[self.recompute])
+        if self.fp8 != "none":
+            parts.append({"delayed": "fp8d", "blockwise": "fp8b"}[self.fp8])
+        if self.zero1:
+            parts.append("zero1")
+        return " ".join(parts)
+
+    def train_flags(self) -> list[str]:
+        """train.py's flags for this layout (the world size comes from torchrun)."""
+        flags = ["--tp", str(self.tp), "--pp", str(self.pp), "--ep", str(self.ep)]
+        if self.pp > 1:
+            flags += ["--pp-schedule", self.schedule if self.schedule != "interleaved" else "1f1b"]
+        rc = RECOMPUTE_CHOICES[self.recompute]
+        if rc:
+            flags += ["--recompute-granularity", rc["granularity"]]
+            if rc["granularity"] == "full":
+                flags += ["--recompute-method", rc["method"], "--recompute-num-layers", str(rc["num_layers"])]
+            else:
+                flags += ["--recompute-modules", *rc["modules"]]
+        if self.fp8 != "none":
+            flags += ["--fp8", self.fp8]
+        if self.zero1:
+            flags.append("--use-distributed-optimizer")
+        return flags
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@functools.cache
+def _train_module():
+    """examples/deepseek_v3/train.py as a module (for `check_model_layout`, its own rules)."""
+    spec = importlib.util.spec_from_file_location("_plan_train_py", TRAIN_PY)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("_plan_train_py", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _TrainingStub:
+    """The `TrainingConfig` fields `check_model_layout` reads."""
+
+    def __init__(self, work: Workload) -> None:
+        self.global_batch, self.micro_batches, self.seq_len = work.global_batch, work.micro_batches, work.seq_len
+
+
+@dataclass
+class Space:
+    """The enumeration's outcome: `accepted` candidates (rules passed; memory not yet checked) and `rejected`
+    counts per reason key of `REASONS`, with one example choice per reason."""
+
+    accepted: list[Candidate]
+    rejected: Counter
+    examples: dict[str, str]
+
+    def reject(self, reason: str, count: int, example: str) -> None:
+        if count:
+            self.rejected[reason] += count
+            self.examples.setdefault(reason, example)
+
+
+def enumerate_candidates(
+    config: DeepseekV3Config,
+    work: Workload,
+    world: int,
+    spec: DeviceSpec,
+    *,
+    trainer_only: bool = False,
+    recomputes: tuple[str, ...] = tuple(RECOMPUTE_CHOICES),
+    fp8s: tuple[str, ...] = FP8_RECIPES,
+    max_tp: int | None = None,
+) -> Space:
+    """Every choice for `world` devices, sorted into accepted candidates and rejection counts (module docstring).
+
+    recomputes / fp8s: the recompute and FP8 choices to enumerate. max_tp: largest TP size considered (None: all
+    divisors of `world`; TP sizes beyond it are not choices at all, not rejections).
+    """
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"devices must be a positive int, got {world!r}")
+    bad = sorted(set(recomputes) - set(RECOMPUTE_CHOICES)) + sorted(set(fp8s) - set(FP8_RECIPES))
+    if bad:
+        raise ValueError(f"unknown recompute / fp8 choices {bad}")
+    space = Space([], Counter(), {})
+    train_py = _train_module()
+    stub = _TrainingStub(work)
+    n_rc, n_fp8 = len(recomputes), len(fp8s)
+    for tp, pp in itertools.product(divisors(world), repeat=2):
+        if world % (tp * pp) or (max_tp is not None and tp > max_tp):
+            continue
+        dp = world // (tp * pp)
+        schedules = [("none", 1)] if pp == 1 else list(PIPELINE_SCHEDULES)
+        for ep, etp in itertools.product(divisors(world), repeat=2):
+            zeros = _zero_choices(dp, tp, ep, etp)
+            per_layout = len(schedules) * n_rc * n_fp8 * len(zeros)
+            example = f"tp{tp} pp{pp} ep{ep} etp{etp} dp{dp}"
+            try:
+                layout = Layout(world=world, tp=tp, pp=pp, ep=ep, etp=etp)
+            except ValueError:
+                space.reject("folding", per_layout, example)
+                continue
+            reason = _layout_reason(config, work, layout, check_tensor_parallel)
+            if reason is not None:
+                space.reject(reason, per_layout, example)
+                continue
+            for schedule, vpp in schedules:
+                per_schedule = n_rc * n_fp8 * len(zeros)
+                label = example + (f" {schedule}" + (f"-v{vpp}" if schedule == "interleaved" else "") if pp > 1 else "")
+                reason = _schedule_reason(config, work, pp, schedule, trainer_only)
+                if reason is None:
+                    reason = _train_py_reason(train_py, config, stub, world, tp, pp, ep, schedule)
+                if reason is not None:
+                    space.reject(reason, per_schedule, label)
+                    continue
+                for recompute, fp8, zero1 in itertools.product(recomputes, fp8s, zeros):
+                    if fp8 != "none" and not spec.has_fp8():
+                        space.reject("no_fp8", 1, label + f" fp8 {fp8}")
+                        continue
+                    if fp8 != "none" and config.hidden_size % 128:
+                        space.reject("fp8_dispatch", 1, label + f" fp8 {fp8}")
+                        continue
+                    space.accepted.append(Candidate(world, tp, pp, ep, etp, schedule, vpp, recompute, fp8, zero1))
+    return space
+
+
+def _zero_choices(dp: int, tp: int, ep: int, etp: int) -> tuple[bool, ...]:
+    """ZeRO-1 is a choice when some optimizer state can be sharded: over dp ranks (dense) or edp (experts)."""
+    edp = dp * tp // (ep * etp) if (dp * tp) % (ep * etp) == 0 else 1
+    return (False, True) if max(dp, edp) > 1 else (False,)
+
+
+def _layout_reason(config: DeepseekV3Config, work: Workload, layout: Layout, check_tp) -> str | None:
+    """The first layout rule (independent of the schedule) `layout` breaks, or None."""
+    try:
+        layout.check_experts(config.n_routed_experts)
+    except ValueError:
+        return "experts"
+    try:
+        layout.check_batch(work.global_batch, work.micro_batches)
+    except ValueError:
+        return "batch"
+    try:
+        check_tp(config, layout.tp)
+    except ValueError:
+        return "tp_shapes"
+    if layout.etp != 1:
+        return "etp"
+    return None
+
+
+def _schedule_reason(
+    config: DeepseekV3Config, work: Workload, pp: int, schedule: str, trainer_only: bool
+) -> str | None:
+    if pp == 1:
+        return None
+    if schedule == "interleaved":
+        if trainer_only:
+            return "trainer_only"
+        if work.micro_batches % pp:
+            return "vpp"
+    else:
+        try:
+            check_schedule(schedule, pp, work.micro_batches)
+        except ValueError:
+            return "schedule"
+    if config.tie_word_embeddings and schedule != "dualpipev":
+        return "tied"
+    return None
+
+
+def _train_py_reason(train_py, config, stub, world, tp, pp, ep, schedule) -> str | None:
+    """train.py's `check_model_layout` on the layout (etp 1): whatever it still refuses."""
+    try:
+        sched = schedule if schedule in TRAINER_SCHEDULES else "1f1b"
+        layout = Layout(world=world, tp=tp, pp=pp, ep=ep, pp_schedule=sched)
+        train_py.check_model_layout(config, stub, layout)
+    except ValueError:
+        return "train_py"
+    return None

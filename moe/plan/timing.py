@@ -1,0 +1,266 @@
+"""Step time of a layout: compute per micro-batch and chunk, the communication the trainer leaves exposed, the
+pipeline bubble, the gradient reduction and the optimizer.
+
+Per chunk and micro-batch on one rank (its micro-batch of `rows * seq_len` tokens; TP ranks each do 1/tp of the
+work, sequence-parallel parts included):
+    F  forward: GEMMs at the dtype's rate (FP8 rate for the Linear GEMMs under an FP8 recipe; the head and the
+       attention core stay in the model dtype, the router in FP32), a roofline against reading the chunk's weights,
+       the causal attention core at `ATTENTION_EFFICIENCY` of the GEMM rate, element-wise traffic
+       (`ELEMENTWISE_PASSES_FWD` x the activation bytes through memory), plus the exposed TP collectives (sequence
+       parallel all-gathers / reduce-scatters) and EP dispatch + combine (FP8 rows under an FP8 recipe, FP32
+       combine as the 'flex' dispatcher does).
+    B  backward: 2x the GEMMs (input and weight gradients), 2.5x the attention core, `ELEMENTWISE_PASSES_BWD` x
+       the activation bytes, the mirrored TP / EP communication, plus the recompute (selective: the core attention;
+       selective+: also the MLA up projections, norms and SwiGLU; full: the whole forward, communication included).
+    W  the weight-gradient share of B (ZB-H1 and DualPipeV defer it into the bubbles).
+The trainer runs communication and compute of one rank in sequence (no overlap), so TP and EP time counts in full.
+On a device spec with `fresh_memory_gbps` (the 'cpu' one: glibc maps large tensors afresh and this VM's page faults
+are slow, ~0.7 GB/s per core) every micro-batch also pays for touching its new memory: the activations in the
+forward, their gradients and the weight gradients (one per weight, in the GEMM's output) in the backward.
+
+Step on the bottleneck pipeline rank: `m x sum over its chunks of (F + B)` + the p2p sends + the bubble of
+`moe.pipeline.timeline.analytic_bubble` (DualPipe's table: 1F1B (P-1)(F+B), ZB-H1 (P-1)(F+B-2W), DualPipeV
+(P-1)(F&B+B-3W) with F&B = F+B, no overlap) for the slowest chunk; interleaved 1F1B: (P-1)(F+B) of a chunk.
+Then the gradient reduction (MasterAdamW: all-reduces after the backward; ZeRO-1: bucketed reduce-scatters
+overlapped with the last micro-batch's backward when there is no pipeline, then the parameter all-gather) and the
+optimizer (memory bound).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from moe.pipeline.timeline import analytic_bubble
+from moe.plan.comm import all_to_all_time, intra_node, p2p_time, ring_time
+from moe.plan.devices import DeviceSpec
+from moe.plan.memory import rank_params
+from moe.plan.model import DTYPE_BYTES, FP32, RECOMPUTE_CHOICES, ModelShape
+from moe.plan.space import Candidate, Workload
+from moe.plan.stages import Chunk, distinct_ranks
+
+ATTENTION_EFFICIENCY = 0.6  # estimate: fused causal attention vs a large GEMM (FlashAttention-2/3 reach ~0.5-0.75)
+ELEMENTWISE_PASSES_FWD = 2.0  # estimate: every kept tensor written once, and one more read+write in between
+ELEMENTWISE_PASSES_BWD = 4.0  # estimate: read the kept tensor, write and read its gradient, accumulate
+OPTIMIZER_BYTES_PER_PARAM = 28  # AdamW: read grad, read+write master, exp_avg, exp_avg_sq (FP32)
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Seconds of one optimizer step on the bottleneck rank. `compute` includes `recompute`; the *_comm fields are
+    exposed communication; `bubble` the pipeline's idle time."""
+
+    compute: float
+    recompute: float
+    tp_comm: float
+    ep_comm: float
+    pp_comm: float
+    dp_comm: float
+    optimizer: float
+    bubble: float
+
+    @property
+    def exposed_comm(self) -> float:
+        return self.tp_comm + self.ep_comm + self.pp_comm + self.dp_comm
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.exposed_comm + self.optimizer + self.bubble
+
+    def as_dict(self) -> dict[str, float]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out.update(exposed_comm=self.exposed_comm, step=self.step)
+        return out
+
+
+@dataclass(frozen=True)
+class ChunkTimes:
+    """One micro-batch through one chunk: compute and communication of F and B, recompute, W."""
+
+    fwd: float
+    bwd: float
+    recompute: float
+    weight_grad: float
+    tp_fwd: float
+    tp_bwd: float
+    ep_fwd: float
+    ep_bwd: float
+
+    @property
+    def F(self) -> float:
+        return self.fwd + self.tp_fwd + self.ep_fwd
+
+    @property
+    def B(self) -> float:
+        return self.bwd + self.recompute + self.tp_bwd + self.ep_bwd
+
+
+def chunk_times(chunk: Chunk, cand: Candidate, shape: ModelShape, work: Workload, spec: DeviceSpec) -> ChunkTimes:
+    b = DTYPE_BYTES[work.dtype]
+    tokens = cand.micro_rows(work) * work.seq_len
+    t_rank = tokens / cand.tp  # each TP rank's share of the work
+    world = cand.world
+    rate = spec.gemm_flops(work.dtype, world)
+    linear_rate = spec.gemm_flops("fp8", world) if cand.fp8 != "none" else rate
+    fp32_rate = spec.gemm_flops("float32", world)
+    mem_bw = spec.memory_bytes_per_s(world)
+    n_dense, n_moe, _, _ = chunk.signature(shape.first_dense)
+    layers = [0] * n_dense + [shape.L] * n_moe + ([shape.L + k for k in range(shape.D)] if chunk.last else [])
+    modules = set(RECOMPUTE_CHOICES[cand.recompute].get("modules", ()))
+
+    linear = core = router = head = up = 0.0  # forward FLOPs per token
+    act_bytes = 0.0  # per token, what the element-wise passes move
+    for i in layers:
+        proj, c = shape.attention_flops(work.seq_len)
+        ffn = shape.ffn_flops(i)
+        linear += proj + ffn["gemm"]
+        core += c
+        router += ffn["router"]
+        up += 2.0 * ((shape.Q or 0) * shape.N * shape.Dq + shape.C * shape.N * (shape.Dn + shape.Dv))
+        act_bytes += shape.activation_bytes(i, dtype=work.dtype, tp=1, recompute="none")
+    if chunk.last:
+        head = shape.head_flops() * (1 + shape.D)
+        linear += shape.D * shape.mtp_extra_flops()
+    p = rank_params(shape, [chunk], cand)
+    weight_bytes = (p.dense + p.experts) * b + p.router * FP32
+
+    gemm_fwd = t_rank * (linear / linear_rate + head / rate + router / fp32_rate)
+    core_fwd = t_rank * core / (rate * ATTENTION_EFFICIENCY)
+    elem = t_rank * act_bytes / mem_bw
+    fwd = max(gemm_fwd, weight_bytes / mem_bw) + core_fwd + ELEMENTWISE_PASSES_FWD * elem
+    bwd = max(2 * gemm_fwd, (2 * b + 2 * FP32) * (p.dense + p.experts) / mem_bw) + 2.5 * core_fwd
+    bwd += ELEMENTWISE_PASSES_BWD * elem
+    fresh = spec.fresh_bytes_per_s(world)
+    if fresh is not None:  # page faults of what a micro-batch allocates afresh (see the module docstring)
+        fwd += t_rank * act_bytes / fresh
+        bwd += (t_rank * act_bytes + weight_bytes) / fresh
+
+    tp_fwd = _tp_comm(chunk, layers, cand, shape, tokens, b, spec)
+    ep_fwd, ep_bwd = _ep_comm(layers, cand, shape, tokens, b, spec)
+    if cand.recompute == "full":
+        recompute = fwd
+        tp_bwd, ep_bwd = 2 * tp_fwd, ep_bwd + ep_fwd  # the recomputed forward communicates again
+    else:
+        recompute = 0.0
+        if "core_attn" in modules:
+            recompute += core_fwd
+        if "mla_up_proj" in modules:
+            recompute += t_rank * up / linear_rate
+        if "layernorm" in modules or "moe_act" in modules:
+            recompute += 0.3 * ELEMENTWISE_PASSES_FWD * elem + (t_rank * router / fp32_rate) * ("moe_act" in modules)
+        tp_bwd = tp_fwd
+    return ChunkTimes(fwd, bwd, recompute, gemm_fwd, tp_fwd, tp_bwd, ep_fwd, ep_bwd)
+
+
+def _tp_comm(chunk: Chunk, layers: list[int], cand: Candidate, shape: ModelShape, tokens: int, b: int, spec) -> float:
+    """Forward TP (sequence-parallel) collectives of one micro-batch through a chunk; the backward mirrors them."""
+    if cand.tp == 1:
+        return 0.0
+    tp = cand.tp
+
+    def coll(kind: str, width: float) -> float:
+        return ring_time(kind, tokens * width * b, tp, tp, spec)
+
+    t = 0.0
+    for i in layers:
+        t += coll("all_gather", shape.q_in + shape.C + shape.Dr) + coll("reduce_scatter", shape.H)  # MLA
+        if not shape.is_moe(i):
+            t += coll("all_gather", shape.H) + coll("reduce_scatter", shape.H)  # dense MLP
+    if chunk.first:
+        t += coll("reduce_scatter", shape.H)  # the vocab-parallel embedding's partial sums
+    if chunk.last:
+        heads = 1 + shape.D
+        t += heads * coll("all_gather", shape.H) + shape.D * 2 * coll("all_gather", shape.H)  # head input, MTP reshard
+        t += heads * 3 * ring_time("all_reduce", tokens * FP32, tp, tp, spec)  # vocab-parallel cross entropy
+    return t
+
+
+def _ep_comm(layers: list[int], cand: Candidate, shape: ModelShape, tokens: int, b: int, spec) -> tuple[float, float]:
+    """`(forward, backward)` seconds of the dispatches and combines of one micro-batch through a chunk's MoE layers."""
+    if cand.ep == 1:
+        return 0.0, 0.0
+    moe_layers = sum(shape.is_moe(i) for i in layers)
+    local = tokens / cand.tp  # under sequence parallelism every TP rank routes its own positions
+    dispatch_row = shape.H + shape.H / 128 * FP32 if cand.fp8 != "none" else shape.H * b
+    combine_row = shape.H * FP32  # the 'flex' dispatcher combines in FP32
+
+    def a2a(row: float) -> float:
+        return all_to_all_time(local, row, cand.ep, cand.etp, shape.E, shape.K, spec)
+
+    fwd = moe_layers * (a2a(dispatch_row) + a2a(combine_row))
+    bwd = moe_layers * (a2a(shape.H * b) + a2a(combine_row))
+    return fwd, bwd
+
+
+def estimate_time(cand: Candidate, shape: ModelShape, work: Workload, spec: DeviceSpec) -> TimeBreakdown:
+    """The step time on the bottleneck pipeline rank (see the module docstring)."""
+    m = work.micro_batches
+    b = DTYPE_BYTES[work.dtype]
+    tokens = cand.micro_rows(work) * work.seq_len
+    chunks_by_rank = [chunks for _, chunks in distinct_ranks(cand, shape.L, shape.first_dense)]
+    p2p_bytes = tokens / cand.tp * shape.H * b * (1 + (shape.D > 0))  # h, and the embedding for the MTP depths
+    p2p = p2p_time(p2p_bytes, intra_node(cand.dp * cand.tp * 2, spec), spec) if cand.pp > 1 else 0.0
+
+    per_rank = [[chunk_times(c, cand, shape, work, spec) for c in chunks] for chunks in chunks_by_rank]
+
+    def busy(times: list[ChunkTimes]) -> float:
+        return m * sum(t.F + t.B for t in times) + m * len(times) * 2 * p2p
+
+    times = max(per_rank, key=busy)
+    compute = m * sum(t.fwd + t.bwd + t.recompute for t in times)
+    recompute = m * sum(t.recompute for t in times)
+    tp_comm = m * sum(t.tp_fwd + t.tp_bwd for t in times)
+    ep_comm = m * sum(t.ep_fwd + t.ep_bwd for t in times)
+    pp_comm = m * len(times) * 2 * p2p
+
+    bubble = 0.0
+    if cand.pp > 1:
+        slow = max((t for ts in per_rank for t in ts), key=lambda t: t.F + t.B)
+        F, B = slow.F + p2p, slow.B + p2p
+        if cand.schedule == "interleaved":
+            bubble = (cand.pp - 1) * (F + B)
+        else:
+            bubble = max(0.0, analytic_bubble(cand.schedule, cand.pp, F, B, min(slow.weight_grad, B)))
+
+    dp_comm = _dp_comm(cand, shape, chunks_by_rank, work, spec, last_backward=sum(t.B for t in times))
+    optimizer = _optimizer_time(cand, shape, chunks_by_rank, work, spec)
+    return TimeBreakdown(compute, recompute, tp_comm, ep_comm, pp_comm, dp_comm, optimizer, bubble)
+
+
+def _dp_comm(cand, shape, chunks_by_rank, work, spec, last_backward: float) -> float:
+    """Exposed seconds of the gradient reduction and (ZeRO-1) the parameter all-gather, on the rank that has most."""
+    b = DTYPE_BYTES[work.dtype]
+    worst = 0.0
+    block = cand.dp * cand.tp
+    for chunks in chunks_by_rank:
+        p = rank_params(shape, chunks, cand)
+        dense, experts = (p.dense + p.router) * FP32, p.experts * FP32
+        # Sequence-parallel gradients of the TP-replicated parameters: summed over the TP group.
+        replicated = sum(shape.layer_params(i).replicated for c in chunks for i in c.layers) * FP32
+        t_sp = ring_time("all_reduce", replicated, cand.tp, cand.tp, spec)
+        if not cand.zero1:
+            t = ring_time("all_reduce", dense, cand.dp, block, spec) + ring_time("all_reduce", experts, cand.edp,
+                                                                                  block, spec) + t_sp  # fmt: skip
+        else:
+            rs = ring_time("reduce_scatter", dense, cand.dp, block, spec)
+            rs += ring_time("reduce_scatter", experts, cand.edp, block, spec) + t_sp
+            if cand.pp == 1:  # bucket reduce-scatters overlap the last micro-batch's backward
+                rs = max(0.0, rs - last_backward)
+            ag = ring_time("all_gather", dense / FP32 * b, cand.dp, block, spec)
+            ag += ring_time("all_gather", experts / FP32 * b, cand.edp, block, spec)
+            t = rs + ag
+        worst = max(worst, t)
+    small = 4 * spec.comm_latency_us * 1e-6 if cand.world > 1 else 0.0  # loss sums, counts, expert loads, norm
+    return worst + small
+
+
+def _optimizer_time(cand, shape, chunks_by_rank, work, spec) -> float:
+    bw = spec.memory_bytes_per_s(cand.world)
+    worst = 0.0
+    for chunks in chunks_by_rank:
+        p = rank_params(shape, chunks, cand)
+        if cand.zero1:
+            local = (p.dense + p.router) / cand.dp + p.experts / cand.edp
+        else:
+            local = p.total
+        worst = max(worst, local * OPTIMIZER_BYTES_PER_PARAM / bw)
+    return worst
