@@ -22,6 +22,7 @@ Measured per step (the median step is reported):
 
     .venv/bin/python bench/pipeline.py                       # PP 2, 8 micro-batches, tiny; ~2 minutes
     .venv/bin/python bench/pipeline.py --pp 4 --micro-batches 8
+    .venv/bin/python bench/pipeline.py --config bench/configs/pipeline8.toml   # equal stages for every schedule
 
 On a 2-core CPU with `--pp 2` each rank has one core; more ranks than cores make the ranks take turns and the
 timeline shows the operating system's scheduling as much as the pipeline's.
@@ -41,6 +42,13 @@ REPO = Path(__file__).resolve().parents[1]
 SCHEDULES = ("1f1b", "zbh1", "dualpipev")
 
 
+def _config_path(config: str) -> Path:
+    """A config name of examples/deepseek_v3/configs/ or a TOML file's path."""
+    return (
+        Path(config) if config.endswith(".toml") else REPO / "examples" / "deepseek_v3" / "configs" / f"{config}.toml"
+    )
+
+
 def _build(schedule: str, args):
     """A fresh model from the seed, pruned to this rank's stages of `schedule`, and its runner."""
     from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -48,7 +56,7 @@ def _build(schedule: str, args):
     from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, split_layers
     from moe.train.parallel import Layout, ParallelState
 
-    cfg = DeepseekV3Config.from_toml(REPO / "examples" / "deepseek_v3" / "configs" / f"{args.config}.toml")
+    cfg = DeepseekV3Config.from_toml(_config_path(args.config))
     parallel = ParallelState.from_process_group(Layout(world=args.pp, pp=args.pp, pp_schedule=schedule))
     torch.manual_seed(args.seed)
     model = DeepseekV3ForCausalLM(cfg)
@@ -126,7 +134,7 @@ def _worker(rank: int, world: int, group, args) -> dict:
 
 def main() -> None:
     parser = make_parser(__doc__)
-    parser.add_argument("--config", default="tiny", help="examples/deepseek_v3/configs/<name>.toml")
+    parser.add_argument("--config", default="tiny", help="a name of examples/deepseek_v3/configs/ or a .toml path")
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--rows", type=int, default=1, help="sequences per micro-batch")

@@ -54,10 +54,10 @@ class PhaseTimer:
         self.events = 0  # push and pop calls since the last take()
         self.mismatches = 0  # pops that did not match the innermost phase (a bracketing bug; counted, not raised)
         # One stack of open phases per thread: DualPipeV's overlapped chunks run two micro-batches on two threads
-        # that take turns (moe/interleave.py). The time since the last push/pop belongs to the innermost phase of
-        # the thread that made it (the one that ran until then), so the two sides' phases never unwind each other.
+        # that take turns (moe/interleave.py), handing over right after starting a communication (a push). The time
+        # since the last push/pop therefore belongs to the calling thread's innermost phase (it has been running
+        # since the other thread's last event), and the two sides' phases never unwind each other.
         self._stacks: dict[int, list[int]] = {}
-        self._running: list[int] = []  # the stack of the thread of the last push/pop
         self._last = 0.0
         self.delays: dict[int, float] = {}
         self.set_delays(delays or {})
@@ -78,11 +78,9 @@ class PhaseTimer:
 
     def push(self, phase: str) -> None:
         """Enter `phase` (nested inside the current one, whose clock stops)."""
-        now = time.perf_counter()
-        self._credit(now)
         stack = self._stacks.setdefault(threading.get_ident(), [])
+        self._credit(time.perf_counter(), stack)
         stack.append(self._index[phase])
-        self._running = stack
         self.events += 1
 
     def pop(self, phase: str) -> None:
@@ -91,11 +89,9 @@ class PhaseTimer:
         delay = self.delays.get(index) if self.delays else None
         if delay:
             time.sleep(delay)
-        now = time.perf_counter()
         self.events += 1
-        self._credit(now)
         stack = self._stacks.setdefault(threading.get_ident(), [])
-        self._running = stack
+        self._credit(time.perf_counter(), stack)
         if stack and stack[-1] == index:
             stack.pop()
         else:
@@ -106,10 +102,10 @@ class PhaseTimer:
         if not stack:  # a finished thread leaves nothing behind
             self._stacks.pop(threading.get_ident(), None)
 
-    def _credit(self, now: float) -> None:
-        """Add the time since the last push/pop to the phase that was running then."""
-        if self._running:
-            self.totals[self._running[-1]] += now - self._last
+    def _credit(self, now: float, stack: list[int]) -> None:
+        """Add the time since the last push/pop to the innermost phase of `stack` (the calling thread's)."""
+        if stack:
+            self.totals[stack[-1]] += now - self._last
         self._last = now
 
     def phase(self, name: str) -> _Phase:
@@ -125,7 +121,7 @@ class PhaseTimer:
     def take(self) -> tuple[list[float], int, int]:
         """`(seconds per phase in PHASES order, events, mismatches)` since the last take; resets them (the phases
         open now keep running: only their time so far is in this take)."""
-        self._credit(time.perf_counter())
+        self._credit(time.perf_counter(), self._stacks.get(threading.get_ident(), []))
         out = (list(self.totals), self.events, self.mismatches)
         self.totals = [0.0] * len(PHASES)
         self.events = self.mismatches = 0

@@ -226,8 +226,8 @@ class StateSnapshot:
         adamw.state.clear()  # states created after the snapshot (e.g. MasterAdamW's first step) go
         for p, s in self._python.adamw_state.items():
             adamw.state[p] = dict(s)
-        if self._python.optimizer_steps is not None:
-            self.optimizer.steps = self._python.optimizer_steps
+        if self._python.optimizer_steps is not None:  # both optimizers count their steps (moe/train/optim.py, zero.py)
+            self.optimizer.set_steps(self._python.optimizer_steps)
         for h, history, num_recorded in self._python.histories:
             h.history = history.clone()
             h.num_recorded = num_recorded

@@ -11,7 +11,6 @@ import re
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from moe.fp8_training import apply_fp8
 from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -21,6 +20,7 @@ from moe.train.faults import ENV, FaultPlan
 from moe.train.metrics import read_events, read_metrics
 from moe.train.parallel import ParallelState
 from moe.train.rewind import AnomalyDetected, SpikeDetector, StateSnapshot, amax_histories
+from moe.train.shard_files import SECTIONS, read_full_section
 from moe.train.trainer import ModelIO, Trainer
 from mtdeepep.utils.testing import run_processes
 from tests.train import train_cases as tc
@@ -237,10 +237,10 @@ def _assert_matches_reference(run_dir, ref_dir):
         assert (a["loss"], a["mtp_loss"], a["grad_norm"], a["lr"]) == (b["loss"], b["mtp_loss"], b["grad_norm"],
                                                                          b["lr"]), a["step"]  # fmt: skip
     assert [e["step"] for e in read_events(ref_dir / "metrics.jsonl", "skip")] == SKIPPED
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        want = load_file(str(ref_dir / "checkpoints" / "step_8" / name))
-        have = load_file(str(run_dir / "checkpoints" / "step_8" / name))
-        assert want.keys() == have.keys() and all(torch.equal(want[k], have[k]) for k in want), name
+    for section in SECTIONS:  # the whole of every sharded section of the last checkpoint, bit for bit
+        want = read_full_section(ref_dir / "checkpoints" / "step_8", section)
+        have = read_full_section(run_dir / "checkpoints" / "step_8", section)
+        assert want.keys() == have.keys() and all(torch.equal(want[k], have[k]) for k in want), section
     return got
 
 

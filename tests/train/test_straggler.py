@@ -67,6 +67,49 @@ def test_phases_are_exclusive(clock):
     assert _seconds(timer) == {"optimizer": 0.5}
 
 
+def test_two_threads_taking_turns_keep_their_own_phases(clock):
+    """DualPipeV's overlapped chunks run two micro-batches on two threads that take turns (moe/interleave.py): each
+    thread's phases nest on their own, and the time between two events goes to the thread that ran."""
+    import threading
+
+    timer = PhaseTimer()
+    turn = {"a": threading.Event(), "b": threading.Event()}
+
+    def hand_over(to: str, me: str) -> None:
+        turn[me].clear()
+        turn[to].set()
+        assert turn[me].wait(10)
+
+    def side_a():
+        timer.push("forward")
+        clock.now += 1.0
+        timer.push("dispatch")  # started; the other side computes while it is in flight
+        hand_over("b", "a")
+        clock.now += 0.25  # A's wait for the dispatch
+        timer.pop("dispatch")
+        clock.now += 2.0
+        timer.pop("forward")
+        turn["b"].set()
+
+    def side_b():
+        assert turn["b"].wait(10)
+        timer.push("backward")
+        clock.now += 4.0
+        timer.push("combine")
+        hand_over("a", "b")
+        clock.now += 0.5
+        timer.pop("combine")
+        timer.pop("backward")
+
+    threads = [threading.Thread(target=side_a), threading.Thread(target=side_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert _seconds(timer) == {"forward": 3.0, "dispatch": 0.25, "backward": 4.0, "combine": 0.5}
+    assert timer.take()[2] == 0  # no mismatch: the sides never unwound each other's phases
+
+
 def test_mismatched_pops_are_counted_not_raised(clock):
     timer = PhaseTimer()
     timer.pop("forward")  # nothing open
