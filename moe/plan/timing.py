@@ -20,7 +20,8 @@ forward, their gradients and the weight gradients (one per weight, in the GEMM's
 
 Step on the bottleneck pipeline rank: `m x sum over its chunks of (F + B)` + the p2p sends + the bubble of
 `moe.pipeline.timeline.analytic_bubble` (DualPipe's table: 1F1B (P-1)(F+B), ZB-H1 (P-1)(F+B-2W), DualPipeV
-(P-1)(F&B+B-3W) with F&B = F+B, no overlap) for the slowest chunk; interleaved 1F1B: (P-1)(F+B) of a chunk.
+(P-1)(F&B+B-3W) with F&B = F+B, no overlap) with the mean chunk times of the other ranks (what the bottleneck
+waits for while the pipeline fills and drains); interleaved 1F1B: (P-1)(F+B) of such a chunk.
 Then the gradient reduction (MasterAdamW: all-reduces after the backward; ZeRO-1: bucketed reduce-scatters
 overlapped with the last micro-batch's backward when there is no pipeline, then the parameter all-gather) and the
 optimizer (memory bound).
@@ -36,7 +37,7 @@ from moe.plan.devices import DeviceSpec
 from moe.plan.memory import rank_params
 from moe.plan.model import DTYPE_BYTES, FP32, RECOMPUTE_CHOICES, ModelShape
 from moe.plan.space import Candidate, Workload
-from moe.plan.stages import Chunk, distinct_ranks
+from moe.plan.stages import Chunk, distinct_ranks, rank_chunks
 
 ATTENTION_EFFICIENCY = 0.6  # estimate: fused causal attention vs a large GEMM (FlashAttention-2/3 reach ~0.5-0.75)
 ELEMENTWISE_PASSES_FWD = 2.0  # estimate: every kept tensor written once, and one more read+write in between
@@ -214,16 +215,37 @@ def estimate_time(cand: Candidate, shape: ModelShape, work: Workload, spec: Devi
 
     bubble = 0.0
     if cand.pp > 1:
-        slow = max((t for ts in per_rank for t in ts), key=lambda t: t.F + t.B)
-        F, B = slow.F + p2p, slow.B + p2p
+        # Every rank's chunk times (ranks with the same chunks share one estimate).
+        estimated = {_signature(chunks, shape): t for chunks, t in zip(chunks_by_rank, per_rank)}
+        every_rank = [estimated[_signature(chunks, shape)] for chunks in rank_chunks(cand, shape.L)]
+        F, B, W = _upstream_chunk(every_rank, times)
+        F, B = F + p2p, B + p2p
         if cand.schedule == "interleaved":
             bubble = (cand.pp - 1) * (F + B)
         else:
-            bubble = max(0.0, analytic_bubble(cand.schedule, cand.pp, F, B, min(slow.weight_grad, B)))
+            bubble = max(0.0, analytic_bubble(cand.schedule, cand.pp, F, B, min(W, B)))
 
     dp_comm = _dp_comm(cand, shape, chunks_by_rank, work, spec, last_backward=sum(t.B for t in times))
     optimizer = _optimizer_time(cand, shape, chunks_by_rank, work, spec)
     return TimeBreakdown(compute, recompute, tp_comm, ep_comm, pp_comm, dp_comm, optimizer, bubble)
+
+
+def _signature(chunks, shape: ModelShape) -> tuple:
+    return tuple(c.signature(shape.first_dense) for c in chunks)
+
+
+def _upstream_chunk(every_rank: list[list[ChunkTimes]], bottleneck: list[ChunkTimes]) -> tuple[float, float, float]:
+    """`(F, B, W)` of the chunks the bottleneck rank waits for: the mean over the other ranks' chunks (`every_rank`:
+    per pipeline rank, its chunks' times; `bottleneck`: the bottleneck rank's entry in it).
+
+    The bottleneck rank idles while the pipeline fills and drains through the other ranks' stages, so its bubble is
+    made of their chunk times, not its own (DualPipe's table assumes equal stages, where the two are the same). With
+    a heavy last stage (head, MTP) the slowest chunk's times would count that stage's extra work as idle time too:
+    measured on the CPU, the PP2 runs of bench/plan_check.py step in about the bottleneck's busy time alone."""
+    index = next(i for i, ts in enumerate(every_rank) if ts is bottleneck)
+    others = [t for ts in every_rank[:index] + every_rank[index + 1 :] for t in ts] or bottleneck
+    n = len(others)
+    return (sum(t.F for t in others) / n, sum(t.B for t in others) / n, sum(t.weight_grad for t in others) / n)
 
 
 def _dp_comm(cand, shape, chunks_by_rank, work, spec, last_backward: float) -> float:
