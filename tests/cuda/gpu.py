@@ -1,0 +1,114 @@
+"""What every GPU test shares: the skip mark, the device, CUDA buffers, copies to the host for the references.
+
+2 to 4 rank processes share the one GPU (device 0): control over gloo on 127.0.0.1, data over CUDA IPC peer memory
+(NCCL refuses two ranks on one GPU). Every GPU test skips, with one reason, where there is no CUDA device or
+mtdeepep's CUDA executor is not built (`mtdeepep.utils.testing.cuda_skip_reason`); the MoE layer's single-process
+GPU tests need only the device.
+
+References stay on the host: results are copied to the CPU and compared with the plain-PyTorch references of
+`mtdeepep.utils.refs` and the conformance helpers, the same ones the CPU executor is tested against, so the CPU
+executor and the CUDA executor are held to one definition.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mtdeepep as deep_ep
+from mtdeepep.utils.testing import cuda_skip_reason
+
+TIMEOUT_S = 30  # mtdeepep's own timeout in the ranks (MTDEEPEP_TIMEOUT_S)
+DEVICE_INDEX = 0  # every rank shares this GPU
+
+
+def skip_unless_cuda(need_executor: bool = True) -> pytest.MarkDecorator:
+    """A module's mark: skip with the one reason `cuda_skip_reason` gives (no device, or no CUDA executor)."""
+    reason = cuda_skip_reason(need_executor)
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+def device() -> torch.device:
+    """GPU 0, made this process's current device (the CUDA executor serves the current device)."""
+    torch.cuda.set_device(DEVICE_INDEX)
+    return torch.device("cuda", DEVICE_INDEX)
+
+
+def new_buffer(ctx, num_nvl_bytes: int = 256 << 20, **kwargs) -> deep_ep.Buffer:
+    """A CUDA `Buffer` over the rank pool's gloo group; fails clearly if the CPU executor was chosen instead."""
+    device()
+    buffer = deep_ep.Buffer(ctx.group, num_nvl_bytes, **kwargs)
+    assert buffer.device.type == "cuda", f"the CUDA executor was not chosen for the current CUDA device: {buffer!r}"
+    return buffer
+
+
+def buffer(ctx, name: str = "normal", num_nvl_bytes: int = 256 << 20, **kwargs) -> deep_ep.Buffer:
+    """One buffer per name and size, kept in the rank's cache across the cases of its pool."""
+    key = f"cuda-{name}-{num_nvl_bytes}-{sorted(kwargs.items())}"
+    if key not in ctx.cache:
+        ctx.cache[key] = new_buffer(ctx, num_nvl_bytes, **kwargs)
+    return ctx.cache[key]
+
+
+def ll_buffer(ctx, name: str = "ll", num_max_tokens: int = 128, hidden: int = 7168, experts_per_rank: int = 8,
+              **kwargs) -> deep_ep.Buffer:  # fmt: skip
+    """One low-latency buffer per name, sized by the size hint, kept across the cases of a pool."""
+    key = f"cuda-ll-{name}-{num_max_tokens}-{hidden}-{experts_per_rank}-{sorted(kwargs.items())}"
+    if key not in ctx.cache:
+        hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(
+            num_max_tokens, hidden, ctx.world_size, experts_per_rank * ctx.world_size
+        )
+        device()
+        buf = deep_ep.Buffer(ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=experts_per_rank, **kwargs)
+        assert buf.device.type == "cuda", f"the CUDA executor was not chosen: {buf!r}"
+        ctx.cache[key] = buf
+    return ctx.cache[key]
+
+
+def cuda(*tensors: torch.Tensor | None):
+    """The tensors on GPU 0 (None stays None); one tensor in, one out."""
+    dev = device()
+    out = tuple(None if t is None else t.to(dev) for t in tensors)
+    return out[0] if len(out) == 1 else out
+
+
+def host(value):
+    """`value` with every tensor copied to the CPU (strides kept), through tuples and lists (a handle becomes a
+    plain tuple). Synchronises with the current stream, as any read of results on the host does."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, (tuple, list)):
+        return tuple(host(v) if isinstance(v, (torch.Tensor, tuple, list)) else v for v in value)
+    return value
+
+
+def assert_on_gpu(*tensors: torch.Tensor | None) -> None:
+    """Every result lives on the buffer's GPU (None allowed)."""
+    for t in tensors:
+        assert t is None or (t.is_cuda and t.device.index == DEVICE_INDEX), f"result on {t.device}, not cuda:0"
+
+
+ROUTINGS = ("uniform", "skewed")
+
+
+def make_inputs(ctx, num_tokens: int, hidden: int, num_experts: int, num_topk: int, seed: int,
+                dtype: torch.dtype = torch.bfloat16, routing: str = "uniform", masked: float = 0.1):  # fmt: skip
+    """Host tensors, different on every rank: random `x [T, H]`, `topk_idx [T, K]` int64 (distinct experts per token,
+    a share `masked` of slots -1) and positive `topk_weights [T, K]` float32.
+
+    routing: 'uniform' takes the top-k of uniform random scores; 'skewed' multiplies the scores by a factor falling
+    from 4 to 1/4 across the experts, so the first rank's experts get most of the traffic (a hot rank, as unbalanced
+    routers give).
+    """
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    generator = torch.Generator().manual_seed(seed * 1000 + ctx.rank)
+    x = torch.randn(num_tokens, hidden, generator=generator).to(dtype)
+    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    if routing == "skewed":
+        scores = scores * torch.logspace(2, -2, num_experts, base=2.0)
+    topk_idx = scores.topk(num_topk, dim=1).indices
+    drop = torch.rand(num_tokens, num_topk, generator=generator) < masked
+    topk_idx = topk_idx.masked_fill(drop, -1)
+    topk_weights = torch.rand(num_tokens, num_topk, generator=generator) + 0.1
+    return x, topk_idx, topk_weights
