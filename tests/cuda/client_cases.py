@@ -17,7 +17,7 @@ def _titan(ctx, hidden: int, capacity: int, num_topk: int):
     gpu.device()
     titan = clients_env.prepare_torchtitan()
     buffer = titan.get_buffer(ctx.group, hidden=hidden, num_max_tokens_per_rank=capacity, num_topk=num_topk)
-    assert buffer.device.type == "cuda", f"torchtitan's ElasticBuffer is not on the CUDA executor: {buffer.device}"
+    gpu.check_cuda_buffer(buffer)
     return titan
 
 

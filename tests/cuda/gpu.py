@@ -34,12 +34,17 @@ def device() -> torch.device:
     return torch.device("cuda", DEVICE_INDEX)
 
 
-def new_buffer(ctx, num_nvl_bytes: int = 256 << 20, **kwargs) -> deep_ep.Buffer:
-    """A CUDA `Buffer` over the rank pool's gloo group; fails clearly if the CPU executor was chosen instead."""
-    device()
-    buffer = deep_ep.Buffer(ctx.group, num_nvl_bytes, **kwargs)
+def check_cuda_buffer(buffer):
+    """`buffer` (a `Buffer` or an `ElasticBuffer`) runs on the CUDA executor; fails clearly if the CPU executor was
+    chosen instead. Returns it."""
     assert buffer.device.type == "cuda", f"the CUDA executor was not chosen for the current CUDA device: {buffer!r}"
     return buffer
+
+
+def new_buffer(ctx, num_nvl_bytes: int = 256 << 20, **kwargs) -> deep_ep.Buffer:
+    """A CUDA `Buffer` over the group of `ctx` (a pool's `RankContext`, or anything with `group`)."""
+    device()
+    return check_cuda_buffer(deep_ep.Buffer(ctx.group, num_nvl_bytes, **kwargs))
 
 
 def buffer(ctx, name: str = "normal", num_nvl_bytes: int = 256 << 20, **kwargs) -> deep_ep.Buffer:
@@ -50,18 +55,22 @@ def buffer(ctx, name: str = "normal", num_nvl_bytes: int = 256 << 20, **kwargs) 
     return ctx.cache[key]
 
 
+def new_ll_buffer(ctx, num_max_tokens: int, hidden: int, experts_per_rank: int, **kwargs) -> deep_ep.Buffer:
+    """A low-latency CUDA `Buffer` sized by the size hint."""
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(
+        num_max_tokens, hidden, ctx.world_size, experts_per_rank * ctx.world_size
+    )
+    device()
+    buf = deep_ep.Buffer(ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=experts_per_rank, **kwargs)
+    return check_cuda_buffer(buf)
+
+
 def ll_buffer(ctx, name: str = "ll", num_max_tokens: int = 128, hidden: int = 7168, experts_per_rank: int = 8,
               **kwargs) -> deep_ep.Buffer:  # fmt: skip
-    """One low-latency buffer per name, sized by the size hint, kept across the cases of a pool."""
+    """One low-latency buffer per name and size, kept across the cases of a pool."""
     key = f"cuda-ll-{name}-{num_max_tokens}-{hidden}-{experts_per_rank}-{sorted(kwargs.items())}"
     if key not in ctx.cache:
-        hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(
-            num_max_tokens, hidden, ctx.world_size, experts_per_rank * ctx.world_size
-        )
-        device()
-        buf = deep_ep.Buffer(ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=experts_per_rank, **kwargs)
-        assert buf.device.type == "cuda", f"the CUDA executor was not chosen: {buf!r}"
-        ctx.cache[key] = buf
+        ctx.cache[key] = new_ll_buffer(ctx, num_max_tokens, hidden, experts_per_rank, **kwargs)
     return ctx.cache[key]
 
 

@@ -18,8 +18,6 @@ import time
 import torch
 import torch.distributed as dist
 
-import mtdeepep as deep_ep
-
 from ..conformance import low_latency_cases as ll
 from ..reliability_cases import named_missing_ranks
 from . import gpu
@@ -128,10 +126,7 @@ def async_and_hooks(ctx):
 def missing_rank_times_out(ctx, timeout_s: float):
     """Rank 1 never joins the low-latency dispatch; the others get CommTimeoutError naming rank 1, at the latest at
     the buffer's next call, never a hung GPU; then every rank uses the GPU again."""
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(32, 1024, ctx.world_size, 4 * ctx.world_size)
-    gpu.device()
-    buffer = deep_ep.Buffer(ctx.group, 0, hint, low_latency_mode=True, explicitly_destroy=True, timeout_s=timeout_s)
-    assert buffer.device.type == "cuda", repr(buffer)
+    buffer = gpu.new_ll_buffer(ctx, 32, 1024, 4, explicitly_destroy=True, timeout_s=timeout_s)
     release = time.perf_counter() + 2 * timeout_s + 2.0
     outcome = "skipped"
     num_experts = 4 * ctx.world_size

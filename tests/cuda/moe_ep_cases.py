@@ -28,7 +28,7 @@ def flex_layer_matches_single_process(ctx, hidden: int):
     torch.manual_seed(0)
     ref = MoELayer(dataclasses.replace(cfg, moe_token_dispatcher_type="alltoall"))
     ep = load_ep_from_ref(MoELayer(cfg, ep_group=ctx.group, device=dev), ref)
-    assert ep.experts.w13.is_cuda
+    gpu.assert_on_gpu(ep.experts.w13)
     gen = torch.Generator().manual_seed(7)
     chunks = [(torch.randn(48 + 8 * r, hidden, generator=gen), torch.randn(48 + 8 * r, hidden, generator=gen))
               for r in range(ctx.world_size)]  # fmt: skip
@@ -38,7 +38,7 @@ def flex_layer_matches_single_process(ctx, hidden: int):
     (ref_out * grad_out).sum().backward()
     ep_x = x.to(dev).requires_grad_()
     ep_out = ep(ep_x)
-    assert ep_out.is_cuda
+    gpu.assert_on_gpu(ep_out)
     (ep_out * grad_out.to(dev)).sum().backward()
     router_grad = ep.router.weight.grad.cpu()
     dist.all_reduce(router_grad, group=ctx.group)

@@ -10,6 +10,7 @@ local work is right), and the buffer can still be destroyed.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -24,17 +25,22 @@ from . import gpu
 VICTIM = 1
 
 
+def named_ranks(message: str) -> list[int]:
+    """The ranks an error names as missing: a timeout's (`rank(s) [1] did not arrive`, see `named_missing_ranks`)
+    or a dead peer's (`rank 1 (pid 123) exited without arriving`)."""
+    return named_missing_ranks(message) or [int(r) for r in re.findall(r"rank (\d+) \(pid \d+\) exited", message)]
+
+
 def killed_peer(proc, timeout_s: float):
     """Returns `(error type, ranks the message names, seconds to the error, GPU usable afterwards, destroy seconds)`
     from each survivor; the victim dies by SIGKILL."""
     group = proc.init_group()
-    gpu.device()
-    buffer = deep_ep.Buffer(group, 64 << 20, explicitly_destroy=True, timeout_s=timeout_s)
-    assert buffer.device.type == "cuda", repr(buffer)
 
-    class Ctx:  # what gpu.make_inputs reads of a pool's RankContext
+    class Ctx:  # what gpu.new_buffer and gpu.make_inputs read of a pool's RankContext
         rank = proc.rank
 
+    Ctx.group = group
+    buffer = gpu.new_buffer(Ctx, 64 << 20, explicitly_destroy=True, timeout_s=timeout_s)
     x, topk_idx, topk_weights = gpu.make_inputs(Ctx, 256, 1024, 8 * proc.num_processes, 4, seed=130)
     x_d, idx_d, w_d = gpu.cuda(x, topk_idx, topk_weights)
     recv_x, _, _, _, handle, _ = layout_and_dispatch(buffer, x_d, idx_d, w_d, 8 * proc.num_processes)
@@ -49,7 +55,7 @@ def killed_peer(proc, timeout_s: float):
         layout_and_dispatch(buffer, x_d, idx_d, w_d, 8 * proc.num_processes)
         torch.cuda.synchronize()
     except (deep_ep.CommTimeoutError, deep_ep.CommError) as error:
-        outcome = (type(error).__name__, named_missing_ranks(str(error)) or str(error), time.perf_counter() - start)
+        outcome = (type(error).__name__, named_ranks(str(error)) or str(error), time.perf_counter() - start)
     else:
         outcome = ("no error", [], time.perf_counter() - start)
     # The GPU is not hung: a synchronisation returns and local work is right.

@@ -183,7 +183,7 @@ def test_moe_layer_on_cuda_tracks_float64_layer():
     x = torch.randn(4, 64, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
     xa, xb = x.double().requires_grad_(), x.to(CUDA).requires_grad_()
     ya, yb = ref(xa), layer(xb)
-    assert yb.is_cuda and yb.dtype == dtype
+    assert yb.device == CUDA and yb.dtype == dtype
     ya.square().sum().backward()
     yb.float().square().sum().backward()
     # FP32 against float64: ~1e-6 relative error (~120 dB); a wrong route or weight gives under 20 dB.
