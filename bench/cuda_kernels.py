@@ -312,7 +312,9 @@ def ll_latency_rows(cfg: BenchConfig, rank: int, group) -> list[dict[str, Any]]:
 
 
 def bench_rank(rank: int, world_size: int, group, cfg: BenchConfig, sms: list[int]) -> dict[str, Any]:
-    torch.cuda.set_device(0)  # every rank shares the one GPU
+    # Every rank shares the one GPU; the control group is gloo, so the CUDA executor is chosen by MTDEEPEP_DEVICE.
+    os.environ["MTDEEPEP_DEVICE"] = "cuda"
+    torch.cuda.set_device(0)
     buffer = deep_ep.Buffer(group, cfg.nvl_bytes, explicitly_destroy=True)
     if buffer.device.type != "cuda":
         raise RuntimeError(f"the CUDA executor was not chosen: {buffer!r}")

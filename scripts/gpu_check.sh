@@ -81,13 +81,15 @@ else
     export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONUNBUFFERED=1
+# The ranks share one GPU over a gloo control group: mtdeepep picks the CUDA executor only when told so.
+export MTDEEPEP_DEVICE=cuda
 
 build() {
     # Rebuild only when the sources or setup.py changed since the last build on this machine (a warm machine keeps
     # the build between calls).
     local stamp
     stamp="$(cat setup.py $(find csrc -type f | sort) | sha256sum | cut -c1-16)"
-    if [ "$(cat build/.gpu_check_stamp 2>/dev/null)" = "$stamp" ] && $PY -c "import mtdeepep._cuda_engine" 2>/dev/null; then
+    if [ "$(cat build/.gpu_check_stamp 2>/dev/null)" = "$stamp" ] && $PY -c "import mtdeepep._C_cuda, mtdeepep._cuda_engine" 2>/dev/null; then
         echo "[gpu_check] build is current" | tee -a "$OUT/build.log"
         return 0
     fi
@@ -101,7 +103,8 @@ build() {
     mkdir -p build && echo "$stamp" >build/.gpu_check_stamp
     echo "[gpu_check] built in $((SECONDS - start)) s: $(ls mtdeepep/_C*.so | tr '\n' ' ')"
     # The GPU tests skip rather than fail when the executor cannot be imported: say so loudly here.
-    $PY -c "import mtdeepep._cuda_engine" || echo "[gpu_check] WARNING: mtdeepep._cuda_engine does not import"
+    $PY -c "import mtdeepep._C_cuda, mtdeepep._cuda_engine" \
+        || echo "[gpu_check] WARNING: mtdeepep._C_cuda does not import: every executor test will skip"
 }
 
 run_tests() {

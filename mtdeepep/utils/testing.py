@@ -74,15 +74,14 @@ def init_gloo(rank: int, world_size: int, port: int, timeout_s: float | None = N
     return dist.group.WORLD
 
 
-# The module of the CUDA executor (registers itself as the node engine of "cuda" devices); importing it loads the
-# compiled CUDA extension, so an ImportError means the extension was not built.
-CUDA_ENGINE_MODULE = "mtdeepep._cuda_engine"
+# The compiled CUDA executor (csrc/runtime/cuda, csrc/kernels/cuda), built by setup.py only with a CUDA torch and nvcc.
+CUDA_EXTENSION_MODULE = "mtdeepep._C_cuda"
 
 
 def cuda_skip_reason(need_executor: bool = True) -> str | None:
     """Why GPU tests cannot run in this process, or None when they can.
 
-    need_executor: also require mtdeepep's CUDA executor (`CUDA_ENGINE_MODULE` and its extension); tests of plain
+    need_executor: also require mtdeepep's CUDA executor (the extension `CUDA_EXTENSION_MODULE`); tests of plain
     PyTorch GPU paths (the MoE layer's GEMMs) pass False. Does not create a CUDA context (spawned rank processes
     create their own).
     """
@@ -91,9 +90,9 @@ def cuda_skip_reason(need_executor: bool = True) -> str | None:
         return f"no CUDA device: torch.cuda.is_available() is False (torch {torch.__version__}, {build})"
     if need_executor:
         try:
-            importlib.import_module(CUDA_ENGINE_MODULE)
+            importlib.import_module(CUDA_EXTENSION_MODULE)
         except ImportError as error:
-            return f"mtdeepep's CUDA executor is not built ({CUDA_ENGINE_MODULE}: {error})"
+            return f"mtdeepep's CUDA executor is not built ({CUDA_EXTENSION_MODULE}: {error})"
     return None
 
 

@@ -17,7 +17,7 @@ def cuda_pools():
     """`cuda_pools[n]`: the module's pool of `n` rank processes on GPU 0 (spawned at first use)."""
     pools = RankPools(
         timeout_s=4 * TIMEOUT_S, start_timeout_s=120, threads=2, pg_timeout_s=2 * TIMEOUT_S,
-        env={"GLOO_SOCKET_IFNAME": "lo", "MTDEEPEP_TIMEOUT_S": str(TIMEOUT_S)},
+        env={"GLOO_SOCKET_IFNAME": "lo", "MTDEEPEP_TIMEOUT_S": str(TIMEOUT_S), "MTDEEPEP_DEVICE": "cuda"},
     )  # fmt: skip
     yield pools
     pools.close()

@@ -12,6 +12,8 @@ executor and the CUDA executor are held to one definition.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -29,7 +31,10 @@ def skip_unless_cuda(need_executor: bool = True) -> pytest.MarkDecorator:
 
 
 def device() -> torch.device:
-    """GPU 0, made this process's current device (the CUDA executor serves the current device)."""
+    """GPU 0, made this process's current device, with the CUDA executor chosen for the buffers this process
+    creates: the control group is gloo (NCCL refuses two ranks on one GPU), and mtdeepep picks the executor from
+    `MTDEEPEP_DEVICE` when set, else from the group's backend (gloo: CPU)."""
+    os.environ["MTDEEPEP_DEVICE"] = "cuda"
     torch.cuda.set_device(DEVICE_INDEX)
     return torch.device("cuda", DEVICE_INDEX)
 
