@@ -23,6 +23,21 @@ from mtdeepep.utils.testing import cuda_skip_reason
 TIMEOUT_S = 30  # mtdeepep's own timeout in the ranks (MTDEEPEP_TIMEOUT_S)
 DEVICE_INDEX = 0  # every rank shares this GPU
 
+# True inside `run_on_cpu`: the cases run on the CPU executor (tests/cuda/test_cases_on_cpu.py).
+_on_cpu = False
+
+
+def run_on_cpu(ctx, case, *args):
+    """Runs the GPU case `case(ctx, *args)` in a rank of a CPU pool with the CPU executor standing in for the GPU
+    (device moves are no-ops, synchronisations return at once). The CPU executor is tested on its own, so this checks
+    the cases and their references where CI can run them: on a GPU, a failure of the same case is the GPU's."""
+    global _on_cpu
+    _on_cpu = True
+    try:
+        return case(ctx, *args)
+    finally:
+        _on_cpu = False
+
 
 def skip_unless_cuda(need_executor: bool = True) -> pytest.MarkDecorator:
     """A module's mark: skip with the one reason `cuda_skip_reason` gives (no device, or no CUDA executor)."""
@@ -34,15 +49,31 @@ def device() -> torch.device:
     """GPU 0, made this process's current device, with the CUDA executor chosen for the buffers this process
     creates: the control group is gloo (NCCL refuses two ranks on one GPU), and mtdeepep picks the executor from
     `MTDEEPEP_DEVICE` when set, else from the group's backend (gloo: CPU)."""
+    if _on_cpu:
+        os.environ["MTDEEPEP_DEVICE"] = "cpu"
+        return torch.device("cpu")
     os.environ["MTDEEPEP_DEVICE"] = "cuda"
     torch.cuda.set_device(DEVICE_INDEX)
     return torch.device("cuda", DEVICE_INDEX)
 
 
+def synchronize() -> None:
+    """Waits for the GPU's work (returns at once on the CPU executor)."""
+    if not _on_cpu:
+        torch.cuda.synchronize()
+
+
+def sleep_on_stream(cycles: int) -> None:
+    """Keeps the current stream busy for about `cycles` GPU clock cycles (nothing on the CPU executor)."""
+    if not _on_cpu:
+        torch.cuda._sleep(cycles)
+
+
 def check_cuda_buffer(buffer):
     """`buffer` (a `Buffer` or an `ElasticBuffer`) runs on the CUDA executor; fails clearly if the CPU executor was
     chosen instead. Returns it."""
-    assert buffer.device.type == "cuda", f"the CUDA executor was not chosen for the current CUDA device: {buffer!r}"
+    expected = "cpu" if _on_cpu else "cuda"
+    assert buffer.device.type == expected, f"the {expected} executor was not chosen: {buffer!r}"
     return buffer
 
 
@@ -98,8 +129,9 @@ def host(value):
 
 def assert_on_gpu(*tensors: torch.Tensor | None) -> None:
     """Every result lives on the buffer's GPU (None allowed)."""
+    expected = torch.device("cpu") if _on_cpu else torch.device("cuda", DEVICE_INDEX)
     for t in tensors:
-        assert t is None or (t.is_cuda and t.device.index == DEVICE_INDEX), f"result on {t.device}, not cuda:0"
+        assert t is None or t.device == expected, f"result on {t.device}, not {expected}"
 
 
 ROUTINGS = ("uniform", "skewed")

@@ -117,7 +117,7 @@ def async_and_hooks(ctx):
         y = gpu.cuda(ll.expert_outputs(ctx, ll.dequantised(gpu.host(recv), True), num_experts))
         combined, event, hook = buffer.low_latency_combine(y, idx_d, w_d, handle, **kwargs)
         if hook is not None:
-            torch.cuda._sleep(1_000_000)  # work between the send and the receive
+            gpu.sleep_on_stream(1_000_000)  # work between the send and the receive
             hook()
         event.current_stream_wait()
         ll.assert_weighted_combine_close(gpu.host(combined), ref, magnitude, TOPK)
@@ -153,7 +153,7 @@ def missing_rank_times_out(ctx, timeout_s: float):
         time.sleep(max(0.0, release - time.perf_counter()))
         buffer.destroy()
     dist.barrier(group=ctx.group)
-    torch.cuda.synchronize()
+    gpu.synchronize()
     dispatch_checked(ctx, gpu.ll_buffer(ctx), ll.make_x(ctx, 16, HIDDEN, seed=5),
                      ll.make_routing(ctx, 16, EXPERTS_PER_RANK * ctx.world_size, TOPK, seed=5)[0],
                      EXPERTS_PER_RANK * ctx.world_size, "fp8")  # fmt: skip

@@ -223,7 +223,7 @@ def async_and_previous_event(ctx):
     x_d, idx_d, w_d = gpu.cuda(stale, topk_idx, topk_weights)
     x_new = gpu.cuda(x)
     dist.barrier(group=ctx.group)
-    torch.cuda._sleep(100_000_000)  # ~50 ms of GPU clock cycles on the current stream
+    gpu.sleep_on_stream(100_000_000)  # ~50 ms of GPU clock cycles on the current stream
     x_d.copy_(x_new)
     previous = deep_ep.Buffer.capture()
     per_rank, per_node, per_expert, in_rank, layout_event = buffer.get_dispatch_layout(
@@ -244,7 +244,7 @@ def async_and_previous_event(ctx):
     assert torch.equal(got_idx, ref.recv_topk_idx)
     in_rank_ref = refs.ref_dispatch_layout(topk_idx, num_experts, ctx.world_size)[2]
     assert_combine_close(got_combined, identity_partials(topology(ctx), x, in_rank_ref), torch.bfloat16)
-    torch.cuda.synchronize()
+    gpu.synchronize()
     assert layout_event.query() and dispatch_event.query() and combine_event.query()
 
 
@@ -316,7 +316,7 @@ def cuda_graph_dispatch_combine(ctx, layout_in_graph: bool):
     with torch.cuda.stream(side):
         step()
     torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    gpu.synchronize()
     dist.barrier(group=ctx.group)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -331,10 +331,10 @@ def cuda_graph_dispatch_combine(ctx, layout_in_graph: bool):
             for captured, fresh in zip(layout, buffer.get_dispatch_layout(idx_d, num_experts)[:4]):
                 if captured is not None:
                     captured.copy_(fresh)
-        torch.cuda.synchronize()
+        gpu.synchronize()
         dist.barrier(group=ctx.group)  # every rank replays the same step
         graph.replay()
-        torch.cuda.synchronize()
+        gpu.synchronize()
         ref = reference(ctx, x, topk_idx, topk_weights, num_experts)
         n = ref.recv_x.size(0)
         got_x, got_idx, got_combined = gpu.host((recv_x, recv_idx, combined))
@@ -359,7 +359,7 @@ def _destroy_at(buffer: deep_ep.Buffer, release: float) -> None:
 def _gpu_still_works(ctx) -> None:
     """After a timeout the GPU is not hung: a synchronisation returns and a fresh dispatch on another buffer is
     right."""
-    torch.cuda.synchronize()
+    gpu.synchronize()
     x, topk_idx, topk_weights = gpu.make_inputs(ctx, 64, 256, 16, 2, seed=119)
     check_dispatch(ctx, gpu.buffer(ctx, "after-timeout", 16 << 20), x, topk_idx, topk_weights, 16)
 
@@ -376,7 +376,7 @@ def missing_rank_in_dispatch_times_out(ctx, timeout_s: float):
             start = time.perf_counter()
             try:
                 layout_and_dispatch(buffer, *gpu.cuda(x, topk_idx, topk_weights), 16)
-                torch.cuda.synchronize()
+                gpu.synchronize()
             except deep_ep.CommTimeoutError as error:
                 elapsed = time.perf_counter() - start
                 assert 0.8 * timeout_s <= elapsed < 2 * timeout_s + 1.0, elapsed
@@ -426,7 +426,7 @@ def missing_rank_in_combine_times_out(ctx, timeout_s: float, async_finish: bool)
             error = first_timeout([
                 call,
                 lambda: state["event"].current_stream_wait(),
-                torch.cuda.synchronize,
+                gpu.synchronize,
                 lambda: buffer.get_dispatch_layout(idx_d, 16),
             ])  # fmt: skip
             assert error is not None, "combine succeeded without rank 0"

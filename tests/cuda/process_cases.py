@@ -45,7 +45,7 @@ def killed_peer(proc, timeout_s: float):
     x_d, idx_d, w_d = gpu.cuda(x, topk_idx, topk_weights)
     recv_x, _, _, _, handle, _ = layout_and_dispatch(buffer, x_d, idx_d, w_d, 8 * proc.num_processes)
     buffer.combine(recv_x, handle)
-    torch.cuda.synchronize()
+    gpu.synchronize()
     torch.distributed.barrier(group=group)  # everyone has mapped everyone's memory and moved rows once
     if proc.rank == VICTIM:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -53,15 +53,20 @@ def killed_peer(proc, timeout_s: float):
     start = time.perf_counter()
     try:
         layout_and_dispatch(buffer, x_d, idx_d, w_d, 8 * proc.num_processes)
-        torch.cuda.synchronize()
+        gpu.synchronize()
     except (deep_ep.CommTimeoutError, deep_ep.CommError) as error:
         outcome = (type(error).__name__, named_ranks(str(error)) or str(error), time.perf_counter() - start)
     else:
         outcome = ("no error", [], time.perf_counter() - start)
     # The GPU is not hung: a synchronisation returns and local work is right.
-    torch.cuda.synchronize()
+    gpu.synchronize()
     probe = gpu.cuda(torch.arange(1000, dtype=torch.float32))
     usable = bool((probe * 2).sum().item() == 999_000.0)
     start = time.perf_counter()
     buffer.destroy()
     return (*outcome, usable, time.perf_counter() - start)
+
+
+def killed_peer_on_cpu(proc, timeout_s: float):
+    """`killed_peer` with the CPU executor standing in for the GPU (see `gpu.run_on_cpu`)."""
+    return gpu.run_on_cpu(proc, killed_peer, timeout_s)
