@@ -22,11 +22,18 @@ The copy: every rank copies the same number of bytes from one device tensor to a
 time as the other ranks, so both sides see the same concurrency on the one GPU: fraction = copy time / kernel time
 (= kernel bandwidth / copy bandwidth). GB/s counts each byte once (as upstream); the copy's GB/s the same way.
 
-Timing: the operation is captured in a CUDA graph (normal mode with `num_worst_tokens` needs no host
-synchronisation, so it can be) and the graph replayed `--iters` times back to back between two CUDA events after a
-gloo barrier and `--warmup` replays; time per call = elapsed / iters. Where capture fails the eager call is timed the
-same way and the table says 'eager' (then the host's launch overhead can be part of the time). The slowest rank's
-time is reported. Each captured operation is checked once against its eager result (same bytes) before timing.
+Timing, two ways, both in the table and the JSON:
+
+- 'us': the operation is captured in a CUDA graph (normal mode with `num_worst_tokens` needs no host
+  synchronisation, so it can be) and the graph replayed `--iters` times back to back between two CUDA events after a
+  gloo barrier and `--warmup` replays; time per call = elapsed / iters. Where capture fails the eager call is timed
+  the same way and the mode says 'eager' (then the host's launch overhead can be part of the time). Each captured
+  operation is checked once against its eager result (same bytes) before timing; replays of the same inputs cannot
+  show a replay that reads a peer's previous rows (tests/cuda's graph test replays new inputs for that).
+- 'busy us': `--iters` eager calls under the profiler; the union of the intervals in which this rank's kernels ran,
+  per call: the device time without the host's overhead (kernels waiting for a peer count their wait).
+
+The slowest rank's row is reported.
 
 Processes on one GPU: without NVIDIA's Multi-Process Service (MPS) the kernels of different processes do not run at
 the same time (the GPU time-slices between their contexts), so a kernel that waits for a peer's writes waits for
@@ -163,6 +170,31 @@ def events_time(run: Callable[[], Any], iters: int, warmup: int, group) -> float
     return start.elapsed_time(end) / 1e3 / iters
 
 
+def busy_time(run: Callable[[], Any], iters: int, warmup: int, group) -> float:
+    """Seconds per call that this process's kernels kept the GPU busy, from the profiler's kernel records of `iters`
+    eager calls: the union of their [start, end) intervals (kernels overlapping on two streams count once), so the
+    host's launch overhead between calls is left out. Kernels that wait for a peer count their waiting."""
+    for _ in range(warmup):
+        run()
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            run()
+        torch.cuda.synchronize()
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    busy_us, reach = 0.0, float("-inf")
+    for start, end in intervals:
+        if end > reach:
+            busy_us += end - max(start, reach)
+            reach = end
+    return busy_us / 1e6 / iters
+
+
 def copy_time(num_bytes: int, iters: int, warmup: int, group) -> float:
     """Seconds per device-to-device copy of `num_bytes` (every rank copying at the same time)."""
     src = torch.randint(0, 255, (max(num_bytes, 1),), dtype=torch.uint8, device="cuda")
@@ -217,31 +249,39 @@ def normal_rows(buffer, cfg: BenchConfig, routing: str, num_sms: int, rank: int,
     torch.cuda.synchronize()
     rows = []
 
-    def record(op: str, seconds: float, mode: str, num_bytes: int):
+    def record(op: str, seconds: float, mode: str, num_bytes: int, eager: Callable[[], Any]):
+        busy = busy_time(eager, cfg.iters, cfg.warmup, group)
         rows.append({"op": op, "routing": routing, "num_sms": num_sms, "mode": mode, "bytes": num_bytes,
-                     "seconds": seconds})  # fmt: skip
+                     "seconds": seconds, "busy_seconds": busy})  # fmt: skip
 
     layout_bytes = topk_idx.numel() * 8 + in_rank.numel() + (per_rank.numel() + per_expert.numel()) * 4
-    seconds, mode, _ = timed_graph(lambda: buffer.get_dispatch_layout(topk_idx, cfg.num_experts)[:4], cfg.iters,
-                                   cfg.warmup, group)  # fmt: skip
-    record("layout", seconds, mode, layout_bytes)
+
+    def layout_call():
+        return buffer.get_dispatch_layout(topk_idx, cfg.num_experts)[:4]
+
+    seconds, mode, _ = timed_graph(layout_call, cfg.iters, cfg.warmup, group)
+    record("layout", seconds, mode, layout_bytes, layout_call)
 
     seconds, mode, out = timed_graph(lambda: dispatch(x), cfg.iters, cfg.warmup, group)
     if out is not None:
         torch.cuda.synchronize()
         assert torch.equal(out[0][:num_recv], recv_x[:num_recv]), "captured bf16 dispatch differs from eager"
-    record("dispatch bf16", seconds, mode, num_recv * cfg.hidden * 2)
+    record("dispatch bf16", seconds, mode, num_recv * cfg.hidden * 2, lambda: dispatch(x))
 
     seconds, mode, _ = timed_graph(lambda: dispatch((e4m3, scales)), cfg.iters, cfg.warmup, group)
-    record("dispatch fp8", seconds, mode, num_recv * (cfg.hidden + cfg.hidden // 128 * 4))
+    record(
+        "dispatch fp8", seconds, mode, num_recv * (cfg.hidden + cfg.hidden // 128 * 4), lambda: dispatch((e4m3, scales))
+    )
 
-    eager_combined = buffer.combine(recv_x, handle, config=combine_config)[0]
-    seconds, mode, out = timed_graph(lambda: buffer.combine(recv_x, handle, config=combine_config), cfg.iters,
-                                     cfg.warmup, group)  # fmt: skip
+    def combine():
+        return buffer.combine(recv_x, handle, config=combine_config)
+
+    eager_combined = combine()[0]
+    seconds, mode, out = timed_graph(combine, cfg.iters, cfg.warmup, group)
     if out is not None:
         torch.cuda.synchronize()
         assert torch.equal(out[0], eager_combined), "captured combine differs from eager"
-    record("combine bf16", seconds, mode, num_recv * cfg.hidden * 2)
+    record("combine bf16", seconds, mode, num_recv * cfg.hidden * 2, combine)
 
     for row in rows:
         row["copy_seconds"] = copy_time(row["bytes"], cfg.iters, cfg.warmup, group)
@@ -263,13 +303,17 @@ def fp8_cast_rows(cfg: BenchConfig, routing: str, rank: int, group) -> list[dict
         def dispatch():
             return buffer.low_latency_dispatch(x, topk_idx, cfg.cast_tokens, num_experts, use_fp8=True)
 
-        seconds = latency(dispatch, cfg.iters, cfg.warmup, group)
+        def cast():
+            return per_token_cast_to_fp8(x.float())
+
         rows = [{"op": "ll dispatch fp8 (fused cast)", "routing": routing, "num_sms": None, "mode": "eager",
-                 "bytes": selections * row_bytes, "seconds": seconds}]  # fmt: skip
+                 "bytes": selections * row_bytes, "seconds": latency(dispatch, cfg.iters, cfg.warmup, group),
+                 "busy_seconds": busy_time(dispatch, cfg.iters, cfg.warmup, group)}]  # fmt: skip
         # The unfused alternative: the plain-PyTorch cast of this rank's tokens (reads 2H, writes H + H / 32 bytes).
-        seconds = events_time(lambda: per_token_cast_to_fp8(x.float()), cfg.iters, cfg.warmup, group)
         rows.append({"op": "torch per_token_cast_to_fp8", "routing": routing, "num_sms": None, "mode": "eager",
-                     "bytes": cfg.cast_tokens * (cfg.hidden + cfg.hidden // 128 * 4), "seconds": seconds})  # fmt: skip
+                     "bytes": cfg.cast_tokens * (cfg.hidden + cfg.hidden // 128 * 4),
+                     "seconds": events_time(cast, cfg.iters, cfg.warmup, group),
+                     "busy_seconds": busy_time(cast, cfg.iters, cfg.warmup, group)})  # fmt: skip
         for row in rows:
             row["copy_seconds"] = copy_time(row["bytes"], cfg.iters, cfg.warmup, group)
         return rows
@@ -341,16 +385,21 @@ def slowest(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return out
 
 
-NORMAL_HEADERS = ["R", "op", "routing", "SMs", "mode", "MB/rank", "us", "GB/s", "copy GB/s", "of copy"]
+NORMAL_HEADERS = ["R", "op", "routing", "SMs", "mode", "MB/rank", "us", "GB/s", "copy GB/s", "of copy", "busy us",
+                  "of copy (busy)"]  # fmt: skip
 LL_HEADERS = ["R", "op", "us", "GB/s"]
 
 
 def normal_table_row(num_ranks: int, row: dict[str, Any]) -> list[str]:
     gbps = row["bytes"] / row["seconds"] / 1e9
     copy_gbps = row["bytes"] / row["copy_seconds"] / 1e9
-    return [str(num_ranks), row["op"], row["routing"], str(row["num_sms"] or "-"), row["mode"],
-            f"{row['bytes'] / 1e6:.1f}", f"{row['seconds'] * 1e6:.1f}", f"{gbps:.0f}", f"{copy_gbps:.0f}",
-            f"{100 * row['copy_seconds'] / row['seconds']:.0f}%"]  # fmt: skip
+    busy = row.get("busy_seconds")
+    cells = [str(num_ranks), row["op"], row["routing"], str(row["num_sms"] or "-"), row["mode"],
+             f"{row['bytes'] / 1e6:.1f}", f"{row['seconds'] * 1e6:.1f}", f"{gbps:.0f}", f"{copy_gbps:.0f}",
+             f"{100 * row['copy_seconds'] / row['seconds']:.0f}%"]  # fmt: skip
+    if busy:
+        return cells + [f"{busy * 1e6:.1f}", f"{100 * row['copy_seconds'] / busy:.0f}%"]
+    return cells + ["-", "-"]
 
 
 def main() -> None:
@@ -387,7 +436,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}")
     print(f"T={cfg.num_tokens} H={cfg.hidden} E={cfg.num_experts} K={cfg.num_topk}; {cfg.iters} calls per row; "
           f"MPS {'on' if results['mps'] else 'off (kernels of different ranks time-sliced)'}")  # fmt: skip
-    note = "slowest rank; 'of copy' = copy time / kernel time for the same bytes, all ranks copying at once"
+    note = (
+        "slowest rank; 'of copy' = copy time / time per call for the same bytes, all ranks copying at once; "
+        "'busy' = the GPU time of the rank's kernels in eager calls (profiler), without the host's overhead"
+    )
     print_table(NORMAL_HEADERS, normal_rows_out, note)
     print()
     print(f"low latency: T={cfg.ll_tokens} H={cfg.hidden} E={cfg.ll_experts_per_rank}/rank K={cfg.num_topk}")
