@@ -10,7 +10,12 @@
 # else the second call builds again, 2-4 minutes):
 #     run(command="bash scripts/gpu_check.sh test",  carry=[".whl"], timeout_s=600)   # build + tests/cuda
 #     run(command="bash scripts/gpu_check.sh bench", carry=[".whl"], timeout_s=600)   # build + bench
-# `all` does both in one command (only if the build is fast). Extra pytest arguments: GPU_CHECK_PYTEST_ARGS.
+# `all` does both in one command (only if the build is fast). GPU_CHECK_TESTS: the test paths (default tests/cuda),
+# e.g. to split the tests over two calls if one runs out of time:
+#     GPU_CHECK_TESTS="tests/cuda/test_normal.py tests/cuda/test_killed_peer.py" bash scripts/gpu_check.sh test
+#     GPU_CHECK_TESTS="tests/cuda/test_low_latency.py tests/cuda/test_moe_cuda.py tests/cuda/test_moe_ep.py
+#                      tests/cuda/test_torchtitan.py" bash scripts/gpu_check.sh test
+# Extra pytest arguments: GPU_CHECK_PYTEST_ARGS (e.g. "-x" or "-k graph").
 #
 # GPU_CHECK_MPS=1 starts NVIDIA's Multi-Process Service daemon for the run (pipe and logs under /tmp/mps) and quits
 # it at exit; nothing of the card's settings changes. Without it, the kernels of the ranks (processes) sharing the
@@ -108,10 +113,14 @@ build() {
 }
 
 run_tests() {
-    echo "[gpu_check] pytest tests/cuda"
+    local tests="${GPU_CHECK_TESTS:-tests/cuda}"
+    echo "[gpu_check] pytest $tests"
     local start=$SECONDS
+    # -v: the log names every test and its outcome as it goes (a run stopped at the limit still says what passed).
+    # The CPU-only checks of tests/cuda (the cases on the CPU executor, the build checks) ran in CI already.
     # shellcheck disable=SC2086
-    $PY -m pytest tests/cuda -q -rs -p no:cacheprovider --timeout 540 --junitxml "$OUT/junit.xml" \
+    $PY -m pytest $tests -v -rs -p no:cacheprovider --timeout 300 --junitxml "$OUT/junit.xml" \
+        --ignore=tests/cuda/test_cases_on_cpu.py --ignore=tests/cuda/test_cuda_build.py \
         ${GPU_CHECK_PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log"
     local status=${PIPESTATUS[0]}
     echo "[gpu_check] tests/cuda exit $status after $((SECONDS - start)) s"
