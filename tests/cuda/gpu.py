@@ -13,12 +13,15 @@ executor and the CUDA executor are held to one definition.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
 
 import mtdeepep as deep_ep
 from mtdeepep.utils.testing import cuda_skip_reason
+
+from ..reliability_cases import named_missing_ranks
 
 TIMEOUT_S = 30  # mtdeepep's own timeout in the ranks (MTDEEPEP_TIMEOUT_S)
 DEVICE_INDEX = 0  # every rank shares this GPU
@@ -158,3 +161,16 @@ def make_inputs(ctx, num_tokens: int, hidden: int, num_experts: int, num_topk: i
     topk_idx = topk_idx.masked_fill(drop, -1)
     topk_weights = torch.rand(num_tokens, num_topk, generator=generator) + 0.1
     return x, topk_idx, topk_weights
+
+
+def named_ranks(message: str) -> list[int]:
+    """The ranks an error message names as missing: the CPU executor's timeouts (`rank(s) [1] did not arrive`, see
+    `named_missing_ranks`), the CUDA executor's (`ranks that did not arrive: [1]`), or a dead peer
+    (`rank 1 (pid 123) exited without arriving`). Empty if it names none."""
+    named = named_missing_ranks(message)
+    if named:
+        return named
+    listed = re.search(r"did not arrive: \[([0-9, ]+)\]", message)
+    if listed:
+        return [int(r) for r in listed.group(1).split(",")]
+    return [int(r) for r in re.findall(r"rank (\d+) \(pid \d+\) exited", message)]

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from ..conformance import low_latency_cases as ll
-from ..reliability_cases import named_missing_ranks
 from . import gpu
 from .normal_cases import first_timeout
 
@@ -148,7 +147,7 @@ def missing_rank_times_out(ctx, timeout_s: float):
                 lambda: buffer.low_latency_dispatch(x, topk_idx, 32, num_experts, use_fp8=False),
             ])  # fmt: skip
             assert error is not None, "the low-latency dispatch succeeded without rank 1"
-            outcome = f"timeout {named_missing_ranks(str(error))}"
+            outcome = f"timeout {gpu.named_ranks(str(error)) or str(error)}"
     finally:
         time.sleep(max(0.0, release - time.perf_counter()))
         buffer.destroy()

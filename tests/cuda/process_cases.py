@@ -10,7 +10,6 @@ local work is right), and the buffer can still be destroyed.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
 
@@ -19,16 +18,9 @@ import torch
 import mtdeepep as deep_ep
 
 from ..conformance.common import layout_and_dispatch
-from ..reliability_cases import named_missing_ranks
 from . import gpu
 
 VICTIM = 1
-
-
-def named_ranks(message: str) -> list[int]:
-    """The ranks an error names as missing: a timeout's (`rank(s) [1] did not arrive`, see `named_missing_ranks`)
-    or a dead peer's (`rank 1 (pid 123) exited without arriving`)."""
-    return named_missing_ranks(message) or [int(r) for r in re.findall(r"rank (\d+) \(pid \d+\) exited", message)]
 
 
 def killed_peer(proc, timeout_s: float):
@@ -55,7 +47,7 @@ def killed_peer(proc, timeout_s: float):
         layout_and_dispatch(buffer, x_d, idx_d, w_d, 8 * proc.num_processes)
         gpu.synchronize()
     except (deep_ep.CommTimeoutError, deep_ep.CommError) as error:
-        outcome = (type(error).__name__, named_ranks(str(error)) or str(error), time.perf_counter() - start)
+        outcome = (type(error).__name__, gpu.named_ranks(str(error)) or str(error), time.perf_counter() - start)
     else:
         outcome = ("no error", [], time.perf_counter() - start)
     # The GPU is not hung: a synchronisation returns and local work is right.
