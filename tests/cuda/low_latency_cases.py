@@ -92,8 +92,9 @@ def combine_matches_reference(ctx, mode: str, routing: str):
     got = gpu.host(combined)
     ll.assert_weighted_combine_close(got, ref, magnitude, TOPK)
     # Zero-copy: the expert outputs written into the area the next combine reads.
-    buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
-    zero_copy, _, _ = buffer.low_latency_combine(y, idx_d, w_d, handle, zero_copy=True)
+    area = buffer.get_next_low_latency_combine_buffer(handle)
+    area.copy_(y)
+    zero_copy, _, _ = buffer.low_latency_combine(area, idx_d, w_d, handle, zero_copy=True)
     assert torch.equal(gpu.host(zero_copy), got), "zero-copy combine differs"
     out = gpu.cuda(torch.full((num_tokens, HIDDEN), 7.0, dtype=torch.bfloat16))
     placed, _, _ = buffer.low_latency_combine(y, idx_d, w_d, handle, out=out)
