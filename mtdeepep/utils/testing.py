@@ -12,6 +12,8 @@
   kills itself, a process that dies during set-up. `target(proc, *args)` gets a `ProcessContext` (rank, port, a
   `send` for values reported before dying, `init_group` to join gloo); every process is joined under a deadline.
 - `free_port()`: a free TCP port on 127.0.0.1.
+- `cuda_skip_reason()`: why the GPU tests cannot run here (no CUDA device, or the CUDA executor is not built), or
+  None; the one place that decides it for tests/cuda and bench/cuda_kernels.py.
 
 Cases and targets must be module-level functions (they are pickled by name) of modules that the spawned
 processes can import: spawned children inherit the parent's `sys.path`.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import importlib
 import os
 import queue
 import signal
@@ -69,6 +72,28 @@ def init_gloo(rank: int, world_size: int, port: int, timeout_s: float | None = N
     kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **kwargs)
     return dist.group.WORLD
+
+
+# The compiled CUDA executor (csrc/runtime/cuda, csrc/kernels/cuda), built by setup.py only with a CUDA torch and nvcc.
+CUDA_EXTENSION_MODULE = "mtdeepep._C_cuda"
+
+
+def cuda_skip_reason(need_executor: bool = True) -> str | None:
+    """Why GPU tests cannot run in this process, or None when they can.
+
+    need_executor: also require mtdeepep's CUDA executor (the extension `CUDA_EXTENSION_MODULE`); tests of plain
+    PyTorch GPU paths (the MoE layer's GEMMs) pass False. Does not create a CUDA context (spawned rank processes
+    create their own).
+    """
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        return f"no CUDA device: torch.cuda.is_available() is False (torch {torch.__version__}, {build})"
+    if need_executor:
+        try:
+            importlib.import_module(CUDA_EXTENSION_MODULE)
+        except ImportError as error:
+            return f"mtdeepep's CUDA executor is not built ({CUDA_EXTENSION_MODULE}: {error})"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,176 @@
+"""What every GPU test shares: the skip mark, the device, CUDA buffers, copies to the host for the references.
+
+2 to 4 rank processes share the one GPU (device 0): control over gloo on 127.0.0.1, data over CUDA IPC peer memory
+(NCCL refuses two ranks on one GPU). Every GPU test skips, with one reason, where there is no CUDA device or
+mtdeepep's CUDA executor is not built (`mtdeepep.utils.testing.cuda_skip_reason`); the MoE layer's single-process
+GPU tests need only the device.
+
+References stay on the host: results are copied to the CPU and compared with the plain-PyTorch references of
+`mtdeepep.utils.refs` and the conformance helpers, the same ones the CPU executor is tested against, so the CPU
+executor and the CUDA executor are held to one definition.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+import mtdeepep as deep_ep
+from mtdeepep.utils.testing import cuda_skip_reason
+
+from ..reliability_cases import named_missing_ranks
+
+TIMEOUT_S = 30  # mtdeepep's own timeout in the ranks (MTDEEPEP_TIMEOUT_S)
+DEVICE_INDEX = 0  # every rank shares this GPU
+
+# True inside `run_on_cpu`: the cases run on the CPU executor (tests/cuda/test_cases_on_cpu.py).
+_on_cpu = False
+
+
+def run_on_cpu(ctx, case, *args):
+    """Runs the GPU case `case(ctx, *args)` in a rank of a CPU pool with the CPU executor standing in for the GPU
+    (device moves are no-ops, synchronisations return at once). The CPU executor is tested on its own, so this checks
+    the cases and their references where CI can run them: on a GPU, a failure of the same case is the GPU's."""
+    global _on_cpu
+    _on_cpu = True
+    try:
+        return case(ctx, *args)
+    finally:
+        _on_cpu = False
+
+
+def skip_unless_cuda(need_executor: bool = True) -> pytest.MarkDecorator:
+    """A module's mark: skip with the one reason `cuda_skip_reason` gives (no device, or no CUDA executor)."""
+    reason = cuda_skip_reason(need_executor)
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+def device() -> torch.device:
+    """GPU 0, made this process's current device, with the CUDA executor chosen for the buffers this process
+    creates: the control group is gloo (NCCL refuses two ranks on one GPU), and mtdeepep picks the executor from
+    `MTDEEPEP_DEVICE` when set, else from the group's backend (gloo: CPU)."""
+    if _on_cpu:
+        os.environ["MTDEEPEP_DEVICE"] = "cpu"
+        return torch.device("cpu")
+    os.environ["MTDEEPEP_DEVICE"] = "cuda"
+    torch.cuda.set_device(DEVICE_INDEX)
+    return torch.device("cuda", DEVICE_INDEX)
+
+
+def synchronize() -> None:
+    """Waits for the GPU's work (returns at once on the CPU executor)."""
+    if not _on_cpu:
+        torch.cuda.synchronize()
+
+
+def sleep_on_stream(cycles: int) -> None:
+    """Keeps the current stream busy for about `cycles` GPU clock cycles (nothing on the CPU executor)."""
+    if not _on_cpu:
+        torch.cuda._sleep(cycles)
+
+
+def check_cuda_buffer(buffer):
+    """`buffer` (a `Buffer` or an `ElasticBuffer`) runs on the CUDA executor; fails clearly if the CPU executor was
+    chosen instead. Returns it."""
+    expected = "cpu" if _on_cpu else "cuda"
+    assert buffer.device.type == expected, f"the {expected} executor was not chosen: {buffer!r}"
+    return buffer
+
+
+def new_buffer(ctx, num_nvl_bytes: int = 256 << 20, **kwargs) -> deep_ep.Buffer:
+    """A CUDA `Buffer` over the group of `ctx` (a pool's `RankContext`, or anything with `group`)."""
+    device()
+    return check_cuda_buffer(deep_ep.Buffer(ctx.group, num_nvl_bytes, **kwargs))
+
+
+def buffer(ctx, name: str = "normal", num_nvl_bytes: int = 256 << 20, **kwargs) -> deep_ep.Buffer:
+    """One buffer per name and size, kept in the rank's cache across the cases of its pool."""
+    key = f"cuda-{name}-{num_nvl_bytes}-{sorted(kwargs.items())}"
+    if key not in ctx.cache:
+        ctx.cache[key] = new_buffer(ctx, num_nvl_bytes, **kwargs)
+    return ctx.cache[key]
+
+
+def new_ll_buffer(ctx, num_max_tokens: int, hidden: int, experts_per_rank: int, **kwargs) -> deep_ep.Buffer:
+    """A low-latency CUDA `Buffer` sized by the size hint."""
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(
+        num_max_tokens, hidden, ctx.world_size, experts_per_rank * ctx.world_size
+    )
+    device()
+    buf = deep_ep.Buffer(ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=experts_per_rank, **kwargs)
+    return check_cuda_buffer(buf)
+
+
+def ll_buffer(ctx, name: str = "ll", num_max_tokens: int = 128, hidden: int = 7168, experts_per_rank: int = 8,
+              **kwargs) -> deep_ep.Buffer:  # fmt: skip
+    """One low-latency buffer per name and size, kept across the cases of a pool."""
+    key = f"cuda-ll-{name}-{num_max_tokens}-{hidden}-{experts_per_rank}-{sorted(kwargs.items())}"
+    if key not in ctx.cache:
+        ctx.cache[key] = new_ll_buffer(ctx, num_max_tokens, hidden, experts_per_rank, **kwargs)
+    return ctx.cache[key]
+
+
+def cuda(*tensors: torch.Tensor | None):
+    """The tensors on GPU 0 (None stays None); one tensor in, one out."""
+    dev = device()
+    out = tuple(None if t is None else t.to(dev) for t in tensors)
+    return out[0] if len(out) == 1 else out
+
+
+def host(value):
+    """`value` with every tensor copied to the CPU (strides kept), through tuples and lists (a handle becomes a
+    plain tuple). Synchronises with the current stream, as any read of results on the host does."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, (tuple, list)):
+        return tuple(host(v) if isinstance(v, (torch.Tensor, tuple, list)) else v for v in value)
+    return value
+
+
+def assert_on_gpu(*tensors: torch.Tensor | None) -> None:
+    """Every result lives on the buffer's GPU (None allowed)."""
+    expected = torch.device("cpu") if _on_cpu else torch.device("cuda", DEVICE_INDEX)
+    for t in tensors:
+        assert t is None or t.device == expected, f"result on {t.device}, not {expected}"
+
+
+ROUTINGS = ("uniform", "skewed")
+
+
+def make_inputs(ctx, num_tokens: int, hidden: int, num_experts: int, num_topk: int, seed: int,
+                dtype: torch.dtype = torch.bfloat16, routing: str = "uniform", masked: float = 0.1):  # fmt: skip
+    """Host tensors, different on every rank: random `x [T, H]`, `topk_idx [T, K]` int64 (distinct experts per token,
+    a share `masked` of slots -1) and positive `topk_weights [T, K]` float32.
+
+    routing: 'uniform' takes the top-k of uniform random scores; 'skewed' multiplies the scores by a factor falling
+    from 4 to 1/4 across the experts, so the first rank's experts get most of the traffic (a hot rank, as unbalanced
+    routers give).
+    """
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    generator = torch.Generator().manual_seed(seed * 1000 + ctx.rank)
+    x = torch.randn(num_tokens, hidden, generator=generator).to(dtype)
+    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    if routing == "skewed":
+        scores = scores * torch.logspace(2, -2, num_experts, base=2.0)
+    topk_idx = scores.topk(num_topk, dim=1).indices
+    drop = torch.rand(num_tokens, num_topk, generator=generator) < masked
+    topk_idx = topk_idx.masked_fill(drop, -1)
+    topk_weights = torch.rand(num_tokens, num_topk, generator=generator) + 0.1
+    return x, topk_idx, topk_weights
+
+
+def named_ranks(message: str) -> list[int]:
+    """The ranks an error message names as missing: the CPU executor's timeouts (`rank(s) [1] did not arrive`, see
+    `named_missing_ranks`), the CUDA executor's (`ranks that did not arrive: [1]`), or a dead peer
+    (`rank 1 (pid 123) exited without arriving`). Empty if it names none."""
+    named = named_missing_ranks(message)
+    if named:
+        return named
+    listed = re.search(r"did not arrive: \[([0-9, ]+)\]", message)
+    if listed:
+        return [int(r) for r in listed.group(1).split(",")]
+    return [int(r) for r in re.findall(r"rank (\d+) \(pid \d+\) exited", message)]
