@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Compile check of the GPU executor without a GPU: every csrc/**/*.cu with nvcc for sm_90a (objects to a temporary
+# directory, two at a time), then the host sources of csrc/runtime/cuda/ (syntax and types) against the CUDA headers
+# and the pybind11 and Python headers torch ships. Skips with a message when nvcc is absent.
+# Arguments: .cu files to check instead of all of them (the host sources are then skipped).
+# Environment: NVCC (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc), PYTHON (default: python), JOBS (2).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+if [[ -n "${NVCC:-}" && ! -x "$NVCC" ]]; then
+    echo "[check_cuda] NVCC=$NVCC is not an executable" >&2
+    exit 2
+fi
+NVCC="${NVCC:-$(command -v nvcc || true)}"
+[[ -z "$NVCC" && -x /usr/local/cuda/bin/nvcc ]] && NVCC=/usr/local/cuda/bin/nvcc
+if [[ -z "$NVCC" ]]; then
+    echo "[check_cuda] nvcc not found: skipping the CUDA compile check"
+    exit 0
+fi
+PYTHON="${PYTHON:-python}"
+JOBS="${JOBS:-2}"
+OUT="$(mktemp -d)"
+trap 'rm -rf "$OUT"' EXIT
+
+if [[ $# -gt 0 ]]; then
+    UNITS=("$@")
+else
+    mapfile -t UNITS < <(find csrc -name '*.cu' | sort)
+fi
+echo "[check_cuda] $("$NVCC" --version | tail -1): ${#UNITS[@]} .cu files for sm_90a"
+export NVCC OUT
+# xargs exits non-zero when any compile fails (set -e stops the script with it).
+printf '%s\n' "${UNITS[@]}" | xargs -P "$JOBS" -I{} sh -c \
+    '"$NVCC" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -c "{}" -o "$OUT/$(echo {} | tr / _).o" \
+     && echo "  ok {}"'
+[[ $# -gt 0 ]] && { echo "[check_cuda] the given files compile"; exit 0; }
+
+# Host sources: the pybind11 module and the buffer (no torch C++ API; pybind11 and Python headers come with torch).
+CUDA_INCLUDE="$(dirname "$(dirname "$(readlink -f "$NVCC")")")/include"
+TORCH_INCLUDE="$("$PYTHON" -c 'import torch.utils.cpp_extension as e; print(e.include_paths()[0])' 2>/dev/null || true)"
+PY_INCLUDE="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null || true)"
+if [[ -n "$TORCH_INCLUDE" && -n "$PY_INCLUDE" && -f "$PY_INCLUDE/Python.h" ]]; then
+    for unit in csrc/runtime/cuda/*.cpp; do
+        "${CXX:-c++}" -std=c++17 -fsyntax-only -Wall -Icsrc -I"$CUDA_INCLUDE" -I"$TORCH_INCLUDE" -I"$PY_INCLUDE" "$unit"
+        echo "  ok $unit (host, c++ -fsyntax-only)"
+    done
+else
+    echo "[check_cuda] torch or the Python headers not found: skipping the host sources"
+fi
+echo "[check_cuda] all GPU sources compile"
