@@ -36,7 +36,9 @@ printf '%s\n' "${UNITS[@]}" | xargs -P "$JOBS" -I{} sh -c \
 [[ $# -gt 0 ]] && { echo "[check_cuda] the given files compile"; exit 0; }
 
 # Host sources: the pybind11 module and the buffer (no torch C++ API; pybind11 and Python headers come with torch).
-CUDA_INCLUDE="$(dirname "$(dirname "$(readlink -f "$NVCC")")")/include"
+# nvcc may be a wrapper: ask it where its toolkit is (TOP in its verbose output).
+CUDA_TOP="$("$NVCC" -v -x cu -E /dev/null -o /dev/null 2>&1 | sed -n 's/^#\$ TOP=//p' | head -1)"
+CUDA_INCLUDE="${CUDA_HOME:-${CUDA_TOP:-$(dirname "$(dirname "$(readlink -f "$NVCC")")")}}/include"
 TORCH_INCLUDE="$("$PYTHON" -c 'import torch.utils.cpp_extension as e; print(e.include_paths()[0])' 2>/dev/null || true)"
 PY_INCLUDE="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null || true)"
 if [[ -n "$TORCH_INCLUDE" && -n "$PY_INCLUDE" && -f "$PY_INCLUDE/Python.h" ]]; then

@@ -33,6 +33,13 @@ constexpr int kScaleBlock = 128;        // channels per FP8 scale
 constexpr int kScalesPerPack = 4;       // UE8M0 exponents per int32
 constexpr size_t kAlignment = 4096;     // regions start page-aligned (and 16-byte aligned rows stay aligned)
 
+// Element types of the float payloads (torch's bfloat16, float16, float32).
+enum class FloatKind : int { kBFloat16 = 0, kFloat16 = 1, kFloat32 = 2 };
+
+MTDEEPEP_HD size_t float_kind_bytes(FloatKind kind) {
+    return kind == FloatKind::kFloat32 ? 4 : 2;
+}
+
 MTDEEPEP_HD size_t align_up(size_t value, size_t alignment) {
     return (value + alignment - 1) / alignment * alignment;
 }

@@ -32,7 +32,6 @@ struct ControlView {
     __device__ ControlView(uint8_t* base, int num_ranks) : base(base), layout(num_ranks) {}
     __device__ uint64_t* flags(size_t offset) const { return reinterpret_cast<uint64_t*>(base + offset); }
     __device__ int32_t* ints(size_t offset) const { return reinterpret_cast<int32_t*>(base + offset); }
-    __device__ uint8_t* data() const { return base + layout.control_bytes; }
 };
 
 // Rows rank i sends to rank j, from the inclusive prefix over senders.

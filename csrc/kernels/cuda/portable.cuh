@@ -76,14 +76,3 @@ using gpuIpcMemHandle_t = cudaIpcMemHandle_t;
 #define gpuEventDestroy MTDEEPEP_GPU_PREFIX(EventDestroy)
 #define gpuGetLastError MTDEEPEP_GPU_PREFIX(GetLastError)
 #define gpuGetErrorString MTDEEPEP_GPU_PREFIX(GetErrorString)
-
-namespace mtdeepep::gpu {
-
-// Element types of the float payloads (torch's bfloat16, float16, float32).
-enum class FloatKind : int { kBFloat16 = 0, kFloat16 = 1, kFloat32 = 2 };
-
-inline size_t float_kind_bytes(FloatKind kind) {
-    return kind == FloatKind::kFloat32 ? 4 : 2;
-}
-
-}  // namespace mtdeepep::gpu
