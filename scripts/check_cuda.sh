@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Compile check of the GPU executor without a GPU: every csrc/**/*.cu with nvcc for sm_90a (objects to a temporary
-# directory, two at a time), then the host sources of csrc/runtime/cuda/ (syntax and types) against the CUDA headers
-# and the pybind11 and Python headers torch ships. Skips with a message when nvcc is absent.
+# directory, two at a time), then the host sources of csrc/runtime/cuda/ against the CUDA headers and the pybind11 and
+# Python headers torch ships, then the link of mtdeepep._C_cuda from all of them (unresolved symbols fail here) and
+# its import (the CUDA runtime is linked statically: no GPU or driver needed to load it). Skips with a message when
+# nvcc is absent. MODULE_OUT=<dir>: keep the linked module there (the build tests import it).
 # Arguments: .cu files to check instead of all of them (the host sources are then skipped).
 # Environment: NVCC (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc), PYTHON (default: python), JOBS (2).
 set -euo pipefail
@@ -31,7 +33,8 @@ echo "[check_cuda] $("$NVCC" --version | tail -1): ${#UNITS[@]} .cu files for sm
 export NVCC OUT
 # xargs exits non-zero when any compile fails (set -e stops the script with it).
 printf '%s\n' "${UNITS[@]}" | xargs -P "$JOBS" -I{} sh -c \
-    '"$NVCC" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc -c "{}" -o "$OUT/$(echo {} | tr / _).o" \
+    '"$NVCC" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC -Icsrc -c "{}" \
+       -o "$OUT/$(echo {} | tr / _).o" \
      && echo "  ok {}"'
 [[ $# -gt 0 ]] && { echo "[check_cuda] the given files compile"; exit 0; }
 
@@ -43,9 +46,17 @@ TORCH_INCLUDE="$("$PYTHON" -c 'import torch.utils.cpp_extension as e; print(e.in
 PY_INCLUDE="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null || true)"
 if [[ -n "$TORCH_INCLUDE" && -n "$PY_INCLUDE" && -f "$PY_INCLUDE/Python.h" ]]; then
     for unit in csrc/runtime/cuda/*.cpp; do
-        "${CXX:-c++}" -std=c++17 -fsyntax-only -Wall -Icsrc -I"$CUDA_INCLUDE" -I"$TORCH_INCLUDE" -I"$PY_INCLUDE" "$unit"
-        echo "  ok $unit (host, c++ -fsyntax-only)"
+        "${CXX:-c++}" -std=c++17 -O1 -fPIC -Wall -Icsrc -I"$CUDA_INCLUDE" -I"$TORCH_INCLUDE" -I"$PY_INCLUDE" \
+            -c "$unit" -o "$OUT/$(echo "$unit" | tr / _).o"
+        echo "  ok $unit (host, c++)"
     done
+    SUFFIX="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+    "$NVCC" -shared -gencode=arch=compute_90a,code=sm_90a -o "$OUT/_C_cuda$SUFFIX" "$OUT"/*.o
+    (cd "$OUT" && "$PYTHON" -c 'import _C_cuda as m; assert m.platform == "cuda"; assert "timed out" in m.error_message(m.encode_error(1, 3, 2, 0))')
+    echo "  ok _C_cuda$SUFFIX links and imports"
+    if [[ -n "${MODULE_OUT:-}" ]]; then
+        mkdir -p "$MODULE_OUT" && cp "$OUT/_C_cuda$SUFFIX" "$MODULE_OUT/"
+    fi
 else
     echo "[check_cuda] torch or the Python headers not found: skipping the host sources"
 fi

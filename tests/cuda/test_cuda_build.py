@@ -3,6 +3,7 @@ the CPU build stays importable and chooses the CPU executor, and the executor ch
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -89,3 +90,93 @@ def test_cuda_engine_module_imports_on_a_cpu_build():
 
     has_module = _cuda_engine._C_cuda is not None
     assert ("cuda" in _engine.NODE_ENGINES) == has_module
+
+
+# ---- the linked module (built by check_cuda.sh without a GPU: the CUDA runtime is linked statically) ----
+
+
+@pytest.fixture(scope="module")
+def cuda_module(tmp_path_factory):
+    if _nvcc() is None:
+        pytest.skip("nvcc is not installed")
+    out = tmp_path_factory.mktemp("c_cuda")
+    result = _run(NVCC=_nvcc(), MODULE_OUT=str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    (path,) = out.glob("_C_cuda*.so")
+    spec = importlib.util.spec_from_file_location("_C_cuda", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_timeout_word_names_rank_peer_and_phase(cuda_module):
+    m = cuda_module
+    phase_dispatch_receive = 3
+    code = m.encode_error(m.ERROR_TIMEOUT, phase_dispatch_receive, 2, 1)
+    assert m.error_kind(code) == m.ERROR_TIMEOUT and m.error_peer(code) == 2
+    message = m.error_message(code)
+    assert "rank 1 timed out" in message and "waiting for rank 2" in message and "dispatch: rows received" in message
+    assert m.error_message(0) == ""
+
+
+class _FakeBuffer:
+    destroyed = False
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def status(self) -> int:
+        return self.code
+
+
+def _engine_with_status(monkeypatch, module, code: int):
+    from mtdeepep import _cuda_engine
+
+    monkeypatch.setattr(_cuda_engine, "_C_cuda", module)
+    engine = object.__new__(_cuda_engine.CudaEngine)
+    engine._failed, engine.buffer = None, _FakeBuffer(code)
+    return engine
+
+
+def test_engine_raises_comm_timeout_from_the_status_word(monkeypatch, cuda_module):
+    m = cuda_module
+    engine = _engine_with_status(monkeypatch, m, 0)
+    engine.check()  # no error: nothing raised
+    engine.buffer.code = m.encode_error(m.ERROR_TIMEOUT, 4, 3, 0)
+    with pytest.raises(mtdeepep.CommTimeoutError, match="rank 0 timed out .* waiting for rank 3"):
+        engine.check()
+    with pytest.raises(mtdeepep.CommTimeoutError):  # the buffer stays failed
+        engine.check()
+
+
+def test_engine_raises_comm_error_when_a_peer_failed(monkeypatch, cuda_module):
+    m = cuda_module
+    engine = _engine_with_status(monkeypatch, m, m.encode_error(m.ERROR_PEER_FAILED, 1, 2, 0))
+    with pytest.raises(mtdeepep.CommError, match="because rank 2 failed") as caught:
+        engine.check()
+    assert not isinstance(caught.value, mtdeepep.CommTimeoutError)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_device_buffer_without_a_gpu_raises_cleanly(cuda_module):
+    with pytest.raises(RuntimeError, match="mtdeepep: "):
+        cuda_module.DeviceBuffer(0, 2, 1 << 20, 0, 5.0, 0)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "ranks", "experts"), [(128, 7168, 8, 256), (64, 2048, 2, 8), (3, 100, 4, 4)]
+)
+def test_low_latency_size_hint_covers_the_cuda_layout(cuda_module, tokens, hidden, ranks, experts):
+    """Buffer.get_low_latency_rdma_size_hint (the CPU layout's) must be enough for the CUDA layout too."""
+    layout = cuda_module.low_latency_layout(tokens, hidden, ranks, experts)
+    needed = layout["control_bytes"] + 2 * layout["half_bytes"]
+    assert needed <= mtdeepep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, ranks, experts)
+    assert layout["recv_x"] % 4096 == 0 and layout["combine_recv"] % 4096 == 0  # 16-byte rows stay aligned
+
+
+def test_normal_capacity_fits_the_region(cuda_module):
+    nbytes = 1 << 26
+    for x_bytes, num_scales, num_topk in [(7168 * 2, 0, 8), (7168, 56, 8), (100 * 4, 0, 0), (6, 1, 1)]:
+        capacity = cuda_module.normal_capacity(8, nbytes, x_bytes, num_scales, 4, num_topk)
+        per_row = x_bytes + 4 * num_scales + 12 * num_topk + 4
+        assert capacity > 0 and capacity * per_row <= nbytes

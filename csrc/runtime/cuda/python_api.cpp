@@ -39,6 +39,12 @@ PYBIND11_MODULE(_C_cuda, m) {
     m.attr("max_local_experts") = kMaxLocalExperts;
 
     m.def("error_message", &error_message, py::arg("code"));
+    m.def(
+        "encode_error",
+        [](int kind, int phase, int peer, int rank) {
+            return encode_error(static_cast<ErrorKind>(kind), static_cast<Phase>(phase), peer, rank);
+        },
+        py::arg("kind"), py::arg("phase"), py::arg("peer"), py::arg("rank"));
     m.def("error_kind", [](uint64_t code) { return static_cast<int>(error_kind(code)); });
     m.def("error_peer", [](uint64_t code) { return error_peer(code); });
     m.def("error_phase", [](uint64_t code) { return std::string(phase_name(error_phase(code))); });
