@@ -32,6 +32,22 @@ def cuda_available() -> bool:
     return torch.version.cuda is not None and shutil.which(os.environ.get("NVCC", "nvcc")) is not None
 
 
+def musa_sources(gpu_sources: list[str]) -> list[str]:
+    """torch_musa's builder hands `.mu` files to mcc: one `.mu` per `.cu` that includes it (the sources stay one)."""
+    out_dir = os.path.join(ROOT, "build", "musa_sources")
+    os.makedirs(out_dir, exist_ok=True)
+    result = []
+    for source in gpu_sources:
+        if not source.endswith(".cu"):
+            result.append(source)
+            continue
+        wrapper = os.path.join(out_dir, os.path.basename(source)[: -len(".cu")] + ".mu")
+        with open(wrapper, "w") as f:
+            f.write(f'#include "{os.path.join(ROOT, source)}"\n')
+        result.append(os.path.relpath(wrapper, ROOT))
+    return result
+
+
 def make_extensions():
     """`mtdeepep._C` (the CPU executor, always), plus `mtdeepep._C_cuda` (the GPU executor: csrc/kernels/cuda and
     csrc/runtime/cuda) built for MUSA when torch_musa and its toolkit are present, else for CUDA when torch is a CUDA
@@ -46,7 +62,7 @@ def make_extensions():
         extensions.append(
             MUSAExtension(
                 "mtdeepep._C_cuda",
-                gpu_sources,
+                musa_sources(gpu_sources),
                 include_dirs=include_dirs,
                 define_macros=[("MTDEEPEP_MUSA", "1")],
                 extra_compile_args={"cxx": CXX_FLAGS + ["-DMTDEEPEP_MUSA"], "mcc": ["-O3", "-std=c++17"]},

@@ -186,6 +186,11 @@ def create_engine(
         from . import _cuda_engine  # noqa: F401  (registers the GPU executor when this build has one)
     if device.type not in NODE_ENGINES:
         raise _C.CommError(f"mtdeepep: this build has no {device.type} executor (mtdeepep._C_cuda is missing)")
+    if device.type != "cpu" and resolve_num_ranks_per_node(num_ranks_per_node, group.size()) < group.size():
+        raise ValueError(
+            f"mtdeepep: the {device.type} executor serves the ranks of one node; groups spanning several nodes run on "
+            "the CPU executor only for now"
+        )
     num_ranks = group.size()
     per_node = resolve_num_ranks_per_node(num_ranks_per_node, num_ranks)
     node, local_rank = divmod(group.rank(), per_node)
