@@ -151,8 +151,21 @@ __global__ void __launch_bounds__(kThreads)
     const int num_topk = format.num_topk;
     const int local_experts = source.num_experts / R;
     __shared__ int32_t first_row[kMaxNodeRanks];  // where this rank's rows start in each receiver
-    for (int j = threadIdx.x; j < R; j += blockDim.x) first_row[j] = rows_before(rank_prefix_matrix, R, me, j);
+    __shared__ int overflow;
+    if (threadIdx.x == 0) overflow = -1;
     __syncthreads();
+    const int64_t capacity = row_region(nullptr, peers.data_bytes, format).capacity;
+    for (int j = threadIdx.x; j < R; j += blockDim.x) {
+        first_row[j] = rows_before(rank_prefix_matrix, R, me, j);
+        // A cached dispatch has no notify: every rank checks every receiver here, from the same matrix, so all of
+        // them stop before any row moves.
+        if (rank_prefix_matrix[(R - 1) * R + j] > capacity) overflow = j;
+    }
+    __syncthreads();
+    if (overflow >= 0) {
+        if (threadIdx.x == 0) report_error(control, ErrorKind::kOverflow, Phase::kDispatchReceive, overflow, false);
+        return;
+    }
     const int warp = blockIdx.x * kWarps + threadIdx.x / kWarpSize, num_warps = gridDim.x * kWarps;
     for (int t = warp; t < source.num_tokens; t += num_warps) {
         for (int j = 0; j < R; ++j) {
