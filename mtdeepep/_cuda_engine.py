@@ -265,8 +265,9 @@ class CudaEngine(Engine):
         return recv_x, recv_scales, recv_idx, recv_weights, recv_src
 
     def _channel_prefix(self, send_head: torch.Tensor, num_channels: int) -> torch.Tensor:
-        """`[R, C]` int32: tokens sent to each rank from channels <= c (channel c: tokens [c * per, (c + 1) * per)),
-        computed on the device (no synchronisation)."""
+        """`[R, C]` int32: tokens sent to each rank from channels <= c (channel c: tokens [c * per, (c + 1) * per), as
+        the CPU executor splits them), computed on the device (no synchronisation). Run it on the stream that wrote
+        `send_head`."""
         num_tokens = send_head.size(0)
         per = max(1, -(-num_tokens // num_channels))
         sent = (send_head >= 0).to(torch.int32)
@@ -282,21 +283,30 @@ class CudaEngine(Engine):
         if num_local > _C_cuda.max_local_experts:
             raise ValueError(f"mtdeepep: the CUDA executor takes at most {_C_cuda.max_local_experts} experts per rank")
         num_sms = self._num_sms(num_channels)
+        channels = max(1, min(num_channels, _C_cuda.max_channels))
         num_topk = 0 if topk_idx is None else topk_idx.size(1)
         fmt = self._format(data, scales, num_topk)
         capacity = _C_cuda.normal_capacity(R, self.buffer.num_nvl_bytes, *fmt)
+        # Everything is allocated from the caller's stream (the caching allocator's stream of the outputs); the
+        # work, torch ops included, runs on the communication stream.
         send_head = torch.empty((num_tokens, R), dtype=torch.int32, device=self.device)
         num_sent = torch.empty(R, dtype=torch.int32, device=self.device)
         prefix = torch.empty((R, R), dtype=torch.int32, device=self.device)
+        channel_prefix = torch.empty((R, channels), dtype=torch.int32, device=self.device)
+        recv_channel_prefix = torch.empty((R, channels), dtype=torch.int32, device=self.device)
         recv_per_expert = torch.empty(num_local, dtype=torch.int32, device=self.device)
+        state = (torch.empty_like(prefix), torch.empty_like(send_head))
         seq = self._next_seq()
         if num_worst_tokens == 0:
             self.buffer.reset_host_counts()
         _C_cuda.send_positions(_ptr(is_token_in_rank), num_tokens, R, _ptr(send_head), num_sent.data_ptr(),
                                stream.cuda_stream)  # fmt: skip
+        with _gpu.stream(stream):
+            channel_prefix.copy_(self._channel_prefix(send_head, channels))
         self.buffer.notify(
-            seq, num_sent.data_ptr(), num_tokens_per_expert.data_ptr(), num_experts, expert_alignment, capacity,
-            prefix.data_ptr(), recv_per_expert.data_ptr(), stream.cuda_stream,
+            seq, num_sent.data_ptr(), num_tokens_per_expert.data_ptr(), num_experts, channel_prefix.data_ptr(),
+            channels, expert_alignment, capacity, prefix.data_ptr(), recv_channel_prefix.data_ptr(),
+            recv_per_expert.data_ptr(), stream.cuda_stream,
         )  # fmt: skip
         if num_worst_tokens > 0:
             rows, counts = num_worst_tokens, []
@@ -309,19 +319,20 @@ class CudaEngine(Engine):
         recv_x, recv_scales, recv_idx, recv_weights, recv_src = self._receive(
             seq, stream, data, scales, fmt, prefix, rows, topk_idx is not None, topk_weights is not None, num_sms
         )
-        channel_prefix = self._channel_prefix(send_head, max(1, num_channels))
-        # Not computed on this executor (it has no channels on the receive side): an empty [R, 0] matrix.
-        recv_channel_prefix = torch.empty((R, 0), dtype=torch.int32, device=self.device)
+        with _gpu.stream(stream):  # private copies for combine and cached dispatch, whatever happens to the handle
+            state[0].copy_(prefix)
+            state[1].copy_(send_head)
         handle = (prefix, channel_prefix, recv_channel_prefix, recv_src, is_token_in_rank, send_head)
         record = DispatchRecord(
             kind=self.handle_kind, group=self.group, uid=self.uid, seq=seq, num_tokens=num_tokens, num_recv=rows,
-            state=(prefix.clone(), send_head.clone()),
+            state=state,
         )  # fmt: skip
         attach(prefix, record)
         event = self._finish(
             stream, async_finish,
             (data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert, send_head, num_sent,
-             prefix, recv_per_expert, recv_x, recv_scales, recv_idx, recv_weights, recv_src, *record.state),
+             prefix, channel_prefix, recv_channel_prefix, recv_per_expert, recv_x, recv_scales, recv_idx,
+             recv_weights, recv_src, *state),
         )  # fmt: skip
         return DispatchOutputs(recv_x, recv_scales, recv_idx, recv_weights, counts, handle, event)
 
@@ -342,13 +353,14 @@ class CudaEngine(Engine):
         return recv_x, recv_scales, event
 
     def combine(self, x, topk_weights, bias0, bias1, record, num_channels, previous, async_finish):
+        # Copies on the caller's stream first: the communication stream is ordered after them by _begin.
+        bias0 = None if bias0 is None else bias0.contiguous()
+        bias1 = None if bias1 is None else bias1.contiguous()
         stream = self._begin(previous)
         prefix, send_head = record.state
         num_sms = self._num_sms(num_channels)
         kind = _FLOAT_KIND[x.dtype]
         hidden, num_topk = x.size(1), 0 if topk_weights is None else topk_weights.size(1)
-        bias0 = None if bias0 is None else bias0.contiguous()
-        bias1 = None if bias1 is None else bias1.contiguous()
         combined = torch.empty((record.num_tokens, hidden), dtype=x.dtype, device=self.device)
         combined_weights = None
         if topk_weights is not None:

@@ -29,6 +29,7 @@
 namespace mtdeepep::gpu {
 
 constexpr int kMaxLocalExperts = 4096;  // experts one rank may own (bounds the per-rank count arrays)
+constexpr int kMaxChannels = 128;       // channels of the handle's channel prefix matrices (as the CPU executor)
 constexpr int kScaleBlock = 128;        // channels per FP8 scale
 constexpr int kScalesPerPack = 4;       // UE8M0 exponents per int32
 constexpr size_t kAlignment = 4096;     // regions start page-aligned (and 16-byte aligned rows stay aligned)
@@ -102,7 +103,8 @@ struct HostMapped {
 // ---- the normal buffer ----
 // Control area, then the data region. Offsets depend on the rank count only, so every rank agrees.
 struct NormalLayout {
-    size_t poison, notify_flags, barrier_flags, dispatch_flags, combine_flags, arrivals, counts, expert_counts, plan;
+    size_t poison, notify_flags, barrier_flags, dispatch_flags, combine_flags, arrivals, counts, expert_counts,
+        channel_counts, plan;
     size_t control_bytes;
 
     MTDEEPEP_HD explicit NormalLayout(int num_ranks) {
@@ -120,6 +122,7 @@ struct NormalLayout {
         arrivals = place(sizeof(uint32_t) * 8);
         counts = place(sizeof(int32_t) * 2 * num_ranks * num_ranks);
         expert_counts = place(sizeof(int32_t) * 2 * num_ranks * kMaxLocalExperts);
+        channel_counts = place(sizeof(int32_t) * 2 * num_ranks * kMaxChannels);
         plan = place(sizeof(int32_t) * 4);
         control_bytes = align_up(offset, kAlignment);
     }
@@ -184,15 +187,17 @@ struct Peers {
     size_t data_bytes;  // num_nvl_bytes (the same on every rank)
 };
 
-// Notify (one block): publishes this rank's per-rank counts (num_sent_per_rank [R]) and the counts per expert of
-// every receiver's local experts (num_tokens_per_expert [E]) into every peer, waits for every peer's, then writes
-// rank_prefix_matrix [R, R] (int32, [i][j] = rows ranks 0..i send to rank j), num_recv_tokens_per_expert
-// [E / R] (int32, each aligned up to expert_alignment) and, into the host-mapped block, the same counts and the
-// number of rows received. A receiver whose rows do not fit the data region (`capacity` rows) fails the dispatch on
-// every rank (ErrorKind::kOverflow) before any row moves.
+// Notify (one block): publishes this rank's per-rank counts (num_sent_per_rank [R]), the counts per expert of every
+// receiver's local experts (num_tokens_per_expert [E]) and its channel prefix matrix (channel_prefix [R, C]: rows
+// sent to rank j from channels <= c) into every peer, waits for every peer's, then writes rank_prefix_matrix [R, R]
+// (int32, [i][j] = rows ranks 0..i send to rank j), recv_channel_prefix [R, C] (where source i's channel c starts
+// among the received rows), num_recv_tokens_per_expert [E / R] (int32, each aligned up to expert_alignment) and,
+// into the host-mapped block, the same counts and the number of rows received. A receiver whose rows do not fit the
+// data region (`capacity` rows) fails the dispatch on every rank (ErrorKind::kOverflow) before any row moves.
 void launch_notify_dispatch(const Control& control, const Peers& peers, uint64_t seq, const int32_t* num_sent_per_rank,
-                            const int32_t* num_tokens_per_expert, int num_experts, int expert_alignment,
-                            int64_t capacity, int32_t* rank_prefix_matrix, int32_t* num_recv_tokens_per_expert,
+                            const int32_t* num_tokens_per_expert, int num_experts, const int32_t* channel_prefix,
+                            int num_channels, int expert_alignment, int64_t capacity, int32_t* rank_prefix_matrix,
+                            int32_t* recv_channel_prefix, int32_t* num_recv_tokens_per_expert,
                             HostMapped* host_mapped_device, gpuStream_t stream);
 
 // Every rank sets its flag in every peer and waits for all (one block). Orders a new operation's writes into the

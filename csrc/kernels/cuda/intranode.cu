@@ -74,9 +74,11 @@ __device__ __forceinline__ CombineRegion combine_region(uint8_t* data, size_t da
 
 __global__ void __launch_bounds__(kThreads)
     notify_dispatch_kernel(Control control, Peers peers, uint64_t seq, const int32_t* __restrict__ num_sent_per_rank,
-                           const int32_t* __restrict__ num_tokens_per_expert, int num_experts, int expert_alignment,
+                           const int32_t* __restrict__ num_tokens_per_expert, int num_experts,
+                           const int32_t* __restrict__ channel_prefix, int num_channels, int expert_alignment,
                            int64_t capacity, int32_t* __restrict__ rank_prefix_matrix,
-                           int32_t* __restrict__ num_recv_tokens_per_expert, HostMapped* host_mapped) {
+                           int32_t* __restrict__ recv_channel_prefix, int32_t* __restrict__ num_recv_tokens_per_expert,
+                           HostMapped* host_mapped) {
     const int R = control.num_ranks, me = control.rank, parity = static_cast<int>(seq & 1);
     const int local_experts = num_experts / R;
     const NormalLayout layout(R);
@@ -93,6 +95,12 @@ __global__ void __launch_bounds__(kThreads)
         view.ints(layout.expert_counts)[static_cast<size_t>(parity * R + me) * kMaxLocalExperts + e] =
             num_tokens_per_expert[peer * local_experts + e];
     }
+    for (int i = threadIdx.x; i < R * num_channels; i += blockDim.x) {
+        const int peer = i / num_channels, c = i % num_channels;
+        const ControlView view(peers.base[peer], R);
+        view.ints(layout.channel_counts)[static_cast<size_t>(parity * R + me) * kMaxChannels + c] =
+            channel_prefix[peer * num_channels + c];
+    }
     __syncthreads();
     for (int peer = threadIdx.x; peer < R; peer += blockDim.x)
         store_release(ControlView(peers.base[peer], R).flags(layout.notify_flags) + me, seq);
@@ -108,6 +116,17 @@ __global__ void __launch_bounds__(kThreads)
         }
         // Every rank sees the same matrix, so every rank finds the same overflow: no poisoning needed.
         if (running > capacity) report_error(control, ErrorKind::kOverflow, Phase::kNotify, j, false);
+    }
+    // Source i's channel c starts after the rows of sources < i and of i's channels < c.
+    const int32_t* channel_counts = mine.ints(layout.channel_counts) + static_cast<size_t>(parity) * R * kMaxChannels;
+    for (int i = threadIdx.x; i < R * num_channels; i += blockDim.x) {
+        const int source = i / num_channels, c = i % num_channels;
+        int32_t before = 0;
+        for (int k = 0; k < source; ++k) before += *reinterpret_cast<const volatile int32_t*>(counts + k * R + me);
+        const int32_t own = c > 0 ? *reinterpret_cast<const volatile int32_t*>(
+                                        channel_counts + static_cast<size_t>(source) * kMaxChannels + c - 1)
+                                  : 0;
+        recv_channel_prefix[i] = before + own;
     }
     const int32_t* expert_counts = mine.ints(layout.expert_counts) + static_cast<size_t>(parity) * R * kMaxLocalExperts;
     for (int e = threadIdx.x; e < local_experts; e += blockDim.x) {
@@ -388,14 +407,18 @@ int grid_size(int num_sms) {
 }  // namespace
 
 void launch_notify_dispatch(const Control& control, const Peers& peers, uint64_t seq, const int32_t* num_sent_per_rank,
-                            const int32_t* num_tokens_per_expert, int num_experts, int expert_alignment,
-                            int64_t capacity, int32_t* rank_prefix_matrix, int32_t* num_recv_tokens_per_expert,
+                            const int32_t* num_tokens_per_expert, int num_experts, const int32_t* channel_prefix,
+                            int num_channels, int expert_alignment, int64_t capacity, int32_t* rank_prefix_matrix,
+                            int32_t* recv_channel_prefix, int32_t* num_recv_tokens_per_expert,
                             HostMapped* host_mapped_device, gpuStream_t stream) {
     if (control.num_ranks > kMaxNodeRanks || num_experts / control.num_ranks > kMaxLocalExperts)
         throw std::invalid_argument("mtdeepep: too many ranks per node or experts per rank for the CUDA executor");
+    if (num_channels < 1 || num_channels > kMaxChannels)
+        throw std::invalid_argument("mtdeepep: the channel count must lie in [1, 128]");
     notify_dispatch_kernel<<<1, kThreads, 0, stream>>>(
-        control, peers, seq, num_sent_per_rank, num_tokens_per_expert, num_experts, std::max(1, expert_alignment),
-        capacity, rank_prefix_matrix, num_recv_tokens_per_expert, host_mapped_device);
+        control, peers, seq, num_sent_per_rank, num_tokens_per_expert, num_experts, channel_prefix, num_channels,
+        std::max(1, expert_alignment), capacity, rank_prefix_matrix, recv_channel_prefix, num_recv_tokens_per_expert,
+        host_mapped_device);
     check_launch("dispatch notify");
 }
 

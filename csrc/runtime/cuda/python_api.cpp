@@ -37,6 +37,7 @@ PYBIND11_MODULE(_C_cuda, m) {
     m.attr("platform") = "cuda";
 #endif
     m.attr("max_local_experts") = kMaxLocalExperts;
+    m.attr("max_channels") = kMaxChannels;
 
     m.def("error_message", &error_message, py::arg("code"));
     m.def(
@@ -128,11 +129,13 @@ PYBIND11_MODULE(_C_cuda, m) {
         // ---- normal mode ----
         .def("notify",
              [](DeviceBuffer& b, uint64_t seq, uintptr_t num_sent, uintptr_t per_expert, int num_experts,
-                int expert_alignment, int64_t capacity, uintptr_t prefix, uintptr_t recv_per_expert, uintptr_t stream) {
+                uintptr_t channel_prefix, int num_channels, int expert_alignment, int64_t capacity, uintptr_t prefix,
+                uintptr_t recv_channel_prefix, uintptr_t recv_per_expert, uintptr_t stream) {
                  launch_notify_dispatch(b.control(), b.peers(), seq, ptr<const int32_t>(num_sent),
-                                        ptr<const int32_t>(per_expert), num_experts, expert_alignment, capacity,
-                                        ptr<int32_t>(prefix), ptr<int32_t>(recv_per_expert), b.host_mapped_device(),
-                                        stream_of(stream));
+                                        ptr<const int32_t>(per_expert), num_experts, ptr<const int32_t>(channel_prefix),
+                                        num_channels, expert_alignment, capacity, ptr<int32_t>(prefix),
+                                        ptr<int32_t>(recv_channel_prefix), ptr<int32_t>(recv_per_expert),
+                                        b.host_mapped_device(), stream_of(stream));
              })
         .def("barrier", [](DeviceBuffer& b, uint64_t seq,
                            uintptr_t stream) { launch_barrier(b.control(), b.peers(), seq, stream_of(stream)); })
