@@ -22,6 +22,11 @@ constexpr float kE4M3Max = 448.0f;
 constexpr float kAmaxFloor = 1e-4f;  // as upstream and refs.per_token_cast_to_fp8: an all-zero block gets a scale
 constexpr int kMaxTopk = 32;         // topk slots (a lane each)
 
+// acc + w * value rounded twice (no fused multiply-add), as the CPU kernel computes it: the same bits on both.
+__device__ __forceinline__ float weighted_add(float acc, float w, uint16_t value) {
+    return __fadd_rn(acc, __fmul_rn(w, bf16_to_float(value)));
+}
+
 struct Area {
     uint8_t* base;
     LowLatencyControl control;
@@ -281,7 +286,7 @@ __global__ void __launch_bounds__(kThreads) combine_receive_kernel(Control contr
                                                                     static_cast<int64_t>(t) * args.hidden)[p];
                     const uint16_t* values = reinterpret_cast<const uint16_t*>(&pack);
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[j] += w * bf16_to_float(values[j]);
+                    for (int j = 0; j < 8; ++j) acc[j] = weighted_add(acc[j], w, values[j]);
                 }
                 int4 result;
                 uint16_t* values = reinterpret_cast<uint16_t*>(&result);
@@ -296,7 +301,7 @@ __global__ void __launch_bounds__(kThreads) combine_receive_kernel(Control contr
                     const int64_t e = __shfl_sync(kFullMask, expert, k);
                     const float w = __shfl_sync(kFullMask, weight, k);
                     if (e >= 0)
-                        acc += w * bf16_to_float(rows[e * expert_stride + static_cast<int64_t>(t) * args.hidden + h]);
+                        acc = weighted_add(acc, w, rows[e * expert_stride + static_cast<int64_t>(t) * args.hidden + h]);
                 }
                 out[h] = float_to_bf16(acc);
             }
