@@ -13,7 +13,9 @@ calls run on the current stream, as upstream, or on the communication stream wit
 Host synchronisation: only a normal dispatch that does not fix its receive size waits for the count exchange (to
 size its outputs and return the per-expert counts, as upstream). With `num_worst_tokens > 0` nothing waits: the
 outputs have `num_worst_tokens` rows (padding rows: `recv_topk_idx` -1, `recv_src_idx` -1), so dispatch and combine
-can be captured in a CUDA graph.
+can be captured in a CUDA graph: the kernels number the operations on the device, so each replay is a new operation
+(the argument checks skip reading values while a capture runs). Low-latency calls number their calls on the host
+(double buffering): they are not graph-capturable on this executor.
 
 Failures: every device wait is bounded by the buffer's timeout; a wait that runs out records (kind, phase, peer,
 rank) in a host-mapped word and stops this rank's peers too. Every call, event wait or query checks that word and
@@ -107,7 +109,7 @@ class CudaEngine(Engine):
         self.num_device_sms = self.buffer.num_sms
         self.uid = 0
         self.group: tuple[tuple[int, ...], int] = ((), rank)
-        self._seq = 0  # normal-mode operations (every rank counts the same)
+        self._seq = 0  # dispatch identities (the kernels number the operations themselves, on the device)
         self._ll_seq = 0  # low-latency calls
         self._hook_pending = [False, False]  # per half: a hook-mode call whose receive has not run
         self._combine_buffers: list[torch.Tensor] = []
@@ -151,8 +153,7 @@ class CudaEngine(Engine):
         if self._failed is None and self.buffer.status() == 0:
             # Every rank stops using the others' memory before any frees its own.
             try:
-                self._seq += 1
-                self.buffer.barrier(self._seq, self.comm_stream.cuda_stream)
+                self.buffer.barrier(self.comm_stream.cuda_stream)
                 self.comm_stream.synchronize()
             except Exception:  # noqa: BLE001 - destroy goes on; the barrier is bounded on the device anyway
                 pass
@@ -206,15 +207,17 @@ class CudaEngine(Engine):
         current = _gpu.current_stream(self.device)
         if stream == current:
             return CudaEvent(self, event) if async_finish else None
+        if not async_finish:
+            # The caller's stream continues after the communication: its tensors are safe to free from there.
+            current.wait_event(event)
+            return None
         for tensor in tensors:
             if isinstance(tensor, torch.Tensor) and tensor.device.type == self.device.type:
                 tensor.record_stream(stream)
-        if async_finish:
-            return CudaEvent(self, event)
-        current.wait_event(event)
-        return None
+        return CudaEvent(self, event)
 
     def _next_seq(self) -> int:
+        """The identity of a dispatch (its record); the kernels number operations on the device (graph replays)."""
         self._seq += 1
         return self._seq
 
@@ -240,16 +243,16 @@ class CudaEngine(Engine):
         scale_bytes = 4 if scales is None else scales.element_size()
         return data.size(1) * data.element_size(), num_scales, scale_bytes, num_topk
 
-    def _send(self, seq, stream, data, scales, topk_idx, topk_weights, num_experts, fmt, send_head, prefix, num_sms):
+    def _send(self, stream, data, scales, topk_idx, topk_weights, num_experts, fmt, send_head, prefix, num_sms):
         x_bytes, num_scales, scale_bytes, num_topk = fmt
         scale_strides = (0, 0) if scales is None else scales.stride()
         self.buffer.dispatch_send(
-            seq, _ptr(data), data.stride(0) * data.element_size(), x_bytes, _ptr(scales), scale_strides[0],
+            _ptr(data), data.stride(0) * data.element_size(), x_bytes, _ptr(scales), scale_strides[0],
             scale_strides[1], num_scales, scale_bytes, _ptr(topk_idx), _ptr(topk_weights), num_topk, data.size(0),
             num_experts, _ptr(send_head), prefix.data_ptr(), num_sms, stream.cuda_stream,
         )  # fmt: skip
 
-    def _receive(self, seq, stream, data, scales, fmt, prefix, rows, with_topk, with_weights, num_sms):
+    def _receive(self, stream, data, scales, fmt, prefix, rows, with_topk, with_weights, num_sms):
         x_bytes, num_scales, scale_bytes, num_topk = fmt
         recv_x = torch.empty((rows, data.size(1)), dtype=data.dtype, device=self.device)
         recv_scales = None
@@ -259,7 +262,7 @@ class CudaEngine(Engine):
         recv_weights = torch.empty((rows, num_topk), dtype=torch.float32, device=self.device) if with_weights else None
         recv_src = torch.empty(rows, dtype=torch.int32, device=self.device)
         self.buffer.dispatch_receive(
-            seq, x_bytes, num_scales, scale_bytes, num_topk, prefix.data_ptr(), _ptr(recv_x), _ptr(recv_scales),
+            x_bytes, num_scales, scale_bytes, num_topk, prefix.data_ptr(), _ptr(recv_x), _ptr(recv_scales),
             _ptr(recv_idx), _ptr(recv_weights), _ptr(recv_src), rows, num_sms, stream.cuda_stream,
         )  # fmt: skip
         return recv_x, recv_scales, recv_idx, recv_weights, recv_src
@@ -304,7 +307,7 @@ class CudaEngine(Engine):
         with _gpu.stream(stream):
             channel_prefix.copy_(self._channel_prefix(send_head, channels))
         self.buffer.notify(
-            seq, num_sent.data_ptr(), num_tokens_per_expert.data_ptr(), num_experts, channel_prefix.data_ptr(),
+            num_sent.data_ptr(), num_tokens_per_expert.data_ptr(), num_experts, channel_prefix.data_ptr(),
             channels, expert_alignment, capacity, prefix.data_ptr(), recv_channel_prefix.data_ptr(),
             recv_per_expert.data_ptr(), stream.cuda_stream,
         )  # fmt: skip
@@ -315,9 +318,9 @@ class CudaEngine(Engine):
             stream.synchronize()
             self.check()
             rows, counts = self.buffer.host_counts(num_local)
-        self._send(seq, stream, data, scales, topk_idx, topk_weights, num_experts, fmt, send_head, prefix, num_sms)
+        self._send(stream, data, scales, topk_idx, topk_weights, num_experts, fmt, send_head, prefix, num_sms)
         recv_x, recv_scales, recv_idx, recv_weights, recv_src = self._receive(
-            seq, stream, data, scales, fmt, prefix, rows, topk_idx is not None, topk_weights is not None, num_sms
+            stream, data, scales, fmt, prefix, rows, topk_idx is not None, topk_weights is not None, num_sms
         )
         with _gpu.stream(stream):  # private copies for combine and cached dispatch, whatever happens to the handle
             state[0].copy_(prefix)
@@ -343,11 +346,10 @@ class CudaEngine(Engine):
         # The receive regions' capacity is checked on the device, for every receiver alike (ErrorKind.kOverflow).
         fmt = self._format(data, scales, 0)
         rows = num_worst_tokens if num_worst_tokens > 0 else record.num_recv
-        seq = self._next_seq()
-        self.buffer.barrier(seq, stream.cuda_stream)
-        self._send(seq, stream, data, scales, None, None, self.num_ranks, fmt, send_head, prefix, num_sms)
+        self.buffer.barrier(stream.cuda_stream)
+        self._send(stream, data, scales, None, None, self.num_ranks, fmt, send_head, prefix, num_sms)
         recv_x, recv_scales, _, _, recv_src = self._receive(
-            seq, stream, data, scales, fmt, prefix, rows, False, False, num_sms
+            stream, data, scales, fmt, prefix, rows, False, False, num_sms
         )
         event = self._finish(stream, async_finish, (data, scales, prefix, send_head, recv_x, recv_scales, recv_src))
         return recv_x, recv_scales, event
@@ -365,13 +367,12 @@ class CudaEngine(Engine):
         combined_weights = None
         if topk_weights is not None:
             combined_weights = torch.empty((record.num_tokens, num_topk), dtype=torch.float32, device=self.device)
-        seq = self._next_seq()
-        self.buffer.barrier(seq, stream.cuda_stream)
+        self.buffer.barrier(stream.cuda_stream)
         self.buffer.combine_send(
-            seq, kind, hidden, num_topk, _ptr(x), _ptr(topk_weights), prefix.data_ptr(), num_sms, stream.cuda_stream
+            kind, hidden, num_topk, _ptr(x), _ptr(topk_weights), prefix.data_ptr(), num_sms, stream.cuda_stream
         )
         self.buffer.combine_reduce(
-            seq, kind, hidden, num_topk, _ptr(x), _ptr(topk_weights), prefix.data_ptr(), _ptr(send_head),
+            kind, hidden, num_topk, _ptr(x), _ptr(topk_weights), prefix.data_ptr(), _ptr(send_head),
             record.num_tokens, _ptr(bias0), _ptr(bias1), _ptr(combined), _ptr(combined_weights), num_sms,
             stream.cuda_stream,
         )  # fmt: skip
@@ -541,11 +542,11 @@ class CudaEngine(Engine):
         self._ll_layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
         stream = self.comm_stream
         stream.wait_stream(_gpu.current_stream(self.device))
-        self.buffer.barrier(self._next_seq(), stream.cuda_stream)
+        self.buffer.barrier(stream.cuda_stream)
         control_bytes = _C_cuda.low_latency_layout(1, 1, self.num_ranks, self.num_ranks)["control_bytes"]
         with _gpu.stream(stream):
             _view(self, self.buffer.ll_address, control_bytes, self.device).zero_()
-        self.buffer.barrier(self._next_seq(), stream.cuda_stream)
+        self.buffer.barrier(stream.cuda_stream)
         stream.synchronize()
         self.check()
         self._ll_seq = 0

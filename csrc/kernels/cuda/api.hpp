@@ -104,7 +104,7 @@ struct HostMapped {
 // Control area, then the data region. Offsets depend on the rank count only, so every rank agrees.
 struct NormalLayout {
     size_t poison, notify_flags, barrier_flags, dispatch_flags, combine_flags, arrivals, counts, expert_counts,
-        channel_counts, plan;
+        channel_counts, plan, op_counter;
     size_t control_bytes;
 
     MTDEEPEP_HD explicit NormalLayout(int num_ranks) {
@@ -124,6 +124,7 @@ struct NormalLayout {
         expert_counts = place(sizeof(int32_t) * 2 * num_ranks * kMaxLocalExperts);
         channel_counts = place(sizeof(int32_t) * 2 * num_ranks * kMaxChannels);
         plan = place(sizeof(int32_t) * 4);
+        op_counter = place(sizeof(uint64_t));
         control_bytes = align_up(offset, kAlignment);
     }
 };
@@ -194,7 +195,7 @@ struct Peers {
 // among the received rows), num_recv_tokens_per_expert [E / R] (int32, each aligned up to expert_alignment) and,
 // into the host-mapped block, the same counts and the number of rows received. A receiver whose rows do not fit the
 // data region (`capacity` rows) fails the dispatch on every rank (ErrorKind::kOverflow) before any row moves.
-void launch_notify_dispatch(const Control& control, const Peers& peers, uint64_t seq, const int32_t* num_sent_per_rank,
+void launch_notify_dispatch(const Control& control, const Peers& peers, const int32_t* num_sent_per_rank,
                             const int32_t* num_tokens_per_expert, int num_experts, const int32_t* channel_prefix,
                             int num_channels, int expert_alignment, int64_t capacity, int32_t* rank_prefix_matrix,
                             int32_t* recv_channel_prefix, int32_t* num_recv_tokens_per_expert,
@@ -202,7 +203,7 @@ void launch_notify_dispatch(const Control& control, const Peers& peers, uint64_t
 
 // Every rank sets its flag in every peer and waits for all (one block). Orders a new operation's writes into the
 // peers after every rank finished reading its region for the previous one.
-void launch_barrier(const Control& control, const Peers& peers, uint64_t seq, gpuStream_t stream);
+void launch_barrier(const Control& control, const Peers& peers, gpuStream_t stream);
 
 // Where the sender's rows come from: token t's x row at x + t * x_stride (bytes); scale s of token t at
 // scales + (t * scale_token_stride + s * scale_column_stride) * scale_bytes (any layout, column-major included).
@@ -221,7 +222,7 @@ struct DispatchSource {
 // rank's rows start in each receiver, send_head the position), experts rewritten to the receiver's local ids (-1 and
 // weight 0 elsewhere); then the last block publishes completion to every receiver. num_sms blocks, a warp per
 // (token, destination).
-void launch_dispatch_send(const Control& control, const Peers& peers, uint64_t seq, const DispatchSource& source,
+void launch_dispatch_send(const Control& control, const Peers& peers, const DispatchSource& source,
                           const RowFormat& format, const int32_t* send_head, const int32_t* rank_prefix_matrix,
                           int num_sms, gpuStream_t stream);
 
@@ -236,21 +237,21 @@ struct DispatchOutputs {
 };
 
 // Waits for every sender, then copies the received rows from this rank's data region into the outputs.
-void launch_dispatch_receive(const Control& control, const Peers& peers, uint64_t seq, const RowFormat& format,
+void launch_dispatch_receive(const Control& control, const Peers& peers, const RowFormat& format,
                              const int32_t* rank_prefix_matrix, const DispatchOutputs& outputs, int num_sms,
                              gpuStream_t stream);
 
 // Combine, send phase: every received row (x [num_recv, H] in `kind`, weights [num_recv, K] or null) goes back to its
 // source rank, into that rank's data region at the slot the source reads (rows from rank j after those of ranks < j).
-void launch_combine_send(const Control& control, const Peers& peers, uint64_t seq, FloatKind kind, int hidden,
-                         int num_topk, const uint8_t* x, const float* topk_weights, const int32_t* rank_prefix_matrix,
-                         int num_sms, gpuStream_t stream);
+void launch_combine_send(const Control& control, const Peers& peers, FloatKind kind, int hidden, int num_topk,
+                         const uint8_t* x, const float* topk_weights, const int32_t* rank_prefix_matrix, int num_sms,
+                         gpuStream_t stream);
 
 // Combine, reduce phase: waits for every rank's rows, then out[t] = sum over ranks r with send_head[t, r] >= 0 of
 // the row r sent back (this rank's own rows read straight from x) + bias0[t] + bias1[t], accumulated in FP32 and
 // rounded once to `kind`; out_weights[t, k] the sum of the weights sent back. A warp per token.
-void launch_combine_reduce(const Control& control, const Peers& peers, uint64_t seq, FloatKind kind, int hidden,
-                           int num_topk, const uint8_t* x, const float* topk_weights, const int32_t* rank_prefix_matrix,
+void launch_combine_reduce(const Control& control, const Peers& peers, FloatKind kind, int hidden, int num_topk,
+                           const uint8_t* x, const float* topk_weights, const int32_t* rank_prefix_matrix,
                            const int32_t* send_head, int num_tokens, const uint8_t* bias0, const uint8_t* bias1,
                            uint8_t* out, float* out_weights, int num_sms, gpuStream_t stream);
 

@@ -34,6 +34,22 @@ struct ControlView {
     __device__ int32_t* ints(size_t offset) const { return reinterpret_cast<int32_t*>(base + offset); }
 };
 
+// Operation numbers live on the device (NormalLayout::op_counter, this rank's own): the first kernel of an operation
+// (notify or barrier) takes the next one, the later kernels of the operation read it. A CUDA graph that captured a
+// dispatch and a combine therefore numbers each replay afresh, as every rank replays the same operations in the
+// same order (a number passed from the host would be frozen into the graph).
+__device__ __forceinline__ uint64_t begin_operation(uint8_t* base, const NormalLayout& layout) {
+    uint64_t* counter = reinterpret_cast<uint64_t*>(base + layout.op_counter);
+    const uint64_t seq = load_volatile(counter) + 1;
+    __syncthreads();  // every thread has read the old number
+    if (threadIdx.x == 0) *counter = seq;
+    return seq;
+}
+
+__device__ __forceinline__ uint64_t current_operation(uint8_t* base, const NormalLayout& layout) {
+    return load_volatile(reinterpret_cast<uint64_t*>(base + layout.op_counter));
+}
+
 // Rows rank i sends to rank j, from the inclusive prefix over senders.
 __device__ __forceinline__ int32_t traffic(const int32_t* prefix, int num_ranks, int i, int j) {
     return prefix[i * num_ranks + j] - (i > 0 ? prefix[(i - 1) * num_ranks + j] : 0);
@@ -73,16 +89,18 @@ __device__ __forceinline__ CombineRegion combine_region(uint8_t* data, size_t da
 // Notify and barrier
 
 __global__ void __launch_bounds__(kThreads)
-    notify_dispatch_kernel(Control control, Peers peers, uint64_t seq, const int32_t* __restrict__ num_sent_per_rank,
+    notify_dispatch_kernel(Control control, Peers peers, const int32_t* __restrict__ num_sent_per_rank,
                            const int32_t* __restrict__ num_tokens_per_expert, int num_experts,
                            const int32_t* __restrict__ channel_prefix, int num_channels, int expert_alignment,
                            int64_t capacity, int32_t* __restrict__ rank_prefix_matrix,
                            int32_t* __restrict__ recv_channel_prefix, int32_t* __restrict__ num_recv_tokens_per_expert,
                            HostMapped* host_mapped) {
-    const int R = control.num_ranks, me = control.rank, parity = static_cast<int>(seq & 1);
+    const int R = control.num_ranks, me = control.rank;
     const int local_experts = num_experts / R;
     const NormalLayout layout(R);
     if (load_volatile(control.status) != 0) return;
+    const uint64_t seq = begin_operation(peers.base[me], layout);
+    const int parity = static_cast<int>(seq & 1);
     // This rank's row of the traffic matrix and its counts per expert of each receiver, into every peer.
     for (int i = threadIdx.x; i < R * R; i += blockDim.x) {
         const int peer = i / R, j = i % R;
@@ -148,10 +166,11 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
-__global__ void barrier_kernel(Control control, Peers peers, uint64_t seq) {
+__global__ void barrier_kernel(Control control, Peers peers) {
     const int R = control.num_ranks, me = control.rank;
     const NormalLayout layout(R);
     if (load_volatile(control.status) != 0) return;
+    const uint64_t seq = begin_operation(peers.base[me], layout);
     for (int peer = threadIdx.x; peer < R; peer += blockDim.x)
         store_release(ControlView(peers.base[peer], R).flags(layout.barrier_flags) + me, seq);
     block_wait_flags(control, ControlView(peers.base[me], R).flags(layout.barrier_flags), 1, seq, Phase::kBarrier);
@@ -161,11 +180,12 @@ __global__ void barrier_kernel(Control control, Peers peers, uint64_t seq) {
 // Dispatch
 
 __global__ void __launch_bounds__(kThreads)
-    dispatch_send_kernel(Control control, Peers peers, uint64_t seq, DispatchSource source, RowFormat format,
+    dispatch_send_kernel(Control control, Peers peers, DispatchSource source, RowFormat format,
                          const int32_t* __restrict__ send_head, const int32_t* __restrict__ rank_prefix_matrix) {
     const int R = control.num_ranks, me = control.rank;
     const NormalLayout layout(R);
     if (load_volatile(control.status) != 0) return;  // the notify failed on this rank: no row moves
+    const uint64_t seq = current_operation(peers.base[me], layout);
     const int lane = threadIdx.x % kWarpSize;
     const int num_topk = format.num_topk;
     const int local_experts = source.num_experts / R;
@@ -224,11 +244,12 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    dispatch_receive_kernel(Control control, Peers peers, uint64_t seq, RowFormat format,
+    dispatch_receive_kernel(Control control, Peers peers, RowFormat format,
                             const int32_t* __restrict__ rank_prefix_matrix, DispatchOutputs out) {
     const int R = control.num_ranks, me = control.rank;
     const NormalLayout layout(R);
     if (load_volatile(control.status) != 0) return;
+    const uint64_t seq = current_operation(peers.base[me], layout);
     if (!block_wait_flags(control, ControlView(peers.base[me], R).flags(layout.dispatch_flags), 1, seq,
                           Phase::kDispatchReceive))
         return;
@@ -258,12 +279,12 @@ __global__ void __launch_bounds__(kThreads)
 // Combine
 
 __global__ void __launch_bounds__(kThreads)
-    combine_send_kernel(Control control, Peers peers, uint64_t seq, size_t x_bytes, int num_topk,
-                        const uint8_t* __restrict__ x, const float* __restrict__ topk_weights,
-                        const int32_t* __restrict__ rank_prefix_matrix) {
+    combine_send_kernel(Control control, Peers peers, size_t x_bytes, int num_topk, const uint8_t* __restrict__ x,
+                        const float* __restrict__ topk_weights, const int32_t* __restrict__ rank_prefix_matrix) {
     const int R = control.num_ranks, me = control.rank;
     const NormalLayout layout(R);
     if (load_volatile(control.status) != 0) return;
+    const uint64_t seq = current_operation(peers.base[me], layout);
     __shared__ int32_t column[kMaxNodeRanks];  // inclusive prefix of the rows this rank received, by source
     __shared__ int64_t slot_base[kMaxNodeRanks];
     __shared__ int overflow;
@@ -306,7 +327,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <bool kVector>
 __global__ void __launch_bounds__(kThreads)
-    combine_reduce_kernel(Control control, Peers peers, uint64_t seq, FloatKind kind, int hidden, int num_topk,
+    combine_reduce_kernel(Control control, Peers peers, FloatKind kind, int hidden, int num_topk,
                           const uint8_t* __restrict__ x, const float* __restrict__ topk_weights,
                           const int32_t* __restrict__ rank_prefix_matrix, const int32_t* __restrict__ send_head,
                           int num_tokens, const uint8_t* __restrict__ bias0, const uint8_t* __restrict__ bias1,
@@ -314,6 +335,7 @@ __global__ void __launch_bounds__(kThreads)
     const int R = control.num_ranks, me = control.rank;
     const NormalLayout layout(R);
     if (load_volatile(control.status) != 0) return;
+    const uint64_t seq = current_operation(peers.base[me], layout);
     if (!block_wait_flags(control, ControlView(peers.base[me], R).flags(layout.combine_flags), 1, seq,
                           Phase::kCombineReceive))
         return;
@@ -406,7 +428,7 @@ int grid_size(int num_sms) {
 
 }  // namespace
 
-void launch_notify_dispatch(const Control& control, const Peers& peers, uint64_t seq, const int32_t* num_sent_per_rank,
+void launch_notify_dispatch(const Control& control, const Peers& peers, const int32_t* num_sent_per_rank,
                             const int32_t* num_tokens_per_expert, int num_experts, const int32_t* channel_prefix,
                             int num_channels, int expert_alignment, int64_t capacity, int32_t* rank_prefix_matrix,
                             int32_t* recv_channel_prefix, int32_t* num_recv_tokens_per_expert,
@@ -416,43 +438,43 @@ void launch_notify_dispatch(const Control& control, const Peers& peers, uint64_t
     if (num_channels < 1 || num_channels > kMaxChannels)
         throw std::invalid_argument("mtdeepep: the channel count must lie in [1, 128]");
     notify_dispatch_kernel<<<1, kThreads, 0, stream>>>(
-        control, peers, seq, num_sent_per_rank, num_tokens_per_expert, num_experts, channel_prefix, num_channels,
+        control, peers, num_sent_per_rank, num_tokens_per_expert, num_experts, channel_prefix, num_channels,
         std::max(1, expert_alignment), capacity, rank_prefix_matrix, recv_channel_prefix, num_recv_tokens_per_expert,
         host_mapped_device);
     check_launch("dispatch notify");
 }
 
-void launch_barrier(const Control& control, const Peers& peers, uint64_t seq, gpuStream_t stream) {
-    barrier_kernel<<<1, kWarpSize*((control.num_ranks + kWarpSize - 1) / kWarpSize), 0, stream>>>(control, peers, seq);
+void launch_barrier(const Control& control, const Peers& peers, gpuStream_t stream) {
+    barrier_kernel<<<1, kWarpSize*((control.num_ranks + kWarpSize - 1) / kWarpSize), 0, stream>>>(control, peers);
     check_launch("barrier");
 }
 
-void launch_dispatch_send(const Control& control, const Peers& peers, uint64_t seq, const DispatchSource& source,
+void launch_dispatch_send(const Control& control, const Peers& peers, const DispatchSource& source,
                           const RowFormat& format, const int32_t* send_head, const int32_t* rank_prefix_matrix,
                           int num_sms, gpuStream_t stream) {
-    dispatch_send_kernel<<<grid_size(num_sms), kThreads, 0, stream>>>(control, peers, seq, source, format, send_head,
+    dispatch_send_kernel<<<grid_size(num_sms), kThreads, 0, stream>>>(control, peers, source, format, send_head,
                                                                       rank_prefix_matrix);
     check_launch("dispatch send");
 }
 
-void launch_dispatch_receive(const Control& control, const Peers& peers, uint64_t seq, const RowFormat& format,
+void launch_dispatch_receive(const Control& control, const Peers& peers, const RowFormat& format,
                              const int32_t* rank_prefix_matrix, const DispatchOutputs& outputs, int num_sms,
                              gpuStream_t stream) {
-    dispatch_receive_kernel<<<grid_size(num_sms), kThreads, 0, stream>>>(control, peers, seq, format,
-                                                                         rank_prefix_matrix, outputs);
+    dispatch_receive_kernel<<<grid_size(num_sms), kThreads, 0, stream>>>(control, peers, format, rank_prefix_matrix,
+                                                                         outputs);
     check_launch("dispatch receive");
 }
 
-void launch_combine_send(const Control& control, const Peers& peers, uint64_t seq, FloatKind kind, int hidden,
-                         int num_topk, const uint8_t* x, const float* topk_weights, const int32_t* rank_prefix_matrix,
-                         int num_sms, gpuStream_t stream) {
-    combine_send_kernel<<<grid_size(num_sms), kThreads, 0, stream>>>(
-        control, peers, seq, float_kind_bytes(kind) * hidden, num_topk, x, topk_weights, rank_prefix_matrix);
+void launch_combine_send(const Control& control, const Peers& peers, FloatKind kind, int hidden, int num_topk,
+                         const uint8_t* x, const float* topk_weights, const int32_t* rank_prefix_matrix, int num_sms,
+                         gpuStream_t stream) {
+    combine_send_kernel<<<grid_size(num_sms), kThreads, 0, stream>>>(control, peers, float_kind_bytes(kind) * hidden,
+                                                                     num_topk, x, topk_weights, rank_prefix_matrix);
     check_launch("combine send");
 }
 
-void launch_combine_reduce(const Control& control, const Peers& peers, uint64_t seq, FloatKind kind, int hidden,
-                           int num_topk, const uint8_t* x, const float* topk_weights, const int32_t* rank_prefix_matrix,
+void launch_combine_reduce(const Control& control, const Peers& peers, FloatKind kind, int hidden, int num_topk,
+                           const uint8_t* x, const float* topk_weights, const int32_t* rank_prefix_matrix,
                            const int32_t* send_head, int num_tokens, const uint8_t* bias0, const uint8_t* bias1,
                            uint8_t* out, float* out_weights, int num_sms, gpuStream_t stream) {
     // The vector path needs every row 16-byte aligned: the row size, x, the biases and the output.
@@ -461,7 +483,7 @@ void launch_combine_reduce(const Control& control, const Peers& peers, uint64_t 
                                 reinterpret_cast<uintptr_t>(bias1) | reinterpret_cast<uintptr_t>(out);
     const bool vector = x_bytes % 16 == 0 && (addresses & 15u) == 0;
     auto kernel = vector ? combine_reduce_kernel<true> : combine_reduce_kernel<false>;
-    kernel<<<grid_size(num_sms), kThreads, 0, stream>>>(control, peers, seq, kind, hidden, num_topk, x, topk_weights,
+    kernel<<<grid_size(num_sms), kThreads, 0, stream>>>(control, peers, kind, hidden, num_topk, x, topk_weights,
                                                         rank_prefix_matrix, send_head, num_tokens, bias0, bias1, out,
                                                         out_weights);
     check_launch("combine reduce");

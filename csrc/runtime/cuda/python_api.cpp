@@ -128,19 +128,19 @@ PYBIND11_MODULE(_C_cuda, m) {
              })
         // ---- normal mode ----
         .def("notify",
-             [](DeviceBuffer& b, uint64_t seq, uintptr_t num_sent, uintptr_t per_expert, int num_experts,
-                uintptr_t channel_prefix, int num_channels, int expert_alignment, int64_t capacity, uintptr_t prefix,
+             [](DeviceBuffer& b, uintptr_t num_sent, uintptr_t per_expert, int num_experts, uintptr_t channel_prefix,
+                int num_channels, int expert_alignment, int64_t capacity, uintptr_t prefix,
                 uintptr_t recv_channel_prefix, uintptr_t recv_per_expert, uintptr_t stream) {
-                 launch_notify_dispatch(b.control(), b.peers(), seq, ptr<const int32_t>(num_sent),
+                 launch_notify_dispatch(b.control(), b.peers(), ptr<const int32_t>(num_sent),
                                         ptr<const int32_t>(per_expert), num_experts, ptr<const int32_t>(channel_prefix),
                                         num_channels, expert_alignment, capacity, ptr<int32_t>(prefix),
                                         ptr<int32_t>(recv_channel_prefix), ptr<int32_t>(recv_per_expert),
                                         b.host_mapped_device(), stream_of(stream));
              })
-        .def("barrier", [](DeviceBuffer& b, uint64_t seq,
-                           uintptr_t stream) { launch_barrier(b.control(), b.peers(), seq, stream_of(stream)); })
+        .def("barrier",
+             [](DeviceBuffer& b, uintptr_t stream) { launch_barrier(b.control(), b.peers(), stream_of(stream)); })
         .def("dispatch_send",
-             [](DeviceBuffer& b, uint64_t seq, uintptr_t x, int64_t x_stride, size_t x_bytes, uintptr_t scales,
+             [](DeviceBuffer& b, uintptr_t x, int64_t x_stride, size_t x_bytes, uintptr_t scales,
                 int64_t scale_token_stride, int64_t scale_column_stride, int num_scales, size_t scale_bytes,
                 uintptr_t topk_idx, uintptr_t topk_weights, int num_topk, int num_tokens, int num_experts,
                 uintptr_t send_head, uintptr_t prefix, int num_sms, uintptr_t stream) {
@@ -154,32 +154,31 @@ PYBIND11_MODULE(_C_cuda, m) {
                                        num_tokens,
                                        num_experts};
                  launch_dispatch_send(
-                     b.control(), b.peers(), seq, source, row_format(x_bytes, num_scales, scale_bytes, num_topk),
+                     b.control(), b.peers(), source, row_format(x_bytes, num_scales, scale_bytes, num_topk),
                      ptr<const int32_t>(send_head), ptr<const int32_t>(prefix), num_sms, stream_of(stream));
              })
         .def("dispatch_receive",
-             [](DeviceBuffer& b, uint64_t seq, size_t x_bytes, int num_scales, size_t scale_bytes, int num_topk,
-                uintptr_t prefix, uintptr_t out_x, uintptr_t out_scales, uintptr_t out_topk_idx,
-                uintptr_t out_topk_weights, uintptr_t out_src_idx, int64_t num_rows, int num_sms, uintptr_t stream) {
+             [](DeviceBuffer& b, size_t x_bytes, int num_scales, size_t scale_bytes, int num_topk, uintptr_t prefix,
+                uintptr_t out_x, uintptr_t out_scales, uintptr_t out_topk_idx, uintptr_t out_topk_weights,
+                uintptr_t out_src_idx, int64_t num_rows, int num_sms, uintptr_t stream) {
                  DispatchOutputs outputs{ptr<uint8_t>(out_x),        ptr<uint8_t>(out_scales),
                                          ptr<int64_t>(out_topk_idx), ptr<float>(out_topk_weights),
                                          ptr<int32_t>(out_src_idx),  num_rows};
-                 launch_dispatch_receive(b.control(), b.peers(), seq,
-                                         row_format(x_bytes, num_scales, scale_bytes, num_topk),
+                 launch_dispatch_receive(b.control(), b.peers(), row_format(x_bytes, num_scales, scale_bytes, num_topk),
                                          ptr<const int32_t>(prefix), outputs, num_sms, stream_of(stream));
              })
         .def("combine_send",
-             [](DeviceBuffer& b, uint64_t seq, int kind, int hidden, int num_topk, uintptr_t x, uintptr_t topk_weights,
+             [](DeviceBuffer& b, int kind, int hidden, int num_topk, uintptr_t x, uintptr_t topk_weights,
                 uintptr_t prefix, int num_sms, uintptr_t stream) {
-                 launch_combine_send(b.control(), b.peers(), seq, static_cast<FloatKind>(kind), hidden, num_topk,
+                 launch_combine_send(b.control(), b.peers(), static_cast<FloatKind>(kind), hidden, num_topk,
                                      ptr<const uint8_t>(x), ptr<const float>(topk_weights), ptr<const int32_t>(prefix),
                                      num_sms, stream_of(stream));
              })
         .def("combine_reduce",
-             [](DeviceBuffer& b, uint64_t seq, int kind, int hidden, int num_topk, uintptr_t x, uintptr_t topk_weights,
+             [](DeviceBuffer& b, int kind, int hidden, int num_topk, uintptr_t x, uintptr_t topk_weights,
                 uintptr_t prefix, uintptr_t send_head, int num_tokens, uintptr_t bias0, uintptr_t bias1, uintptr_t out,
                 uintptr_t out_weights, int num_sms, uintptr_t stream) {
-                 launch_combine_reduce(b.control(), b.peers(), seq, static_cast<FloatKind>(kind), hidden, num_topk,
+                 launch_combine_reduce(b.control(), b.peers(), static_cast<FloatKind>(kind), hidden, num_topk,
                                        ptr<const uint8_t>(x), ptr<const float>(topk_weights),
                                        ptr<const int32_t>(prefix), ptr<const int32_t>(send_head), num_tokens,
                                        ptr<const uint8_t>(bias0), ptr<const uint8_t>(bias1), ptr<uint8_t>(out),
