@@ -150,7 +150,7 @@ class CudaEngine(Engine):
     def destroy(self) -> None:
         if os.getpid() != self._creator_pid or self.buffer.destroyed:
             return  # a forked child: CUDA state does not survive fork; the parent releases
-        if self._failed is None and self.buffer.status() == 0:
+        if self.buffer.connected and self._failed is None and self.buffer.status() == 0:
             # Every rank stops using the others' memory before any frees its own.
             try:
                 self.buffer.barrier(self.comm_stream.cuda_stream)

@@ -102,6 +102,7 @@ PYBIND11_MODULE(_C_cuda, m) {
         .def("set_timeout", &DeviceBuffer::set_timeout)
         .def("destroy", &DeviceBuffer::destroy, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("destroyed", &DeviceBuffer::destroyed)
+        .def_property_readonly("connected", &DeviceBuffer::connected)
         .def_property_readonly("num_sms", &DeviceBuffer::num_sms)
         .def_property_readonly("rank", &DeviceBuffer::rank)
         .def_property_readonly("num_ranks", &DeviceBuffer::num_ranks)
