@@ -5,7 +5,8 @@
 # its import (the CUDA runtime is linked statically: no GPU or driver needed to load it). Skips with a message when
 # nvcc is absent. MODULE_OUT=<dir>: keep the linked module there (the build tests import it).
 # Arguments: .cu files to check instead of all of them (the host sources are then skipped).
-# Environment: NVCC (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc), PYTHON (default: python), JOBS (2).
+# Environment: NVCC (default: nvcc on PATH, else /usr/local/cuda/bin/nvcc), CHECK_CUDA_PYTHON (the interpreter with
+# torch; default: .venv/bin/python when it exists, else python), JOBS (2).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -19,7 +20,13 @@ if [[ -z "$NVCC" ]]; then
     echo "[check_cuda] nvcc not found: skipping the CUDA compile check"
     exit 0
 fi
-PYTHON="${PYTHON:-python}"
+if [[ -n "${CHECK_CUDA_PYTHON:-}" ]]; then
+    PYTHON="$CHECK_CUDA_PYTHON"
+elif [[ -x .venv/bin/python ]]; then
+    PYTHON="$(pwd)/.venv/bin/python"
+else
+    PYTHON="$(command -v python || command -v python3)"
+fi
 JOBS="${JOBS:-2}"
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
@@ -58,6 +65,7 @@ if [[ -n "$TORCH_INCLUDE" && -n "$PY_INCLUDE" && -f "$PY_INCLUDE/Python.h" ]]; t
         mkdir -p "$MODULE_OUT" && cp "$OUT/_C_cuda$SUFFIX" "$MODULE_OUT/"
     fi
 else
-    echo "[check_cuda] torch or the Python headers not found: skipping the host sources"
+    echo "[check_cuda] the .cu files compile; torch or the Python headers not found: host sources NOT checked"
+    exit 0
 fi
-echo "[check_cuda] all GPU sources compile"
+echo "[check_cuda] all GPU sources compile, the module links and imports"

@@ -30,7 +30,7 @@ def _nvcc() -> str | None:
 def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHON": sys.executable, **env},
+        env={**os.environ, "CHECK_CUDA_PYTHON": sys.executable, **env},
     )  # fmt: skip
 
 
