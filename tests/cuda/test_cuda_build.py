@@ -90,6 +90,7 @@ def test_cuda_engine_module_imports_on_a_cpu_build():
 
     has_module = _cuda_engine._C_cuda is not None
     assert ("cuda" in _engine.NODE_ENGINES) == has_module
+    assert not _cuda_engine.CudaEngine.__abstractmethods__  # the whole engine seam is implemented
 
 
 # ---- the linked module (built by check_cuda.sh without a GPU: the CUDA runtime is linked statically) ----
