@@ -1,5 +1,6 @@
-"""Builds mtdeepep._C: the CPU runtime always; CUDA kernels when a CUDA build of torch and nvcc are present;
-the same kernels through torch_musa's builder when torch_musa is importable (Moore Threads GPUs)."""
+"""Builds mtdeepep._C (the CPU executor) always, and mtdeepep._C_cuda (the GPU executor) when a CUDA build of torch
+and nvcc are present, or the same sources through torch_musa's builder when torch_musa and the MUSA toolkit are
+(Moore Threads GPUs). MTDEEPEP_DISABLE_CUDA=1 skips the GPU executor."""
 
 import glob
 import os
@@ -31,32 +32,54 @@ def cuda_available() -> bool:
     return torch.version.cuda is not None and shutil.which(os.environ.get("NVCC", "nvcc")) is not None
 
 
-def make_extension():
+def musa_sources(gpu_sources: list[str]) -> list[str]:
+    """torch_musa's builder hands `.mu` files to mcc: one `.mu` per `.cu` that includes it (the sources stay one)."""
+    out_dir = os.path.join(ROOT, "build", "musa_sources")
+    os.makedirs(out_dir, exist_ok=True)
+    result = []
+    for source in gpu_sources:
+        if not source.endswith(".cu"):
+            result.append(source)
+            continue
+        wrapper = os.path.join(out_dir, os.path.basename(source)[: -len(".cu")] + ".mu")
+        with open(wrapper, "w") as f:
+            f.write(f'#include "{os.path.join(ROOT, source)}"\n')
+        result.append(os.path.relpath(wrapper, ROOT))
+    return result
+
+
+def make_extensions():
+    """`mtdeepep._C` (the CPU executor, always), plus `mtdeepep._C_cuda` (the GPU executor: csrc/kernels/cuda and
+    csrc/runtime/cuda) built for MUSA when torch_musa and its toolkit are present, else for CUDA when torch is a CUDA
+    build and nvcc exists; neither: the CPU build alone, unchanged."""
     cpu_sources = [p for p in sources("csrc/**/*.cpp") if "/cuda/" not in p and "/musa/" not in p]
-    gpu_sources = sources("csrc/kernels/cuda/**/*.cu")
     include_dirs = [os.path.join(ROOT, "csrc")]
-    if gpu_sources and musa_available():
+    extensions = [CppExtension("mtdeepep._C", cpu_sources, include_dirs=include_dirs, extra_compile_args=CXX_FLAGS)]
+    gpu_sources = sources("csrc/kernels/cuda/*.cu") + sources("csrc/runtime/cuda/*.cpp")
+    if musa_available():
         from torch_musa.utils.musa_extension import MUSAExtension
 
-        return MUSAExtension(
-            "mtdeepep._C",
-            cpu_sources + gpu_sources,
-            include_dirs=include_dirs,
-            define_macros=[("MTDEEPEP_WITH_GPU", "1"), ("MTDEEPEP_MUSA", "1")],
-            extra_compile_args={"cxx": CXX_FLAGS, "mcc": ["-O3", "-std=c++17"]},
+        extensions.append(
+            MUSAExtension(
+                "mtdeepep._C_cuda",
+                musa_sources(gpu_sources),
+                include_dirs=include_dirs,
+                define_macros=[("MTDEEPEP_MUSA", "1")],
+                extra_compile_args={"cxx": CXX_FLAGS + ["-DMTDEEPEP_MUSA"], "mcc": ["-O3", "-std=c++17"]},
+            )
         )
-    if gpu_sources and cuda_available():
-        return CUDAExtension(
-            "mtdeepep._C",
-            cpu_sources + gpu_sources,
-            include_dirs=include_dirs,
-            define_macros=[("MTDEEPEP_WITH_GPU", "1")],
-            extra_compile_args={
-                "cxx": CXX_FLAGS,
-                "nvcc": ["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"],
-            },
+    elif cuda_available():
+        # TORCH_CUDA_ARCH_LIST, when set, chooses the targets (torch's builder); else Hopper, as CI checks.
+        arch = [] if os.environ.get("TORCH_CUDA_ARCH_LIST") else ["-gencode=arch=compute_90a,code=sm_90a"]
+        extensions.append(
+            CUDAExtension(
+                "mtdeepep._C_cuda",
+                gpu_sources,
+                include_dirs=include_dirs,
+                extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", "-std=c++17", *arch]},
+            )
         )
-    return CppExtension("mtdeepep._C", cpu_sources, include_dirs=include_dirs, extra_compile_args=CXX_FLAGS)
+    return extensions
 
 
 setup(
@@ -64,7 +87,7 @@ setup(
     version="0.1.0",
     description="DeepEP-compatible expert-parallel communication for MoE training on CPUs, CUDA and MUSA GPUs",
     packages=find_packages(include=["mtdeepep", "mtdeepep.*", "moe", "moe.*"]),
-    ext_modules=[make_extension()],
+    ext_modules=make_extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
     python_requires=">=3.9",
     install_requires=["torch>=2.4", "numpy"],

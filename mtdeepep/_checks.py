@@ -78,6 +78,14 @@ def check_tensor(
     return tensor
 
 
+def values_readable(tensor: torch.Tensor) -> bool:
+    """Whether checks may read `tensor`'s values: not while a CUDA graph is being captured (reading a device value
+    synchronises the host, which capture forbids: the graph path of dispatch/combine checks shapes only)."""
+    if tensor.device.type != "cuda":
+        return True
+    return not torch.cuda.is_current_stream_capturing()
+
+
 def check_num_experts(num_experts: Any, num_ranks: int) -> int:
     require(isinstance(num_experts, int) and not isinstance(num_experts, bool) and num_experts > 0,
             f"num_experts must be a positive int, got {num_experts!r}")  # fmt: skip
@@ -90,7 +98,7 @@ def check_topk_idx(topk_idx: Any, num_experts: int, device: torch.device, num_to
     check_tensor("topk_idx", topk_idx, dim=2, dtypes=(torch.int64,), device=device)
     if num_tokens is not None:
         require(topk_idx.size(0) == num_tokens, f"topk_idx has {topk_idx.size(0)} rows but x has {num_tokens} tokens")
-    if topk_idx.numel():
+    if topk_idx.numel() and values_readable(topk_idx):
         low, high = int(topk_idx.min()), int(topk_idx.max())
         require(low >= -1 and high < num_experts,
                 f"topk_idx values must lie in [-1, {num_experts}), found range [{low}, {high}]")  # fmt: skip
@@ -141,7 +149,7 @@ def check_layout_tensors(num_tokens: int, num_ranks: int, num_nodes: int, per_ra
     check_tensor("is_token_in_rank", in_rank, dtypes=(torch.bool,), shape=(num_tokens, num_ranks), device=device)
     if per_node is not None:
         check_tensor("num_tokens_per_rdma_rank", per_node, dtypes=(torch.int32,), shape=(num_nodes,), device=device)
-    if layout_ready:
+    if layout_ready and values_readable(in_rank):
         require(torch.equal(in_rank.sum(dim=0, dtype=torch.int32), per_rank),
                 "num_tokens_per_rank does not match is_token_in_rank's column sums")  # fmt: skip
         if per_node is not None:

@@ -5,6 +5,8 @@ the data: set-up exchange, layout, dispatch, combine, low-latency dispatch/combi
 (`mtdeepep._C.EventHandle`). Arguments reach it already checked (shapes, dtypes, devices, contiguity, values).
 
 - `CpuEngine` (`mtdeepep._cpu_engine`): the ranks of one host through shared memory (the CPU executor).
+- `CudaEngine` (`mtdeepep._cuda_engine`): the ranks of one node through GPU buffers opened with CUDA IPC (the same
+  sources built for MUSA).
 - `InternodeEngine` (`mtdeepep._internode`): several nodes; composes one node engine (any executor) with a network
   stage over torch.distributed. It never goes through a facade.
 
@@ -148,9 +150,25 @@ NODE_ENGINES: dict[str, Callable[..., Engine]] = {}
 
 
 def engine_device(group: dist.ProcessGroup) -> torch.device:
-    """The device whose executor serves `group`. The CPU executor is the only one compiled in this build; a GPU
-    executor would be chosen here from the group's backend and the current device."""
-    return torch.device("cpu")
+    """The device whose executor serves `group`, chosen once at set-up:
+
+    - `MTDEEPEP_DEVICE` (`cpu`, `cuda` or `musa`), when set: e.g. several processes sharing one GPU, whose control
+      group is gloo (NCCL refuses two ranks on one GPU) while the data moves through CUDA IPC;
+    - else the group's backend: NCCL means the ranks' tensors live on their current CUDA device, MCCL on their MUSA
+      device (torch_musa); gloo (or anything else) means CPU tensors, the CPU executor.
+    """
+    choice = os.environ.get("MTDEEPEP_DEVICE", "").strip().lower()
+    if not choice:
+        backend = str(dist.get_backend(group)).lower()
+        choice = "cuda" if "nccl" in backend else "musa" if "mccl" in backend else "cpu"
+    if choice not in ("cpu", "cuda", "musa"):
+        raise ValueError(f"mtdeepep: MTDEEPEP_DEVICE must be cpu, cuda or musa, got {choice!r}")
+    if choice == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, choice, None)
+    if module is None or not module.is_available():
+        raise _C.CommError(f"mtdeepep: the {choice} executor was chosen but no {choice} device is available")
+    return torch.device(choice, module.current_device())
 
 
 def create_engine(
@@ -164,6 +182,15 @@ def create_engine(
     from ._internode import InternodeEngine
 
     device = engine_device(group)
+    if device.type != "cpu":
+        from . import _cuda_engine  # noqa: F401  (registers the GPU executor when this build has one)
+    if device.type not in NODE_ENGINES:
+        raise _C.CommError(f"mtdeepep: this build has no {device.type} executor (mtdeepep._C_cuda is missing)")
+    if device.type != "cpu" and resolve_num_ranks_per_node(num_ranks_per_node, group.size()) < group.size():
+        raise ValueError(
+            f"mtdeepep: the {device.type} executor serves the ranks of one node; groups spanning several nodes run on "
+            "the CPU executor only for now"
+        )
     num_ranks = group.size()
     per_node = resolve_num_ranks_per_node(num_ranks_per_node, num_ranks)
     node, local_rank = divmod(group.rank(), per_node)

@@ -174,10 +174,11 @@ class Buffer:
 
     def get_comm_stream(self):
         """The CUDA stream of GPU executors; the CPU executor's comm thread has no stream object: None."""
-        return None
+        return getattr(self._engine, "comm_stream", None)
 
     def get_local_device_id(self) -> int:
-        return -1
+        """The GPU of a GPU executor; -1 on the CPU executor."""
+        return -1 if self.device.type == "cpu" or self.device.index is None else self.device.index
 
     def get_num_rdma_ranks(self) -> int:
         """The number of nodes (1 within one node)."""

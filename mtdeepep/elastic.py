@@ -364,7 +364,7 @@ class ElasticBuffer:
 
     def get_comm_stream(self):
         """The CUDA stream of GPU executors; the CPU executor's comm thread has no stream object: None."""
-        return None
+        return getattr(self._engine, "comm_stream", None)
 
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False, sequential: bool = True) -> None:
         """Wait for every rank of the group (the stream and ordering options concern GPUs only)."""

@@ -7,5 +7,7 @@ ruff check .
 ruff format --check .
 echo "[test] clang-format"
 clang-format --dry-run --Werror $(find csrc -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh')
+echo "[test] CUDA compile check"
+bash "$(dirname "${BASH_SOURCE[0]}")/check_cuda.sh"
 echo "[test] pytest"
 python -m pytest -q "$@"

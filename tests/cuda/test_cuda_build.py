@@ -1,0 +1,183 @@
+"""Checks of the GPU executor that run without a GPU: the CUDA compile check catches a kernel that does not compile,
+the CPU build stays importable and chooses the CPU executor, and the executor choice refuses what it cannot serve."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mtdeepep
+from mtdeepep import _engine
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "check_cuda.sh"
+
+
+def _nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found is None and os.access("/usr/local/cuda/bin/nvcc", os.X_OK):
+        found = "/usr/local/cuda/bin/nvcc"
+    return found
+
+
+def _run(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "CHECK_CUDA_PYTHON": sys.executable, **env},
+    )  # fmt: skip
+
+
+def test_check_cuda_refuses_a_missing_compiler():
+    result = _run(NVCC="/nonexistent/nvcc")
+    assert result.returncode == 2
+    assert "not an executable" in result.stderr
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc is not installed")
+def test_check_cuda_fails_on_a_kernel_that_does_not_compile(tmp_path):
+    broken = tmp_path / "broken.cu"
+    # A real use of the device header with a type error: an int4 assigned to a float.
+    broken.write_text(
+        '#include "kernels/cuda/device.cuh"\n'
+        "__global__ void k(float* out, const int4* in) { out[threadIdx.x] = in[threadIdx.x]; }\n"
+    )
+    result = _run(str(broken), NVCC=_nvcc())
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "ok " not in result.stdout
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc is not installed")
+def test_check_cuda_passes_on_the_host_helpers():
+    result = _run("csrc/kernels/cuda/common.cu", NVCC=_nvcc())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ok csrc/kernels/cuda/common.cu" in result.stdout
+
+
+def test_cpu_build_imports_and_serves_cpu(monkeypatch):
+    assert "cpu" in _engine.NODE_ENGINES
+    monkeypatch.delenv("MTDEEPEP_DEVICE", raising=False)
+    monkeypatch.setattr(_engine.dist, "get_backend", lambda group: "gloo")
+    assert _engine.engine_device(object()) == torch.device("cpu")
+    assert mtdeepep.Buffer is not None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_choice_without_a_device_raises(monkeypatch):
+    monkeypatch.setenv("MTDEEPEP_DEVICE", "cuda")
+    with pytest.raises(mtdeepep.CommError, match="no cuda device"):
+        _engine.engine_device(object())
+    monkeypatch.delenv("MTDEEPEP_DEVICE")
+    monkeypatch.setattr(_engine.dist, "get_backend", lambda group: "nccl")
+    with pytest.raises(mtdeepep.CommError, match="no cuda device"):
+        _engine.engine_device(object())
+
+
+def test_unknown_device_choice_is_a_value_error(monkeypatch):
+    monkeypatch.setenv("MTDEEPEP_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="MTDEEPEP_DEVICE"):
+        _engine.engine_device(object())
+
+
+def test_cuda_engine_module_imports_on_a_cpu_build():
+    from mtdeepep import _cuda_engine
+
+    has_module = _cuda_engine._C_cuda is not None
+    assert ("cuda" in _engine.NODE_ENGINES) == has_module
+    assert not _cuda_engine.CudaEngine.__abstractmethods__  # the whole engine seam is implemented
+
+
+# ---- the linked module (built by check_cuda.sh without a GPU: the CUDA runtime is linked statically) ----
+
+
+@pytest.fixture(scope="module")
+def cuda_module(tmp_path_factory):
+    if _nvcc() is None:
+        pytest.skip("nvcc is not installed")
+    out = tmp_path_factory.mktemp("c_cuda")
+    result = _run(NVCC=_nvcc(), MODULE_OUT=str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    (path,) = out.glob("_C_cuda*.so")
+    spec = importlib.util.spec_from_file_location("_C_cuda", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_timeout_word_names_rank_peer_and_phase(cuda_module):
+    m = cuda_module
+    phase_dispatch_receive = 3
+    code = m.encode_error(m.ERROR_TIMEOUT, phase_dispatch_receive, 2, 1)
+    assert m.error_kind(code) == m.ERROR_TIMEOUT and m.error_peer(code) == 2
+    message = m.error_message(code)
+    assert "rank 1 timed out" in message and "waiting for rank 2" in message and "dispatch: rows received" in message
+    assert m.error_message(0) == ""
+
+
+class _FakeBuffer:
+    destroyed = False
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def status(self) -> int:
+        return self.code
+
+
+def _engine_with_status(monkeypatch, module, code: int):
+    from mtdeepep import _cuda_engine
+
+    monkeypatch.setattr(_cuda_engine, "_C_cuda", module)
+    engine = object.__new__(_cuda_engine.CudaEngine)
+    engine._failed, engine.buffer = None, _FakeBuffer(code)
+    return engine
+
+
+def test_engine_raises_comm_timeout_from_the_status_word(monkeypatch, cuda_module):
+    m = cuda_module
+    engine = _engine_with_status(monkeypatch, m, 0)
+    engine.check()  # no error: nothing raised
+    engine.buffer.code = m.encode_error(m.ERROR_TIMEOUT, 4, 3, 0)
+    with pytest.raises(mtdeepep.CommTimeoutError, match="rank 0 timed out .* waiting for rank 3"):
+        engine.check()
+    with pytest.raises(mtdeepep.CommTimeoutError):  # the buffer stays failed
+        engine.check()
+
+
+def test_engine_raises_comm_error_when_a_peer_failed(monkeypatch, cuda_module):
+    m = cuda_module
+    engine = _engine_with_status(monkeypatch, m, m.encode_error(m.ERROR_PEER_FAILED, 1, 2, 0))
+    with pytest.raises(mtdeepep.CommError, match="because rank 2 failed") as caught:
+        engine.check()
+    assert not isinstance(caught.value, mtdeepep.CommTimeoutError)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_device_buffer_without_a_gpu_raises_cleanly(cuda_module):
+    with pytest.raises(RuntimeError, match="mtdeepep: "):
+        cuda_module.DeviceBuffer(0, 2, 1 << 20, 0, 5.0, 0)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "ranks", "experts"), [(128, 7168, 8, 256), (64, 2048, 2, 8), (3, 100, 4, 4)]
+)
+def test_low_latency_size_hint_covers_the_cuda_layout(cuda_module, tokens, hidden, ranks, experts):
+    """Buffer.get_low_latency_rdma_size_hint (the CPU layout's) must be enough for the CUDA layout too."""
+    layout = cuda_module.low_latency_layout(tokens, hidden, ranks, experts)
+    needed = layout["control_bytes"] + 2 * layout["half_bytes"]
+    assert needed <= mtdeepep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, ranks, experts)
+    assert layout["recv_x"] % 4096 == 0 and layout["combine_recv"] % 4096 == 0  # 16-byte rows stay aligned
+
+
+def test_normal_capacity_fits_the_region(cuda_module):
+    nbytes = 1 << 26
+    for x_bytes, num_scales, num_topk in [(7168 * 2, 0, 8), (7168, 56, 8), (100 * 4, 0, 0), (6, 1, 1)]:
+        capacity = cuda_module.normal_capacity(8, nbytes, x_bytes, num_scales, 4, num_topk)
+        per_row = x_bytes + 4 * num_scales + 12 * num_topk + 4
+        assert capacity > 0 and capacity * per_row <= nbytes
