@@ -198,13 +198,16 @@ def environment() -> dict[str, Any]:
 
 
 def random_routing(
-    num_tokens: int, hidden: int, num_experts: int, num_topk: int, seed: int
+    num_tokens: int, hidden: int, num_experts: int, num_topk: int, seed: int, skewed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random activations and routing: `(x [T, H] bfloat16, topk_idx [T, K] int64, topk_weights [T, K] float32)`,
-    each token taking the top-k of random expert scores, weighted by the softmax of those scores."""
+    each token taking the top-k of random expert scores, weighted by the softmax of those scores. `skewed`: the
+    scores scaled by a factor falling from 4 to 1/4 across the experts (the first experts take most tokens)."""
     gen = torch.Generator().manual_seed(seed)
     x_TH = torch.randn(num_tokens, hidden, generator=gen).to(torch.bfloat16)
     scores_TE = torch.rand(num_tokens, num_experts, generator=gen)
+    if skewed:
+        scores_TE = scores_TE * torch.logspace(2, -2, num_experts, base=2.0)
     top_scores_TK, topk_idx_TK = scores_TE.topk(num_topk, dim=1)
     return x_TH, topk_idx_TK, top_scores_TK.softmax(dim=1)
 

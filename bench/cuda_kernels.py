@@ -73,6 +73,7 @@ from _common import (
     make_parser,
     parse_int_list,
     print_table,
+    random_routing,
     run_ranks,
     save_results,
 )
@@ -114,15 +115,8 @@ CONFIG_HELP = {
 
 
 def make_routing(rank: int, num_tokens: int, hidden: int, num_experts: int, num_topk: int, routing: str, seed: int):
-    """Host `(x [T, H] bf16, topk_idx [T, K] int64, topk_weights [T, K] float32)`: the top-k of random scores
-    (skewed: scaled by a factor falling from 4 to 1/4 across the experts), weights their softmax."""
-    gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
-    scores = torch.rand(num_tokens, num_experts, generator=gen)
-    if routing == "skewed":
-        scores = scores * torch.logspace(2, -2, num_experts, base=2.0)
-    top, topk_idx = scores.topk(num_topk, dim=1)
-    return x, topk_idx, top.softmax(dim=1)
+    """This rank's host inputs (`_common.random_routing`, skewed for `routing == 'skewed'`)."""
+    return random_routing(num_tokens, hidden, num_experts, num_topk, seed * 1000 + rank, skewed=routing == "skewed")
 
 
 def timed_graph(fn: Callable[[], Any], iters: int, warmup: int, group) -> tuple[float, str, Any]:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import tomllib
 from _common import RESULTS_DIR, environment, num_cores, print_table, save_results
-from train_layouts import TRAIN_PY, _dump_toml
+from train_layouts import _dump_toml, bench_config, train_rank
 
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.plan.devices import CPU, DeviceSpec
@@ -82,42 +82,10 @@ def candidate(name: str) -> Candidate:
     return Candidate(world=processes, **{**base, **fields})
 
 
-def check_config(args, out: Path) -> Path:
-    """The config with this check's batch, steps and dtype (no checkpoint but the last, after the last record)."""
-    doc = tomllib.loads((REPO / args.config).read_text())
-    doc["training"].update(
-        global_batch=args.global_batch, seq_len=args.seq_len, micro_batches=args.micro_batches, steps=args.steps,
-        warmup_steps=1, dtype=args.dtype, checkpoint_every=0, log_every=args.steps,
-    )  # fmt: skip
-    path = out / "config.toml"
-    path.write_text(_dump_toml(doc))
-    return path
-
-
-def train_rank(proc, argv: list[str]) -> None:
-    """One rank of `train.py argv` with torchrun's environment, on ONE intra-op thread (see the module docstring)."""
-    import importlib.util
-    import os
-
-    import torch
-
-    os.environ.update(
-        RANK=str(proc.rank), LOCAL_RANK=str(proc.rank), WORLD_SIZE=str(proc.num_processes),
-        LOCAL_WORLD_SIZE=str(proc.num_processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(proc.port),
-        GLOO_SOCKET_IFNAME="lo",
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    spec = importlib.util.spec_from_file_location("dsv3_train", TRAIN_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if module.main(argv) != 0:
-        raise RuntimeError("train.py failed")
-
-
 def run_train(processes: int, flags: list[str], config: Path, run_dir: Path, timeout: float) -> list[dict]:
     """One train.py job; its metrics records."""
     argv = ["--config", str(config), "--out", str(run_dir), "--seed", "0", *flags]
-    run_processes(train_rank, processes, (argv,), timeout_s=timeout)
+    run_processes(train_rank, processes, (argv, 1), timeout_s=timeout)  # ONE intra-op thread: see the docstring
     return read_metrics(run_dir / "metrics.jsonl")
 
 
@@ -301,7 +269,7 @@ def main() -> None:
             spec = calibrated_cpu_spec()
         with tempfile.TemporaryDirectory(prefix="plan_check-") as tmp:
             work = Path(tmp)
-            config = check_config(args, work)
+            config = bench_config(args, args.dtype, work)
             baseline = None
             if not args.no_calibrate:
                 runtime, baseline = measure_runtime_baseline(args, work, spec)

@@ -93,21 +93,24 @@ def _dump_toml(doc: dict[str, Any], prefix: str = "") -> str:
 
 
 def bench_config(args: argparse.Namespace, dtype: str, out: Path) -> Path:
-    """small.toml with this benchmark's batch, steps and dtype (no checkpoints but the last)."""
+    """`args.config` with the batch, steps and dtype of a benchmark's args (`global_batch`, `seq_len`,
+    `micro_batches`, `steps`, optional `data_cache`): no checkpoints but the last, one line of log at the end.
+    Also bench/plan_check.py's."""
     doc = tomllib.loads((REPO / args.config).read_text())
     doc["training"].update(
         global_batch=args.global_batch, seq_len=args.seq_len, micro_batches=args.micro_batches, steps=args.steps,
         warmup_steps=1, dtype=dtype, checkpoint_every=0, log_every=args.steps,
     )  # fmt: skip
-    if args.data_cache:
+    if getattr(args, "data_cache", None):
         doc["training"].setdefault("data", {})["cache_dir"] = args.data_cache
     path = out / f"config-{dtype}.toml"
     path.write_text(_dump_toml(doc))
     return path
 
 
-def train_rank(proc, argv: list[str]) -> None:
-    """One rank of `train.py argv` with torchrun's environment (the launcher's port for the rendezvous)."""
+def train_rank(proc, argv: list[str], threads: int | None = None) -> None:
+    """One rank of `train.py argv` with torchrun's environment (the launcher's port for the rendezvous), on
+    `threads` intra-op threads (default: the cores shared out over the ranks)."""
     import importlib.util
 
     os.environ.update(
@@ -115,7 +118,7 @@ def train_rank(proc, argv: list[str]) -> None:
         LOCAL_WORLD_SIZE=str(proc.num_processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(proc.port),
         GLOO_SOCKET_IFNAME="lo",
     )  # fmt: skip
-    torch.set_num_threads(threads_per_rank(proc.num_processes))
+    torch.set_num_threads(threads or threads_per_rank(proc.num_processes))
     spec = importlib.util.spec_from_file_location("dsv3_train", TRAIN_PY)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -479,20 +479,9 @@ class CudaEngine(Engine):
             recv_x = recv_x.view(num_local, rows, hidden)
             recv_scales = None
 
-        hook = None
-        event = None
-        if return_recv_hook:
-
-            def hook() -> None:
-                self._hook_pending[seq % 2] = False
-                self.check()
-                receive(_gpu.current_stream(self.device))
-
-        else:
-            receive(stream)
-            used = (x, topk_idx, slots, expert_counts, expert_begin, recv_count, src_info, layout_range,
-                    cumulative_stats, wait_stats)  # fmt: skip
-            event = self._finish(stream, async_finish, used)
+        used = (x, topk_idx, slots, expert_counts, expert_begin, recv_count, src_info, layout_range,
+                cumulative_stats, wait_stats)  # fmt: skip
+        event, hook = self._receive_now_or_hook(seq, receive, stream, async_finish, return_recv_hook, used)
         handle = low_latency_handle(self, src_info, layout_range, seq, x, T, num_experts)
         return recv_x, recv_scales, recv_count, handle, event, hook
 
@@ -519,8 +508,14 @@ class CudaEngine(Engine):
                 _ptr(combined), _ptr(wait_stats), self.num_device_sms, on.cuda_stream,
             )  # fmt: skip
 
-        hook = None
-        event = None
+        used = (x, topk_idx, topk_weights, src_info, layout_range, combined, wait_stats)
+        event, hook = self._receive_now_or_hook(seq, receive, stream, async_finish, return_recv_hook, used)
+        return combined, event, hook
+
+    def _receive_now_or_hook(self, seq: int, receive, stream, async_finish: bool, return_recv_hook: bool, used):
+        """The receive half of a low-latency call: `(event, None)` after running it now on `stream` (`used`: the
+        tensors the event keeps alive), or `(None, hook)` with the hook that runs it later on the caller's current
+        stream (DeepEP's `return_recv_hook`)."""
         if return_recv_hook:
 
             def hook() -> None:
@@ -528,12 +523,9 @@ class CudaEngine(Engine):
                 self.check()
                 receive(_gpu.current_stream(self.device))
 
-        else:
-            receive(stream)
-            event = self._finish(
-                stream, async_finish, (x, topk_idx, topk_weights, src_info, layout_range, combined, wait_stats)
-            )
-        return combined, event, hook
+            return None, hook
+        receive(stream)
+        return self._finish(stream, async_finish, used), None
 
     def ll_clean(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Zeroes the low-latency signalling state between two barriers of every rank (collective). A device-side

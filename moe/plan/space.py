@@ -32,7 +32,7 @@ from moe.models.deepseek_v3.tensor_parallel import check_tensor_parallel
 from moe.pipeline.split import check_schedule
 from moe.plan.devices import DeviceSpec
 from moe.plan.model import DTYPE_BYTES, RECOMPUTE_CHOICES
-from moe.train.parallel import FP8_RECIPES, Layout
+from moe.train.parallel import FP8_RECIPES, PP_SCHEDULES, Layout
 
 TRAIN_PY = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "train.py"
 
@@ -40,7 +40,6 @@ TRAIN_PY = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "t
 PIPELINE_SCHEDULES: tuple[tuple[str, int], ...] = (
     ("1f1b", 1), ("zbh1", 1), ("dualpipev", 2), ("interleaved", 2), ("interleaved", 4),
 )  # fmt: skip
-TRAINER_SCHEDULES = ("1f1b", "zbh1", "dualpipev")
 
 # Reason keys -> the text the report prints.
 REASONS = {
@@ -304,7 +303,7 @@ def _schedule_reason(
 def _train_py_reason(train_py, config, stub, world, tp, pp, ep, schedule) -> str | None:
     """train.py's `check_model_layout` on the layout (etp 1): whatever it still refuses."""
     try:
-        sched = schedule if schedule in TRAINER_SCHEDULES else "1f1b"
+        sched = schedule if schedule in PP_SCHEDULES else "1f1b"
         layout = Layout(world=world, tp=tp, pp=pp, ep=ep, pp_schedule=sched)
         train_py.check_model_layout(config, stub, layout)
     except ValueError:

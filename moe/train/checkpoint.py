@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from moe.train import shard_files as sf
+from moe.train.shard_files import fsync_path
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -37,10 +38,6 @@ def checkpoint_name(step: int) -> str:
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINTS
-
-
-def fsync_path(path: Path) -> None:
-    sf.fsync_path(path)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

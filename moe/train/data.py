@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from moe.train.config import DataConfig
+from moe.train.shard_files import fsync_path
 
 EOS = "<|endoftext|>"
 FORMAT_VERSION = 1
@@ -194,13 +195,13 @@ def _build_entry(entry: Path, texts: list[str], cfg: DataConfig, vocab_size: int
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
         for name in ("tokenizer.json", "tokens.npy", "meta.json"):
-            _fsync(tmp / name)
+            fsync_path(tmp / name)
         try:
             os.rename(tmp, entry)  # atomic: readers see the whole entry or none
         except OSError:
             if not (entry / "meta.json").is_file():  # not a concurrent builder's finished entry
                 raise
-        _fsync(entry.parent)
+        fsync_path(entry.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -213,14 +214,6 @@ def _wait_for(path: Path, timeout_s: float) -> None:
                 f"waited {timeout_s:.0f} s for {path.parent} (the token cache that local rank 0 builds); did it fail?"
             )
         time.sleep(0.5)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class TokenBatches:

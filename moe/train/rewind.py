@@ -126,27 +126,14 @@ def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def amax_histories(model: nn.Module) -> list:
-    """The FP8 delayed-scaling `AmaxHistory` objects of `model` (held by the casters of its FP8 GEMM sites:
-    `linear_fn`, `linear_fns`, the experts' `fp8_casters`); empty without FP8 or with the blockwise recipe."""
-    from moe.fp8_training.state import AmaxHistory, DelayedState
+    """The FP8 delayed-scaling `AmaxHistory` objects of `model` (three per GEMM site of
+    `moe.fp8_training.delayed_states`, each once); empty without FP8 or with the blockwise recipe."""
+    from moe.fp8_training.state import delayed_states
 
-    found: dict[int, AmaxHistory] = {}
-
-    def visit(obj: object, depth: int) -> None:
-        if isinstance(obj, DelayedState):
-            for h in (obj.input, obj.weight, obj.grad_output):
-                found[id(h)] = h
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                visit(v, depth)
-        elif depth < 2 and not isinstance(obj, (nn.Module, torch.Tensor)) and hasattr(obj, "__dict__"):
-            for v in vars(obj).values():
-                visit(v, depth + 1)
-
-    for m in model.modules():
-        for name in ("linear_fn", "linear_fns", "fp8_casters"):
-            if name in vars(m):
-                visit(vars(m)[name], 0)
+    found = {}
+    for state in delayed_states(model).values():
+        for h in (state.input, state.weight, state.grad_output):
+            found[id(h)] = h
     return list(found.values())
 
 
