@@ -9,7 +9,8 @@ or expert parallelism), `--micro-batches` micro-batches of `--rows` sequences of
 zeroed before each; no optimizer step: the schedules differ only in the forward/backward). The schedules take turns
 step by step (all three are built first), so a shared machine's load drifts over them alike.
 
-Measured per step (the median step is reported):
+Measured per step (reported: the median step time, the median bubble over the steps, and the timeline and unit
+times of the median-time step; on 2 shared cores a step's bubble varies by several points, hence the median of many):
 - step time: the slowest rank's wall time of `PipelineRunner.step`;
 - bubble: from every rank's timeline of F / B / I / W actions (`moe.pipeline.timeline`): idle time over the
   common span, all ranks together;
@@ -18,11 +19,22 @@ Measured per step (the median step is reported):
   times (B = I + W when the backward is split), as a fraction of (bubble + that rank's measured compute);
 - peak memory: the largest rank's resident-set high-water mark during the step above its resident set before it
   (`moe.memory.peak_memory_bytes`): activations in flight, gradients and p2p buffers. The gradients are the same
-  for every schedule, so the differences between rows are activation memory.
+  for every schedule, so the differences between rows are activation memory. Measured in a second set of rank
+  processes (one step per schedule after the warm-up), because that accounting makes glibc map and unmap every
+  allocation of 64 KiB or more: every fresh tensor then page-faults, which on this CPU slowed the steps by ~25% and
+  unevenly (more where more memory is live), so the timed steps run in other processes.
+
+The timed ranks run with glibc told to keep freed memory for reuse (`--allocator caching`, the default:
+MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_ and MALLOC_TOP_PAD_ large), as a GPU's caching allocator does. By default
+glibc returns every block above its mmap threshold (at most 32 MiB) to the system when it is freed, so each new
+activation or gradient page-faults in fresh zeroed pages: a cost of the CPU allocator, not of the schedule, that
+falls unevenly on the schedules (it grows with the memory held between actions: ZB-H1's queued weight-gradient
+operands). `--allocator glibc` keeps glibc's defaults.
 
     .venv/bin/python bench/pipeline.py                       # PP 2, 8 micro-batches, tiny; ~2 minutes
     .venv/bin/python bench/pipeline.py --pp 4 --micro-batches 8
     .venv/bin/python bench/pipeline.py --config bench/configs/pipeline8.toml   # equal stages for every schedule
+    .venv/bin/python bench/pipeline.py --config bench/configs/pipeline8_wide.toml --warmup 1   # GEMM-bound; ~5 min
 
 On a 2-core CPU with `--pp 2` each rank has one core; more ranks than cores make the ranks take turns and the
 timeline shows the operating system's scheduling as much as the pipeline's.
@@ -31,6 +43,7 @@ timeline shows the operating system's scheduling as much as the pipeline's.
 from __future__ import annotations
 
 import functools
+import os
 import statistics
 import time
 from pathlib import Path
@@ -40,6 +53,9 @@ from _common import RESULTS_DIR, environment, make_parser, print_table, run_rank
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEDULES = ("1f1b", "zbh1", "dualpipev")
+# glibc's environment for `--allocator caching`: no block is ever handed back to the system (read when a process
+# starts: the spawned ranks inherit it).
+CACHING_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_TOP_PAD_": str(1 << 28)}
 
 
 def _config_path(config: str) -> Path:
@@ -71,17 +87,17 @@ def _build(schedule: str, args):
 
 
 def _one_step(group, schedule: str, built, tokens, counts, step: int, args) -> dict:
-    from moe.memory import peak_memory_bytes
     from moe.pipeline import bubble_fraction, gather_timelines
     from moe.pipeline.timeline import analytic_bubble, analytic_bubble_fraction
 
     _, parallel, model, runner = built
-    for p in model.parameters():
-        p.grad = None
+    # Gradients zeroed in place, as persistent gradient buffers are (Megatron's main_grad, ZeRO-1's buckets): a fresh
+    # .grad per step would put its first-touch allocation into the first micro-batches' backward.
+    model.zero_grad(set_to_none=False)
     torch.distributed.barrier(group=group)
     start = time.perf_counter()
-    peak = peak_memory_bytes(functools.partial(runner.step, tokens, counts, step))
-    measured = torch.tensor([time.perf_counter() - start, float(peak)], dtype=torch.float64)
+    runner.step(tokens, counts, step)
+    measured = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX, group=group)
     timelines = gather_timelines(runner.recorder, parallel.pp_group)
     report = bubble_fraction(timelines)
@@ -93,24 +109,48 @@ def _one_step(group, schedule: str, built, tokens, counts, step: int, args) -> d
         for rank in report.per_rank
     ]  # fmt: skip
     return {
-        "step_s": float(measured[0]), "peak_bytes": float(measured[1]), "bubble": report.fraction,
+        "step_s": float(measured[0]), "bubble": report.fraction,
         "analytic_bubble": statistics.mean(analytic), "units": units, "timelines": timelines,
         "analytic_bubble_s": analytic_bubble(schedule, args.pp, units["F"], units["B"], w, units["F_and_B"]),
     }  # fmt: skip
+
+
+def _inputs(cfg, args):
+    from moe.train.trainer import target_counts
+
+    gen = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, cfg.vocab_size, (args.micro_batches * args.rows, args.seq_len), generator=gen)
+    return tokens, target_counts(tokens, cfg.num_nextn_predict_layers)
+
+
+def _memory_worker(rank: int, world: int, group, args) -> dict[str, float]:
+    """Per schedule, the largest rank's peak memory of one step after one warm-up step (see the docstring)."""
+    from moe.memory import peak_memory_bytes
+
+    del rank, world
+    built = {schedule: _build(schedule, args) for schedule in args.schedules}
+    tokens, counts = _inputs(next(iter(built.values()))[0], args)
+    peaks = {}
+    for schedule, (_, _, model, runner) in built.items():
+        for step in (1, 2):
+            for p in model.parameters():
+                p.grad = None
+            torch.distributed.barrier(group=group)
+            peak = peak_memory_bytes(functools.partial(runner.step, tokens, counts, step))
+        measured = torch.tensor([float(peak)], dtype=torch.float64)
+        torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX, group=group)
+        peaks[schedule] = float(measured[0])
+    return peaks
 
 
 def _worker(rank: int, world: int, group, args) -> dict:
     """All schedules built once; then step by step in turn (1F1B, ZB-H1, DualPipeV, 1F1B, ...), so that the load of
     a shared machine drifts over all of them alike."""
     from moe.pipeline.timeline import plot_timeline, write_chrome_trace
-    from moe.train.trainer import target_counts
 
     del rank, world
     built = {schedule: _build(schedule, args) for schedule in args.schedules}
-    cfg = next(iter(built.values()))[0]
-    gen = torch.Generator().manual_seed(args.seed)
-    tokens = torch.randint(0, cfg.vocab_size, (args.micro_batches * args.rows, args.seq_len), generator=gen)
-    counts = target_counts(tokens, cfg.num_nextn_predict_layers)
+    tokens, counts = _inputs(next(iter(built.values()))[0], args)
     steps: dict[str, list[dict]] = {schedule: [] for schedule in args.schedules}
     for index in range(args.warmup + args.steps):
         for schedule in args.schedules:
@@ -128,6 +168,8 @@ def _worker(rank: int, world: int, group, args) -> dict:
                           f"{schedule}, pp {args.pp}, {args.micro_batches} micro-batches ({args.config})")  # fmt: skip
         median.pop("timelines")
         median["bubble_all_steps"] = [r["bubble"] for r in records]
+        median["bubble_of_median_step"] = median["bubble"]
+        median["bubble"] = statistics.median(median["bubble_all_steps"])
         out[schedule] = median
     return out
 
@@ -146,12 +188,26 @@ def main() -> None:
                         help="1F1B / ZB-H1: layers of the first stage (the last also runs the head and MTP); "
                         "DualPipeV's V puts the first and last stage on one rank")  # fmt: skip
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument("--allocator", choices=("caching", "glibc"), default="caching",
+                        help="the timed ranks' glibc settings (see the docstring)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "pipeline.json")
     args = parser.parse_args()
     args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     args.out_dir = args.json.parent
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    results = run_ranks(_worker, args.pp, (args,), timeout_s=1800)[0]
+    saved = {k: os.environ.get(k) for k in CACHING_MALLOC_ENV}
+    if args.allocator == "caching":
+        os.environ.update(CACHING_MALLOC_ENV)
+    try:
+        results = run_ranks(_worker, args.pp, (args,), timeout_s=1800)[0]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    for schedule, peak in run_ranks(_memory_worker, args.pp, (args,), timeout_s=1800)[0].items():
+        results[schedule]["peak_bytes"] = peak
     base = results.get("1f1b")
     rows = []
     for schedule, r in results.items():
@@ -163,12 +219,14 @@ def main() -> None:
             "-" if r["units"]["W"] is None else f"{r['units']['W'] * 1e3:.1f}", f"{r['peak_bytes'] / 2**20:.1f}",
         ])  # fmt: skip
     print(f"{args.config}, pp {args.pp}, {args.micro_batches} micro-batches of {args.rows} x {args.seq_len} tokens, "
-          f"first stage layers {args.decoder_first_pipeline_num_layers or 'even'}")  # fmt: skip
+          f"first stage layers {args.decoder_first_pipeline_num_layers or 'even'}, "
+          f"allocator {args.allocator}")  # fmt: skip
     print_table(
         ("schedule", "step ms", "bubble", "vs 1f1b", "analytic", "analytic ms/rank", "F ms", "B ms", "W ms",
          "peak MiB"),
         rows,
-        "bubble: idle / span over all ranks (median step); analytic: DualPipe's formula from the measured F/B/W; "
+        "bubble: idle / span over all ranks (median over the steps); analytic: DualPipe's formula from the measured "
+        "F/B/W; "
         f"traces and PNGs in {args.out_dir}/pipeline_<schedule>_pp{args.pp}.*",
     )  # fmt: skip
     save_results(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "results": results,

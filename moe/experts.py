@@ -102,9 +102,9 @@ def grouped_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int]) -
     """
     if x_NK.size(0) > 0 and _grouped_mm_fits(x_NK, w_LKM):
         offs = torch.tensor(counts, device=x_NK.device).cumsum(0).to(torch.int32)
-        slot = wgrad.slot_for(w_LKM)
-        if slot is not None:
-            return _DelayedWgradGemm.apply(x_NK.contiguous(), w_LKM, "grouped", offs, slot)
+        slot, split = wgrad.slot_for(w_LKM), wgrad.split_weight_of(w_LKM)
+        if slot is not None or split is not None:
+            return _DelayedWgradGemm.apply(x_NK.contiguous(), w_LKM, "grouped", offs, slot, split)
         y_NM = torch._grouped_mm(x_NK.contiguous(), w_LKM, offs=offs)
         return _ContiguousGrad.apply(y_NM)
     return loop_linear(x_NK, w_LKM, counts)
@@ -112,18 +112,18 @@ def grouped_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int]) -
 
 def loop_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Reference grouped linear: one `matmul` per group (empty groups included, so each weight gets a grad)."""
-    slot = wgrad.slot_for(w_LKM)
-    if slot is not None:
-        return _DelayedWgradGemm.apply(x_NK, w_LKM, "loop", list(counts), slot)
+    slot, split = wgrad.slot_for(w_LKM), wgrad.split_weight_of(w_LKM)
+    if slot is not None or split is not None:
+        return _DelayedWgradGemm.apply(x_NK, w_LKM, "loop", list(counts), slot, split)
     outs = [x_e @ w_LKM[e] for e, x_e in enumerate(x_NK.split(counts))]
     return torch.cat(outs) if outs else x_NK.new_zeros(0, w_LKM.size(2))
 
 
 def batched_linear(x_LPK: torch.Tensor, w_LKM: torch.Tensor) -> torch.Tensor:
     """`torch.bmm(x [L, P, K], w [L, K, M])`, the weight gradient queued inside `moe.wgrad.deferring`."""
-    slot = wgrad.slot_for(w_LKM)
-    if slot is not None:
-        return _DelayedWgradGemm.apply(x_LPK, w_LKM, "bmm", None, slot)
+    slot, split = wgrad.slot_for(w_LKM), wgrad.split_weight_of(w_LKM)
+    if slot is not None or split is not None:
+        return _DelayedWgradGemm.apply(x_LPK, w_LKM, "bmm", None, slot, split)
     return torch.bmm(x_LPK, w_LKM)
 
 
@@ -162,11 +162,12 @@ _EXPERT_GEMMS = {
 
 class _DelayedWgradGemm(torch.autograd.Function):
     """An expert GEMM whose backward computes the input gradient and queues the weight gradient in a
-    `moe.wgrad.WeightGradStore` slot (see `_EXPERT_GEMMS` for the kinds)."""
+    `moe.wgrad.WeightGradStore` slot, or for a pipeline W action (`split`: `moe.wgrad.split_weight_of`); see
+    `_EXPERT_GEMMS` for the kinds."""
 
     @staticmethod
-    def forward(ctx, x, w, kind: str, aux, slot: wgrad.WgradSlot) -> torch.Tensor:
-        ctx.kind, ctx.aux, ctx.slot = kind, aux, slot
+    def forward(ctx, x, w, kind: str, aux, slot: wgrad.WgradSlot | None, split: torch.Tensor | None) -> torch.Tensor:
+        ctx.kind, ctx.aux, ctx.slot, ctx.split = kind, aux, slot, split
         ctx.save_for_backward(x, w)
         return _EXPERT_GEMMS[kind][0](x, w, aux)
 
@@ -179,9 +180,9 @@ class _DelayedWgradGemm(torch.autograd.Function):
         grad_w = None
         if ctx.needs_input_grad[1]:
             aux = ctx.aux
-            grad_w = wgrad.wgrad_or_defer(ctx.slot, lambda: wgrad_fn(x, g, aux))
-        ctx.slot = None
-        return grad_x, grad_w, None, None, None
+            grad_w = wgrad.wgrad_or_defer(ctx.slot, lambda: wgrad_fn(x, g, aux), ctx.split)
+        ctx.slot = ctx.split = None
+        return grad_x, grad_w, None, None, None, None
 
 
 # CPU BF16/FP16 GEMMs go through oneDNN, which builds (JIT-compiles) a kernel per operand shape and caches it. Expert
@@ -393,5 +394,5 @@ class SwiGLUMLP(nn.Module):
         # weights are stored `[in, out]`, so they are passed transposed. Subclasses (the tensor-parallel MLP) keep it.
         fns = getattr(self, "linear_fns", None)
         if fns is None:
-            return swiglu_mlp(x_TH, lambda v: v @ self.w13, lambda a: a @ self.w2, recompute)
+            return swiglu_mlp(x_TH, lambda v: wgrad.matmul(v, self.w13), lambda a: wgrad.matmul(a, self.w2), recompute)
         return swiglu_mlp(x_TH, lambda v: fns["w13"](v, self.w13.t()), lambda a: fns["w2"](a, self.w2.t()), recompute)

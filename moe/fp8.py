@@ -100,9 +100,9 @@ class _Fp8GroupedLinear(torch.autograd.Function):
     """`y[rows of group l] = x[rows of group l] @ w[l]` with all three GEMMs in block-wise FP8."""
 
     @staticmethod
-    def forward(ctx, x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: tuple[int, ...], slot) -> torch.Tensor:
+    def forward(ctx, x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: tuple[int, ...], slot, split) -> torch.Tensor:
         ctx.save_for_backward(x_NK, w_LKM)
-        ctx.counts, ctx.slot = counts, slot
+        ctx.counts, ctx.slot, ctx.split = counts, slot, split
         outs = [fp8_matmul(x_e, w_LKM[e], WEIGHT_TILE) for e, x_e in enumerate(x_NK.split(counts))]
         y_NM = torch.cat(outs) if outs else x_NK.new_zeros(0, w_LKM.size(2), dtype=torch.float32)
         return y_NM.to(x_NK.dtype)
@@ -123,9 +123,9 @@ class _Fp8GroupedLinear(torch.autograd.Function):
                 return torch.stack(parts).to(w_LKM.dtype)
 
             # Queued while the dispatch's backward communicates, inside `moe.wgrad.deferring` (see moe/wgrad.py).
-            grad_w = wgrad.wgrad_or_defer(ctx.slot, weight_grad)
-        ctx.slot = None
-        return grad_x, grad_w, None, None
+            grad_w = wgrad.wgrad_or_defer(ctx.slot, weight_grad, ctx.split)
+        ctx.slot = ctx.split = None
+        return grad_x, grad_w, None, None, None
 
 
 def fp8_grouped_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int] | torch.Tensor) -> torch.Tensor:
@@ -137,7 +137,9 @@ def fp8_grouped_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int
         counts: `[L]` rows per group, summing to N.
     Returns `[N, M]` in `x_NK.dtype` (accumulated in float32).
     """
-    return _Fp8GroupedLinear.apply(x_NK, w_LKM, tuple(counts_to_list(counts)), wgrad.slot_for(w_LKM))
+    return _Fp8GroupedLinear.apply(
+        x_NK, w_LKM, tuple(counts_to_list(counts)), wgrad.slot_for(w_LKM), wgrad.split_weight_of(w_LKM)
+    )
 
 
 def fp8_linear(x_MK: torch.Tensor, w_KN: torch.Tensor) -> torch.Tensor:

@@ -27,11 +27,16 @@ those of the undelayed backward. Cost: each queued closure keeps its two operand
 gradient) until it runs, a little after the experts' backward.
 
 Everything is thread-local: the autograd engine runs a CPU backward on the thread that called it.
+
+The second use: the pipeline's split backward (zero-bubble schedules' I and W actions; see the section "Pipeline
+I / W split" below). There a GEMM's weight gradient leaves autograd altogether: it is queued during the I action's
+ordinary backward and added to `weight.grad` by the W action.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
@@ -158,11 +163,168 @@ def slot_for(weight: torch.Tensor) -> WgradSlot | None:
     return None if index is None else (store, index)
 
 
-def wgrad_or_defer(slot: WgradSlot | None, wgrad: Callable[[], torch.Tensor]) -> torch.Tensor | None:
-    """In a GEMM's backward: `wgrad()` now without a slot; with one, queue it and return None (the weight's gradient
-    then comes from the store's anchor)."""
-    if slot is None:
-        return wgrad()
-    store, index = slot
-    store.put(index, wgrad)
+def wgrad_or_defer(
+    slot: WgradSlot | None, wgrad: Callable[[], torch.Tensor], split_weight: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """In a GEMM's backward: with a slot, queue `wgrad` there and return None (the weight's gradient then comes from
+    the store's anchor); else with `split_weight` (`split_weight_of`, taken at forward time) `defer_or_run`; else
+    `wgrad()` now."""
+    if slot is not None:
+        store, index = slot
+        store.put(index, wgrad)
+        return None
+    if split_weight is not None:
+        return defer_or_run(split_weight, wgrad)
+    return wgrad()
+
+
+# -- Pipeline I / W split ---------------------------------------------------------------------------------------------
+#
+# Zero-bubble schedules (ZB-H1, DualPipeV) split a stage's backward into I (the input gradient, sent upstream at
+# once) and W (the weight gradients, run later in a bubble). torch's own split (`stage_backward_input` then
+# `stage_backward_weight`) walks the autograd graph twice, once per parameter group for W: measured on CPU at
+# 1.13-1.41x one fused backward (bench/pipeline.py; the issue 12 notes), which eats the bubble it saves. As in the
+# zero-bubble paper's and DualPipe's `WeightGradStore`, here the I action is one ordinary backward in which each
+# GEMM of a weight computes its input gradient and queues its weight-gradient GEMM; the W action runs the queue. I +
+# W do exactly the work of one backward, and the queued GEMMs are the ones autograd would run on the same operands,
+# so the gradients are those of the fused backward up to the order of the per-micro-batch sums.
+#
+#   forward (F) and I: inside `split_gemms()`, GEMMs of leaf weights are built as `_SplitLinear` / the experts'
+#                      `_DelayedWgradGemm` (`split_weight_of` remembers the weight); outside it nothing changes.
+#   I:                 inside `collecting_weight_grads()`, their backward queues `weight.grad += dW` closures
+#                      (`defer_or_run`); `take_weight_grads()` hands the queue over as the W action's callable.
+#   W:                 `run_weight_grads(queue)`.
+#
+# What stays in I: the small gradients autograd computes elsewhere (norm weights, biases, the router, embeddings).
+# A deferred gradient reaches `.grad` without autograd's AccumulateGrad, so without post-accumulate hooks: ZeRO-1
+# absorbs such gradients at `finish_grad_sync` (as it does torch's own W results).
+
+
+def split_gemms_enabled() -> bool:
+    return getattr(_local, "split_gemms", False)
+
+
+@contextlib.contextmanager
+def split_gemms(enabled: bool = True) -> Iterator[None]:
+    """GEMMs built in this context (forward, or a recompute in the backward) can queue their weight gradients for a
+    pipeline W action."""
+    previous = split_gemms_enabled()
+    _local.split_gemms = enabled
+    try:
+        yield
+    finally:
+        _local.split_gemms = previous
+
+
+def split_weight_of(weight: torch.Tensor) -> torch.Tensor | None:
+    """At forward time: `weight` if its gradient may be queued for a W action (inside `split_gemms`, autograd
+    recording, a leaf weight that requires a gradient), else None."""
+    if split_gemms_enabled() and torch.is_grad_enabled() and weight.requires_grad and weight.is_leaf:
+        return weight
     return None
+
+
+@contextlib.contextmanager
+def collecting_weight_grads() -> Iterator[None]:
+    """A pipeline I action: backwards run in this context queue the weight gradients of split GEMMs (see
+    `take_weight_grads`). Closures not taken when it exits run then (nothing is lost)."""
+    previous = getattr(_local, "collect", None)
+    _local.collect = []
+    try:
+        yield
+        leftover = _local.collect
+    finally:
+        _local.collect = previous
+    run_weight_grads(leftover)
+
+
+def take_weight_grads() -> Callable[[], int]:
+    """The queue collected so far in this `collecting_weight_grads` context, emptied, as the W action: a callable
+    that runs it (torch's `PipelineStage` `dw_builder`)."""
+    queue = getattr(_local, "collect", None)
+    if queue is None:
+        raise RuntimeError("take_weight_grads() outside collecting_weight_grads(): no I action is running")
+    _local.collect = []
+    return functools.partial(run_weight_grads, queue)
+
+
+def defer_or_run(weight: torch.Tensor, wgrad: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+    """In a GEMM's backward: inside `collecting_weight_grads`, queue `weight.grad += wgrad()` and return None (the
+    weight then gets no gradient from autograd); otherwise `wgrad()`."""
+    queue = getattr(_local, "collect", None)
+    if queue is None:
+        return wgrad()
+    queue.append((weight, wgrad))
+    return None
+
+
+@torch.no_grad()
+def run_weight_grads(queue: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]]) -> int:
+    """Runs queued weight-gradient closures in order, accumulating into `.grad` (as AccumulateGrad: the first one
+    is kept, the next added in place); returns how many ran."""
+    count = 0
+    while queue:
+        weight, wgrad = queue.pop(0)
+        grad = wgrad()
+        if grad.shape != weight.shape or grad.dtype != weight.dtype:
+            raise RuntimeError(
+                f"a queued weight gradient is {tuple(grad.shape)} {grad.dtype}, its weight {tuple(weight.shape)} "
+                f"{weight.dtype}"
+            )
+        if weight.grad is None:
+            weight.grad = grad
+        else:
+            weight.grad += grad
+        count += 1
+    return count
+
+
+class _SplitLinear(torch.autograd.Function):
+    """`F.linear(x, w, b)` (or `x @ w` for an `[in, out]` weight, `w_in_out`) whose weight-gradient GEMM goes
+    through `defer_or_run`. The GEMMs are autograd's for `linear` / `mm` on the rows flattened to 2-D."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, w_in_out: bool):
+        ctx.save_for_backward(x, w)
+        ctx.weight, ctx.w_in_out, ctx.has_bias = w, w_in_out, b is not None
+        return x @ w if w_in_out else torch.nn.functional.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        weight, ctx.weight = ctx.weight, None
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = g @ w.t() if ctx.w_in_out else g @ w
+        if ctx.needs_input_grad[1]:
+            x_MK, g_MN = x.reshape(-1, x.size(-1)), g.reshape(-1, g.size(-1))
+            if ctx.w_in_out:
+                grad_w = defer_or_run(weight, lambda: x_MK.t().mm(g_MN))
+            else:
+                grad_w = defer_or_run(weight, lambda: g_MN.t().mm(x_MK))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.reshape(-1, g.size(-1)).sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x [..., K], weight [N, K], bias [N])` -> `[..., N]`; inside `split_gemms` its weight gradient can
+    be queued for a pipeline W action."""
+    if split_weight_of(weight) is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    return _SplitLinear.apply(x, weight, bias, False)
+
+
+def matmul(x: torch.Tensor, weight_KN: torch.Tensor) -> torch.Tensor:
+    """`x [..., K] @ weight [K, N]` (a weight stored `[in, out]`); as `linear`."""
+    if split_weight_of(weight_KN) is None:
+        return x @ weight_KN
+    return _SplitLinear.apply(x, weight_KN, None, True)
+
+
+class SplitWgradLinear(torch.nn.Linear):
+    """`nn.Linear` whose GEMM is `self.linear_fn` if set (an FP8 recipe's), else `linear` above; same parameters and
+    state-dict keys. The pipeline switches plain `nn.Linear` modules of zero-bubble stages to it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, "linear_fn", linear)(x, self.weight, self.bias)

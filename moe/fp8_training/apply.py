@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from moe.dispatcher.deepep import DeepEPDispatcher
@@ -32,15 +31,14 @@ from moe.fp8_training.experts import to_fp8_experts
 from moe.fp8_training.linear import Fp8LinearFn
 from moe.fp8_training.recipe import BlockwiseScaling, DelayedScaling, Fp8Recipe, recipe_from_name
 from moe.layer import MoELayer
+from moe.wgrad import SplitWgradLinear
 
 HEAD_NAMES = ("lm_head",)
 
 
-class Fp8Linear(nn.Linear):
-    """`nn.Linear` whose GEMM is `self.linear_fn` (F.linear if absent); same parameters and state-dict keys."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return getattr(self, "linear_fn", F.linear)(x, self.weight, self.bias)
+class Fp8Linear(SplitWgradLinear):
+    """`nn.Linear` whose GEMM is `self.linear_fn` (`moe.wgrad.linear`, i.e. F.linear, if absent); same parameters
+    and state-dict keys. Its class marks the switch to FP8."""
 
 
 class Fp8SwiGLUMLP(SwiGLUMLP):

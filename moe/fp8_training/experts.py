@@ -43,7 +43,7 @@ def _rows(op: Fp8Operand, start: int, end: int) -> Fp8Operand:
 
 class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: tuple[int, ...], caster: Fp8Caster, slot):
+    def forward(ctx, x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: tuple[int, ...], caster: Fp8Caster, slot, split):
         L, K, M = w_LKM.shape
         x8 = caster.input(x_NK)
         if caster.delayed is not None:  # one per-tensor scale for all experts' weights
@@ -57,7 +57,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
             a, b = bounds[e], bounds[e + 1]
             if b > a:
                 y_NM[a:b] = gemm.scaled_matmul(_rows(x8, a, b), w8[e])
-        ctx.caster, ctx.x8, ctx.w8, ctx.bounds, ctx.slot = caster, x8, w8, bounds, slot
+        ctx.caster, ctx.x8, ctx.w8, ctx.bounds, ctx.slot, ctx.split = caster, x8, w8, bounds, slot, split
         ctx.x_dtype, ctx.w_dtype, ctx.w_shape = x_NK.dtype, w_LKM.dtype, w_LKM.shape
         ctx.save_for_backward(x_NK if caster.delayed is None else None)
         return y_NM.to(x_NK.dtype)
@@ -95,10 +95,10 @@ class _Fp8GroupedLinear(torch.autograd.Function):
                 return grad_w.to(w_dtype)
 
             # Queued while the dispatch's backward communicates, inside `moe.wgrad.deferring` (see moe/wgrad.py).
-            grad_w = wgrad.wgrad_or_defer(ctx.slot, weight_grad)
+            grad_w = wgrad.wgrad_or_defer(ctx.slot, weight_grad, ctx.split)
         # The casts stay with the graph (freed with it): torch's split pipeline backward runs this node twice.
-        ctx.slot = None
-        return grad_x, grad_w, None, None, None
+        ctx.slot = ctx.split = None
+        return grad_x, grad_w, None, None, None, None
 
 
 def fp8_grouped_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int], caster: Fp8Caster) -> torch.Tensor:
@@ -110,7 +110,8 @@ def fp8_grouped_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int
         )
     if sum(counts) != x_NK.size(0):
         raise ValueError(f"fp8_grouped_linear: counts sum to {sum(counts)}, x has {x_NK.size(0)} rows")
-    return _Fp8GroupedLinear.apply(x_NK, w_LKM, tuple(int(c) for c in counts), caster, wgrad.slot_for(w_LKM))
+    return _Fp8GroupedLinear.apply(x_NK, w_LKM, tuple(int(c) for c in counts), caster, wgrad.slot_for(w_LKM),
+                                   wgrad.split_weight_of(w_LKM))  # fmt: skip
 
 
 class Fp8GroupedExperts(SwiGLUExperts):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moe import wgrad
 from moe.fp8_training import gemm
 from moe.fp8_training.cast import Fp8Operand, cast_blockwise, cast_per_tensor
 from moe.fp8_training.recipe import BlockwiseScaling, DelayedScaling, Fp8Recipe
@@ -76,13 +77,13 @@ class Fp8Caster:
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor, bias_N: torch.Tensor | None, caster: Fp8Caster):
+    def forward(ctx, x_MK: torch.Tensor, w_NK: torch.Tensor, bias_N: torch.Tensor | None, caster: Fp8Caster, split):
         x8 = caster.input(x_MK)
         w8 = caster.weight(w_NK)
         y_MN = gemm.scaled_matmul(x8, w8.t())
         if bias_N is not None:
             y_MN = y_MN + bias_N.float()
-        ctx.caster, ctx.x8, ctx.w8 = caster, x8, w8
+        ctx.caster, ctx.x8, ctx.w8, ctx.split = caster, x8, w8, split
         ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x_MK.dtype, w_NK.dtype, bias_N is not None
         # The block-wise weight gradient re-tiles x along the tokens: keep the high-precision x for it.
         ctx.save_for_backward(x_MK if caster.delayed is None else None)
@@ -99,12 +100,15 @@ class _Fp8Linear(torch.autograd.Function):
             grad_x = gemm.scaled_matmul(g8, w8).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             gt8, xw8 = caster.wgrad_operands(g_MN, g8, x_MK, x8)
-            grad_w = gemm.scaled_matmul(gt8, xw8).to(ctx.w_dtype)
+            w_dtype = ctx.w_dtype
+            # A pipeline W action's GEMM when split (moe.wgrad.split_weight_of), else now.
+            grad_w = wgrad.wgrad_or_defer(None, lambda: gemm.scaled_matmul(gt8, xw8).to(w_dtype), ctx.split)
+        ctx.split = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g_MN.float().sum(0).to(ctx.w_dtype)
         # ctx.x8 / ctx.w8 stay with the graph (freed with it): torch's split pipeline backward (I, then W) runs this
         # node twice.
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def fp8_linear(
@@ -114,7 +118,7 @@ def fp8_linear(
     if weight_NK.dim() != 2 or x.size(-1) != weight_NK.size(1):
         raise ValueError(f"fp8_linear: x {tuple(x.shape)} does not match weight {tuple(weight_NK.shape)}")
     x_MK = x.reshape(-1, x.size(-1))
-    y_MN = _Fp8Linear.apply(x_MK, weight_NK, bias_N, caster)
+    y_MN = _Fp8Linear.apply(x_MK, weight_NK, bias_N, caster, wgrad.split_weight_of(weight_NK))
     return y_MN.view(*x.shape[:-1], weight_NK.size(0))
 
 

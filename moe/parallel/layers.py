@@ -3,7 +3,8 @@ of the one-process weights): column / row parallel linears, the vocab-parallel e
 
 Legend: B sequences, S positions, S_r this rank's positions (sequence parallel), H hidden, F FFN, V vocabulary,
 tp the TP size. Every linear keeps nn.Linear's parameter names (`weight` is the local shard) and computes its local
-GEMM with `getattr(self, "linear_fn", F.linear)`, so an FP8 recipe that installs `linear_fn` composes with TP.
+GEMM with `getattr(self, "linear_fn", moe.wgrad.linear)` (F.linear, whose weight gradient a zero-bubble pipeline
+stage can defer), so an FP8 recipe that installs `linear_fn` composes with TP.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moe import wgrad
 from moe.experts import SwiGLUMLP
 from moe.parallel.mappings import (
     SequenceShards,
@@ -52,7 +54,7 @@ class ColumnParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor, shards: SequenceShards | None = None) -> torch.Tensor:
         if shards is not None:
             x = gather_from_sequence_parallel(x, shards)
-        return getattr(self, "linear_fn", F.linear)(x, self.weight, self.bias)
+        return getattr(self, "linear_fn", wgrad.linear)(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Linear):
@@ -73,7 +75,7 @@ class RowParallelLinear(nn.Linear):
         return out
 
     def forward(self, x: torch.Tensor, shards: SequenceShards | None = None) -> torch.Tensor:
-        partial = getattr(self, "linear_fn", F.linear)(x, self.weight, None)
+        partial = getattr(self, "linear_fn", wgrad.linear)(x, self.weight, None)
         if shards is not None:
             y = reduce_scatter_to_sequence_parallel(partial, shards)
         else:

@@ -3,6 +3,12 @@
     1f1b       `torch.distributed.pipelining.Schedule1F1B`
     zbh1       `ScheduleInterleavedZeroBubble` with one stage per rank: torch's ZB1P, i.e. ZB-H1 (the backward split
                into input-gradient I and weight-gradient W actions, the W deferred into the cool-down bubbles)
+
+Where torch falls short, ours: the I / W split itself. torch's default (`stage_backward_input`, then
+`stage_backward_weight` per parameter group) walks the graph twice and cost 1.13-1.41x one fused backward on CPU,
+more than the bubble it removes. Zero-bubble stages here pass torch a `dw_builder` instead: the I action is one
+ordinary backward in which the GEMMs queue their weight-gradient GEMMs, the W action runs that queue (`moe.wgrad`,
+section "Pipeline I / W split"; the zero-bubble paper's and DualPipe's WeightGradStore).
     dualpipev  `ScheduleDualPipeV` (two stages per rank in a V, overlapped forward+backward chunks); the MoE
                layers' communication overlap inside those chunks is ours (moe/pipeline/overlap.py)
 
@@ -22,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleInterleavedZeroBubble
 
+from moe import wgrad
 from moe.phase_timer import PhaseTimer, phase
 from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, StageSplit, check_schedule, stages_of_rank
 from moe.pipeline.stages import DeepseekV3Stage, StageLoss, keep_stages
@@ -40,18 +47,32 @@ SPLIT_BACKWARD = ("zbh1", "dualpipev")  # schedules whose backward runs as separ
 class TimedStage(PipelineStage):
     """torch's `PipelineStage` that records every action it runs (F, B, I, W) on a `TimelineRecorder`, and times
     them as 'forward' / 'backward' on a `PhaseTimer` (the rest of the schedule's step is 'p2p', see
-    `PipelineRunner.step`)."""
+    `PipelineRunner.step`).
+
+    With `split_weight_grads` (zero-bubble schedules) its GEMMs queue their weight gradients during the backward
+    (I) and the W action runs the queue: `moe.wgrad.take_weight_grads` is torch's `dw_builder`."""
 
     recorder: TimelineRecorder | None = None
     phase_timer: PhaseTimer | None = None
 
+    def __init__(self, *args, split_weight_grads: bool = False, **kwargs):
+        super().__init__(*args, dw_builder=wgrad.take_weight_grads if split_weight_grads else None, **kwargs)
+        self.split_weight_grads = split_weight_grads
+
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
-        with self._slot("F", fwd_chunk_id), phase(self.phase_timer, "forward"):
+        with self._slot("F", fwd_chunk_id), phase(self.phase_timer, "forward"), self._split_gemms():
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         with self._slot("B" if full_backward else "I", bwd_chunk_id), phase(self.phase_timer, "backward"):
-            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+            if not self.split_weight_grads:
+                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+            # split_gemms: a recompute inside this backward builds its GEMMs split too.
+            with self._split_gemms(), wgrad.collecting_weight_grads():
+                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+    def _split_gemms(self):
+        return wgrad.split_gemms() if self.split_weight_grads else contextlib.nullcontext()
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         with self._slot("W", bwd_chunk_id), phase(self.phase_timer, "backward"):
@@ -131,6 +152,11 @@ class PipelineRunner:
             # deferral takes their place.
             for layer in model.moe_layers():
                 layer.config = dataclasses.replace(layer.config, overlap_dispatch_backward_with_experts_wgrad=False)
+            # Every GEMM of a weight defers its weight gradient to the W action (moe.wgrad): plain nn.Linear
+            # modules get the class whose GEMM does (same parameters, state-dict keys; FP8's linear_fn kept).
+            for module in model.modules():
+                if type(module) is nn.Linear:
+                    module.__class__ = wgrad.SplitWgradLinear
         keep_stages(model, split, self.stage_ids)
         self.model = model
         self.loss = StageLoss(mtp_loss_weight, num_mtp)
@@ -141,7 +167,7 @@ class PipelineRunner:
             # Static shapes: torch's runtime inference would run one more forward on the first step.
             inputs, outputs = self._example_args(module, micro_rows, seq_len, device)
             stage = TimedStage(module, module.stage, num_stages, device, input_args=inputs, output_args=outputs,
-                               group=self.pp_group)  # fmt: skip
+                               group=self.pp_group, split_weight_grads=schedule in SPLIT_BACKWARD)  # fmt: skip
             stage.recorder = recorder
             self.stages.append(stage)
         kw = dict(n_microbatches=micro_batches, loss_fn=_identity_loss, scale_grads=False)

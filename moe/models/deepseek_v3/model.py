@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moe import wgrad
 from moe.balancing import AuxLossScale, group_size
 from moe.dispatcher import EPBuffers
 from moe.layer import MoELayer
@@ -343,7 +344,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         under TP)."""
         if shards is not None:
             h_BSH = gather_from_sequence_parallel(h_BSH, shards)
-        return F.linear(h_BSH, self.output_weight)
+        return wgrad.linear(h_BSH, self.output_weight)
 
     def _mtp_inputs(self, h_BSH, emb_BSH, shards, depth: int, length: int):
         """`(h[:, :length], emb[:, depth:depth + length], their shards)`: under TP, the previous depth's positions
