@@ -11,7 +11,9 @@ iterations is that rank's time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import socket
 import statistics
 import time
@@ -28,6 +30,21 @@ from mtdeepep.utils.testing import num_cores, run_ranks, threads_per_rank
 __all__ = ["num_cores", "run_ranks", "threads_per_rank"]  # re-exported: the benchmarks import them from here
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+@contextlib.contextmanager
+def environment_variables(values: dict[str, str]):
+    """Set `values` in os.environ (inherited by processes started meanwhile), then restore it."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def make_parser(doc: str) -> argparse.ArgumentParser:

@@ -43,13 +43,20 @@ timeline shows the operating system's scheduling as much as the pipeline's.
 from __future__ import annotations
 
 import functools
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS_DIR, environment, make_parser, print_table, run_ranks, save_results
+from _common import (
+    RESULTS_DIR,
+    environment,
+    environment_variables,
+    make_parser,
+    print_table,
+    run_ranks,
+    save_results,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEDULES = ("1f1b", "zbh1", "dualpipev")
@@ -195,17 +202,8 @@ def main() -> None:
     args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     args.out_dir = args.json.parent
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    saved = {k: os.environ.get(k) for k in CACHING_MALLOC_ENV}
-    if args.allocator == "caching":
-        os.environ.update(CACHING_MALLOC_ENV)
-    try:
+    with environment_variables(CACHING_MALLOC_ENV if args.allocator == "caching" else {}):
         results = run_ranks(_worker, args.pp, (args,), timeout_s=1800)[0]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     for schedule, peak in run_ranks(_memory_worker, args.pp, (args,), timeout_s=1800)[0].items():
         results[schedule]["peak_bytes"] = peak
     base = results.get("1f1b")

@@ -58,9 +58,7 @@ Legend: B sequences, S tokens per sequence, R ranks.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -74,6 +72,7 @@ from _common import (
     add_config_arguments,
     config_from_args,
     environment,
+    environment_variables,
     make_parser,
     num_cores,
     parse_int_list,
@@ -338,21 +337,6 @@ def vm_bytes(field: str) -> int:
 
 # glibc: blocks from 64 KiB on are mmapped and unmapped when freed (no dynamic threshold), see the docstring.
 MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-
-
-@contextlib.contextmanager
-def environment_variables(values: dict[str, str]):
-    """Set `values` in os.environ (inherited by processes started meanwhile), then restore it."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def memory_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, cfg: BenchConfig, variant: Variant):
