@@ -309,7 +309,9 @@ class InternodeEngine(Engine):
             except _C.GroupMismatchError:
                 raise
             except Exception as error:  # the peers may be inside this operation: they must not wait for this rank
-                self._fail(str(error))
+                # A timeout (the node-local stage's included) is published as one: a peer it stops raises the same
+                # CommTimeoutError, naming the ranks this rank waited for.
+                self._fail(str(error), timed_out=isinstance(error, _C.CommTimeoutError))
                 raise
 
         return run

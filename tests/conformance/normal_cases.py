@@ -547,6 +547,8 @@ def _timeout_outcome(topo, error: deep_ep.CommTimeoutError, phase: str) -> str:
     the stage; an intranode buffer has only the node-local one."""
     message = str(error)
     assert phase in message, message
+    if " stopped: " in message:  # another rank's published timeout ended this rank's wait: what that rank reported
+        message = message.partition(" stopped: ")[2]
     if topo.internode:
         assert f"internode {phase}" in message, message
         if "network stage" in message:  # names the ranks that did not reach the operation (from the store)
@@ -564,7 +566,9 @@ def _timeout_outcome(topo, error: deep_ep.CommTimeoutError, phase: str) -> str:
 
 def bad_input_on_one_rank_times_out_the_others(ctx, topo, timeout_s):
     """Rank 1 refuses its input before sending anything; the others time out after about `timeout_s`, naming the
-    stage they were waiting in and the ranks they waited for."""
+    stage they were waiting in and the ranks they waited for. Internode 2x2, rank 3 starts late, so that the node-local
+    timeout of rank 0 or 2, published in the store, stops rank 3's network wait first: rank 3 then raises a
+    CommTimeoutError too, carrying that rank's report."""
     buffer = topo.new_buffer(ctx, 1 << 20, explicitly_destroy=True, timeout_s=timeout_s)
     release = time.perf_counter() + 2 * timeout_s + 0.5
     try:
@@ -573,6 +577,9 @@ def bad_input_on_one_rank_times_out_the_others(ctx, topo, timeout_s):
         if ctx.rank == 1:
             bad[3, 0] = 99
         start = time.perf_counter()
+        late_starter = 3 if str(topo) == "internode-2x2" else None
+        if ctx.rank == late_starter:
+            time.sleep(0.4 * timeout_s)
         try:
             layout_and_dispatch(buffer, x, bad, topk_weights, 8)
         except ValueError as error:
@@ -585,6 +592,7 @@ def bad_input_on_one_rank_times_out_the_others(ctx, topo, timeout_s):
             assert 0.8 * timeout_s <= elapsed < 2 * timeout_s, elapsed
             outcome = _timeout_outcome(topo, error, "dispatch")
             assert not outcome.startswith("network") or "count exchange" in str(error), error
+            assert ctx.rank != late_starter or " stopped: " in str(error), error  # stopped by a peer's timeout
             return outcome
         raise AssertionError("the dispatch succeeded without rank 1")
     finally:

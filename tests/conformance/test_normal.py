@@ -78,12 +78,13 @@ def test_async_finish_overlaps_the_transfer(pool, topology):
     pool.run(cases.async_finish_overlaps_the_transfer, topology)
 
 
-# Where each rank times out and whom it names: 'node-local [ranks]' or 'network [ranks]'.
+# Where each rank times out and whom it names: 'node-local [ranks]' or 'network [ranks]' (a set: any of them).
 BAD_INPUT_OUTCOMES = {
     "intranode-2": ["node-local [1]", "value-error"],
     "intranode-4": ["node-local [1]", "value-error", "node-local [1]", "node-local [1]"],
-    # 2x2: rank 3 waits for rank 1 on the network; ranks 0 and 2 finish it and wait in their node.
-    "internode-2x2": ["node-local [1]", "value-error", "node-local [3]", "network [1]"],
+    # 2x2: rank 3 would wait for rank 1 on the network; ranks 0 and 2 finish it and wait in their node, for ranks 1
+    # and 3. Rank 3 starts late: the first of ranks 0 and 2 to time out publishes its report, which stops rank 3.
+    "internode-2x2": ["node-local [1]", "value-error", "node-local [3]", {"node-local [1]", "node-local [3]"}],
     "internode-4x1": ["network [1]", "value-error", "network [1]", "network [1]"],
 }
 MISSING_IN_COMBINE_OUTCOMES = {
@@ -98,7 +99,9 @@ MISSING_IN_COMBINE_OUTCOMES = {
 @pytest.mark.parametrize("topology", NORMAL, ids=str)
 def test_bad_input_on_one_rank_times_out_the_others(pool, topology):
     outcomes = pool.run(cases.bad_input_on_one_rank_times_out_the_others, topology, TIMEOUT_S)
-    assert outcomes == BAD_INPUT_OUTCOMES[str(topology)]
+    expected = BAD_INPUT_OUTCOMES[str(topology)]
+    assert len(outcomes) == len(expected)
+    assert all(got in want if isinstance(want, set) else got == want for got, want in zip(outcomes, expected)), outcomes
 
 
 @pytest.mark.parametrize("topology", NORMAL, ids=str)
