@@ -102,9 +102,8 @@ def grouped_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int]) -
     """
     if x_NK.size(0) > 0 and _grouped_mm_fits(x_NK, w_LKM):
         offs = torch.tensor(counts, device=x_NK.device).cumsum(0).to(torch.int32)
-        slot, split = wgrad.slot_for(w_LKM), wgrad.split_weight_of(w_LKM)
-        if slot is not None or split is not None:
-            return _DelayedWgradGemm.apply(x_NK.contiguous(), w_LKM, "grouped", offs, slot, split)
+        if (y_NM := _queued_wgrad_gemm(x_NK.contiguous(), w_LKM, "grouped", offs)) is not None:
+            return y_NM
         y_NM = torch._grouped_mm(x_NK.contiguous(), w_LKM, offs=offs)
         return _ContiguousGrad.apply(y_NM)
     return loop_linear(x_NK, w_LKM, counts)
@@ -112,19 +111,26 @@ def grouped_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int]) -
 
 def loop_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Reference grouped linear: one `matmul` per group (empty groups included, so each weight gets a grad)."""
-    slot, split = wgrad.slot_for(w_LKM), wgrad.split_weight_of(w_LKM)
-    if slot is not None or split is not None:
-        return _DelayedWgradGemm.apply(x_NK, w_LKM, "loop", list(counts), slot, split)
+    if (y_NM := _queued_wgrad_gemm(x_NK, w_LKM, "loop", list(counts))) is not None:
+        return y_NM
     outs = [x_e @ w_LKM[e] for e, x_e in enumerate(x_NK.split(counts))]
     return torch.cat(outs) if outs else x_NK.new_zeros(0, w_LKM.size(2))
 
 
 def batched_linear(x_LPK: torch.Tensor, w_LKM: torch.Tensor) -> torch.Tensor:
     """`torch.bmm(x [L, P, K], w [L, K, M])`, the weight gradient queued inside `moe.wgrad.deferring`."""
-    slot, split = wgrad.slot_for(w_LKM), wgrad.split_weight_of(w_LKM)
-    if slot is not None or split is not None:
-        return _DelayedWgradGemm.apply(x_LPK, w_LKM, "bmm", None, slot, split)
+    if (y_LPM := _queued_wgrad_gemm(x_LPK, w_LKM, "bmm", None)) is not None:
+        return y_LPM
     return torch.bmm(x_LPK, w_LKM)
+
+
+def _queued_wgrad_gemm(x: torch.Tensor, w: torch.Tensor, kind: str, aux) -> torch.Tensor | None:
+    """The expert GEMM `kind` as a `_DelayedWgradGemm` when its weight gradient is to be queued (a
+    `moe.wgrad.WeightGradStore` slot, or a pipeline W action: `moe.wgrad.split_weight_of`); else None."""
+    slot, split = wgrad.slot_for(w), wgrad.split_weight_of(w)
+    if slot is None and split is None:
+        return None
+    return _DelayedWgradGemm.apply(x, w, kind, aux, slot, split)
 
 
 # The three GEMMs of each expert-GEMM kind as autograd computes them (`_grouped_mm`'s, `mm`'s and `bmm`'s backward
