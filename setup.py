@@ -1,6 +1,10 @@
 """Builds mtdeepep._C (the CPU executor) always, and mtdeepep._C_cuda (the GPU executor) when a CUDA build of torch
 and nvcc are present, or the same sources through torch_musa's builder when torch_musa and the MUSA toolkit are
-(Moore Threads GPUs). MTDEEPEP_DISABLE_CUDA=1 skips the GPU executor."""
+(Moore Threads GPUs).
+
+Environment: MTDEEPEP_DISABLE_CUDA=1 skips the GPU executor. MTDEEPEP_REQUIRE_CUDA=1 makes a missing GPU executor an
+error instead of a warning (scripts/gpu_check.sh sets it: on a GPU machine a build without it is broken).
+MTDEEPEP_EXTENSIONS=_C_cuda (or _C) builds only the named extensions (the GPU check rebuilds only what changed)."""
 
 import glob
 import os
@@ -48,13 +52,33 @@ def musa_sources(gpu_sources: list[str]) -> list[str]:
     return result
 
 
+def gpu_executor_missing(reason: str) -> None:
+    """A CUDA build of torch without the GPU executor: an error where it is required, else a loud warning (the tests
+    of a GPU machine fail on it anyway)."""
+    message = f"mtdeepep: building WITHOUT the CUDA executor (mtdeepep._C_cuda): {reason}"
+    if os.environ.get("MTDEEPEP_REQUIRE_CUDA") == "1":
+        raise SystemExit(message + " (MTDEEPEP_REQUIRE_CUDA=1)")
+    print(f"\n*** {message} ***\n", flush=True)
+
+
+def wanted(name: str) -> bool:
+    chosen = os.environ.get("MTDEEPEP_EXTENSIONS")
+    return chosen is None or name in {n.strip() for n in chosen.split(",")}
+
+
 def make_extensions():
     """`mtdeepep._C` (the CPU executor, always), plus `mtdeepep._C_cuda` (the GPU executor: csrc/kernels/cuda and
     csrc/runtime/cuda) built for MUSA when torch_musa and its toolkit are present, else for CUDA when torch is a CUDA
     build and nvcc exists; neither: the CPU build alone, unchanged."""
     cpu_sources = [p for p in sources("csrc/**/*.cpp") if "/cuda/" not in p and "/musa/" not in p]
     include_dirs = [os.path.join(ROOT, "csrc")]
-    extensions = [CppExtension("mtdeepep._C", cpu_sources, include_dirs=include_dirs, extra_compile_args=CXX_FLAGS)]
+    extensions = []
+    if wanted("_C"):
+        extensions.append(
+            CppExtension("mtdeepep._C", cpu_sources, include_dirs=include_dirs, extra_compile_args=CXX_FLAGS)
+        )
+    if not wanted("_C_cuda"):
+        return extensions
     gpu_sources = sources("csrc/kernels/cuda/*.cu") + sources("csrc/runtime/cuda/*.cpp")
     if musa_available():
         from torch_musa.utils.musa_extension import MUSAExtension
@@ -79,6 +103,9 @@ def make_extensions():
                 extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3", "-std=c++17", *arch]},
             )
         )
+    elif torch.version.cuda is not None and os.environ.get("MTDEEPEP_DISABLE_CUDA") != "1":
+        gpu_executor_missing(f"torch is a CUDA {torch.version.cuda} build but {os.environ.get('NVCC', 'nvcc')} is "
+                             "not on PATH")  # fmt: skip
     return extensions
 
 

@@ -1,53 +1,47 @@
-"""Bandwidth of mtdeepep's CUDA kernels as a fraction of a device-to-device copy of the same bytes, on one GPU
-shared by 2 and 4 rank processes (data over CUDA IPC), and low-latency dispatch/combine latency.
+"""Bandwidth of mtdeepep's CUDA kernels as a fraction of a device-to-device copy of the same bytes, with R ranks as
+streams of ONE process on one GPU (`mtdeepep.utils.local_ranks`: each rank its own buffers and stream, peer
+pointers instead of IPC), so the ranks' kernels truly run at the same time; and low-latency dispatch/combine
+latency.
 
-Setting (upstream DeepEP's intranode test): 4096 tokens per rank, hidden 7168, top-8 of 256 experts, with uniform
-routing (per token the top-8 of uniform random scores) and skewed routing (the scores multiplied by a factor that
-falls from 4 to 1/4 across the experts, so the first rank's experts take most of the traffic), at several SM counts
-(`Config.num_sms`; each rank's kernels use that many SMs, the ranks run at the same time on the one GPU).
+Why one process: rank processes sharing a GPU are time-sliced (one CUDA context at a time), so a kernel that waits
+for a peer waits for the scheduler's slice and the numbers would measure that. Ranks as streams of one process run
+concurrently, as ranks on their own GPUs would, except that they share one GPU's memory bandwidth and SMs: the copy
+baseline below shares them the same way.
 
-Operations and the bytes that count (per rank, as upstream's test counts them: the bytes of the rows this rank
-receives, `recv_x`, whose source rows are read once and written once):
+Setting (upstream DeepEP's intranode test): 4096 tokens per rank, hidden 7168, top-8 of 256 experts, R = 4 and 8
+ranks, uniform routing (per token the top-8 of uniform random scores) and skewed routing (scores scaled by a factor
+falling from 4 to 1/4 across the experts: the first rank's experts take most of the traffic), at several SM counts
+per rank (`Config.num_sms`).
 
-- layout:        `get_dispatch_layout(topk_idx, 256)`; bytes: topk_idx read + the four outputs written.
-- dispatch bf16: `dispatch(x, ..., num_worst_tokens=T * R)`; bytes: received rows x 2 H.
-- dispatch fp8:  the same with x the pair (E4M3 `[T, H]`, float32 scales `[T, H / 128]`); bytes: rows x (H + H / 32).
-- combine bf16:  `combine(recv_x, handle)` of that dispatch; bytes: the same received rows x 2 H (sent back and
-  summed per token in FP32).
-- ll fp8 cast:   `low_latency_dispatch(x, ..., use_fp8=True)` at 1024 tokens and 8 experts per rank: the sender's
-  fused per-token E4M3 cast; bytes: per valid (token, expert) selection H + H / 32 (+ 16 header bytes, as upstream).
-  Beside it, `per_token_cast_to_fp8` in plain PyTorch (the unfused alternative) as its own row.
+Operations and the bytes that count (summed over the ranks; what the operation must at least read and write):
 
-The copy: every rank copies the same number of bytes from one device tensor to another (`Tensor.copy_`) at the same
-time as the other ranks, so both sides see the same concurrency on the one GPU: fraction = copy time / kernel time
-(= kernel bandwidth / copy bandwidth). GB/s counts each byte once (as upstream); the copy's GB/s the same way.
+- layout:        `get_dispatch_layout(topk_idx, 256)`: topk_idx read + the four outputs written.
+- dispatch bf16: `dispatch(x, ..., num_worst_tokens=T * R)`: every received row read once at its source and written
+  once at its receiver: 2 x rows x 2H.
+- dispatch fp8:  the same with x the pair (E4M3 `[T, H]`, float32 scales `[T, H / 128]`): 2 x rows x (H + H / 32).
+- combine bf16:  `combine(recv_x, handle)` of that dispatch: every received row read once and each token's sum
+  written once: rows x 2H + tokens x 2H.
+- fp8 cast:      the standalone 1x128 cast kernel (the one the low-latency dispatch fuses) on each rank's T tokens:
+  read 2H, write H + H / 32 per token.
 
-Timing, two ways, both in the table and the JSON:
+The copy: every rank copies, on its own stream, at the same time as the others, half of its operation's bytes from
+one device tensor to another (a copy of N bytes reads N and writes N): 'of copy' = copy time / operation time, the
+operation's bandwidth as a share of what plain copies of the same traffic reach here.
 
-- 'us': the operation is captured in a CUDA graph (normal mode with `num_worst_tokens` needs no host
-  synchronisation, so it can be) and the graph replayed `--iters` times back to back between two CUDA events after a
-  gloo barrier and `--warmup` replays; time per call = elapsed / iters. Where capture fails the eager call is timed
-  the same way and the mode says 'eager' (then the host's launch overhead can be part of the time). Each captured
-  operation is checked once against its eager result (same bytes) before timing; replays of the same inputs cannot
-  show a replay that reads a peer's previous rows (tests/cuda's graph test replays new inputs for that).
-- 'busy us': `--iters` eager calls under the profiler; the union of the intervals in which this rank's kernels ran,
-  per call: the device time without the host's overhead (kernels waiting for a peer count their wait).
+Timing: every rank's stream first waits for a gate (one event behind a sleep kernel long enough for the host to
+enqueue all the calls), then runs `--iters` calls back to back; time per call = (last rank's end - gate) / iters.
+So the host's launch overhead is not in the numbers (the calls are enqueued while the gate holds the GPU), and the
+ranks start together. Normal-mode calls use `num_worst_tokens` and skip value checks (no host synchronisation).
+Before timing, each operation's outputs at one iteration are checked against the references of `mtdeepep.utils.refs`
+(a wrong kernel cannot post a time).
 
-The slowest rank's row is reported.
-
-Processes on one GPU: without NVIDIA's Multi-Process Service (MPS) the kernels of different processes do not run at
-the same time (the GPU time-slices between their contexts), so a kernel that waits for a peer's writes waits for
-the scheduler's slice, and the numbers measure that, not the kernel. With an MPS daemon running (scripts/gpu_check.sh
-starts one with GPU_CHECK_MPS=1) the ranks' kernels share the SMs concurrently, as ranks on their own GPUs would run.
-The JSON records which (`mps`); the SM counts are limited to those where R x SMs fit on the GPU.
-
-Low latency (upstream's low-latency test): 128 tokens per rank, hidden 7168, top-8, 32 experts per rank;
-dispatch bf16/fp8 and combine, eager, median over `--iters` calls timed with events after a barrier (latency).
+Low latency (upstream's low-latency test): 128 tokens per rank, hidden 7168, top-8, 32 experts per rank; dispatch
+bf16 / fp8 and combine, one call per rank behind the gate, latency = median over `--iters` of (last end - gate).
 
 Run on a machine with a GPU and mtdeepep's CUDA executor built (scripts/gpu_check.sh does both):
 
     python bench/cuda_kernels.py                        # table + bench/results/cuda_kernels.json
-    python bench/cuda_kernels.py --num-ranks 2 --sms 8,24 --iters 50
+    python bench/cuda_kernels.py --num-ranks 4 --sms 8,16 --iters 10
 
 Without a GPU or without the CUDA executor it prints why and exits with status 2.
 
@@ -57,14 +51,19 @@ Legend: T tokens per rank, H hidden, K top-k, E experts, R ranks.
 from __future__ import annotations
 
 import os
+
+# Ranks of one process wait for each other's kernels: eager module loading, set before CUDA starts
+# (mtdeepep.utils.local_ranks says why).
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from _common import (
     RESULTS_DIR,
     add_config_arguments,
@@ -74,13 +73,13 @@ from _common import (
     parse_int_list,
     print_table,
     random_routing,
-    run_ranks,
     save_results,
 )
 
 import mtdeepep as deep_ep
+from mtdeepep.utils import refs
 from mtdeepep.utils.fp8 import per_token_cast_to_fp8
-from mtdeepep.utils.testing import cuda_skip_reason
+from mtdeepep.utils.testing import cuda_executor_import_error
 
 ROUTINGS = ("uniform", "skewed")
 
@@ -91,354 +90,308 @@ class BenchConfig:
     hidden: int = 7168
     num_experts: int = 256
     num_topk: int = 8
-    iters: int = 30
-    warmup: int = 5
-    nvl_bytes: int = 1 << 30
+    iters: int = 10
+    warmup: int = 2
     ll_tokens: int = 128
     ll_experts_per_rank: int = 32
-    cast_tokens: int = 1024
-    cast_experts_per_rank: int = 8
+    ll_iters: int = 20
 
 
 CONFIG_HELP = {
     "num_tokens": "tokens per rank (normal mode)",
     "iters": "timed calls per operation",
     "warmup": "untimed calls per operation",
-    "nvl_bytes": "num_nvl_bytes of each rank's buffer",
-    "ll_tokens": "tokens per rank of the low-latency latency rows",
-    "cast_tokens": "tokens per rank of the fused FP8 cast row",
+    "ll_tokens": "tokens per rank of the low-latency rows",
+    "ll_iters": "timed low-latency calls (median)",
 }
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Inputs and timing
+# Timing: a gate, then every rank's calls
 
 
-def make_routing(rank: int, num_tokens: int, hidden: int, num_experts: int, num_topk: int, routing: str, seed: int):
-    """This rank's host inputs (`_common.random_routing`, skewed for `routing == 'skewed'`)."""
-    return random_routing(num_tokens, hidden, num_experts, num_topk, seed * 1000 + rank, skewed=routing == "skewed")
+class Gate:
+    """Holds every rank's stream behind one event until the host has enqueued all the calls: a sleep kernel on a
+    gate stream, then the event. `seconds` (of GPU sleep) is adapted to the host's enqueue time."""
 
+    CYCLES_PER_S = 1.5e9  # a low estimate of the SM clock: the sleep lasts at least as long as asked
 
-def timed_graph(fn: Callable[[], Any], iters: int, warmup: int, group) -> tuple[float, str, Any]:
-    """Seconds per call of `fn` captured in a CUDA graph and replayed back to back (see the module docstring), or
-    eager if capture fails: `(seconds, 'graph' | 'eager', the captured call's outputs)`."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # warm-up outside capture, as torch.cuda.graphs requires
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    dist.barrier(group=group)
-    graph, mode, outputs = torch.cuda.CUDAGraph(), "graph", None
-    try:
-        with torch.cuda.graph(graph):
-            outputs = fn()
-    except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager timing, and is reported
-        print(f"[rank {dist.get_rank(group)}] capture failed, timing eagerly: {type(error).__name__}: {error}")
-        graph, mode = None, "eager"
-        torch.cuda.synchronize()
-    modes = [None] * group.size()
-    dist.all_gather_object(modes, mode, group=group)
-    if "eager" in modes:  # every rank times the same way (the captured call must be replayed by every rank)
-        graph, mode = None, "eager"
-    run = graph.replay if graph is not None else fn
-    if graph is not None:
-        run()  # materialise the captured outputs once
-        torch.cuda.synchronize()
-        dist.barrier(group=group)
-    return events_time(run, iters, warmup, group), mode, outputs
+    def __init__(self, ranks) -> None:
+        self.ranks = ranks
+        self.stream = torch.cuda.Stream(ranks.device)
+        self.seconds = 0.005
 
-
-def events_time(run: Callable[[], Any], iters: int, warmup: int, group) -> float:
-    """Seconds per call of `run`, `iters` calls back to back between two CUDA events, after a barrier."""
-    for _ in range(warmup):
-        run()
-    torch.cuda.synchronize()
-    dist.barrier(group=group)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
-
-
-def busy_time(run: Callable[[], Any], iters: int, warmup: int, group) -> float:
-    """Seconds per call that this process's kernels kept the GPU busy, from the profiler's kernel records of `iters`
-    eager calls: the union of their [start, end) intervals (kernels overlapping on two streams count once), so the
-    host's launch overhead between calls is left out. Kernels that wait for a peer count their waiting."""
-    for _ in range(warmup):
-        run()
-    torch.cuda.synchronize()
-    dist.barrier(group=group)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            run()
-        torch.cuda.synchronize()
-    intervals = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
-    )
-    busy_us, reach = 0.0, float("-inf")
-    for start, end in intervals:
-        if end > reach:
-            busy_us += end - max(start, reach)
-            reach = end
-    return busy_us / 1e6 / iters
-
-
-def copy_time(num_bytes: int, iters: int, warmup: int, group) -> float:
-    """Seconds per device-to-device copy of `num_bytes` (every rank copying at the same time)."""
-    src = torch.randint(0, 255, (max(num_bytes, 1),), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return events_time(lambda: dst.copy_(src), iters, warmup, group)
-
-
-def latency(run: Callable[[], Any], iters: int, warmup: int, group) -> float:
-    """Median seconds of one call (events around it), every call after a barrier."""
-    for _ in range(warmup):
-        run()
-    samples = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        dist.barrier(group=group)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(samples)
+    def time(self, call: Callable[[int], Any], iters: int) -> float:
+        """Seconds per call: `call(rank)` `iters` times on every rank's stream, all behind the gate."""
+        self.ranks.synchronize()
+        opened = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(int(self.seconds * self.CYCLES_PER_S))
+            opened.record(self.stream)
+        ends = []
+        host_start = time.perf_counter()
+        for rank in range(self.ranks.num_ranks):
+            with self.ranks.stream(rank) as stream:
+                stream.wait_event(opened)
+                for _ in range(iters):
+                    call(rank)
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(stream)
+                ends.append(end)
+        enqueue_s = time.perf_counter() - host_start
+        self.ranks.synchronize()
+        if enqueue_s > 0.8 * self.seconds:  # the gate opened before the host finished: again, with a longer gate
+            self.seconds = 2 * enqueue_s + 0.002
+            return self.time(call, iters)
+        return max(opened.elapsed_time(end) for end in ends) / 1e3 / iters
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The rank's work
+# Normal mode
 
 
-def normal_rows(buffer, cfg: BenchConfig, routing: str, num_sms: int, rank: int, group) -> list[dict[str, Any]]:
-    """layout, dispatch bf16/fp8 and combine at one SM count: this rank's rows."""
-    num_ranks = group.size()
-    x, topk_idx, topk_weights = make_routing(rank, cfg.num_tokens, cfg.hidden, cfg.num_experts, cfg.num_topk,
-                                             routing, seed=1)  # fmt: skip
-    x, topk_idx, topk_weights = x.cuda(), topk_idx.cuda(), topk_weights.cuda()
-    e4m3, scales = per_token_cast_to_fp8(x.float())
-    worst = cfg.num_tokens * num_ranks
-    dispatch_config = deep_ep.Config(num_sms, 6, 256, 6, 128)
-    combine_config = deep_ep.Config(num_sms, 6, 256, 6, 128)
-    layout = buffer.get_dispatch_layout(topk_idx, cfg.num_experts)[:4]
-    per_rank, per_node, per_expert, in_rank = layout
+def normal_rows(ranks, buffers, gate: Gate, cfg: BenchConfig, routing: str, sms: list[int]) -> list[dict[str, Any]]:
+    """layout, dispatch bf16/fp8, combine and the FP8 cast at each SM count: one row per (op, SMs)."""
+    R, H = ranks.num_ranks, cfg.hidden
+    host = [random_routing(cfg.num_tokens, H, cfg.num_experts, cfg.num_topk, seed=1000 * R + r,
+                           skewed=routing == "skewed") for r in range(R)]  # fmt: skip
+    dev = ranks.device
+    x = [h[0].to(dev) for h in host]
+    idx = [h[1].to(dev) for h in host]
+    weights = [h[2].to(dev) for h in host]
+    fp8 = [per_token_cast_to_fp8(t.float()) for t in x]
+    worst = cfg.num_tokens * R
+    rows_received = [int(refs.ref_dispatch_layout(h[1], cfg.num_experts, R)[2].sum()) for h in host]
+    rows = sum(rows_received)  # every (token, receiving rank) pair once
+    layouts: list[Any] = [None] * R
+    dispatched: list[Any] = [None] * R
 
-    def dispatch(data):
-        return buffer.dispatch(
-            data, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights, num_worst_tokens=worst,
-            config=dispatch_config,
+    def layout(r: int):
+        layouts[r] = buffers[r].get_dispatch_layout(idx[r], cfg.num_experts)[:4]
+
+    def dispatch(r: int, payload, config):
+        per_rank, per_node, per_expert, in_rank = layouts[r]
+        out = buffers[r].dispatch(
+            payload, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idx[r], topk_weights=weights[r], num_worst_tokens=worst,
+            config=config,
         )  # fmt: skip
+        dispatched[r] = out
+        return out
 
-    eager = dispatch(x)
-    recv_x, recv_idx, _, _, handle, _ = eager
-    num_recv = int(handle[0][-1, rank].item())  # rank_prefix_matrix: rows received from every source
+    out: list[dict[str, Any]] = []
+    with deep_ep.skip_value_checks():
+        for r in range(R):
+            with ranks.stream(r):
+                layout(r)
+        ranks.synchronize()
+        check_normal(host, layouts, [dispatch_on(ranks, r, dispatch, x[r], None) for r in range(R)], cfg)
+        layout_bytes = sum(cfg.num_tokens * cfg.num_topk * 8 + cfg.num_tokens * R + (R + cfg.num_experts) * 4
+                           for _ in range(R))  # fmt: skip
+        out.append(row(gate, ranks, "layout", routing, None, layout, layout_bytes, cfg))
+        for num_sms in sms:
+            config = deep_ep.Config(num_sms, 6, 256, 6, 128)
+            out.append(row(gate, ranks, "dispatch bf16", routing, num_sms,
+                           lambda r, config=config: dispatch(r, x[r], config), 2 * rows * 2 * H, cfg))  # fmt: skip
+            fp8_bytes = 2 * rows * (H + H // 32)
+            out.append(row(gate, ranks, "dispatch fp8", routing, num_sms,
+                           lambda r, config=config: dispatch(r, fp8[r], config), fp8_bytes, cfg))  # fmt: skip
+            for r in range(R):
+                with ranks.stream(r):
+                    dispatch(r, x[r], config)
+            handles = [(d[0], d[4]) for d in dispatched]
+            ranks.synchronize()
+            out.append(row(gate, ranks, "combine bf16", routing, num_sms,
+                           lambda r, h=handles, c=config: buffers[r].combine(h[r][0], h[r][1], config=c),
+                           rows * 2 * H + R * cfg.num_tokens * 2 * H, cfg))  # fmt: skip
+    out.append(row(gate, ranks, "fp8 cast", routing, None, cast_call(ranks, x, cfg),
+                   R * cfg.num_tokens * (2 * H + H + H // 32), cfg))  # fmt: skip
+    return out
+
+
+def dispatch_on(ranks, r: int, dispatch, payload, config):
+    with ranks.stream(r):
+        return dispatch(r, payload, config)
+
+
+def check_normal(host, layouts, outputs, cfg: BenchConfig) -> None:
+    """The first dispatch of the first and the last rank against the reference (rows exact)."""
     torch.cuda.synchronize()
-    rows = []
+    R = len(host)
+    for r in sorted({0, R - 1}):
+        ref = refs.ref_dispatch([h[0] for h in host], [h[1] for h in host], [h[2] for h in host], cfg.num_experts, r)
+        n = ref.recv_x.size(0)
+        if not torch.equal(outputs[r][0][:n].cpu(), ref.recv_x):
+            raise AssertionError(f"rank {r}: the dispatched rows differ from the reference: no timing")
+        expected = refs.ref_dispatch_layout(host[r][1], cfg.num_experts, R)
+        if not torch.equal(layouts[r][3].cpu(), expected[2]):
+            raise AssertionError(f"rank {r}: is_token_in_rank differs from the reference: no timing")
 
-    def record(op: str, seconds: float, mode: str, num_bytes: int, eager: Callable[[], Any]):
-        busy = busy_time(eager, cfg.iters, cfg.warmup, group)
-        rows.append({"op": op, "routing": routing, "num_sms": num_sms, "mode": mode, "bytes": num_bytes,
-                     "seconds": seconds, "busy_seconds": busy})  # fmt: skip
 
-    layout_bytes = topk_idx.numel() * 8 + in_rank.numel() + (per_rank.numel() + per_expert.numel()) * 4
+def cast_call(ranks, x: list[torch.Tensor], cfg: BenchConfig) -> Callable[[int], None]:
+    """The standalone FP8 cast kernel on rank r's tokens (checked bitwise once)."""
+    from mtdeepep import _C_cuda
 
-    def layout_call():
-        return buffer.get_dispatch_layout(topk_idx, cfg.num_experts)[:4]
+    H = cfg.hidden
+    e4m3 = [torch.empty(t.shape, dtype=torch.uint8, device=t.device) for t in x]
+    scales = [torch.empty((t.size(0), H // 128), dtype=torch.float32, device=t.device) for t in x]
+    num_sms = torch.cuda.get_device_properties(ranks.device).multi_processor_count // ranks.num_ranks
 
-    seconds, mode, _ = timed_graph(layout_call, cfg.iters, cfg.warmup, group)
-    record("layout", seconds, mode, layout_bytes, layout_call)
+    def call(r: int) -> None:
+        _C_cuda.cast_to_fp8(x[r].data_ptr(), x[r].stride(0), x[r].size(0), H, False, e4m3[r].data_ptr(),
+                            scales[r].data_ptr(), num_sms, torch.cuda.current_stream().cuda_stream)  # fmt: skip
 
-    seconds, mode, out = timed_graph(lambda: dispatch(x), cfg.iters, cfg.warmup, group)
-    if out is not None:
-        torch.cuda.synchronize()
-        assert torch.equal(out[0][:num_recv], recv_x[:num_recv]), "captured bf16 dispatch differs from eager"
-    record("dispatch bf16", seconds, mode, num_recv * cfg.hidden * 2, lambda: dispatch(x))
+    with ranks.stream(0):
+        call(0)
+    ranks.synchronize()
+    want, want_scales = per_token_cast_to_fp8(x[0].float())
+    if not (torch.equal(e4m3[0], want.view(torch.uint8)) and torch.equal(scales[0], want_scales)):
+        raise AssertionError("the FP8 cast kernel differs from per_token_cast_to_fp8: no timing")
+    return call
 
-    seconds, mode, _ = timed_graph(lambda: dispatch((e4m3, scales)), cfg.iters, cfg.warmup, group)
-    record(
-        "dispatch fp8", seconds, mode, num_recv * (cfg.hidden + cfg.hidden // 128 * 4), lambda: dispatch((e4m3, scales))
+
+def row(gate: Gate, ranks, op: str, routing: str, num_sms, call, num_bytes: int, cfg: BenchConfig) -> dict[str, Any]:
+    for _ in range(cfg.warmup):
+        for r in range(ranks.num_ranks):
+            with ranks.stream(r):
+                call(r)
+    seconds = gate.time(call, cfg.iters)
+    # The copy baseline: each rank copies its share of half the traffic (a copy reads and writes), all at once.
+    share = max(16, num_bytes // 2 // ranks.num_ranks)
+    src = [torch.randint(0, 255, (share,), dtype=torch.uint8, device=ranks.device) for _ in range(ranks.num_ranks)]
+    dst = [torch.empty_like(s) for s in src]
+    copy_seconds = gate.time(lambda r: dst[r].copy_(src[r]), cfg.iters)
+    print(
+        f"  R={ranks.num_ranks} {op:14s} {routing:8s} SMs={num_sms or '-':>3}  {seconds * 1e6:9.1f} us  "
+        f"{num_bytes / seconds / 1e9:7.0f} GB/s  {100 * copy_seconds / seconds:4.0f}% of copy",
+        flush=True,
     )
-
-    def combine():
-        return buffer.combine(recv_x, handle, config=combine_config)
-
-    eager_combined = combine()[0]
-    seconds, mode, out = timed_graph(combine, cfg.iters, cfg.warmup, group)
-    if out is not None:
-        torch.cuda.synchronize()
-        assert torch.equal(out[0], eager_combined), "captured combine differs from eager"
-    record("combine bf16", seconds, mode, num_recv * cfg.hidden * 2, combine)
-
-    for row in rows:
-        row["copy_seconds"] = copy_time(row["bytes"], cfg.iters, cfg.warmup, group)
-    return rows
+    return {"num_ranks": ranks.num_ranks, "op": op, "routing": routing, "num_sms": num_sms, "bytes": num_bytes,
+            "seconds": seconds, "copy_seconds": copy_seconds}  # fmt: skip
 
 
-def fp8_cast_rows(cfg: BenchConfig, routing: str, rank: int, group) -> list[dict[str, Any]]:
-    """The low-latency dispatch's fused FP8 cast at a throughput setting, and the plain-PyTorch cast."""
-    num_ranks = group.size()
-    num_experts = cfg.cast_experts_per_rank * num_ranks
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(cfg.cast_tokens, cfg.hidden, num_ranks, num_experts)
-    buffer = deep_ep.Buffer(group, 0, hint, low_latency_mode=True, explicitly_destroy=True)
-    try:
-        x, topk_idx, _ = make_routing(rank, cfg.cast_tokens, cfg.hidden, num_experts, cfg.num_topk, routing, seed=2)
-        x, topk_idx = x.cuda(), topk_idx.cuda()
-        selections = int((topk_idx >= 0).sum())
-        row_bytes = cfg.hidden + cfg.hidden // 128 * 4 + 16
-
-        def dispatch():
-            return buffer.low_latency_dispatch(x, topk_idx, cfg.cast_tokens, num_experts, use_fp8=True)
-
-        def cast():
-            return per_token_cast_to_fp8(x.float())
-
-        rows = [{"op": "ll dispatch fp8 (fused cast)", "routing": routing, "num_sms": None, "mode": "eager",
-                 "bytes": selections * row_bytes, "seconds": latency(dispatch, cfg.iters, cfg.warmup, group),
-                 "busy_seconds": busy_time(dispatch, cfg.iters, cfg.warmup, group)}]  # fmt: skip
-        # The unfused alternative: the plain-PyTorch cast of this rank's tokens (reads 2H, writes H + H / 32 bytes).
-        rows.append({"op": "torch per_token_cast_to_fp8", "routing": routing, "num_sms": None, "mode": "eager",
-                     "bytes": cfg.cast_tokens * (cfg.hidden + cfg.hidden // 128 * 4),
-                     "seconds": events_time(cast, cfg.iters, cfg.warmup, group),
-                     "busy_seconds": busy_time(cast, cfg.iters, cfg.warmup, group)})  # fmt: skip
-        for row in rows:
-            row["copy_seconds"] = copy_time(row["bytes"], cfg.iters, cfg.warmup, group)
-        return rows
-    finally:
-        buffer.destroy()
+# ---------------------------------------------------------------------------------------------------------------
+# Low latency
 
 
-def ll_latency_rows(cfg: BenchConfig, rank: int, group) -> list[dict[str, Any]]:
-    """Upstream's low-latency setting: dispatch bf16 / fp8 and combine latency (eager, median)."""
-    num_ranks = group.size()
-    num_experts = cfg.ll_experts_per_rank * num_ranks
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(cfg.ll_tokens, cfg.hidden, num_ranks, num_experts)
-    buffer = deep_ep.Buffer(group, 0, hint, low_latency_mode=True, explicitly_destroy=True)
-    try:
-        x, topk_idx, topk_weights = make_routing(rank, cfg.ll_tokens, cfg.hidden, num_experts, cfg.num_topk,
-                                                 "uniform", seed=3)  # fmt: skip
-        x, topk_idx, topk_weights = x.cuda(), topk_idx.cuda(), topk_weights.cuda()
-        selections = int((topk_idx >= 0).sum())
-        rows = []
+def low_latency_rows(ranks, gate: Gate, cfg: BenchConfig) -> list[dict[str, Any]]:
+    R, H, T = ranks.num_ranks, cfg.hidden, cfg.ll_tokens
+    num_experts = cfg.ll_experts_per_rank * R
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, num_experts)
+    buffers = ranks.buffers(0, hint, low_latency_mode=True)
+    dev = ranks.device
+    host = [random_routing(T, H, num_experts, cfg.num_topk, seed=77 + r) for r in range(R)]
+    x, idx, weights = ([h[i].to(dev) for h in host] for i in range(3))
+    selections = sum(int((h[1] >= 0).sum()) for h in host)
+    out = []
+    with deep_ep.skip_value_checks():
         for use_fp8 in (False, True):
 
-            def dispatch(use_fp8=use_fp8):
-                return buffer.low_latency_dispatch(x, topk_idx, cfg.ll_tokens, num_experts, use_fp8=use_fp8)
+            def dispatch(r: int, use_fp8=use_fp8):
+                return buffers[r].low_latency_dispatch(x[r], idx[r], T, num_experts, use_fp8=use_fp8)
 
-            seconds = latency(dispatch, cfg.iters, cfg.warmup, group)
-            row_bytes = cfg.hidden + cfg.hidden // 128 * 4 + 16 if use_fp8 else 2 * cfg.hidden + 16
-            rows.append({"op": f"ll dispatch {'fp8' if use_fp8 else 'bf16'}", "bytes": selections * row_bytes,
-                         "seconds": seconds})  # fmt: skip
-        recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, cfg.ll_tokens, num_experts, use_fp8=False)
-        y = recv.clone()
+            samples = [gate.time(dispatch, 1) for _ in range(cfg.ll_iters)]
+            row_bytes = H + H // 32 + 16 if use_fp8 else 2 * H + 16
+            out.append(ll_row(R, f"ll dispatch {'fp8' if use_fp8 else 'bf16'}", samples, selections * row_bytes))
+        received = []
+        for r in range(R):
+            with ranks.stream(r):
+                received.append(buffers[r].low_latency_dispatch(x[r], idx[r], T, num_experts, use_fp8=False))
+        ranks.synchronize()
+        y = [recv[0].clone() for recv in received]
+        handles = [recv[2] for recv in received]
 
-        def combine():
-            return buffer.low_latency_combine(y, topk_idx, topk_weights, handle)
+        def combine(r: int):
+            return buffers[r].low_latency_combine(y[r], idx[r], weights[r], handles[r])
 
-        seconds = latency(combine, cfg.iters, cfg.warmup, group)
-        rows.append({"op": "ll combine bf16", "bytes": selections * 2 * cfg.hidden, "seconds": seconds})
-        return rows
-    finally:
+        samples = [gate.time(combine, 1) for _ in range(cfg.ll_iters)]
+        out.append(ll_row(R, "ll combine bf16", samples, selections * 2 * H))
+    for buffer in buffers:
         buffer.destroy()
+    return out
 
 
-def bench_rank(rank: int, world_size: int, group, cfg: BenchConfig, sms: list[int]) -> dict[str, Any]:
-    # Every rank shares the one GPU; the control group is gloo, so the CUDA executor is chosen by MTDEEPEP_DEVICE.
-    os.environ["MTDEEPEP_DEVICE"] = "cuda"
-    torch.cuda.set_device(0)
-    buffer = deep_ep.Buffer(group, cfg.nvl_bytes, explicitly_destroy=True)
-    if buffer.device.type != "cuda":
-        raise RuntimeError(f"the CUDA executor was not chosen: {buffer!r}")
-    # The ranks' kernels run at once on the one GPU and wait for each other: together they must fit on it.
-    sms = [n for n in sms if n * world_size <= torch.cuda.get_device_properties(0).multi_processor_count]
-    try:
-        normal = [row for routing in ROUTINGS for n in sms for row in normal_rows(buffer, cfg, routing, n, rank, group)]
-    finally:
-        buffer.destroy()
-    cast = [row for routing in ROUTINGS for row in fp8_cast_rows(cfg, routing, rank, group)]
-    return {"normal": normal + cast, "low_latency": ll_latency_rows(cfg, rank, group)}
+def ll_row(num_ranks: int, op: str, samples: list[float], num_bytes: int) -> dict[str, Any]:
+    seconds = statistics.median(samples)
+    print(f"  R={num_ranks} {op:16s} {seconds * 1e6:8.1f} us (median of {len(samples)})", flush=True)
+    return {"num_ranks": num_ranks, "op": op, "bytes": num_bytes, "seconds": seconds, "samples": samples}
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Report
 
-
-def slowest(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Row by row, the rank with the largest time (and its bytes and copy time)."""
-    out = []
-    for rows in zip(*per_rank):
-        rank = max(range(len(rows)), key=lambda r: rows[r]["seconds"])
-        out.append({**rows[rank], "rank": rank})
-    return out
+NORMAL_HEADERS = ["R", "op", "routing", "SMs", "MB", "us", "GB/s", "copy GB/s", "of copy"]
+LL_HEADERS = ["R", "op", "us (median)", "GB/s"]
 
 
-NORMAL_HEADERS = ["R", "op", "routing", "SMs", "mode", "MB/rank", "us", "GB/s", "copy GB/s", "of copy", "busy us",
-                  "of copy (busy)"]  # fmt: skip
-LL_HEADERS = ["R", "op", "us", "GB/s"]
+def normal_table_row(row: dict[str, Any]) -> list[str]:
+    return [str(row["num_ranks"]), row["op"], row["routing"], str(row["num_sms"] or "-"), f"{row['bytes'] / 1e6:.1f}",
+            f"{row['seconds'] * 1e6:.1f}", f"{row['bytes'] / row['seconds'] / 1e9:.0f}",
+            f"{row['bytes'] / row['copy_seconds'] / 1e9:.0f}",
+            f"{100 * row['copy_seconds'] / row['seconds']:.0f}%"]  # fmt: skip
 
 
-def normal_table_row(num_ranks: int, row: dict[str, Any]) -> list[str]:
-    gbps = row["bytes"] / row["seconds"] / 1e9
-    copy_gbps = row["bytes"] / row["copy_seconds"] / 1e9
-    busy = row.get("busy_seconds")
-    cells = [str(num_ranks), row["op"], row["routing"], str(row["num_sms"] or "-"), row["mode"],
-             f"{row['bytes'] / 1e6:.1f}", f"{row['seconds'] * 1e6:.1f}", f"{gbps:.0f}", f"{copy_gbps:.0f}",
-             f"{100 * row['copy_seconds'] / row['seconds']:.0f}%"]  # fmt: skip
-    if busy:
-        return cells + [f"{busy * 1e6:.1f}", f"{100 * row['copy_seconds'] / busy:.0f}%"]
-    return cells + ["-", "-"]
+def measured(results: dict[str, Any], what: str, ranks, section: Callable[..., list], *args) -> list:
+    """The rows of one section, or none with the failure recorded (and the ranks' device state printed): one broken
+    operation does not cost the others' numbers."""
+    try:
+        return section(*args)
+    except Exception as error:  # noqa: BLE001 - reported in the table's notes and the JSON, the run goes on
+        print(f"FAILED {what}: {type(error).__name__}: {error}\n{ranks.device_states()}", flush=True)
+        results.setdefault("failures", []).append(f"{what}: {type(error).__name__}: {error}")
+        return []
 
 
 def main() -> None:
     parser = make_parser(__doc__)
-    parser.add_argument("--num-ranks", default="2,4", help="comma-separated rank counts on the one GPU (default 2,4)")
-    parser.add_argument("--sms", default="8,16,24,32", help="comma-separated SM counts per rank (default 8,16,24,32)")
+    parser.add_argument("--num-ranks", default="4,8", help="comma-separated rank counts (default 4,8)")
+    parser.add_argument("--sms", default="8,16,32", help="comma-separated SM counts per rank (default 8,16,32)")
     add_config_arguments(parser, BenchConfig(), helps=CONFIG_HELP)
-    parser.add_argument("--timeout", type=float, default=500, help="seconds allowed per rank count")
     parser.add_argument("--json", default=str(RESULTS_DIR / "cuda_kernels.json"))
     args = parser.parse_args()
-    reason = cuda_skip_reason()
+    reason = None if torch.cuda.is_available() else "no CUDA device"
+    reason = reason or cuda_executor_import_error()
     if reason is not None:
         print(f"bench/cuda_kernels.py needs a GPU and mtdeepep's CUDA executor: {reason}", file=sys.stderr)
         sys.exit(2)
+    from mtdeepep.utils.local_ranks import LocalRanks
+
     cfg = config_from_args(BenchConfig, args)
-    sms = parse_int_list(args.sms)
     props = torch.cuda.get_device_properties(0)
-    results: dict[str, Any] = {"config": asdict(cfg), "sms": sms, "environment": environment(),
+    results: dict[str, Any] = {"config": asdict(cfg), "environment": environment(), "harness": "single process",
                                "gpu": {"name": props.name, "multiprocessors": props.multi_processor_count,
                                        "memory_bytes": props.total_memory, "cuda": torch.version.cuda},
-                               "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
-                               "normal": {}, "low_latency": {}}  # fmt: skip
-    normal_rows_out, ll_rows_out = [], []
+                               "normal": [], "low_latency": []}  # fmt: skip
     for num_ranks in parse_int_list(args.num_ranks):
-        per_rank = run_ranks(bench_rank, num_ranks, (cfg, sms), timeout_s=args.timeout)
-        normal = slowest([r["normal"] for r in per_rank])
-        low_latency = slowest([r["low_latency"] for r in per_rank])
-        results["normal"][num_ranks] = normal
-        results["low_latency"][num_ranks] = low_latency
-        normal_rows_out += [normal_table_row(num_ranks, row) for row in normal]
-        ll_rows_out += [[str(num_ranks), row["op"], f"{row['seconds'] * 1e6:.1f}",
-                         f"{row['bytes'] / row['seconds'] / 1e9:.0f}"] for row in low_latency]  # fmt: skip
-    print(f"GPU: {props.name} ({props.multi_processor_count} SMs)", end="; ")
-    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}")
-    print(f"T={cfg.num_tokens} H={cfg.hidden} E={cfg.num_experts} K={cfg.num_topk}; {cfg.iters} calls per row; "
-          f"MPS {'on' if results['mps'] else 'off (kernels of different ranks time-sliced)'}")  # fmt: skip
-    note = (
-        "slowest rank; 'of copy' = copy time / time per call for the same bytes, all ranks copying at once; "
-        "'busy' = the GPU time of the rank's kernels in eager calls (profiler), without the host's overhead"
+        sms = [n for n in parse_int_list(args.sms) if n * num_ranks <= 4 * props.multi_processor_count]
+        worst_rows = cfg.num_tokens * num_ranks
+        nvl_bytes = worst_rows * (2 * cfg.hidden + 16 * (cfg.num_topk + 2) + 64) + (16 << 20)
+        with LocalRanks(num_ranks, device=0, timeout_s=30) as ranks:
+            gate = Gate(ranks)
+            buffers = ranks.buffers(nvl_bytes)
+            for routing in ROUTINGS:
+                results["normal"] += measured(results, f"R={num_ranks} normal {routing}", ranks, normal_rows, ranks,
+                                              buffers, gate, cfg, routing, sms)  # fmt: skip
+            results["low_latency"] += measured(results, f"R={num_ranks} low latency", ranks, low_latency_rows, ranks,
+                                               gate, cfg)  # fmt: skip
+    print(
+        f"GPU: {props.name} ({props.multi_processor_count} SMs); torch {torch.__version__}, CUDA {torch.version.cuda}"
     )
-    print_table(NORMAL_HEADERS, normal_rows_out, note)
+    print(f"T={cfg.num_tokens} H={cfg.hidden} E={cfg.num_experts} K={cfg.num_topk}; ranks as streams of one process; "
+          f"{cfg.iters} calls per row after {cfg.warmup}")  # fmt: skip
+    print_table(NORMAL_HEADERS, [normal_table_row(r) for r in results["normal"]],
+                "bytes summed over the ranks (what the op must read + write); 'of copy' = the time of plain copies "
+                "of the same bytes, all ranks at once, over the op's time")  # fmt: skip
     print()
     print(f"low latency: T={cfg.ll_tokens} H={cfg.hidden} E={cfg.ll_experts_per_rank}/rank K={cfg.num_topk}")
-    print_table(LL_HEADERS, ll_rows_out, "median of single calls (eager, events around each), slowest rank")
+    print_table(LL_HEADERS, [[str(r["num_ranks"]), r["op"], f"{r['seconds'] * 1e6:.1f}",
+                              f"{r['bytes'] / r['seconds'] / 1e9:.0f}"] for r in results["low_latency"]],
+                "one call per rank behind a gate, all ranks at once: last rank's end - gate")  # fmt: skip
+    for failure in results.get("failures", []):
+        print(f"FAILED {failure}")
     save_results(args.json, results)
+    if results.get("failures"):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import threading
 import torch
 
 from ._C import CommError, CommTimeoutError, EventHandle, GroupMismatchError, cleanup_stale_segments
+from ._checks import skip_value_checks
 from ._internode import InternodeHandle
 from .autograd import combine, dispatch
 from .buffer import Buffer
@@ -41,5 +42,6 @@ __all__ = [
     "cleanup_stale_segments",
     "combine",
     "dispatch",
+    "skip_value_checks",
     "topk_idx_t",
 ]

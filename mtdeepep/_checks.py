@@ -5,7 +5,10 @@ The other ranks then wait at their next barrier and fail with a timeout that nam
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -78,12 +81,32 @@ def check_tensor(
     return tensor
 
 
+_value_checks = threading.local()
+
+
+@contextlib.contextmanager
+def skip_value_checks() -> Iterator[None]:
+    """Within it (this thread), the checks of device tensors look at shapes, dtypes and devices only, not at values:
+    reading a GPU tensor's values synchronises the host with its stream (two index ranges and a layout sum per
+    dispatch), which a timed loop or a host that must run ahead of the GPU cannot afford. Values out of range are
+    then the caller's responsibility, as in DeepEP. CPU tensors are still checked (no synchronisation there)."""
+    previous = getattr(_value_checks, "skip", False)
+    _value_checks.skip = True
+    try:
+        yield
+    finally:
+        _value_checks.skip = previous
+
+
 def values_readable(tensor: torch.Tensor) -> bool:
-    """Whether checks may read `tensor`'s values: not while a CUDA graph is being captured (reading a device value
-    synchronises the host, which capture forbids: the graph path of dispatch/combine checks shapes only)."""
-    if tensor.device.type != "cuda":
+    """Whether checks may read `tensor`'s values: always on the CPU; on a GPU not while a CUDA graph is being captured
+    (reading a device value synchronises the host, which capture forbids: the graph path of dispatch/combine checks
+    shapes only) nor inside `skip_value_checks()`."""
+    if tensor.device.type == "cpu":
         return True
-    return not torch.cuda.is_current_stream_capturing()
+    if getattr(_value_checks, "skip", False):
+        return False
+    return tensor.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
 
 
 def check_num_experts(num_experts: Any, num_ranks: int) -> int:
@@ -99,7 +122,7 @@ def check_topk_idx(topk_idx: Any, num_experts: int, device: torch.device, num_to
     if num_tokens is not None:
         require(topk_idx.size(0) == num_tokens, f"topk_idx has {topk_idx.size(0)} rows but x has {num_tokens} tokens")
     if topk_idx.numel() and values_readable(topk_idx):
-        low, high = int(topk_idx.min()), int(topk_idx.max())
+        low, high = torch.stack(torch.aminmax(topk_idx)).tolist()  # one read of the device, not two
         require(low >= -1 and high < num_experts,
                 f"topk_idx values must lie in [-1, {num_experts}), found range [{low}, {high}]")  # fmt: skip
 

@@ -18,14 +18,24 @@ can be captured in a CUDA graph: the kernels number the operations on the device
 (double buffering): they are not graph-capturable on this executor.
 
 Failures: every device wait is bounded by the buffer's timeout; a wait that runs out records (kind, phase, peer,
-rank) in a host-mapped word and stops this rank's peers too. Every call, event wait or query checks that word and
-raises `CommTimeoutError` (or `CommError`) naming the rank and the phase; the buffer is unusable afterwards (as the
-CPU runtime after a normal-mode failure).
+rank) in a host-mapped word and stops this rank's peers too (their words then carry it as the cause). Every call,
+event wait or query checks that word and raises `CommTimeoutError` naming the rank that did not arrive and the phase
+(on every rank: also on those stopped by the first rank's timeout), or `CommError`; the buffer is unusable
+afterwards (as the CPU runtime after a normal-mode failure). Two failures leave it usable, as on the CPU executor:
+a receiver over `num_worst_tokens` (`GroupMismatchError`) and a receiver over the receive region (`CommError`).
+Every rank finds them in the same traffic matrix before any row moves; a dispatch that sizes its outputs by the
+counts raises them in the call, one with `num_worst_tokens` (no host synchronisation) at the buffer's next call or
+event wait.
+
+Single-process mode (`connect_local`, used by `mtdeepep.utils.local_ranks`): the engines of all ranks live in one
+process on one GPU, their peer tables filled with each other's device pointers; the same kernels then run
+concurrently on the ranks' streams.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 
@@ -92,6 +102,52 @@ class CudaEvent:
         self.engine.check()
 
 
+_claimed_streams: dict[int, int] = {}  # stream id -> live holders (engines, LocalRanks) in this process
+_claims_lock = threading.Lock()
+
+
+def claim_stream(device: torch.device) -> torch.cuda.Stream:
+    """A stream of torch's pool that no other live engine of this process holds. torch hands its pool streams out
+    round-robin (32 per priority), so the 33rd stream drawn is the first again: two ranks of one process whose
+    communication streams coincided would queue one rank's wait for a peer in front of that peer's own kernels."""
+    with _claims_lock:
+        for _ in range(128):
+            stream = _gpu.Stream(device)
+            if stream.stream_id not in _claimed_streams:
+                break
+        else:
+            raise _C.CommError("mtdeepep: every stream of torch's pool is held by a live mtdeepep engine")
+        _claimed_streams[stream.stream_id] = 1
+        return stream
+
+
+def release_stream(stream: torch.cuda.Stream) -> None:
+    with _claims_lock:
+        _claimed_streams.pop(stream.stream_id, None)
+
+
+class LocalGroup:
+    """The engines of ranks that share one process and one GPU (single-process mode). Their device memory is
+    released when the last of them is destroyed, once the device finished every rank's work: the other ranks'
+    kernels read and write each rank's memory, and the ranks may be destroyed one by one from one thread (a
+    destroy that waited for the others, as the multi-process barrier does, would wait for ranks not yet called)."""
+
+    def __init__(self, engines: list[CudaEngine]) -> None:
+        self.engines = engines
+        self._released: set[int] = set()
+        self._lock = threading.Lock()
+
+    def release(self, engine: CudaEngine) -> None:
+        with self._lock:
+            self._released.add(engine.rank)
+            last = len(self._released) == len(self.engines)
+        if last:
+            _gpu.synchronize(engine.device)
+            for member in self.engines:
+                member.buffer.destroy()
+                release_stream(member.comm_stream)
+
+
 class CudaEngine(Engine):
     """Normal and low-latency mode for the `num_ranks` ranks of one node, each on a GPU (several ranks may share one:
     IPC works between processes on the same device)."""
@@ -105,7 +161,7 @@ class CudaEngine(Engine):
         self.num_nodes, self.num_ranks_per_node = 1, num_ranks
         self.device = torch.device(_C_cuda.platform, _gpu.current_device())
         self.buffer = _C_cuda.DeviceBuffer(rank, num_ranks, num_nvl_bytes, num_ll_bytes, timeout_s, self.device.index)
-        self.comm_stream = _gpu.Stream(self.device)
+        self.comm_stream = claim_stream(self.device)
         self.num_device_sms = self.buffer.num_sms
         self.uid = 0
         self.group: tuple[tuple[int, ...], int] = ((), rank)
@@ -116,6 +172,22 @@ class CudaEngine(Engine):
         self._zero_copy_combines = 0
         self._failed: BaseException | None = None
         self._creator_pid = os.getpid()
+        self._local: LocalGroup | None = None  # single-process mode
+        self._destroyed = False
+        self._load_torch_kernels()
+
+    def _load_torch_kernels(self) -> None:
+        """Runs once, now, the torch operations this engine issues between its waiting kernels (the channel prefix,
+        the handle copies, the zeroing of the low-latency control area), so that under CUDA's lazy module loading
+        none of them is loaded at a first launch while this process's kernels wait for peers: such a load
+        synchronises the context, which then waits for those kernels (see `load_all_kernels` in api.hpp; the
+        executor's own kernels are loaded by DeviceBuffer)."""
+        with _gpu.stream(self.comm_stream):
+            send_head = torch.full((3, self.num_ranks), -1, dtype=torch.int32, device=self.device)
+            prefix = self._channel_prefix(send_head, 2)
+            torch.empty_like(prefix).copy_(prefix)
+            torch.empty(16, dtype=torch.uint8, device=self.device).zero_()
+        self.comm_stream.synchronize()
 
     # ---- set-up and lifetime ----
 
@@ -125,6 +197,16 @@ class CudaEngine(Engine):
     def connect(self, entries: list[str], uid: int, group: tuple[tuple[int, ...], int], *, low_latency: bool) -> None:
         self.buffer.connect(list(entries))
         self.uid, self.group = uid, group
+
+    def connect_local(self, local: LocalGroup, uid: int) -> None:
+        """Single-process mode: `local.engines[r]` is rank r's engine in this process, on this engine's device."""
+        engines = local.engines
+        if [e.rank for e in engines] != list(range(self.num_ranks)) or engines[self.rank] is not self:
+            raise ValueError("mtdeepep: connect_local needs every rank's engine, in rank order")
+        if any(e.device != self.device for e in engines):
+            raise ValueError("mtdeepep: the ranks of one process must share one device")
+        self.buffer.connect_local([e.buffer.nvl_address for e in engines], [e.buffer.ll_address for e in engines])
+        self.uid, self.group, self._local = uid, (tuple(range(self.num_ranks)), self.rank), local
 
     def set_timeout(self, timeout_s: float) -> None:
         self.buffer.set_timeout(timeout_s)
@@ -137,27 +219,67 @@ class CudaEngine(Engine):
         """Raises the device error of this buffer (a bounded wait that ran out, a stopped peer), if any."""
         if self._failed is not None:
             raise self._failed
-        if self.buffer.destroyed:
+        if self._destroyed or self.buffer.destroyed:
             raise _C.CommError("mtdeepep: the buffer was destroyed")
         code = self.buffer.status()
         if code == 0:
             return
+        cause = self.buffer.cause()
+        message = _C_cuda.error_message(code, cause, self.buffer.detail(0), self.buffer.detail(1))
         kind = _C_cuda.error_kind(code)
-        error = _C.CommTimeoutError if kind == _C_cuda.ERROR_TIMEOUT else _C.CommError
-        self._failed = error(_C_cuda.error_message(code))
+        if _C_cuda.is_recoverable(code):
+            # Every rank found it before any row moved: clear it once the failed operation's kernels are done.
+            if not _gpu.is_current_stream_capturing():
+                self.buffer.clear_error(self.comm_stream.cuda_stream)
+            raise (_C.GroupMismatchError if kind == _C_cuda.ERROR_WORST_TOKENS else _C.CommError)(message)
+        timed_out = kind == _C_cuda.ERROR_TIMEOUT or (
+            kind == _C_cuda.ERROR_PEER_FAILED and cause != 0 and _C_cuda.error_kind(cause) == _C_cuda.ERROR_TIMEOUT
+        )
+        self._failed = (_C.CommTimeoutError if timed_out else _C.CommError)(message)
         raise self._failed
 
+    def debug_state(self) -> str:
+        """This rank's device-side protocol state, for a failure report: its status word's message, its operation
+        counter and the flags its peers set in its normal buffer (notify, barrier, dispatch, combine), the arrival
+        counters. Read with a copy on a stream of its own (works while the communication stream is stuck)."""
+        if self.buffer.destroyed:
+            return f"rank {self.rank}: destroyed"
+        layout = _C_cuda.normal_layout(self.num_ranks)
+        side = _gpu.Stream(self.device)
+        with _gpu.stream(side):
+            control = _view(self, self.buffer.nvl_address, layout["control_bytes"], self.device).cpu()
+        words = control.view(torch.int64)
+        R = self.num_ranks
+
+        def flags(name: str) -> list[int]:
+            return words[layout[name] // 8 : layout[name] // 8 + R].tolist()
+
+        arrivals = control[layout["arrivals"] : layout["arrivals"] + 8].view(torch.int32).tolist()
+        code = self.buffer.status()
+        message = _C_cuda.error_message(code, self.buffer.cause()) if code else "ok"
+        op, poison = words[layout["op_counter"] // 8].item(), words[layout["poison"] // 8].item()
+        return (f"rank {self.rank}: status: {message}; op {op}; notify {flags('notify_flags')} barrier "
+                f"{flags('barrier_flags')} dispatch {flags('dispatch_flags')} combine {flags('combine_flags')}; "
+                f"arrivals {arrivals}; poison {poison}")  # fmt: skip
+
     def destroy(self) -> None:
-        if os.getpid() != self._creator_pid or self.buffer.destroyed:
+        if os.getpid() != self._creator_pid or self.buffer.destroyed or self._destroyed:
             return  # a forked child: CUDA state does not survive fork; the parent releases
+        self._destroyed = True
+        if self._local is not None:
+            self._local.release(self)
+            return
         if self.buffer.connected and self._failed is None and self.buffer.status() == 0:
-            # Every rank stops using the others' memory before any frees its own.
+            # Every rank stops using the others' memory before any frees its own: the barrier runs after this rank's
+            # queued work on both streams (low-latency calls run on the caller's current stream).
             try:
+                self.comm_stream.wait_stream(_gpu.current_stream(self.device))
                 self.buffer.barrier(self.comm_stream.cuda_stream)
                 self.comm_stream.synchronize()
             except Exception:  # noqa: BLE001 - destroy goes on; the barrier is bounded on the device anyway
                 pass
         self.buffer.destroy()
+        release_stream(self.comm_stream)
 
     def empty(self, sizes, dtype):
         return torch.empty(tuple(sizes), dtype=dtype, device=self.device)
@@ -243,13 +365,14 @@ class CudaEngine(Engine):
         scale_bytes = 4 if scales is None else scales.element_size()
         return data.size(1) * data.element_size(), num_scales, scale_bytes, num_topk
 
-    def _send(self, stream, data, scales, topk_idx, topk_weights, num_experts, fmt, send_head, prefix, num_sms):
+    def _send(self, stream, data, scales, topk_idx, topk_weights, num_experts, fmt, send_head, prefix, num_worst_tokens,
+              num_sms):  # fmt: skip
         x_bytes, num_scales, scale_bytes, num_topk = fmt
         scale_strides = (0, 0) if scales is None else scales.stride()
         self.buffer.dispatch_send(
             _ptr(data), data.stride(0) * data.element_size(), x_bytes, _ptr(scales), scale_strides[0],
             scale_strides[1], num_scales, scale_bytes, _ptr(topk_idx), _ptr(topk_weights), num_topk, data.size(0),
-            num_experts, _ptr(send_head), prefix.data_ptr(), num_sms, stream.cuda_stream,
+            num_experts, _ptr(send_head), prefix.data_ptr(), num_worst_tokens, num_sms, stream.cuda_stream,
         )  # fmt: skip
 
     def _receive(self, stream, data, scales, fmt, prefix, rows, with_topk, with_weights, num_sms):
@@ -308,7 +431,7 @@ class CudaEngine(Engine):
             channel_prefix.copy_(self._channel_prefix(send_head, channels))
         self.buffer.notify(
             num_sent.data_ptr(), num_tokens_per_expert.data_ptr(), num_experts, channel_prefix.data_ptr(),
-            channels, expert_alignment, capacity, prefix.data_ptr(), recv_channel_prefix.data_ptr(),
+            channels, expert_alignment, capacity, num_worst_tokens, prefix.data_ptr(), recv_channel_prefix.data_ptr(),
             recv_per_expert.data_ptr(), stream.cuda_stream,
         )  # fmt: skip
         if num_worst_tokens > 0:
@@ -318,7 +441,8 @@ class CudaEngine(Engine):
             stream.synchronize()
             self.check()
             rows, counts = self.buffer.host_counts(num_local)
-        self._send(stream, data, scales, topk_idx, topk_weights, num_experts, fmt, send_head, prefix, num_sms)
+        self._send(stream, data, scales, topk_idx, topk_weights, num_experts, fmt, send_head, prefix, num_worst_tokens,
+                   num_sms)  # fmt: skip
         recv_x, recv_scales, recv_idx, recv_weights, recv_src = self._receive(
             stream, data, scales, fmt, prefix, rows, topk_idx is not None, topk_weights is not None, num_sms
         )
@@ -347,7 +471,7 @@ class CudaEngine(Engine):
         fmt = self._format(data, scales, 0)
         rows = num_worst_tokens if num_worst_tokens > 0 else record.num_recv
         self.buffer.barrier(stream.cuda_stream)
-        self._send(stream, data, scales, None, None, self.num_ranks, fmt, send_head, prefix, num_sms)
+        self._send(stream, data, scales, None, None, self.num_ranks, fmt, send_head, prefix, num_worst_tokens, num_sms)
         recv_x, recv_scales, _, _, recv_src = self._receive(
             stream, data, scales, fmt, prefix, rows, False, False, num_sms
         )

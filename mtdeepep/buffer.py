@@ -109,6 +109,25 @@ class Buffer:
         self.num_ranks_per_node = self._engine.num_ranks_per_node
         self._destroyed = False
 
+    @classmethod
+    def _over_engine(cls, engine: Engine, *, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool,
+                     timeout_s: float, explicitly_destroy: bool = True) -> Buffer:  # fmt: skip
+        """A buffer over an engine set up without a process group (the ranks of one process,
+        `mtdeepep.utils.local_ranks`): the same facade, checks and return tuples; `group` is None."""
+        self = cls.__new__(cls)
+        self._engine = engine
+        self.rank, self.group_size, self.group = engine.rank, engine.num_ranks, None
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_qps_per_rank = 0
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = False
+        self.timeout_s = check_timeout(timeout_s)
+        self.device = engine.device
+        self.num_ranks_per_node = engine.num_ranks_per_node
+        self._destroyed = False
+        return self
+
     def __del__(self) -> None:
         # Upstream releases a buffer that was not destroyed explicitly when it is collected. Nothing at interpreter
         # shutdown: the exit hook (mtdeepep.__init__) has released every runtime already.

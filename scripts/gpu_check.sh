@@ -1,39 +1,47 @@
 #!/usr/bin/env bash
-# The GPU check of issue 14, for a session that has the device machine (the `run` tool: one NVIDIA H100/H200,
-# Python 3.12, torch 2.11+cu130, nvcc, no internet). It builds mtdeepep with the device's torch, runs tests/cuda and
-# bench/cuda_kernels.py, and copies the logs and the JSON into $OUT (they come back to this machine).
+# The GPU check: everything the GPU machine (the `run` tool: one H100/H200, Python 3.12, torch 2.11+cu130, nvcc,
+# compute-sanitizer, no internet; 15 device-minutes a session, 10 a command) must prove, in ONE command, in stages.
+# Each stage has its own time limit, clipped to what is left of the whole budget (GPU_CHECK_BUDGET_S, default 540 s),
+# so a slow stage costs the stages after it, never the summary. Logs are written as the stages go into $OUT (the
+# folder the tool brings back; at most 8 files: summary.txt, build.log, smoke.log, tests.log, sanitizer.log,
+# bench.log, bench.json, prebuilt.tar), and the summary table is printed last.
 #
-# Here, once, before the first call: put the pure-Python wheels the torchtitan test needs where the call carries
-# them (.whl/ is ignored by git):
-#     bash scripts/gpu_check.sh prepare
-# Then two calls of the `run` tool (a command may run 10 minutes; the build is reused when the machine is still warm,
-# else the second call builds again, 2-4 minutes):
-#     run(command="bash scripts/gpu_check.sh test",  carry=[".whl"], timeout_s=600)   # build + tests/cuda
-#     run(command="bash scripts/gpu_check.sh bench", carry=[".whl"], timeout_s=600)   # build + bench
-# `all` does both in one command (only if the build is fast). GPU_CHECK_TESTS: the test paths (default tests/cuda),
-# e.g. to split the tests over two calls if one runs out of time:
-#     GPU_CHECK_TESTS="tests/cuda/test_normal.py tests/cuda/test_killed_peer.py" bash scripts/gpu_check.sh test
-#     GPU_CHECK_TESTS="tests/cuda/test_low_latency.py tests/cuda/test_moe_cuda.py tests/cuda/test_moe_ep.py
-#                      tests/cuda/test_torchtitan.py" bash scripts/gpu_check.sh test
-# Extra pytest arguments: GPU_CHECK_PYTEST_ARGS (e.g. "-x" or "-k graph").
+# Stages, in order (a failed stage does not stop the next ones; a failed build stops everything):
+#   facts       GPU, driver, compute mode, torch, nvcc, whether nvidia-cuda-mps-control and compute-sanitizer exist
+#   build       mtdeepep._C and _C_cuda with the device's torch; fails hard if _C_cuda does not import. Extensions whose
+#               sources match a carried prebuilt/ (from an earlier run's prebuilt.tar) are reused, not rebuilt
+#   smoke       every kernel once with R = 1 then R = 2 ranks in one process (scripts/gpu_smoke.py), PASS/FAIL + time
+#   local       tests/cuda/test_local_ranks.py: the GPU cases with the ranks as threads of one process (real
+#               concurrency), the 200-round race case, the timeouts and their poison semantics at 3 and 4 ranks
+#   sanitizer   compute-sanitizer memcheck, racecheck, synccheck on the smoke at small sizes (2 ranks, one process)
+#   bench       bench/cuda_kernels.py (single-process harness: fraction of a copy, SM counts, low latency) and
+#               bench/moe_layer_gpu.py (the MoE layer forward+backward: grouped BF16, FP8, against per-expert loops)
+#   core2       the 2-rank core cases with ranks as processes (CUDA IPC): normal, low latency, graphs, MoE layer
+#   gemm        tests/cuda/test_moe_cuda.py: grouped GEMM and FP8 experts (torch._grouped_mm, torch._scaled_mm)
+#   fail2       2-rank failure paths: a missing rank in dispatch, combine, low latency; a killed peer
+#   torchtitan  torchtitan 0.3.0's DeepEP backend unmodified on mtdeepep (wheels carried in .whl/)
+#   core4       the 4-rank core cases with ranks as processes
+#   fail4       4-rank timeouts (the poison names the missing rank) and the killed peer at 3 ranks, last
 #
-# GPU_CHECK_MPS=1 starts NVIDIA's Multi-Process Service daemon for the run (pipe and logs under /tmp/mps) and quits
-# it at exit; nothing of the card's settings changes. Without it, the kernels of the ranks (processes) sharing the
-# GPU are time-sliced, not concurrent: right for the tests, but the bench then times the scheduler's slices (see
-# bench/cuda_kernels.py). Suggested: `GPU_CHECK_MPS=1 bash scripts/gpu_check.sh bench`; if the buffer set-up fails
-# under MPS (CUDA IPC between MPS clients), run the bench without it and say so with the numbers.
-#
-# $OUT gets: env.txt (GPU, driver, torch, nvcc), build.log, and tests.log + junit.xml (test) or bench.log +
-# cuda_kernels.json (bench).
+# Usage (prepare once here: `bash scripts/gpu_check.sh prepare` puts torchtitan's wheels into .whl/):
+#   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
+#   run(command="GPU_CHECK_STAGES=build,smoke,local bash scripts/gpu_check.sh", carry=[".whl", "prebuilt"])
+# GPU_CHECK_STAGES: comma-separated stages to run (facts and build always run). GPU_CHECK_PYTEST_ARGS: extra pytest
+# arguments. GPU_CHECK_LOCAL_K / GPU_CHECK_LOCAL_S: the local stage's -k selection (default: every rank count) and
+# limit. GPU_CHECK_SMOKE_ARGS, GPU_CHECK_BENCH_ARGS, GPU_CHECK_MOE_ARGS: arguments of gpu_smoke.py,
+# bench/cuda_kernels.py and bench/moe_layer_gpu.py. GPU_CHECK_SANITIZER_TOOLS (default: memcheck racecheck synccheck)
+# and GPU_CHECK_SANITIZER_TOOL_S (40 s each).
+# `--dry-run` (here, no GPU): the same stages with stand-ins (the pytest stages collect their selections, which must
+# not be empty; the Python scripts are compiled; build imports the CPU build) to prove the plumbing: budgets,
+# clipping, logs, the summary and the exit status. GPU_CHECK_DRY_SLEEP_S makes each dry stage sleep that long (to
+# see the clipping). Exit status: 0 when every stage that ran passed and none was cut or left out, else 1.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-STAGE="${1:-all}"
 WHEELS=(torchtitan-0.3.0 spmd_types-0.2.3 tyro-1.0.17 docstring_parser-0.18.0 typeguard-4.6.0)
 
-prepare() {
-    # Pure-Python wheels (py3-none-any): the same on the device's Python 3.12. From scripts/env.sh's download cache
-    # if present, else from PyPI.
+if [ "${1:-}" = prepare ]; then
+    # Pure-Python wheels (py3-none-any): the same on the device's Python 3.12; from env.sh's cache, else PyPI.
     mkdir -p .whl
     for wheel in "${WHEELS[@]}"; do
         name="${wheel%-*}" version="${wheel##*-}"
@@ -45,110 +53,199 @@ prepare() {
         fi
     done
     ls -l .whl
-}
-
-if [ "$STAGE" = prepare ]; then
-    prepare
     exit $?
 fi
 
+DRY=0
+[ "${1:-}" = --dry-run ] && DRY=1
+BUDGET="${GPU_CHECK_BUDGET_S:-540}"
 OUT="${OUT:-$ROOT/bench/results/gpu_check}"
 mkdir -p "$OUT"
-PY=python3
-
-{
-    echo "# $(date -u +%FT%TZ) gpu_check.sh $STAGE"
-    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
-    $PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
-    nvcc --version 2>&1 | tail -n 2
-    git log -1 --format='commit %H %s' 2>/dev/null || true
-} | tee "$OUT/env.txt"
-
-if [ "${GPU_CHECK_MPS:-0}" = 1 ]; then
-    if command -v nvidia-cuda-mps-control >/dev/null; then
-        export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps/log
-        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-        nvidia-cuda-mps-control -d && echo "[gpu_check] MPS daemon started" | tee -a "$OUT/env.txt"
-        trap 'echo quit | nvidia-cuda-mps-control; echo "[gpu_check] MPS daemon stopped"' EXIT
-    else
-        echo "[gpu_check] GPU_CHECK_MPS=1 but nvidia-cuda-mps-control is not on PATH: running without MPS" \
-            | tee -a "$OUT/env.txt"
-    fi
-fi
-
-# The torchtitan test's packages, installed next to (not into) the device's environment.
-if ls .whl/*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "[gpu_check] installing .whl/ failed"; exit 1; }
-    export PYTHONPATH="$ROOT:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+START=$SECONDS
+if [ "$DRY" = 1 ]; then
+    PY="${GPU_CHECK_PYTHON:-$([ -x .venv/bin/python ] && echo "$ROOT/.venv/bin/python" || command -v python3)}"
 else
-    echo "[gpu_check] no .whl/ carried: the torchtitan test will skip (run 'bash scripts/gpu_check.sh prepare' here)"
-    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    PY=python3
 fi
-export PYTHONUNBUFFERED=1
-# The ranks share one GPU over a gloo control group: mtdeepep picks the CUDA executor only when told so.
-export MTDEEPEP_DEVICE=cuda
+[ -d /usr/local/cuda/bin ] && export PATH="$PATH:/usr/local/cuda/bin"
+# MTDEEPEP_INSTAFAIL: a failing test's report is printed when it fails (tests/cuda/conftest.py), not at the end.
+# CUDA_MODULE_LOADING=EAGER: ranks as threads of one process wait for each other's kernels, and a lazily loaded
+# kernel's first launch synchronises the context (seen on the H200: every rank stopped until its timeout).
+export PYTHONUNBUFFERED=1 MTDEEPEP_DEVICE=cuda MTDEEPEP_INSTAFAIL=1 CUDA_MODULE_LOADING=EAGER
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+PYTEST=("$PY" -m pytest -q -rfE -p no:cacheprovider ${GPU_CHECK_PYTEST_ARGS:-})
+SUMMARY=()
+FAILED=0
 
-build() {
-    # Rebuild only when the sources or setup.py changed since the last build on this machine (a warm machine keeps
-    # the build between calls).
-    local stamp
-    stamp="$(cat setup.py $(find csrc -type f | sort) | sha256sum | cut -c1-16)"
-    if [ "$(cat build/.gpu_check_stamp 2>/dev/null)" = "$stamp" ] && $PY -c "import mtdeepep._C_cuda, mtdeepep._cuda_engine" 2>/dev/null; then
-        echo "[gpu_check] build is current" | tee -a "$OUT/build.log"
+left() { echo $((BUDGET - (SECONDS - START))); }
+
+wanted() {  # facts and build always run
+    [ -z "${GPU_CHECK_STAGES:-}" ] && return 0
+    [[ ",$GPU_CHECK_STAGES,facts,build," == *",$1,"* ]]
+}
+
+# stage NAME LIMIT LOG COMMAND: runs COMMAND (a bash string) under min(LIMIT, what is left), its output appended to
+# $OUT/LOG as it goes; records PASS / FAIL (exit code) / CUT (time limit) and the outcome line it printed.
+stage() {
+    local name="$1" limit="$2" log="$3" command="$4"
+    wanted "$name" || return 0
+    local remaining
+    remaining="$(left)"
+    if ((remaining < 15)); then
+        SUMMARY+=("$(printf '%-11s %-8s %6s  %s' "$name" "NOT RUN" "-" "no time left of the ${BUDGET} s budget")")
+        FAILED=1
         return 0
     fi
-    echo "[gpu_check] building mtdeepep (MAX_JOBS=$(nproc))"
-    local start=$SECONDS
-    if ! MAX_JOBS="$(nproc)" $PY setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
-        tail -n 60 "$OUT/build.log"
-        echo "[gpu_check] build FAILED after $((SECONDS - start)) s (full log: build.log)"
-        return 1
+    ((limit > remaining)) && limit=$remaining
+    [ "$DRY" = 1 ] && [ -n "${GPU_CHECK_DRY_SLEEP_S:-}" ] && command="sleep ${GPU_CHECK_DRY_SLEEP_S}; $command"
+    echo "[gpu_check] $(date -u +%T) stage $name (limit ${limit} s, ${remaining} s left)"
+    printf '\n===== stage %s (limit %s s) =====\n' "$name" "$limit" >>"$OUT/$log"
+    local t0=$SECONDS status
+    # timeout signals the whole process group it starts: rank processes spawned by a stage die with it.
+    timeout -k 10 "$limit" bash -c "$command" >"$WORK/$name.out" 2>&1
+    status=$?
+    cat "$WORK/$name.out" >>"$OUT/$log"
+    local outcome verdict
+    outcome="$(grep -E '([0-9]+ (passed|failed|error)|every step passed|FAILED|ERROR SUMMARY|rows\)|BUILT|IMPORTS|collected)' \
+        "$WORK/$name.out" | tail -n 1 | cut -c1-90)"
+    if ((status == 124 || status == 137)); then
+        verdict=CUT
+        outcome="stopped at its ${limit} s limit; ${outcome}"
+    elif ((status == 0)); then
+        verdict=PASS
+    else
+        verdict=FAIL
+        [ -z "$outcome" ] && outcome="$(tail -n 1 "$WORK/$name.out" | cut -c1-90)"
     fi
-    mkdir -p build && echo "$stamp" >build/.gpu_check_stamp
-    echo "[gpu_check] built in $((SECONDS - start)) s: $(ls mtdeepep/_C*.so | tr '\n' ' ')"
-    # The GPU tests skip rather than fail when the executor cannot be imported: say so loudly here.
-    $PY -c "import mtdeepep._C_cuda, mtdeepep._cuda_engine" \
-        || echo "[gpu_check] WARNING: mtdeepep._C_cuda does not import: every executor test will skip"
-}
-
-run_tests() {
-    local tests="${GPU_CHECK_TESTS:-tests/cuda}"
-    echo "[gpu_check] pytest $tests"
-    local start=$SECONDS
-    # -v: the log names every test and its outcome as it goes (a run stopped at the limit still says what passed).
-    # The CPU-only checks of tests/cuda (the cases on the CPU executor, the build checks) ran in CI already.
-    # shellcheck disable=SC2086
-    $PY -m pytest $tests -v -rs -p no:cacheprovider --timeout 300 --junitxml "$OUT/junit.xml" \
-        --ignore=tests/cuda/test_cases_on_cpu.py --ignore=tests/cuda/test_cuda_build.py \
-        ${GPU_CHECK_PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log"
-    local status=${PIPESTATUS[0]}
-    echo "[gpu_check] tests/cuda exit $status after $((SECONDS - start)) s"
+    [ "$verdict" != PASS ] && FAILED=1
+    SUMMARY+=("$(printf '%-11s %-8s %5ss  %s' "$name" "$verdict" "$((SECONDS - t0))" "$outcome")")
+    echo "[gpu_check] stage $name: $verdict after $((SECONDS - t0)) s"
     return "$status"
 }
 
-run_bench() {
-    echo "[gpu_check] bench/cuda_kernels.py"
-    local start=$SECONDS
-    (cd bench && $PY cuda_kernels.py --json "$OUT/cuda_kernels.json") 2>&1 | tee "$OUT/bench.log"
-    local status=${PIPESTATUS[0]}
-    echo "[gpu_check] bench exit $status after $((SECONDS - start)) s"
-    return "$status"
+# pytest selections of the stages (by test ids: R2 / R3 / R4 are the rank counts).
+CORE_K='not times_out and not killed and (uniform or test_case or graph or hooks or flex) and not float32'
+T_NORMAL=tests/cuda/test_normal.py T_LL=tests/cuda/test_low_latency.py
+T_MP="$T_NORMAL $T_LL tests/cuda/test_moe_ep.py"
+# pytest_stage NAME LIMIT FILES K: the pytest stage (dry run: collect only, and an empty selection fails).
+pytest_stage() {
+    local name="$1" limit="$2" files="$3" k="$4" per_test="${5:-120}"
+    if [ "$DRY" = 1 ]; then
+        stage "$name" "$limit" tests.log \
+            "${PYTEST[*]} --collect-only $files -k \"$k\" | tail -n 3; ${PYTEST[*]} --collect-only $files -k \"$k\" | grep -q '::'"
+    else
+        stage "$name" "$limit" tests.log "${PYTEST[*]} --timeout $per_test $files -k \"$k\""
+    fi
 }
 
-build || exit 1
-case "$STAGE" in
-    test) run_tests ;;
-    bench) run_bench ;;
-    all)
-        run_tests
-        tests=$?
-        run_bench
-        bench=$?
-        exit $((tests || bench))
-        ;;
-    *)
-        echo "usage: $0 [prepare|test|bench|all]" >&2
-        exit 2
-        ;;
-esac
+# ---- facts ----
+facts() {
+    echo "# $(date -u +%FT%TZ) gpu_check.sh $([ "$DRY" = 1 ] && echo '--dry-run') budget ${BUDGET} s"
+    git log -1 --format='commit %H %s' 2>/dev/null || true
+    nvidia-smi --query-gpu=name,driver_version,memory.total,compute_mode,clocks.max.sm --format=csv 2>&1 | head -3
+    "$PY" -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
+    echo "nvcc: $(nvcc --version 2>/dev/null | tail -n 1 || echo missing)"
+    for tool in nvidia-cuda-mps-control compute-sanitizer; do
+        echo "$tool: $(command -v "$tool" || echo missing)"
+    done
+    echo "cpus: $(nproc)"
+}
+facts | tee "$OUT/summary.txt"
+SUMMARY+=("$(printf '%-11s %-8s %5ss  %s' facts PASS "$((SECONDS - START))" "see the head of summary.txt")")
+
+# ---- build ----
+# A stamp per extension (its sources and setup.py): a carried prebuilt/ whose stamp matches is reused.
+stamp() { cat setup.py "$@" | sha256sum | cut -c1-16; }
+CPU_STAMP="$(stamp $(find csrc -name '*.cpp' -o -name '*.hpp' -o -name '*.h' | grep -v /cuda/ | sort))"
+GPU_STAMP="$(stamp $(find csrc -path '*cuda*' -type f | sort) csrc/kernels/cuda/api.hpp)"
+build() {
+    local todo=()
+    if [ "$(cat prebuilt/_C.stamp 2>/dev/null)" = "$CPU_STAMP" ] && cp prebuilt/_C.*.so mtdeepep/ 2>/dev/null; then
+        echo "[build] _C reused from prebuilt/"
+    else
+        todo+=(_C)
+    fi
+    if [ "$(cat prebuilt/_C_cuda.stamp 2>/dev/null)" = "$GPU_STAMP" ] && cp prebuilt/_C_cuda.*.so mtdeepep/ 2>/dev/null; then
+        echo "[build] _C_cuda reused from prebuilt/"
+    else
+        todo+=(_C_cuda)
+    fi
+    if ((${#todo[@]})); then
+        local list
+        list="$(IFS=,; echo "${todo[*]}")"
+        echo "[build] building $list (MAX_JOBS=$(nproc))"
+        # TORCH_CUDA_ARCH_LIST: only Hopper's sm_90a (torch's builder would add the detected arch as a second target).
+        TORCH_CUDA_ARCH_LIST=9.0a MTDEEPEP_REQUIRE_CUDA=1 MTDEEPEP_EXTENSIONS="$list" MAX_JOBS="$(nproc)" \
+            "$PY" setup.py build_ext --inplace \
+            || { echo "[build] FAILED"; return 1; }
+    fi
+    "$PY" -c "import mtdeepep._C_cuda as m, mtdeepep; print('IMPORTS: mtdeepep._C_cuda', m.platform)" || return 1
+    mkdir -p "$WORK/prebuilt"
+    cp mtdeepep/_C.*.so mtdeepep/_C_cuda.*.so "$WORK/prebuilt/"
+    echo "$CPU_STAMP" >"$WORK/prebuilt/_C.stamp"
+    echo "$GPU_STAMP" >"$WORK/prebuilt/_C_cuda.stamp"
+    tar -C "$WORK" -cf "$OUT/prebuilt.tar" prebuilt && echo "BUILT: $(ls mtdeepep/_C*.so | xargs -n1 basename | tr '\n' ' ')"
+}
+if [ "$DRY" = 1 ]; then
+    stage build 240 build.log "$PY -c \"import mtdeepep; print('IMPORTS: mtdeepep (CPU build; dry run)')\""
+else
+    export -f build
+    export CPU_STAMP GPU_STAMP WORK OUT PY
+    stage build 240 build.log build
+fi
+if (($? != 0)) || [[ "${SUMMARY[-1]}" != build*PASS* ]]; then
+    printf '%s\n' "" "stage       verdict   time  outcome" "${SUMMARY[@]}" | tee -a "$OUT/summary.txt"
+    echo "[gpu_check] the build failed: nothing else can run (build.log)"
+    exit 1
+fi
+
+# The torchtitan test's packages, next to (not into) the device's environment.
+if [ "$DRY" = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+# ---- the stages ----
+if [ "$DRY" = 1 ]; then
+    stage smoke 60 smoke.log "$PY -m py_compile scripts/gpu_smoke.py && echo 'every step passed (compiled; dry run)'"
+else
+    stage smoke 60 smoke.log "$PY scripts/gpu_smoke.py ${GPU_CHECK_SMOKE_ARGS:---ranks 1,2}"
+fi
+pytest_stage local "${GPU_CHECK_LOCAL_S:-120}" tests/cuda/test_local_ranks.py "${GPU_CHECK_LOCAL_K:-R2 or R3 or R4 or R8}"
+
+SANITIZE="$PY scripts/gpu_smoke.py --ranks 1,2 --small --timeout 120"
+if [ "$DRY" = 1 ]; then
+    stage sanitizer 110 sanitizer.log "echo 'compute-sanitizer: $(command -v compute-sanitizer || echo missing)'; echo 'ERROR SUMMARY: dry run'"
+else
+    stage sanitizer 120 sanitizer.log "set -o pipefail; for tool in ${GPU_CHECK_SANITIZER_TOOLS:-memcheck racecheck synccheck}; do \
+echo \"--- \$tool\"; timeout ${GPU_CHECK_SANITIZER_TOOL_S:-40} compute-sanitizer --tool \$tool --error-exitcode 3 --print-limit 20 $SANITIZE || s=\$?; \
+done; exit \${s:-0}"
+fi
+
+BENCH_ARGS="${GPU_CHECK_BENCH_ARGS:-} --json $OUT/bench.json"
+if [ "$DRY" = 1 ]; then
+    stage bench 120 bench.log "$PY -m py_compile bench/cuda_kernels.py && $PY bench/moe_layer_gpu.py --dry-run --json $WORK/moe.json | tail -n 5"
+else
+    stage bench 150 bench.log "$PY bench/cuda_kernels.py $BENCH_ARGS; $PY bench/moe_layer_gpu.py ${GPU_CHECK_MOE_ARGS:-} --json $WORK/moe.json \
+&& $PY -c \"import json, os; p='$OUT/bench.json'; a=json.load(open(p)) if os.path.exists(p) else {}; \
+a['moe_layer_gpu']=json.load(open('$WORK/moe.json')); json.dump(a, open(p, 'w'), indent=1)\""
+fi
+
+pytest_stage core2 90 "$T_MP" "R2 and $CORE_K"
+pytest_stage gemm 60 tests/cuda/test_moe_cuda.py "test_"
+pytest_stage fail2 60 "$T_NORMAL $T_LL tests/cuda/test_killed_peer.py" "R2 and (times_out or killed)"
+pytest_stage torchtitan 60 tests/cuda/test_torchtitan.py "test_"
+pytest_stage core4 90 "$T_MP" "R4 and $CORE_K"
+pytest_stage fail4 90 "$T_NORMAL $T_LL tests/cuda/test_killed_peer.py" "(R4 and times_out) or (R3 and killed)"
+
+# ---- summary ----
+{
+    echo
+    echo "stage       verdict   time  outcome"
+    printf '%s\n' "${SUMMARY[@]}"
+    echo "total $((SECONDS - START)) s of the ${BUDGET} s budget; files in \$OUT: $(ls "$OUT" | tr '\n' ' ')"
+} | tee -a "$OUT/summary.txt"
+exit "$FAILED"

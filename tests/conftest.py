@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
+# Before any CUDA use: the GPU tests run ranks as threads of one process (tests/cuda/test_local_ranks.py), whose
+# kernels wait for each other; CUDA's lazy module loading would synchronise the context at a kernel's first launch
+# and stop them all until the timeout (mtdeepep.utils.local_ranks). No effect without a GPU.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+import pytest  # noqa: E402
 
 from mtdeepep.utils.testing import RankPools
 

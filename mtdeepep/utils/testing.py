@@ -82,17 +82,28 @@ def cuda_skip_reason(need_executor: bool = True) -> str | None:
     """Why GPU tests cannot run in this process, or None when they can.
 
     need_executor: also require mtdeepep's CUDA executor (the extension `CUDA_EXTENSION_MODULE`); tests of plain
-    PyTorch GPU paths (the MoE layer's GEMMs) pass False. Does not create a CUDA context (spawned rank processes
-    create their own).
+    PyTorch GPU paths (the MoE layer's GEMMs) pass False. Only the absence of a device is a reason to skip: on a
+    machine with a GPU and a CUDA build of torch, a missing executor is a broken build, so the tests run and fail
+    (with the import error) instead of skipping and letting the run pass. Does not create a CUDA context (spawned
+    rank processes create their own).
     """
     if not torch.cuda.is_available():
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         return f"no CUDA device: torch.cuda.is_available() is False (torch {torch.__version__}, {build})"
-    if need_executor:
+    if need_executor and torch.version.cuda is None:  # a device, but torch built for another toolkit (ROCm)
         try:
             importlib.import_module(CUDA_EXTENSION_MODULE)
         except ImportError as error:
             return f"mtdeepep's CUDA executor is not built ({CUDA_EXTENSION_MODULE}: {error})"
+    return None
+
+
+def cuda_executor_import_error() -> str | None:
+    """Why `mtdeepep._C_cuda` does not import (None when it does)."""
+    try:
+        importlib.import_module(CUDA_EXTENSION_MODULE)
+    except ImportError as error:
+        return f"{CUDA_EXTENSION_MODULE}: {error}"
     return None
 
 

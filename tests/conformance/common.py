@@ -26,7 +26,10 @@ UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32
 
 
 def gather(ctx, value):
-    """Every rank's `value` (any picklable object), ordered by rank."""
+    """Every rank's `value` (any picklable object), ordered by rank. Ranks that are threads of one process
+    (`mtdeepep.utils.local_ranks`) gather through their context."""
+    if hasattr(ctx, "all_gather_object"):
+        return ctx.all_gather_object(value)
     out = [None] * ctx.world_size
     dist.all_gather_object(out, value, group=ctx.group)
     return out

@@ -5,11 +5,48 @@ rank is killed at the deadline with its stack dumped."""
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from mtdeepep.utils.testing import RankPools
+import pytest
+import torch
+
+from mtdeepep.utils.testing import RankPools, cuda_executor_import_error
 
 from .gpu import TIMEOUT_S
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpu_required(need_executor): must run on a machine with a GPU; skipping there is a failure"
+    )
+
+
+@pytest.fixture(autouse=True)
+def _executor_built(request):
+    """On a machine with a GPU, a test that needs mtdeepep's CUDA executor fails at once when it does not import
+    (a CUDA build of torch without `_C_cuda` is a broken build, not a reason to skip)."""
+    marker = request.node.get_closest_marker("gpu_required")
+    if marker is not None and marker.args and marker.args[0] and torch.cuda.is_available():
+        error = cuda_executor_import_error()
+        if error is not None:
+            pytest.fail(f"mtdeepep's CUDA executor does not import on this GPU machine: {error}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """On a machine with a GPU, a GPU test that skips (a missing package, a failed probe) fails instead: every one of
+    them must run where it can, so that a run with skips cannot pass as a GPU check."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and item.get_closest_marker("gpu_required") is not None and torch.cuda.is_available():
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped on a machine with a GPU, where every GPU test must run: {reason}"
+    if report.failed and os.environ.get("MTDEEPEP_INSTAFAIL") == "1":
+        # scripts/gpu_check.sh: the failure's report now, not at the end of a run that its time limit may cut.
+        reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"\n[instafail] {item.nodeid} ({report.when})\n{report.longreprtext[-6000:]}")
 
 
 @pytest.fixture(scope="module")

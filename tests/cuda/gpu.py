@@ -1,9 +1,12 @@
 """What every GPU test shares: the skip mark, the device, CUDA buffers, copies to the host for the references.
 
 2 to 4 rank processes share the one GPU (device 0): control over gloo on 127.0.0.1, data over CUDA IPC peer memory
-(NCCL refuses two ranks on one GPU). Every GPU test skips, with one reason, where there is no CUDA device or
-mtdeepep's CUDA executor is not built (`mtdeepep.utils.testing.cuda_skip_reason`); the MoE layer's single-process
-GPU tests need only the device.
+(NCCL refuses two ranks on one GPU). The same cases also run with the ranks as threads of one process
+(`mtdeepep.utils.local_ranks`: peer pointers instead of IPC, each rank its own stream, the kernels truly concurrent):
+a case reaches its ranks' collectives and buffers through `barrier(ctx)`, `new_buffer(ctx)` and the conformance
+helpers' `gather(ctx)`, which serve both. Every GPU test skips, with one reason, where there is no CUDA device; on a
+CUDA build of torch a missing executor is a failure, not a skip (`mtdeepep.utils.testing.cuda_skip_reason`); the
+MoE layer's single-process GPU tests need only the device.
 
 References stay on the host: results are copied to the CPU and compared with the plain-PyTorch references of
 `mtdeepep.utils.refs` and the conformance helpers, the same ones the CPU executor is tested against, so the CPU
@@ -17,8 +20,10 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import mtdeepep as deep_ep
+from mtdeepep.utils.local_ranks import current_context
 from mtdeepep.utils.testing import cuda_skip_reason
 
 from ..reliability_cases import named_missing_ranks
@@ -42,10 +47,12 @@ def run_on_cpu(ctx, case, *args):
         _on_cpu = False
 
 
-def skip_unless_cuda(need_executor: bool = True) -> pytest.MarkDecorator:
-    """A module's mark: skip with the one reason `cuda_skip_reason` gives (no device, or no CUDA executor)."""
+def skip_unless_cuda(need_executor: bool = True) -> list[pytest.MarkDecorator]:
+    """A module's marks: skip with the one reason `cuda_skip_reason` gives (no device), and `gpu_required`: on a
+    machine with a GPU such a test must run (conftest.py fails it when it skips, or when it needs the executor and
+    `mtdeepep._C_cuda` does not import)."""
     reason = cuda_skip_reason(need_executor)
-    return pytest.mark.skipif(reason is not None, reason=reason or "")
+    return [pytest.mark.skipif(reason is not None, reason=reason or ""), pytest.mark.gpu_required(need_executor)]
 
 
 def device() -> torch.device:
@@ -61,9 +68,22 @@ def device() -> torch.device:
 
 
 def synchronize() -> None:
-    """Waits for the GPU's work (returns at once on the CPU executor)."""
-    if not _on_cpu:
+    """Waits for the GPU's work (returns at once on the CPU executor). A rank thread of one process waits for its own
+    stream only: the other ranks' queued kernels may be waiting for this rank's next call."""
+    if _on_cpu:
+        return
+    if current_context() is not None:
+        torch.cuda.current_stream().synchronize()
+    else:
         torch.cuda.synchronize()
+
+
+def barrier(ctx) -> None:
+    """Every rank of the case arrives (a rank process's gloo group, or the thread barrier of one process)."""
+    if hasattr(ctx, "barrier"):
+        ctx.barrier()
+    else:
+        dist.barrier(group=ctx.group)
 
 
 def sleep_on_stream(cycles: int) -> None:
@@ -83,6 +103,8 @@ def check_cuda_buffer(buffer):
 def new_buffer(ctx, num_nvl_bytes: int = 256 << 20, **kwargs) -> deep_ep.Buffer:
     """A CUDA `Buffer` over the group of `ctx` (a pool's `RankContext`, or anything with `group`)."""
     device()
+    if hasattr(ctx, "new_buffer"):  # ranks as threads of one process: every rank creates it together
+        return check_cuda_buffer(ctx.new_buffer(num_nvl_bytes, **kwargs))
     return check_cuda_buffer(deep_ep.Buffer(ctx.group, num_nvl_bytes, **kwargs))
 
 
@@ -100,6 +122,8 @@ def new_ll_buffer(ctx, num_max_tokens: int, hidden: int, experts_per_rank: int, 
         num_max_tokens, hidden, ctx.world_size, experts_per_rank * ctx.world_size
     )
     device()
+    if hasattr(ctx, "new_buffer"):
+        return check_cuda_buffer(ctx.new_buffer(0, hint, low_latency_mode=True, **kwargs))
     buf = deep_ep.Buffer(ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=experts_per_rank, **kwargs)
     return check_cuda_buffer(buf)
 
@@ -138,6 +162,11 @@ def assert_on_gpu(*tensors: torch.Tensor | None) -> None:
 
 
 ROUTINGS = ("uniform", "skewed")
+
+
+def rank_ids(num_ranks: int) -> str:
+    """Test ids of rank counts: `R2`, `R4` (scripts/gpu_check.sh selects its stages by them)."""
+    return f"R{num_ranks}"
 
 
 def make_inputs(ctx, num_tokens: int, hidden: int, num_experts: int, num_topk: int, seed: int,

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 
 from ..conformance import low_latency_cases as ll
 from . import gpu
@@ -152,7 +151,7 @@ def missing_rank_times_out(ctx, timeout_s: float):
     finally:
         time.sleep(max(0.0, release - time.perf_counter()))
         buffer.destroy()
-    dist.barrier(group=ctx.group)
+    gpu.barrier(ctx)
     gpu.synchronize()
     dispatch_checked(ctx, gpu.ll_buffer(ctx), ll.make_x(ctx, 16, HIDDEN, seed=5),
                      ll.make_routing(ctx, 16, EXPERTS_PER_RANK * ctx.world_size, TOPK, seed=5)[0],

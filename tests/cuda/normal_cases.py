@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 
 import mtdeepep as deep_ep
 from mtdeepep.utils import fp8, refs
@@ -221,7 +220,7 @@ def async_and_previous_event(ctx):
     ref = reference(ctx, x, topk_idx, topk_weights, num_experts)
     x_d, idx_d, w_d = gpu.cuda(stale, topk_idx, topk_weights)
     x_new = gpu.cuda(x)
-    dist.barrier(group=ctx.group)
+    gpu.barrier(ctx)
     gpu.sleep_on_stream(100_000_000)  # ~50 ms of GPU clock cycles on the current stream
     x_d.copy_(x_new)
     previous = deep_ep.Buffer.capture()
@@ -279,7 +278,7 @@ def device_mismatch_raises_value_error(ctx):
         except ValueError:
             continue
         raise AssertionError(f"{name}: no ValueError")
-    dist.barrier(group=ctx.group)
+    gpu.barrier(ctx)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -316,11 +315,11 @@ def cuda_graph_dispatch_combine(ctx, layout_in_graph: bool):
         step()
     torch.cuda.current_stream().wait_stream(side)
     gpu.synchronize()
-    dist.barrier(group=ctx.group)
+    gpu.barrier(ctx)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         recv_x, recv_idx, combined = step()
-    dist.barrier(group=ctx.group)
+    gpu.barrier(ctx)
     for replay in range(3):
         x, topk_idx, topk_weights = gpu.make_inputs(ctx, num_tokens, hidden, num_experts, num_topk, seed=101 + replay)
         x_d.copy_(gpu.cuda(x))
@@ -331,7 +330,7 @@ def cuda_graph_dispatch_combine(ctx, layout_in_graph: bool):
                 if captured is not None:
                     captured.copy_(fresh)
         gpu.synchronize()
-        dist.barrier(group=ctx.group)  # every rank replays the same step
+        gpu.barrier(ctx)  # every rank replays the same step
         graph.replay()
         gpu.synchronize()
         ref = reference(ctx, x, topk_idx, topk_weights, num_experts)
@@ -341,7 +340,7 @@ def cuda_graph_dispatch_combine(ctx, layout_in_graph: bool):
         assert torch.equal(got_idx[:n], ref.recv_topk_idx) and bool((got_idx[n:] == -1).all()), f"replay {replay}"
         in_rank = refs.ref_dispatch_layout(topk_idx, num_experts, ctx.world_size)[2]
         assert_combine_close(got_combined, 2 * identity_partials(topology(ctx), x, in_rank), torch.bfloat16)
-        dist.barrier(group=ctx.group)  # nobody overwrites inputs a peer's replay still reads
+        gpu.barrier(ctx)  # nobody overwrites inputs a peer's replay still reads
     del graph
 
 
@@ -384,24 +383,112 @@ def missing_rank_in_dispatch_times_out(ctx, timeout_s: float):
                 raise AssertionError("the dispatch succeeded without rank 1")
     finally:
         _destroy_at(buffer, release)
-    dist.barrier(group=ctx.group)
+    gpu.barrier(ctx)
     _gpu_still_works(ctx)
     return outcome
 
 
-def first_timeout(steps) -> deep_ep.CommTimeoutError | None:
-    """Runs `steps` in order until one raises CommTimeoutError; returns it (None if none did).
+def first_timeout(steps, kind: type[Exception] = deep_ep.CommTimeoutError) -> Exception | None:
+    """Runs `steps` in order until one raises `kind` (CommTimeoutError by default); returns it (None if none did).
 
-    Where the host learns of a device-side timeout depends on the call: a dispatch that returns counts syncs in the
+    Where the host learns of a device-side error depends on the call: a dispatch that returns counts syncs in the
     call; an async call raises at its event's wait; a synchronous GPU call that does not sync the host raises at the
     latest at the buffer's next call. The steps are those points in that order.
     """
     for step in steps:
         try:
             step()
-        except deep_ep.CommTimeoutError as error:
+        except kind as error:
             return error
     return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors every rank finds alike: raised everywhere, the buffer stays usable
+
+
+def num_worst_tokens_too_small_raises_on_every_rank(ctx):
+    """Receivers over `num_worst_tokens` (their outputs would drop rows): every rank raises GroupMismatchError naming
+    the bound, in the call where it synchronises the host, else at the buffer's next call; nothing moves, and the
+    buffer is usable afterwards (a correct dispatch on it, then a cached dispatch over a too-small bound too)."""
+    buffer = gpu.buffer(ctx, "worst", 16 << 20)
+    x, topk_idx, topk_weights = gpu.make_inputs(ctx, 100, 128, 8, 4, seed=51, masked=0.0)
+    x_d, idx_d, w_d = gpu.cuda(x, topk_idx, topk_weights)
+    for attempt in range(2):  # twice: the first error must not leave a trace
+        error = first_timeout([
+            lambda: layout_and_dispatch(buffer, x_d, idx_d, w_d, 8, num_worst_tokens=10),
+            gpu.synchronize,
+            lambda: buffer.get_dispatch_layout(idx_d, 8),
+        ], deep_ep.GroupMismatchError)  # fmt: skip
+        assert error is not None, f"attempt {attempt}: no GroupMismatchError for num_worst_tokens=10"
+        assert "num_worst_tokens=10" in str(error), str(error)
+        gpu.barrier(ctx)
+    (_, _, _, _, handle, _), _ = check_dispatch(ctx, buffer, x, topk_idx, topk_weights, 8)
+    error = first_timeout([
+        lambda: buffer.dispatch(x_d, handle=handle, num_worst_tokens=10),
+        gpu.synchronize,
+        lambda: buffer.get_dispatch_layout(idx_d, 8),
+    ], deep_ep.GroupMismatchError)  # fmt: skip
+    assert error is not None, "cached dispatch: no GroupMismatchError for num_worst_tokens=10"
+    gpu.barrier(ctx)
+    check_dispatch(ctx, buffer, x, topk_idx, topk_weights, 8)
+
+
+def small_region_raises_on_every_rank(ctx):
+    """A receive region too small for one operation's rows (the CUDA executor moves an operation in one round):
+    every rank raises CommError saying how many rows and what the region holds, before any row moves; the buffer
+    stays usable for operations that fit. GPU only (the CPU executor moves such payloads in several rounds)."""
+    buffer = gpu.buffer(ctx, "tiny", 1 << 20)
+    x, topk_idx, topk_weights = gpu.make_inputs(ctx, 512, 2048, 8, 4, seed=52, masked=0.0)  # ~4 KiB rows
+    x_d, idx_d, w_d = gpu.cuda(x, topk_idx, topk_weights)
+    try:
+        layout_and_dispatch(buffer, x_d, idx_d, w_d, 8)
+    except deep_ep.CommError as error:
+        assert not isinstance(error, deep_ep.CommTimeoutError), str(error)
+        assert "raise num_nvl_bytes" in str(error), str(error)
+    else:
+        raise AssertionError("a dispatch larger than the region did not raise")
+    gpu.barrier(ctx)
+    small = gpu.make_inputs(ctx, 16, 2048, 8, 2, seed=53)
+    check_dispatch(ctx, buffer, *small, 8)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Races: many rounds back to back, a peer held back
+
+
+def rounds_with_a_peer_ahead(ctx, rounds: int):
+    """`rounds` dispatch + combine rounds back to back with no host synchronisation (`num_worst_tokens`, value
+    checks skipped), new inputs every round, while one rank (another every 16 rounds) is held back before its round
+    by a sleep kernel on its stream, so that its peers run ahead into the next operations. Every round's outputs are
+    kept and checked afterwards against the references: a flag read too early, a region rewritten before its reader
+    finished, or rows of another round show as wrong rows."""
+    buffer = gpu.buffer(ctx, "rounds", 32 << 20)
+    hidden, num_experts, num_topk = 256, 16, 4
+    kept = []
+    with deep_ep.skip_value_checks():
+        for i in range(rounds):
+            num_tokens = 64 + (7 * i + 3 * ctx.rank) % 29
+            x, topk_idx, topk_weights = gpu.make_inputs(ctx, num_tokens, hidden, num_experts, num_topk, seed=2000 + i)
+            x_d, idx_d, w_d = gpu.cuda(x, topk_idx, topk_weights)
+            if ctx.rank == (i // 16) % ctx.world_size:
+                gpu.sleep_on_stream(400_000)  # ~0.2 ms: the peers enter the round (and the next ones) first
+            recv_x, recv_idx, _, _, handle, _ = layout_and_dispatch(
+                buffer, x_d, idx_d, w_d, num_experts, num_worst_tokens=93 * ctx.world_size
+            )
+            combined, _, _ = buffer.combine(recv_x, handle)
+            kept.append((x, topk_idx, topk_weights, recv_x, recv_idx, combined))
+    gpu.synchronize()
+    gpu.barrier(ctx)
+    for i, (x, topk_idx, topk_weights, recv_x, recv_idx, combined) in enumerate(kept):
+        ref = reference(ctx, x, topk_idx, topk_weights, num_experts)
+        n = ref.recv_x.size(0)
+        got_x, got_idx, got_combined = gpu.host((recv_x, recv_idx, combined))
+        assert torch.equal(got_x[:n], ref.recv_x), f"round {i}: recv_x"
+        assert torch.equal(got_idx[:n], ref.recv_topk_idx), f"round {i}: recv_topk_idx"
+        in_rank = refs.ref_dispatch_layout(topk_idx, num_experts, ctx.world_size)[2]
+        assert_combine_close(got_combined, identity_partials(topology(ctx), x, in_rank), torch.bfloat16)
+    return len(kept)
 
 
 def missing_rank_in_combine_times_out(ctx, timeout_s: float, async_finish: bool):
@@ -432,6 +519,6 @@ def missing_rank_in_combine_times_out(ctx, timeout_s: float, async_finish: bool)
             outcome = f"timeout {gpu.named_ranks(str(error)) or str(error)}"
     finally:
         _destroy_at(buffer, release)
-    dist.barrier(group=ctx.group)
+    gpu.barrier(ctx)
     _gpu_still_works(ctx)
     return outcome

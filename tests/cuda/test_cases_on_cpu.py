@@ -2,7 +2,9 @@
 references, bounds and expected outcomes are checked against an executor that is tested on its own (tests/
 conformance). A GPU failure of the same case is then the GPU executor's, not the test's. Cases that need the device
 itself (CUDA graphs, SM counts, events ordering a sleeping stream, device checks, the FP8/grouped GEMMs) are not
-here. 2 ranks of the suite's CPU pools (`rank_pools`); about a minute.
+here. 2 ranks of the suite's CPU pools (`rank_pools`), and 4 for the timeouts: with 3 or more ranks every waiter
+but the first is stopped by a peer, and must still name the rank that did not arrive (the expected outcomes of the
+GPU runs at 4 ranks are these). About a minute and a half.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ CASES = [
     (normal.combine_accumulates_in_fp32, ()),
     (normal.combine_adds_bias, ()),
     (normal.async_and_previous_event, ()),
+    (normal.num_worst_tokens_too_small_raises_on_every_rank, ()),
+    (normal.rounds_with_a_peer_ahead, (40,)),
     (ll.dispatch_matches_reference, ("fp8-ue8m0", "skewed")),
     (ll.combine_matches_reference, ("fp8-pow2", "uniform")),
     (ll.async_and_hooks, ()),
@@ -43,12 +47,19 @@ def test_case_on_cpu(rank_pools, case, args):
     rank_pools[2].run(run_on_cpu, case, *args)
 
 
-def test_timeouts_on_cpu(rank_pools):
-    pool = rank_pools[2]
-    assert pool.run(run_on_cpu, normal.missing_rank_in_dispatch_times_out, TIMEOUT_S) == ["timeout [1]", "skipped"]
-    outcomes = pool.run(run_on_cpu, normal.missing_rank_in_combine_times_out, TIMEOUT_S, True)
-    assert outcomes == ["skipped", "timeout [0]"]
-    assert pool.run(run_on_cpu, ll.missing_rank_times_out, TIMEOUT_S) == ["timeout [1]", "skipped"]
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_timeouts_on_cpu(rank_pools, world_size):
+    pool = rank_pools[world_size]
+    others = world_size - 2
+    outcomes = pool.run(run_on_cpu, normal.missing_rank_in_dispatch_times_out, TIMEOUT_S)
+    assert outcomes == ["timeout [1]", "skipped"] + ["timeout [1]"] * others
+    for async_finish in (False, True):
+        outcomes = pool.run(run_on_cpu, normal.missing_rank_in_combine_times_out, TIMEOUT_S, async_finish)
+        assert outcomes == ["skipped"] + ["timeout [0]"] * (world_size - 1)
+    assert (
+        pool.run(run_on_cpu, ll.missing_rank_times_out, TIMEOUT_S)
+        == ["timeout [1]", "skipped"] + ["timeout [1]"] * others
+    )
 
 
 def test_killed_peer_on_cpu():

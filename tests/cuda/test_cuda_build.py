@@ -121,21 +121,39 @@ def test_timeout_word_names_rank_peer_and_phase(cuda_module):
 
 
 class _FakeBuffer:
+    """The status words of a DeviceBuffer, settable (what the kernels would have written)."""
+
     destroyed = False
 
-    def __init__(self, code: int) -> None:
-        self.code = code
+    def __init__(self, code: int, cause: int = 0, detail: tuple[int, int] = (0, 0)) -> None:
+        self.code, self.cause_code, self.details, self.cleared = code, cause, detail, 0
 
     def status(self) -> int:
         return self.code
+
+    def cause(self) -> int:
+        return self.cause_code
+
+    def detail(self, i: int) -> int:
+        return self.details[i]
+
+    def clear_error(self, stream: int) -> None:
+        self.cleared += 1
+        self.code, self.cause_code, self.details = 0, 0, (0, 0)
+
+
+class _FakeStream:
+    cuda_stream = 0
 
 
 def _engine_with_status(monkeypatch, module, code: int):
     from mtdeepep import _cuda_engine
 
     monkeypatch.setattr(_cuda_engine, "_C_cuda", module)
+    monkeypatch.setattr(_cuda_engine._gpu, "is_current_stream_capturing", lambda: False)
     engine = object.__new__(_cuda_engine.CudaEngine)
-    engine._failed, engine.buffer = None, _FakeBuffer(code)
+    engine._failed, engine._destroyed, engine.buffer = None, False, _FakeBuffer(code)
+    engine.comm_stream = _FakeStream()
     return engine
 
 
@@ -181,3 +199,100 @@ def test_normal_capacity_fits_the_region(cuda_module):
         capacity = cuda_module.normal_capacity(8, nbytes, x_bytes, num_scales, 4, num_topk)
         per_row = x_bytes + 4 * num_scales + 12 * num_topk + 4
         assert capacity > 0 and capacity * per_row <= nbytes
+
+
+# Phases of api.hpp (Phase): what the messages name.
+NOTIFY, DISPATCH_RECEIVE = 1, 3
+
+
+def test_a_rank_stopped_by_a_peers_timeout_names_the_missing_rank(monkeypatch, cuda_module):
+    """4 ranks, rank 1 missing: rank 0's wait runs out first and stops rank 2, whose word is 'stopped because a peer
+    failed' with rank 0's timeout as the cause. Rank 2 must raise CommTimeoutError naming rank 1, the rank that did
+    not arrive (not 'rank 0 failed')."""
+    m = cuda_module
+    rank0 = m.encode_error(m.ERROR_TIMEOUT, NOTIFY, 1, 0)
+    rank2 = m.encode_error(m.ERROR_PEER_FAILED, DISPATCH_RECEIVE, m.error_rank(rank0), 2)
+    message = m.error_message(rank2, rank0)
+    assert "rank 2 stopped" in message and "rank 0 timed out on the GPU waiting for rank 1" in message, message
+    assert "ranks that did not arrive: [1]" in message
+    from .gpu import named_ranks
+
+    assert named_ranks(message) == [1]
+    engine = _engine_with_status(monkeypatch, m, rank2)
+    engine.buffer.cause_code = rank0
+    with pytest.raises(mtdeepep.CommTimeoutError, match=r"did not arrive: \[1\]"):
+        engine.check()
+
+
+def test_a_rank_stopped_by_an_interrupted_peer_raises_comm_error(monkeypatch, cuda_module):
+    m = cuda_module
+    cause = m.encode_error(m.ERROR_ABORTED, NOTIFY, 3, 3)
+    engine = _engine_with_status(monkeypatch, m, m.encode_error(m.ERROR_PEER_FAILED, NOTIFY, 3, 0))
+    engine.buffer.cause_code = cause
+    with pytest.raises(mtdeepep.CommError, match="rank 3 was interrupted") as caught:
+        engine.check()
+    assert not isinstance(caught.value, mtdeepep.CommTimeoutError)
+
+
+def test_num_worst_tokens_overflow_raises_and_leaves_the_buffer_usable(monkeypatch, cuda_module):
+    """A receiver over num_worst_tokens: GroupMismatchError naming the rows and the bound (as the CPU executor), the
+    error cleared on the device, and the next check passes."""
+    m = cuda_module
+    code = m.encode_error(m.ERROR_WORST_TOKENS, NOTIFY, 2, 0)
+    assert m.is_recoverable(code) and not m.is_recoverable(m.encode_error(m.ERROR_TIMEOUT, NOTIFY, 2, 0))
+    engine = _engine_with_status(monkeypatch, m, code)
+    engine.buffer.details = (37, 10)
+    with pytest.raises(mtdeepep.GroupMismatchError, match="rank 2 receives 37 tokens, more than num_worst_tokens=10"):
+        engine.check()
+    assert engine.buffer.cleared == 1
+    engine.check()  # usable again
+
+
+def test_region_overflow_raises_comm_error_and_leaves_the_buffer_usable(monkeypatch, cuda_module):
+    m = cuda_module
+    engine = _engine_with_status(monkeypatch, m, m.encode_error(m.ERROR_OVERFLOW, NOTIFY, 1, 0))
+    engine.buffer.details = (5000, 4096)
+    with pytest.raises(mtdeepep.CommError, match="rank 1 receives 5000 rows, more than the 4096") as caught:
+        engine.check()
+    assert not isinstance(caught.value, mtdeepep.GroupMismatchError)
+    engine.check()
+
+
+# ---- a missing executor on a GPU machine fails; value checks can be skipped (no host synchronisation) ----
+
+
+def test_missing_executor_on_a_gpu_machine_is_not_a_skip(monkeypatch):
+    """With a device and a CUDA build of torch, a missing `_C_cuda` is a broken build: `cuda_skip_reason` gives no
+    reason to skip (the tests then fail, tests/cuda/conftest.py fails them at once), instead of letting every
+    executor test skip and the run pass."""
+    from mtdeepep.utils import testing
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    real_import = testing.importlib.import_module
+
+    def no_executor(name, *args):
+        if name == testing.CUDA_EXTENSION_MODULE:
+            raise ImportError("built without nvcc")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(testing.importlib, "import_module", no_executor)
+    assert testing.cuda_skip_reason() is None
+    assert "built without nvcc" in testing.cuda_executor_import_error()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "no CUDA device" in testing.cuda_skip_reason()
+
+
+def test_skip_value_checks_leaves_device_values_unread():
+    """Inside `skip_value_checks()` the facades' checks of device tensors read shapes only (no host synchronisation,
+    bench/cuda_kernels.py times inside it); CPU tensors are checked either way. A meta tensor stands in for a GPU
+    tensor (its values cannot be read at all)."""
+    from mtdeepep import _checks
+
+    device_idx = torch.empty((4, 2), dtype=torch.int64, device="meta")
+    with mtdeepep.skip_value_checks():
+        assert not _checks.values_readable(device_idx)
+        _checks.check_topk_idx(device_idx, 8, torch.device("meta"))  # shapes only: no read of the meta values
+        with pytest.raises(ValueError, match="values must lie in"):
+            _checks.check_topk_idx(torch.full((4, 2), 9), 8, torch.device("cpu"))
+    assert _checks.values_readable(device_idx) and _checks.values_readable(torch.zeros(1))

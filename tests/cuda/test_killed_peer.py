@@ -11,14 +11,14 @@ import pytest
 from mtdeepep.utils.testing import run_processes
 
 from . import process_cases as cases
-from .gpu import skip_unless_cuda
+from .gpu import rank_ids, skip_unless_cuda
 
-pytestmark = [skip_unless_cuda(), pytest.mark.timeout(300)]
+pytestmark = [*skip_unless_cuda(), pytest.mark.timeout(300)]
 
 TIMEOUT_S = 3.0
 
 
-@pytest.mark.parametrize("num_processes", [2, 3])
+@pytest.mark.parametrize("num_processes", [2, 3], ids=rank_ids)
 def test_killed_peer_is_named_and_the_gpu_stays_usable(num_processes):
     finished = run_processes(cases.killed_peer, num_processes, (TIMEOUT_S,), timeout_s=120)
     expected_codes = [0] * num_processes

@@ -25,7 +25,7 @@ from moe.fp8 import ACT_TILE, COL_TILE, WEIGHT_TILE, Fp8SwiGLUExperts, fake_quan
 from ..moe.moe_testlib import sqnr_db
 from .gpu import skip_unless_cuda
 
-pytestmark = [skip_unless_cuda(need_executor=False), pytest.mark.timeout(300)]
+pytestmark = [*skip_unless_cuda(need_executor=False), pytest.mark.timeout(300)]
 
 CUDA = torch.device("cuda", 0)
 

@@ -9,7 +9,7 @@ import pytest
 from . import client_cases as cases
 from .gpu import skip_unless_cuda
 
-pytestmark = [skip_unless_cuda(), pytest.mark.timeout(300)]
+pytestmark = [*skip_unless_cuda(), pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module", autouse=True)

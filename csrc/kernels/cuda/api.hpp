@@ -46,7 +46,24 @@ MTDEEPEP_HD size_t align_up(size_t value, size_t alignment) {
 }
 
 // ---- errors ----
-enum class ErrorKind : uint32_t { kNone = 0, kTimeout = 1, kPeerFailed = 2, kAborted = 3, kOverflow = 4 };
+// kTimeout: this rank's own bounded wait ran out (peer: the rank it waited for).
+// kPeerFailed: this rank stopped because another rank failed first (peer: that rank; the host-mapped `cause` word
+//   holds that rank's own error, so a rank stopped by a peer's timeout reports the rank that did not arrive).
+// kAborted: the host ended the waits (interrupt, destroy).
+// kOverflow, kWorstTokens: a receiver gets more rows than its region holds, or than num_worst_tokens. Every rank
+//   derives them from the same traffic matrix before any row moves, so every rank reports them alike, nobody is
+//   poisoned, and the buffer stays usable once the host has raised them (`is_recoverable`).
+enum class ErrorKind : uint32_t {
+    kNone = 0,
+    kTimeout = 1,
+    kPeerFailed = 2,
+    kAborted = 3,
+    kOverflow = 4,
+    kWorstTokens = 5,
+};
+MTDEEPEP_HD bool is_recoverable(ErrorKind kind) {
+    return kind == ErrorKind::kOverflow || kind == ErrorKind::kWorstTokens;
+}
 enum class Phase : uint32_t {
     kNone = 0,
     kNotify = 1,           // dispatch: the exchange of counts
@@ -77,16 +94,19 @@ MTDEEPEP_HD int error_rank(uint64_t code) {
 }
 
 const char* phase_name(Phase phase);
-// A sentence naming the rank, the peer and the phase of a status word (host side).
-std::string error_message(uint64_t code);
+// A sentence naming the rank, the peer and the phase of a status word (host side). `cause`: for kPeerFailed, the
+// failed peer's own error word; `detail`: for the overflow kinds, (rows the receiver gets, the bound).
+std::string error_message(uint64_t code, uint64_t cause = 0, int64_t detail_rows = 0, int64_t detail_bound = 0);
 
 // What every communicating kernel gets: where to report, when to give up, who it is.
 struct Control {
     uint64_t* status;              // device memory, this rank: the first error (0: none)
     uint64_t* host_status;         // host-mapped mirror of `status` (device address of the mapping)
     const int32_t* host_abort;     // host-mapped: the host sets it to end every wait (interrupt, destroy)
-    uint64_t* poison;              // this rank's poison word (in its normal buffer): a failed peer's rank + 1
+    uint64_t* poison;              // this rank's poison word (in its normal buffer): the first failed peer's error
     uint64_t* const* peer_poison;  // [R] device array: every rank's poison word, opened through IPC
+    uint64_t* host_cause;          // host-mapped: the peer error that stopped this rank (kPeerFailed)
+    int64_t* host_detail;          // host-mapped [2]: (rows, bound) of an overflow
     uint64_t timeout_ns;
     int64_t clock_khz;  // MUSA: clock64() rate for the timeouts (CUDA uses %globaltimer)
     int rank, num_ranks;
@@ -95,6 +115,8 @@ struct Control {
 // The host-mapped block of one rank.
 struct HostMapped {
     uint64_t status;
+    uint64_t cause;     // kPeerFailed: the failed peer's error word
+    int64_t detail[2];  // kOverflow / kWorstTokens: rows the receiver gets, the bound it exceeds
     int32_t abort;
     int32_t num_recv_tokens;  // dispatch notify: rows this rank receives (-1 until written)
     int32_t num_recv_tokens_per_expert[kMaxLocalExperts];
@@ -194,12 +216,14 @@ struct Peers {
 // (int32, [i][j] = rows ranks 0..i send to rank j), recv_channel_prefix [R, C] (where source i's channel c starts
 // among the received rows), num_recv_tokens_per_expert [E / R] (int32, each aligned up to expert_alignment) and,
 // into the host-mapped block, the same counts and the number of rows received. A receiver whose rows do not fit the
-// data region (`capacity` rows) fails the dispatch on every rank (ErrorKind::kOverflow) before any row moves.
+// data region (`capacity` rows) fails the dispatch on every rank (ErrorKind::kOverflow) before any row moves, and so
+// does one that receives more than `num_worst_tokens` rows (> 0; ErrorKind::kWorstTokens: its outputs would drop
+// rows).
 void launch_notify_dispatch(const Control& control, const Peers& peers, const int32_t* num_sent_per_rank,
                             const int32_t* num_tokens_per_expert, int num_experts, const int32_t* channel_prefix,
-                            int num_channels, int expert_alignment, int64_t capacity, int32_t* rank_prefix_matrix,
-                            int32_t* recv_channel_prefix, int32_t* num_recv_tokens_per_expert,
-                            HostMapped* host_mapped_device, gpuStream_t stream);
+                            int num_channels, int expert_alignment, int64_t capacity, int64_t num_worst_tokens,
+                            int32_t* rank_prefix_matrix, int32_t* recv_channel_prefix,
+                            int32_t* num_recv_tokens_per_expert, HostMapped* host_mapped_device, gpuStream_t stream);
 
 // Every rank sets its flag in every peer and waits for all (one block). Orders a new operation's writes into the
 // peers after every rank finished reading its region for the previous one.
@@ -221,10 +245,11 @@ struct DispatchSource {
 // Writes every token to its exact slot in each receiving rank's data region (rank_prefix_matrix gives where this
 // rank's rows start in each receiver, send_head the position), experts rewritten to the receiver's local ids (-1 and
 // weight 0 elsewhere); then the last block publishes completion to every receiver. num_sms blocks, a warp per
-// (token, destination).
+// (token, destination). The capacity and `num_worst_tokens` checks of the notify are repeated here for the cached
+// dispatch, which has no notify.
 void launch_dispatch_send(const Control& control, const Peers& peers, const DispatchSource& source,
                           const RowFormat& format, const int32_t* send_head, const int32_t* rank_prefix_matrix,
-                          int num_sms, gpuStream_t stream);
+                          int64_t num_worst_tokens, int num_sms, gpuStream_t stream);
 
 // Where the received rows go (the output tensors); null members are not written.
 struct DispatchOutputs {
@@ -236,7 +261,8 @@ struct DispatchOutputs {
     int64_t num_rows;  // rows of the outputs: the rows received, or num_worst_tokens (the rest padded: idx -1)
 };
 
-// Waits for every sender, then copies the received rows from this rank's data region into the outputs.
+// Waits for every sender (one block), then copies the received rows from this rank's data region into the outputs
+// (num_sms blocks, none of which waits: a wide grid never spins while a peer's kernel may still need the SMs).
 void launch_dispatch_receive(const Control& control, const Peers& peers, const RowFormat& format,
                              const int32_t* rank_prefix_matrix, const DispatchOutputs& outputs, int num_sms,
                              gpuStream_t stream);
@@ -247,9 +273,9 @@ void launch_combine_send(const Control& control, const Peers& peers, FloatKind k
                          const uint8_t* x, const float* topk_weights, const int32_t* rank_prefix_matrix, int num_sms,
                          gpuStream_t stream);
 
-// Combine, reduce phase: waits for every rank's rows, then out[t] = sum over ranks r with send_head[t, r] >= 0 of
-// the row r sent back (this rank's own rows read straight from x) + bias0[t] + bias1[t], accumulated in FP32 and
-// rounded once to `kind`; out_weights[t, k] the sum of the weights sent back. A warp per token.
+// Combine, reduce phase: waits for every rank's rows (one block), then out[t] = sum over ranks r with send_head[t, r]
+// >= 0 of the row r sent back (this rank's own rows read straight from x) + bias0[t] + bias1[t], accumulated in FP32
+// and rounded once to `kind`; out_weights[t, k] the sum of the weights sent back. A warp per token.
 void launch_combine_reduce(const Control& control, const Peers& peers, FloatKind kind, int hidden, int num_topk,
                            const uint8_t* x, const float* topk_weights, const int32_t* rank_prefix_matrix,
                            const int32_t* send_head, int num_tokens, const uint8_t* bias0, const uint8_t* bias1,
@@ -371,5 +397,20 @@ void launch_cast_to_fp8(const uint16_t* x, int64_t x_stride, int num_tokens, int
 
 // Throws std::runtime_error with the toolkit's message if the last launch failed.
 void check_launch(const char* what);
+
+// ---- module loading ----
+// Loads every kernel of the executor on the current device now (cudaFuncGetAttributes). Under CUDA's lazy module
+// loading (the default since CUDA 12) a kernel is loaded at its first launch, and loading may synchronise the whole
+// context: a first launch issued while this process's kernels spin-wait for peers blocks until those waits end,
+// and if the peers wait for this very launch (ranks of one process, or a host that launches the ranks' kernels in
+// turn) only the timeout ends it. Called by every DeviceBuffer at construction, as NCCL loads its kernels at init.
+void load_layout_kernels();
+void load_intranode_kernels();
+void load_low_latency_kernels();
+void load_all_kernels();
+// Whether the current context loads modules lazily (1), eagerly (0), or unknown (-1: no driver entry point, MUSA).
+int module_loading_lazy();
+// cudaFuncGetAttributes of one kernel: loads it; throws naming it on failure.
+void load_kernel(const void* kernel, const char* name);
 
 }  // namespace mtdeepep::gpu

@@ -35,16 +35,31 @@ __device__ __forceinline__ uint64_t now_ns(const Control& control) {
 
 // ---- flags across GPUs ----
 // Release: every write of this thread (and, after a __syncthreads, of its block) is visible system-wide before the
-// flag. Acquire: reads after the flag see what the writer published. Volatile accesses plus system fences are what
-// both toolkits support (no PTX ld.acquire on MUSA), and the flags are off the hot path (one per rank and phase).
+// flag. Acquire: reads after the flag see what the writer published. A spin reads the flag with relaxed loads
+// (`load_relaxed`: no fence per iteration, which would serialise the SM's memory traffic) and fences once after it
+// sees the value (`acquire_fence`). Volatile accesses plus system fences are what MUSA supports (no PTX there).
 __device__ __forceinline__ void store_release(uint64_t* flag, uint64_t value) {
     __threadfence_system();
     *reinterpret_cast<volatile uint64_t*>(flag) = value;
 }
 
-__device__ __forceinline__ uint64_t load_acquire(const uint64_t* flag) {
-    const uint64_t value = *reinterpret_cast<const volatile uint64_t*>(flag);
+__device__ __forceinline__ uint64_t load_relaxed(const uint64_t* flag) {
+#if defined(MTDEEPEP_MUSA)
+    return *reinterpret_cast<const volatile uint64_t*>(flag);
+#else
+    uint64_t value;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(flag) : "memory");
+    return value;
+#endif
+}
+
+__device__ __forceinline__ void acquire_fence() {
     __threadfence_system();
+}
+
+__device__ __forceinline__ uint64_t load_acquire(const uint64_t* flag) {
+    const uint64_t value = load_relaxed(flag);
+    acquire_fence();
     return value;
 }
 
@@ -54,18 +69,31 @@ __device__ __forceinline__ uint64_t load_volatile(const uint64_t* word) {
 
 // ---- errors ----
 // The first failure of this rank wins the device status word (atomicCAS in device memory), then is mirrored into
-// the host-mapped word the host polls, and every peer's poison word is set so that their waits end at once (a peer
-// that never arrives costs each rank one timeout, not one per phase).
-// `poison_peers` false: every rank finds the same error by itself (a receive region too small), no need to stop them.
+// the host-mapped words the host polls. A rank's own failure (a timeout, the host's abort) poisons its peers: their
+// poison word gets this rank's error word, so that their waits end at once (a peer that never arrives costs the
+// group one timeout, not one per rank and phase) and they report who failed and why (a peer stopped by this rank's
+// timeout names the rank that did not arrive, not this one). The peer this rank timed out on is not poisoned: it is
+// the one most likely dead, and a dead process's memory must not be written. A rank stopped by a poison does not
+// poison further (the first failure already told every peer); the overflow kinds poison nobody (every rank finds
+// them alike).
 __device__ __forceinline__ void report_error(const Control& control, ErrorKind kind, Phase phase, int peer,
-                                             bool poison_peers = true) {
+                                             uint64_t cause = 0, int64_t detail_rows = 0, int64_t detail_bound = 0) {
     const uint64_t code = encode_error(kind, phase, peer, control.rank);
     if (atomicCAS(reinterpret_cast<unsigned long long*>(control.status), 0ull, static_cast<unsigned long long>(code)) !=
         0ull)
         return;
+    *reinterpret_cast<volatile uint64_t*>(control.host_cause) = cause;
+    reinterpret_cast<volatile int64_t*>(control.host_detail)[0] = detail_rows;
+    reinterpret_cast<volatile int64_t*>(control.host_detail)[1] = detail_bound;
+    __threadfence_system();  // the details before the status word the host reads first
     *reinterpret_cast<volatile uint64_t*>(control.host_status) = code;
-    for (int r = 0; r < control.num_ranks && poison_peers; ++r)
-        if (r != control.rank) *reinterpret_cast<volatile uint64_t*>(control.peer_poison[r]) = control.rank + 1ull;
+    if (kind == ErrorKind::kTimeout || kind == ErrorKind::kAborted) {
+        const int suspect = kind == ErrorKind::kTimeout ? peer : -1;
+        for (int r = 0; r < control.num_ranks; ++r)
+            if (r != control.rank && r != suspect)
+                atomicCAS(reinterpret_cast<unsigned long long*>(control.peer_poison[r]), 0ull,
+                          static_cast<unsigned long long>(code));
+    }
     __threadfence_system();
 }
 
@@ -79,32 +107,40 @@ __device__ __forceinline__ bool must_stop(const Control& control, Phase phase) {
     }
     const uint64_t poison = load_volatile(control.poison);
     if (poison != 0) {
-        report_error(control, ErrorKind::kPeerFailed, phase, static_cast<int>(poison) - 1);
+        report_error(control, ErrorKind::kPeerFailed, phase, error_rank(poison), poison);
         return true;
     }
     return false;
 }
 
 // Spins until `*flag >= target` (a flag that only grows), at most `control.timeout_ns`; false on timeout or stop,
-// with the error reported (`peer`: whose flag this is). Called by one thread.
+// with the error reported (`peer`: whose flag this is). Called by one thread. The rank's own clock is checked before
+// the poison: a rank whose own wait ran out reports the missing peer itself.
 __device__ __forceinline__ bool wait_flag(const Control& control, const uint64_t* flag, uint64_t target, Phase phase,
                                           int peer) {
-    if (load_acquire(flag) >= target) return true;
+    if (load_relaxed(flag) >= target) {
+        acquire_fence();
+        return true;
+    }
     const uint64_t start = now_ns(control);
-    for (uint32_t spin = 0;; ++spin) {
-        if (load_acquire(flag) >= target) return true;
+    for (uint32_t spin = 1;; ++spin) {
+        if (load_relaxed(flag) >= target) {
+            acquire_fence();
+            return true;
+        }
         if ((spin & 63u) == 0) {
-            if (must_stop(control, phase)) return false;
             if (now_ns(control) - start > control.timeout_ns) {
                 report_error(control, ErrorKind::kTimeout, phase, peer);
                 return false;
             }
+            if (must_stop(control, phase)) return false;
         }
     }
 }
 
 // Every thread of the block: wait for the flags of all ranks (thread r waits for `flags[r * stride]`, rank r's).
-// Returns false on every thread if any wait failed. `wait_ns` (optional, [R]): time each peer took to arrive.
+// Returns false on every thread if any wait failed. `wait_ns` (optional, [R]): time each peer took to arrive. Run by
+// one-block kernels only (see `wait_kernel` users): a block that spins holds its SM.
 __device__ __forceinline__ bool block_wait_flags(const Control& control, const uint64_t* flags, int stride,
                                                  uint64_t target, Phase phase, int64_t* wait_ns = nullptr) {
     bool ok = true;

@@ -8,12 +8,14 @@
 // per-chunk flag traffic and the SM pairing (every SM sends; no SM spins while a peer fills a ring), at the cost of a
 // receive region that holds one operation's rows (a too-small num_nvl_bytes is reported, not looped over: one
 // round). The kernels never wait on another block of their own grid (no intra-grid deadlock, whatever the SM count
-// or the other processes sharing the GPU); waits are only on peers' flags, each bounded by the timeout.
+// or the other processes sharing the GPU). Waits on peers' flags, each bounded by the timeout, run only in one-block
+// kernels (notify, barrier, wait) ahead of the wide ones on the same stream: a wide grid that spun would hold every
+// SM it got while the peer it waits for might need one (ranks sharing a GPU in one process, or under MPS).
 //
 // Phases on the communication stream:
-//   dispatch:        send_positions (layout.cu), notify, dispatch_send, dispatch_receive
-//   cached dispatch: barrier, dispatch_send, dispatch_receive
-//   combine:         barrier, combine_send, combine_reduce
+//   dispatch:        send_positions (layout.cu), notify, dispatch_send, wait (dispatch flags), dispatch_receive
+//   cached dispatch: barrier, dispatch_send, wait (dispatch flags), dispatch_receive
+//   combine:         barrier, combine_send, wait (combine flags), combine_reduce
 // The notify (or barrier) of operation n runs only once every rank finished operation n - 1 on its stream, so the
 // writes of operation n never overtake a receiver still reading its region for n - 1.
 #include "kernels/cuda/device.cuh"
@@ -85,6 +87,32 @@ __device__ __forceinline__ CombineRegion combine_region(uint8_t* data, size_t da
     return region;
 }
 
+// The first receiver (lowest rank) whose rows exceed the region's capacity, else the first over num_worst_tokens
+// (> 0): the same answer on every rank, which all derive it from the same traffic matrix.
+struct Overflow {
+    ErrorKind kind;
+    int receiver;
+    int64_t rows, bound;
+};
+
+__device__ __forceinline__ Overflow overflow_of(const int32_t* received, int num_ranks, int64_t capacity,
+                                                int64_t num_worst_tokens) {
+    for (int j = 0; j < num_ranks; ++j)
+        if (received[j] > capacity) return {ErrorKind::kOverflow, j, received[j], capacity};
+    for (int j = 0; num_worst_tokens > 0 && j < num_ranks; ++j)
+        if (received[j] > num_worst_tokens) return {ErrorKind::kWorstTokens, j, received[j], num_worst_tokens};
+    return {ErrorKind::kNone, -1, 0, 0};
+}
+
+// Reports `overflow_of` (one thread). Nobody is poisoned: every rank reports the same, no row moves, and the host
+// clears the error once raised (the buffer stays usable).
+__device__ __forceinline__ void report_overflow(const Control& control, const int32_t* received, int num_ranks,
+                                                int64_t capacity, int64_t num_worst_tokens, Phase phase) {
+    const Overflow overflow = overflow_of(received, num_ranks, capacity, num_worst_tokens);
+    if (overflow.kind != ErrorKind::kNone)
+        report_error(control, overflow.kind, phase, overflow.receiver, 0, overflow.rows, overflow.bound);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Notify and barrier
 
@@ -92,7 +120,7 @@ __global__ void __launch_bounds__(kThreads)
     notify_dispatch_kernel(Control control, Peers peers, const int32_t* __restrict__ num_sent_per_rank,
                            const int32_t* __restrict__ num_tokens_per_expert, int num_experts,
                            const int32_t* __restrict__ channel_prefix, int num_channels, int expert_alignment,
-                           int64_t capacity, int32_t* __restrict__ rank_prefix_matrix,
+                           int64_t capacity, int64_t num_worst_tokens, int32_t* __restrict__ rank_prefix_matrix,
                            int32_t* __restrict__ recv_channel_prefix, int32_t* __restrict__ num_recv_tokens_per_expert,
                            HostMapped* host_mapped) {
     const int R = control.num_ranks, me = control.rank;
@@ -126,15 +154,18 @@ __global__ void __launch_bounds__(kThreads)
     if (!block_wait_flags(control, mine.flags(layout.notify_flags), 1, seq, Phase::kNotify)) return;
 
     const int32_t* counts = mine.ints(layout.counts) + parity * R * R;
+    __shared__ int32_t received[kMaxNodeRanks];
     for (int j = threadIdx.x; j < R; j += blockDim.x) {
         int32_t running = 0;
         for (int i = 0; i < R; ++i) {
             running += *reinterpret_cast<const volatile int32_t*>(counts + i * R + j);
             rank_prefix_matrix[i * R + j] = running;
         }
-        // Every rank sees the same matrix, so every rank finds the same overflow: no poisoning needed.
-        if (running > capacity) report_error(control, ErrorKind::kOverflow, Phase::kNotify, j, false);
+        received[j] = running;
     }
+    __syncthreads();
+    // Every rank sees the same matrix, so every rank finds the same overflow (the first receiver over): no poisoning.
+    if (threadIdx.x == 0) report_overflow(control, received, R, capacity, num_worst_tokens, Phase::kNotify);
     // Source i's channel c starts after the rows of sources < i and of i's channels < c.
     const int32_t* channel_counts = mine.ints(layout.channel_counts) + static_cast<size_t>(parity) * R * kMaxChannels;
     for (int i = threadIdx.x; i < R * num_channels; i += blockDim.x) {
@@ -176,12 +207,23 @@ __global__ void barrier_kernel(Control control, Peers peers) {
     block_wait_flags(control, ControlView(peers.base[me], R).flags(layout.barrier_flags), 1, seq, Phase::kBarrier);
 }
 
+// One block: waits until every rank published the current operation in this rank's flags at `flags_offset`
+// (dispatch or combine completion), so that the wide kernel after it on the stream never waits.
+__global__ void wait_kernel(Control control, Peers peers, size_t flags_offset, Phase phase) {
+    const int R = control.num_ranks, me = control.rank;
+    const NormalLayout layout(R);
+    if (load_volatile(control.status) != 0) return;
+    const uint64_t seq = current_operation(peers.base[me], layout);
+    block_wait_flags(control, ControlView(peers.base[me], R).flags(flags_offset), 1, seq, phase);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Dispatch
 
 __global__ void __launch_bounds__(kThreads)
     dispatch_send_kernel(Control control, Peers peers, DispatchSource source, RowFormat format,
-                         const int32_t* __restrict__ send_head, const int32_t* __restrict__ rank_prefix_matrix) {
+                         const int32_t* __restrict__ send_head, const int32_t* __restrict__ rank_prefix_matrix,
+                         int64_t num_worst_tokens) {
     const int R = control.num_ranks, me = control.rank;
     const NormalLayout layout(R);
     if (load_volatile(control.status) != 0) return;  // the notify failed on this rank: no row moves
@@ -190,19 +232,18 @@ __global__ void __launch_bounds__(kThreads)
     const int num_topk = format.num_topk;
     const int local_experts = source.num_experts / R;
     __shared__ int32_t first_row[kMaxNodeRanks];  // where this rank's rows start in each receiver
-    __shared__ int overflow;
-    if (threadIdx.x == 0) overflow = -1;
-    __syncthreads();
+    __shared__ int32_t received[kMaxNodeRanks];
     const int64_t capacity = row_region(nullptr, peers.data_bytes, format).capacity;
     for (int j = threadIdx.x; j < R; j += blockDim.x) {
         first_row[j] = rows_before(rank_prefix_matrix, R, me, j);
-        // A cached dispatch has no notify: every rank checks every receiver here, from the same matrix, so all of
-        // them stop before any row moves.
-        if (rank_prefix_matrix[(R - 1) * R + j] > capacity) overflow = j;
+        received[j] = rank_prefix_matrix[(R - 1) * R + j];
     }
     __syncthreads();
-    if (overflow >= 0) {
-        if (threadIdx.x == 0) report_error(control, ErrorKind::kOverflow, Phase::kDispatchReceive, overflow, false);
+    // A cached dispatch has no notify: every rank checks every receiver here, from the same matrix, so all of them
+    // stop before any row moves (a dispatch's notify found the same already).
+    if (overflow_of(received, R, capacity, num_worst_tokens).kind != ErrorKind::kNone) {
+        if (threadIdx.x == 0)
+            report_overflow(control, received, R, capacity, num_worst_tokens, Phase::kDispatchReceive);
         return;
     }
     const int warp = blockIdx.x * kWarps + threadIdx.x / kWarpSize, num_warps = gridDim.x * kWarps;
@@ -249,10 +290,7 @@ __global__ void __launch_bounds__(kThreads)
     const int R = control.num_ranks, me = control.rank;
     const NormalLayout layout(R);
     if (load_volatile(control.status) != 0) return;
-    const uint64_t seq = current_operation(peers.base[me], layout);
-    if (!block_wait_flags(control, ControlView(peers.base[me], R).flags(layout.dispatch_flags), 1, seq,
-                          Phase::kDispatchReceive))
-        return;
+    // wait_kernel (Phase::kDispatchReceive) ran before on this stream: every sender's rows are here.
     const RowRegion region = row_region(peers.base[me] + layout.control_bytes, peers.data_bytes, format);
     const int64_t total = rank_prefix_matrix[(R - 1) * R + me];
     const int lane = threadIdx.x % kWarpSize, num_topk = format.num_topk;
@@ -287,19 +325,17 @@ __global__ void __launch_bounds__(kThreads)
     const uint64_t seq = current_operation(peers.base[me], layout);
     __shared__ int32_t column[kMaxNodeRanks];  // inclusive prefix of the rows this rank received, by source
     __shared__ int64_t slot_base[kMaxNodeRanks];
-    __shared__ int overflow;
-    if (threadIdx.x == 0) overflow = -1;
-    __syncthreads();
+    __shared__ int32_t returned[kMaxNodeRanks];  // rows each rank gets back
+    const int64_t capacity = combine_region(nullptr, peers.data_bytes, x_bytes, num_topk).capacity;
     for (int i = threadIdx.x; i < R; i += blockDim.x) {
         column[i] = rank_prefix_matrix[i * R + me];
         slot_base[i] = combine_offset(rank_prefix_matrix, R, i, me);
-        // Every rank checks every receiver the same way: all fail together, before any row moves.
-        const CombineRegion region = combine_region(nullptr, peers.data_bytes, x_bytes, num_topk);
-        if (combine_offset(rank_prefix_matrix, R, i, R) > region.capacity) overflow = i;
+        returned[i] = static_cast<int32_t>(combine_offset(rank_prefix_matrix, R, i, R));
     }
     __syncthreads();
-    if (overflow >= 0) {
-        if (threadIdx.x == 0) report_error(control, ErrorKind::kOverflow, Phase::kCombineReceive, overflow, false);
+    // Every rank checks every receiver the same way: all fail together, before any row moves.
+    if (overflow_of(returned, R, capacity, 0).kind != ErrorKind::kNone) {
+        if (threadIdx.x == 0) report_overflow(control, returned, R, capacity, 0, Phase::kCombineReceive);
         return;
     }
     const int lane = threadIdx.x % kWarpSize;
@@ -335,10 +371,7 @@ __global__ void __launch_bounds__(kThreads)
     const int R = control.num_ranks, me = control.rank;
     const NormalLayout layout(R);
     if (load_volatile(control.status) != 0) return;
-    const uint64_t seq = current_operation(peers.base[me], layout);
-    if (!block_wait_flags(control, ControlView(peers.base[me], R).flags(layout.combine_flags), 1, seq,
-                          Phase::kCombineReceive))
-        return;
+    // wait_kernel (Phase::kCombineReceive) ran before on this stream: every rank's rows are here.
     const size_t element = float_kind_bytes(kind);
     const size_t x_bytes = element * hidden;
     const CombineRegion region =
@@ -426,40 +459,61 @@ int grid_size(int num_sms) {
     return std::max(1, num_sms);
 }
 
+int one_block_threads(int num_ranks) {
+    return kWarpSize * ((num_ranks + kWarpSize - 1) / kWarpSize);
+}
+
+void launch_wait(const Control& control, const Peers& peers, size_t flags_offset, Phase phase, gpuStream_t stream) {
+    wait_kernel<<<1, one_block_threads(control.num_ranks), 0, stream>>>(control, peers, flags_offset, phase);
+    check_launch("wait for the peers");
+}
+
 }  // namespace
+
+void load_intranode_kernels() {
+    load_kernel(reinterpret_cast<const void*>(notify_dispatch_kernel), "notify_dispatch_kernel");
+    load_kernel(reinterpret_cast<const void*>(barrier_kernel), "barrier_kernel");
+    load_kernel(reinterpret_cast<const void*>(wait_kernel), "wait_kernel");
+    load_kernel(reinterpret_cast<const void*>(dispatch_send_kernel), "dispatch_send_kernel");
+    load_kernel(reinterpret_cast<const void*>(dispatch_receive_kernel), "dispatch_receive_kernel");
+    load_kernel(reinterpret_cast<const void*>(combine_send_kernel), "combine_send_kernel");
+    load_kernel(reinterpret_cast<const void*>(combine_reduce_kernel<true>), "combine_reduce_kernel<true>");
+    load_kernel(reinterpret_cast<const void*>(combine_reduce_kernel<false>), "combine_reduce_kernel<false>");
+}
 
 void launch_notify_dispatch(const Control& control, const Peers& peers, const int32_t* num_sent_per_rank,
                             const int32_t* num_tokens_per_expert, int num_experts, const int32_t* channel_prefix,
-                            int num_channels, int expert_alignment, int64_t capacity, int32_t* rank_prefix_matrix,
-                            int32_t* recv_channel_prefix, int32_t* num_recv_tokens_per_expert,
-                            HostMapped* host_mapped_device, gpuStream_t stream) {
+                            int num_channels, int expert_alignment, int64_t capacity, int64_t num_worst_tokens,
+                            int32_t* rank_prefix_matrix, int32_t* recv_channel_prefix,
+                            int32_t* num_recv_tokens_per_expert, HostMapped* host_mapped_device, gpuStream_t stream) {
     if (control.num_ranks > kMaxNodeRanks || num_experts / control.num_ranks > kMaxLocalExperts)
         throw std::invalid_argument("mtdeepep: too many ranks per node or experts per rank for the CUDA executor");
     if (num_channels < 1 || num_channels > kMaxChannels)
         throw std::invalid_argument("mtdeepep: the channel count must lie in [1, 128]");
     notify_dispatch_kernel<<<1, kThreads, 0, stream>>>(
         control, peers, num_sent_per_rank, num_tokens_per_expert, num_experts, channel_prefix, num_channels,
-        std::max(1, expert_alignment), capacity, rank_prefix_matrix, recv_channel_prefix, num_recv_tokens_per_expert,
-        host_mapped_device);
+        std::max(1, expert_alignment), capacity, num_worst_tokens, rank_prefix_matrix, recv_channel_prefix,
+        num_recv_tokens_per_expert, host_mapped_device);
     check_launch("dispatch notify");
 }
 
 void launch_barrier(const Control& control, const Peers& peers, gpuStream_t stream) {
-    barrier_kernel<<<1, kWarpSize*((control.num_ranks + kWarpSize - 1) / kWarpSize), 0, stream>>>(control, peers);
+    barrier_kernel<<<1, one_block_threads(control.num_ranks), 0, stream>>>(control, peers);
     check_launch("barrier");
 }
 
 void launch_dispatch_send(const Control& control, const Peers& peers, const DispatchSource& source,
                           const RowFormat& format, const int32_t* send_head, const int32_t* rank_prefix_matrix,
-                          int num_sms, gpuStream_t stream) {
+                          int64_t num_worst_tokens, int num_sms, gpuStream_t stream) {
     dispatch_send_kernel<<<grid_size(num_sms), kThreads, 0, stream>>>(control, peers, source, format, send_head,
-                                                                      rank_prefix_matrix);
+                                                                      rank_prefix_matrix, num_worst_tokens);
     check_launch("dispatch send");
 }
 
 void launch_dispatch_receive(const Control& control, const Peers& peers, const RowFormat& format,
                              const int32_t* rank_prefix_matrix, const DispatchOutputs& outputs, int num_sms,
                              gpuStream_t stream) {
+    launch_wait(control, peers, NormalLayout(control.num_ranks).dispatch_flags, Phase::kDispatchReceive, stream);
     dispatch_receive_kernel<<<grid_size(num_sms), kThreads, 0, stream>>>(control, peers, format, rank_prefix_matrix,
                                                                          outputs);
     check_launch("dispatch receive");
@@ -483,6 +537,7 @@ void launch_combine_reduce(const Control& control, const Peers& peers, FloatKind
                                 reinterpret_cast<uintptr_t>(bias1) | reinterpret_cast<uintptr_t>(out);
     const bool vector = x_bytes % 16 == 0 && (addresses & 15u) == 0;
     auto kernel = vector ? combine_reduce_kernel<true> : combine_reduce_kernel<false>;
+    launch_wait(control, peers, NormalLayout(control.num_ranks).combine_flags, Phase::kCombineReceive, stream);
     kernel<<<grid_size(num_sms), kThreads, 0, stream>>>(control, peers, kind, hidden, num_topk, x, topk_weights,
                                                         rank_prefix_matrix, send_head, num_tokens, bias0, bias1, out,
                                                         out_weights);

@@ -64,6 +64,11 @@ __global__ void __launch_bounds__(kScanThreads)
 
 }  // namespace
 
+void load_layout_kernels() {
+    load_kernel(reinterpret_cast<const void*>(dispatch_layout_kernel), "dispatch_layout_kernel");
+    load_kernel(reinterpret_cast<const void*>(send_positions_kernel), "send_positions_kernel");
+}
+
 void launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_ranks, int num_experts,
                             int32_t* num_tokens_per_rank, int32_t* num_tokens_per_expert, bool* is_token_in_rank,
                             int num_sms, gpuStream_t stream) {

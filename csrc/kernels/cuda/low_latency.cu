@@ -8,8 +8,11 @@
 // it has every signal. Before writing call n into a peer's half n % 2 the sender waits until the peer entered call
 // n (launch_low_latency_enter): from then on the peer has given up the results of call n - 2 in that half.
 //
-// Kernels of one call: enter; count (one block per expert: slots, counts, reservation, layout_range); send (a warp
-// per token: cast and write, last block signals); receive (the hook: waits for the signals, recv_count, reset).
+// Kernels of one call: enter; wait_entered (one block: every receiver entered the call); count (one block per
+// expert: slots, counts, reservation, layout_range); send (a warp per token: cast and write, last block signals);
+// receive (the hook: one block waits for the signals, recv_count, reset). Combine: enter; wait_entered; send (wide);
+// then the hook: wait_signals (one block), receive (wide). Only one-block kernels wait for peers: a wide grid that
+// spun would hold the SMs a late peer's kernel needs (ranks sharing a GPU in one process, or under MPS).
 #include "kernels/cuda/device.cuh"
 
 namespace mtdeepep::gpu {
@@ -37,7 +40,6 @@ struct Area {
           control(num_ranks),
           half(num_max_tokens, hidden, num_ranks, num_experts),
           half_bytes(half_bytes) {}
-    __device__ uint64_t* entered() const { return reinterpret_cast<uint64_t*>(base + control.entered); }
     __device__ uint64_t* dispatch_signals(uint64_t seq) const {
         return reinterpret_cast<uint64_t*>(base + control.dispatch_signals) + (seq & 1) * half.num_ranks;
     }
@@ -70,6 +72,27 @@ __global__ void enter_kernel(LowLatencyPeers peers, int rank, uint64_t seq) {
     store_release(reinterpret_cast<uint64_t*>(peers.base[rank] + LowLatencyControl(1).entered), seq);
 }
 
+// One block, a thread per rank: waits until every rank entered call `seq` (its half seq % 2 is ours to write).
+__global__ void wait_entered_kernel(Control control, LowLatencyPeers peers, uint64_t seq) {
+    if (load_volatile(control.status) != 0) return;
+    bool ok = true;
+    for (int d = threadIdx.x; d < control.num_ranks; d += blockDim.x) {
+        const uint64_t* entered = reinterpret_cast<const uint64_t*>(peers.base[d] + LowLatencyControl(1).entered);
+        ok = wait_flag(control, entered, seq, Phase::kLowLatencyEnter, d) && ok;
+    }
+    __syncthreads_and(ok);
+}
+
+// One block: waits for every rank's signal of call `seq` (`signals_offset`: dispatch or combine signals); wait_ns
+// [R] (may be null) gets each rank's wait.
+__global__ void wait_signals_kernel(Control control, LowLatencyPeers peers, uint64_t seq, size_t signals_offset,
+                                    Phase phase, int64_t* wait_ns) {
+    if (load_volatile(control.status) != 0) return;
+    const uint64_t* signals =
+        reinterpret_cast<const uint64_t*>(peers.base[control.rank] + signals_offset) + (seq & 1) * control.num_ranks;
+    block_wait_flags(control, signals, 1, seq, phase, wait_ns);
+}
+
 // One block per expert e: the slot of each (t, k) routed to e among this rank's rows to e (token order), the count,
 // the reservation in the receiver, and the receiver's layout_range entry for this source.
 __global__ void __launch_bounds__(kThreads)
@@ -92,8 +115,8 @@ __global__ void __launch_bounds__(kThreads)
     if (threadIdx.x != 0) return;
     args.expert_counts[expert] = base;
     const Area area = area_of(peers, dest, R, args.num_max_tokens, args.hidden, args.num_experts);
-    // The receiver's half seq % 2 (its counters and layout_range) is ours to write once it entered call seq.
-    if (!wait_flag(control, area.entered(), seq, Phase::kLowLatencyEnter, dest)) return;
+    // The receiver's half seq % 2 (its counters and layout_range) is ours to write: it entered call seq
+    // (wait_entered_kernel ran before on this stream, and this kernel returned above if that failed).
     const uint32_t begin = base > 0 ? atomicAdd_system(area.counters(seq) + local, static_cast<uint32_t>(base)) : 0;
     args.expert_begin[expert] = static_cast<int32_t>(begin);
     area.layout_range(seq)[local * R + me] = (static_cast<int64_t>(begin) << 32) | static_cast<int64_t>(base);
@@ -196,6 +219,7 @@ __global__ void dispatch_receive_kernel(Control control, LowLatencyPeers peers, 
     if (load_volatile(control.status) != 0) return;
     const int R = control.num_ranks, me = control.rank;
     const Area area = area_of(peers, me, R, num_max_tokens, hidden, num_experts);
+    // One block: it may wait.
     if (!block_wait_flags(control, area.dispatch_signals(seq), 1, seq, Phase::kLowLatencyDispatchReceive, wait_ns))
         return;
     const int local_experts = num_experts / R;
@@ -212,15 +236,10 @@ __global__ void dispatch_receive_kernel(Control control, LowLatencyPeers peers, 
 
 __global__ void __launch_bounds__(kThreads)
     combine_send_kernel(Control control, LowLatencyPeers peers, uint64_t seq, LowLatencyCombineArgs args) {
+    // Every destination entered this call (wait_entered_kernel ran before on this stream) before any of its half is
+    // written.
     if (load_volatile(control.status) != 0) return;
     const int R = control.num_ranks, me = control.rank;
-    // Every destination must have entered this call before any of its half is written.
-    for (int d = threadIdx.x; d < R; d += blockDim.x) {
-        const Area area = area_of(peers, d, R, args.num_max_tokens, args.hidden, args.num_experts);
-        wait_flag(control, area.entered(), seq, Phase::kLowLatencyEnter, d);
-    }
-    __syncthreads();
-    if (load_volatile(control.status) != 0) return;
     const int lane = threadIdx.x % kWarpSize;
     const int local_experts = args.num_experts / R;
     const int64_t rows_per_expert = static_cast<int64_t>(R) * args.num_max_tokens;
@@ -255,14 +274,12 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <bool kVector>
-__global__ void __launch_bounds__(kThreads) combine_receive_kernel(Control control, LowLatencyPeers peers, uint64_t seq,
-                                                                   LowLatencyCombineArgs args, int64_t* wait_ns) {
+__global__ void __launch_bounds__(kThreads)
+    combine_receive_kernel(Control control, LowLatencyPeers peers, uint64_t seq, LowLatencyCombineArgs args) {
+    // Every rank's rows are here: wait_signals_kernel ran before on this stream.
     if (load_volatile(control.status) != 0) return;
     const int R = control.num_ranks, me = control.rank;
     const Area area = area_of(peers, me, R, args.num_max_tokens, args.hidden, args.num_experts);
-    if (!block_wait_flags(control, area.combine_signals(seq), 1, seq, Phase::kLowLatencyCombineReceive,
-                          blockIdx.x == 0 ? wait_ns : nullptr))
-        return;
     const int lane = threadIdx.x % kWarpSize;
     const uint16_t* rows = area.combine_recv(seq);
     const int64_t expert_stride = static_cast<int64_t>(args.num_max_tokens) * args.hidden;
@@ -341,6 +358,15 @@ int grid_size(int num_sms) {
     return std::max(1, num_sms);
 }
 
+int one_block_threads(int num_ranks) {
+    return kWarpSize * ((num_ranks + kWarpSize - 1) / kWarpSize);
+}
+
+void launch_wait_entered(const Control& control, const LowLatencyPeers& peers, uint64_t seq, gpuStream_t stream) {
+    wait_entered_kernel<<<1, one_block_threads(control.num_ranks), 0, stream>>>(control, peers, seq);
+    check_launch("low-latency wait for the peers to enter");
+}
+
 void check_shape(int num_ranks, int num_experts, int num_topk) {
     if (num_experts % num_ranks != 0 || num_experts / num_ranks > kMaxLocalExperts - 2)
         throw std::invalid_argument("mtdeepep: experts per rank out of range for the CUDA low-latency kernels");
@@ -348,6 +374,19 @@ void check_shape(int num_ranks, int num_experts, int num_topk) {
 }
 
 }  // namespace
+
+void load_low_latency_kernels() {
+    load_kernel(reinterpret_cast<const void*>(enter_kernel), "enter_kernel");
+    load_kernel(reinterpret_cast<const void*>(wait_entered_kernel), "wait_entered_kernel");
+    load_kernel(reinterpret_cast<const void*>(wait_signals_kernel), "wait_signals_kernel");
+    load_kernel(reinterpret_cast<const void*>(count_kernel), "count_kernel");
+    load_kernel(reinterpret_cast<const void*>(dispatch_send_kernel), "dispatch_send_kernel");
+    load_kernel(reinterpret_cast<const void*>(dispatch_receive_kernel), "dispatch_receive_kernel");
+    load_kernel(reinterpret_cast<const void*>(combine_send_kernel), "combine_send_kernel");
+    load_kernel(reinterpret_cast<const void*>(combine_receive_kernel<true>), "combine_receive_kernel<true>");
+    load_kernel(reinterpret_cast<const void*>(combine_receive_kernel<false>), "combine_receive_kernel<false>");
+    load_kernel(reinterpret_cast<const void*>(cast_kernel), "cast_kernel");
+}
 
 void launch_low_latency_enter(const LowLatencyPeers& peers, int rank, uint64_t seq, gpuStream_t stream) {
     enter_kernel<<<1, 1, 0, stream>>>(peers, rank, seq);
@@ -359,6 +398,7 @@ void launch_low_latency_dispatch_send(const Control& control, const LowLatencyPe
     check_shape(control.num_ranks, args.num_experts, args.num_topk);
     if (args.use_fp8 && (args.hidden % kScaleBlock != 0 || args.x_stride % 4 != 0))
         throw std::invalid_argument("mtdeepep: the FP8 cast needs hidden % 128 == 0 and a row stride % 4 == 0");
+    launch_wait_entered(control, peers, seq, stream);
     count_kernel<<<args.num_experts, kThreads, 0, stream>>>(control, peers, seq, args);
     check_launch("low-latency count");
     dispatch_send_kernel<<<grid_size(num_sms), kThreads, 0, stream>>>(control, peers, seq, args);
@@ -376,6 +416,7 @@ void launch_low_latency_dispatch_receive(const Control& control, const LowLatenc
 void launch_low_latency_combine_send(const Control& control, const LowLatencyPeers& peers, uint64_t seq,
                                      const LowLatencyCombineArgs& args, int num_sms, gpuStream_t stream) {
     check_shape(control.num_ranks, args.num_experts, args.num_topk);
+    launch_wait_entered(control, peers, seq, stream);
     combine_send_kernel<<<grid_size(num_sms), kThreads, 0, stream>>>(control, peers, seq, args);
     check_launch("low-latency combine send");
 }
@@ -388,7 +429,11 @@ void launch_low_latency_combine_receive(const Control& control, const LowLatency
     auto kernel = vector ? combine_receive_kernel<true> : combine_receive_kernel<false>;
     // A warp per token: no more blocks than tokens need.
     const int blocks = std::max(1, std::min(num_sms, (args.num_tokens + kWarps - 1) / kWarps));
-    kernel<<<blocks, kThreads, 0, stream>>>(control, peers, seq, args, wait_ns);
+    wait_signals_kernel<<<1, one_block_threads(control.num_ranks), 0, stream>>>(
+        control, peers, seq, LowLatencyControl(control.num_ranks).combine_signals, Phase::kLowLatencyCombineReceive,
+        wait_ns);
+    check_launch("low-latency combine wait");
+    kernel<<<blocks, kThreads, 0, stream>>>(control, peers, seq, args);
     check_launch("low-latency combine receive");
 }
 

@@ -21,6 +21,7 @@ using gpuStream_t = musaStream_t;
 using gpuEvent_t = musaEvent_t;
 using gpuError_t = musaError_t;
 using gpuIpcMemHandle_t = musaIpcMemHandle_t;
+using gpuFuncAttributes = musaFuncAttributes;
 #define gpuSuccess musaSuccess
 #define gpuIpcMemLazyEnablePeerAccess musaIpcMemLazyEnablePeerAccess
 #define gpuHostAllocMapped musaHostAllocMapped
@@ -38,6 +39,7 @@ using gpuStream_t = cudaStream_t;
 using gpuEvent_t = cudaEvent_t;
 using gpuError_t = cudaError_t;
 using gpuIpcMemHandle_t = cudaIpcMemHandle_t;
+using gpuFuncAttributes = cudaFuncAttributes;
 #define gpuSuccess cudaSuccess
 #define gpuIpcMemLazyEnablePeerAccess cudaIpcMemLazyEnablePeerAccess
 #define gpuHostAllocMapped cudaHostAllocMapped
@@ -76,3 +78,4 @@ using gpuIpcMemHandle_t = cudaIpcMemHandle_t;
 #define gpuEventDestroy MTDEEPEP_GPU_PREFIX(EventDestroy)
 #define gpuGetLastError MTDEEPEP_GPU_PREFIX(GetLastError)
 #define gpuGetErrorString MTDEEPEP_GPU_PREFIX(GetErrorString)
+#define gpuFuncGetAttributes MTDEEPEP_GPU_PREFIX(FuncGetAttributes)
