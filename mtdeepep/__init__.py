@@ -11,6 +11,7 @@ from ._internode import InternodeHandle
 from .autograd import combine, dispatch
 from .buffer import Buffer
 from .config import Config
+from .elastic import ElasticBuffer, EPHandle  # DeepEP V2: `import mtdeepep as deep_ep` serves V2 clients too
 from .event import EventOverlap
 
 topk_idx_t = torch.int64
@@ -35,6 +36,8 @@ __all__ = [
     "CommError",
     "CommTimeoutError",
     "Config",
+    "ElasticBuffer",
+    "EPHandle",
     "EventHandle",
     "EventOverlap",
     "GroupMismatchError",

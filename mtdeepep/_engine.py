@@ -29,9 +29,9 @@ import torch.distributed as dist
 from . import _C
 from ._handles import DispatchRecord
 from ._setup import (
+    SetupRendezvous,
     buffer_uid,
     check_nodes_share_hosts,
-    exchange_strings,
     group_key,
     group_ranks,
     resolve_num_ranks_per_node,
@@ -171,13 +171,20 @@ def engine_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device(choice, module.current_device())
 
 
+# How long a rank whose set-up met an error after the exchange (a peer's segment already gone) waits for that peer's
+# published reason: the peer publishes before it releases anything, so it is there at once in practice.
+_PEER_FAILURE_GRACE_S = 2.0
+
+
 def create_engine(
     group: dist.ProcessGroup, *, num_nvl_bytes: int, num_ll_bytes: int, low_latency: bool,
     num_ranks_per_node: int | None, timeout_s: float, phase: str = "Buffer set-up",
 ) -> Engine:  # fmt: skip
     """Set-up (collective over `group`): the node engine for this device, the exchange of every rank's set-up string
     (bounded by `timeout_s`, naming the ranks that did not arrive), and, when the group spans several nodes, the
-    internode engine over it."""
+    internode engine over it. A rank whose set-up fails publishes why (`SetupRendezvous.fail`): its peers name it
+    and its reason ("group rank 0 failed its set-up: ...") at once, instead of a timeout or of a symptom such as a
+    segment that no longer exists; a rank whose process is gone is named with its pid at once."""
     from ._cpu_engine import CpuEngine  # noqa: F401  (registers itself in NODE_ENGINES)
     from ._internode import InternodeEngine
 
@@ -195,25 +202,36 @@ def create_engine(
     per_node = resolve_num_ranks_per_node(num_ranks_per_node, num_ranks)
     node, local_rank = divmod(group.rank(), per_node)
     internode = per_node < num_ranks
-    node_engine = NODE_ENGINES[device.type](
-        rank=local_rank, num_ranks=per_node, num_nvl_bytes=num_nvl_bytes,
-        num_ll_bytes=num_ll_bytes if low_latency else 0, timeout_s=timeout_s,
-    )  # fmt: skip
+    setup = SetupRendezvous(group, timeout_s, phase)  # first, on every rank, whatever fails next
     try:
-        entries = exchange_strings(group, f"{socket.gethostname()}\n{node_engine.setup_entry()}", timeout_s, phase)
+        node_engine = NODE_ENGINES[device.type](
+            rank=local_rank, num_ranks=per_node, num_nvl_bytes=num_nvl_bytes,
+            num_ll_bytes=num_ll_bytes if low_latency else 0, timeout_s=timeout_s,
+        )  # fmt: skip
+    except BaseException as error:
+        setup.fail(error)
+        raise
+    try:
+        entries = setup.exchange(f"{socket.gethostname()}\n{node_engine.setup_entry()}")
         check_nodes_share_hosts([e.split("\n", 1)[0] for e in entries], per_node)
         uid = buffer_uid(entries)
         node_entries = [e.split("\n", 1)[1] for e in entries[node * per_node : (node + 1) * per_node]]
         ranks = group_ranks(group)
         node_group = (ranks[node * per_node : (node + 1) * per_node], local_rank)
         # Several nodes: low-latency mode uses the collective transport, which the internode engine sets up.
-        node_engine.connect(
-            node_entries, uid, node_group if internode else group_key(group), low_latency=low_latency and not internode
-        )
+        try:
+            node_engine.connect(node_entries, uid, node_group if internode else group_key(group),
+                                low_latency=low_latency and not internode)  # fmt: skip
+        except Exception as error:  # noqa: BLE001 - a peer's published failure explains it better, if there is one
+            culprit = setup.peer_failure(grace_s=_PEER_FAILURE_GRACE_S)
+            if culprit is None:
+                raise
+            raise _C.CommError(f"{culprit} (here: {error})") from error
         if not internode:
             return node_engine
         return InternodeEngine(group, node_engine, per_node, timeout_s, uid, low_latency=low_latency)
-    except BaseException:
+    except BaseException as error:
+        setup.fail(error)
         node_engine.destroy()
         raise
 

@@ -216,7 +216,7 @@ class InternodeEngine(Engine):
         self.uid = uid
         self.timeout_s = timeout_s
         self._creator_pid = os.getpid()
-        self._dispatches = 0  # this engine's dispatch numbers (the caller's thread)
+        self._dispatches = 0  # dispatches agreed by every rank (the worker's): the next one's number is one more
         self._ops = 0  # operations started on the worker, recorded in the store for timeout reports
         self._store = dist.distributed_c10d._get_default_store()
         self._progress_prefix = f"mtdeepep/progress/{uid}"
@@ -455,20 +455,38 @@ class InternodeEngine(Engine):
             return "every rank reached this operation; one of its peers in this stage stopped inside it"
         return f"rank(s) {', '.join(behind)} did not arrive"
 
-    def _check_identity(self, record: DispatchRecord, phase: str) -> None:
-        """All ranks must pass the handle of the same dispatch: all-gather (uid, seq) over the whole group, and every
-        rank raises GroupMismatchError (naming the ranks) when they differ."""
-        mine = torch.tensor([record.uid, record.seq], dtype=torch.int64)
-        everyone = torch.empty(2 * self.num_ranks, dtype=torch.int64)
+    def _agree(self, operation: str, uid: int, seq: int) -> None:
+        """The first exchange of every normal-mode operation, the same for all of them: all-gather (operation, uid,
+        seq) over the whole group, so that ranks calling different operations (rank 0 a dispatch, rank 1 a combine)
+        or passing handles of different dispatches meet at the same collective and every rank raises
+        GroupMismatchError, naming what each rank called, before any row moves (the engine stays usable). For a
+        dispatch, seq is the number it will take: the ranks also agree on how many dispatches they made."""
+        mine = torch.tensor([_OPERATIONS.index(operation), uid, seq], dtype=torch.int64)
+        everyone = torch.empty(3 * self.num_ranks, dtype=torch.int64)
         self._wait(_all_gather_single(everyone, mine, group=self.world_group, async_op=True),
-                   f"{phase}: handle identity check")  # fmt: skip
-        ids = [tuple(row) for row in everyone.view(-1, 2).tolist()]
-        if len(set(ids)) > 1:
-            described = ", ".join(f"rank {r}: dispatch {u}#{s}" for r, (u, s) in enumerate(ids))
-            raise _C.GroupMismatchError(
-                f"mtdeepep: rank {self.rank}: internode {phase}: the ranks passed handles of different dispatches "
-                f"({described}); every rank must use the same dispatch (e.g. the same micro-batch)"
+                   f"{operation}: operation check")  # fmt: skip
+        calls = [tuple(row) for row in everyone.view(-1, 3).tolist()]
+        if len(set(calls)) == 1:
+            return
+        if len({op for op, _, _ in calls}) > 1:
+            described = ", ".join(
+                f"rank {r}: {_OPERATIONS[op]}" + (f" of dispatch {u}#{s}" if _OPERATIONS[op] != "dispatch" else "")
+                for r, (op, u, s) in enumerate(calls)
             )
+            raise _C.GroupMismatchError(
+                f"mtdeepep: rank {self.rank}: internode {operation}: the ranks called different operations "
+                f"({described}); every rank must make the same calls in the same order"
+            )
+        described = ", ".join(f"rank {r}: dispatch {u}#{s}" for r, (_, u, s) in enumerate(calls))
+        what = (
+            "made different numbers of dispatches"
+            if operation == "dispatch"
+            else "passed handles of different dispatches"
+        )
+        raise _C.GroupMismatchError(
+            f"mtdeepep: rank {self.rank}: internode {operation}: the ranks {what} ({described}); every rank must use "
+            "the same dispatch (e.g. the same micro-batch)"
+        )
 
     @contextmanager
     def _node_stage(self, phase: str):
@@ -510,10 +528,11 @@ class InternodeEngine(Engine):
         rows of each source node in turn: grouped by forwarder, i.e. by global source rank, token order. Data (in
         the background with `async_finish`): the token bytes (and scales) take the same two stages as the metadata,
         one source node at a time, landing in their block of the outputs."""
-        self._dispatches += 1
-        seq = self._dispatches
 
         def full_dispatch(notify: Callable[[tuple], None]) -> None:
+            seq = self._dispatches + 1
+            self._agree("dispatch", self.uid, seq)  # before any row moves: raised in this call
+            self._dispatches = seq
             outputs, placed = self._notify_dispatch(
                 data, scales, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
                 num_worst_tokens, num_channels, seq,
@@ -534,7 +553,7 @@ class InternodeEngine(Engine):
             num_out = self._output_rows(record.state.num_received, num_worst_tokens, "cached dispatch")
             recv = self._new_recv(data, scales, num_out, record.state.num_topk)
             notify(recv[:2])
-            self._check_identity(record, "cached dispatch")  # before any row moves; raised by the event if async
+            self._agree("cached dispatch", record.uid, record.seq)  # before any row moves; raised by the event if async
             self._move_tokens(data, scales, record.state, recv, num_channels, "cached dispatch")
 
         (recv_data, recv_scales), event = self._run(cached, previous, async_finish)
@@ -775,7 +794,7 @@ class InternodeEngine(Engine):
             combined = self.empty((num_tokens, x.size(1)), x.dtype)
             combined_w = None if topk_weights is None else torch.empty(num_tokens, topk_weights.size(1))
             notify((combined, combined_w))
-            self._check_identity(record, "combine")  # before any row moves; raised by the event if async
+            self._agree("combine", record.uid, record.seq)  # before any row moves; raised by the event if async
             self._combine(x, record.state, topk_weights, (bias0, bias1), num_channels, combined, combined_w)
 
         (combined, combined_w), event = self._run(combine, previous, async_finish)
@@ -939,6 +958,9 @@ class InternodeEngine(Engine):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Small helpers
+
+
+_OPERATIONS = ("dispatch", "cached dispatch", "combine")  # the normal-mode operations, as `_agree` numbers them
 
 
 def _record_of(handle: tuple) -> DispatchRecord:

@@ -11,7 +11,44 @@ os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 import pytest  # noqa: E402
 
-from mtdeepep.utils.testing import RankPools
+from mtdeepep.utils.testing import RankPools  # noqa: E402
+
+# A test's time limit catches a hang; it is no speed requirement. On a busy machine (CI beside other jobs) every test
+# runs slower, so the limits stretch with the load the session starts under: the 1-minute load average over the
+# cores, at least 1, at most 4 (MTDEEPEP_TEST_TIMEOUT_SCALE sets it instead).
+_MAX_TIMEOUT_SCALE = 4.0
+
+
+def timeout_scale() -> float:
+    explicit = os.environ.get("MTDEEPEP_TEST_TIMEOUT_SCALE")
+    if explicit:
+        return max(1.0, float(explicit))
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return 1.0
+    return min(_MAX_TIMEOUT_SCALE, max(1.0, load / (os.cpu_count() or 1)))
+
+
+def pytest_configure(config):
+    scale = timeout_scale()
+    config._mtdeepep_timeout_scale = scale
+    if scale > 1.0 and getattr(config.option, "timeout", None):
+        config.option.timeout = float(config.option.timeout) * scale
+
+
+def pytest_collection_modifyitems(config, items):
+    scale = getattr(config, "_mtdeepep_timeout_scale", 1.0)
+    if scale <= 1.0:
+        return
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        if marker is not None and marker.args:
+            item.add_marker(pytest.mark.timeout(float(marker.args[0]) * scale), append=False)
+
+
+def pytest_report_header(config):
+    return f"mtdeepep: test time limits x{getattr(config, '_mtdeepep_timeout_scale', 1.0):.2f} (load-based)"
 
 
 @pytest.fixture(scope="module")

@@ -607,6 +607,47 @@ def normal_handles_of_other_dispatches(ctx, topo):
     return messages
 
 
+def different_operations_leave_the_buffer_usable(ctx, topo):
+    """Issue 23, item 4: the ranks call different operations (rank 0 one, the others another): every rank raises
+    GroupMismatchError, found before any row moves, and the buffer stays usable: the next correct round (a dispatch
+    and its combine on every rank) is right. Every pair of the normal mode's operations, then the same in
+    low-latency mode (rank 0 dispatches while the others combine)."""
+    buffer = topo.buffer(ctx)
+    earlier = check_dispatch(ctx, topo, buffer, 100, 64, 16, 3, seed=650)
+    x, topk_idx, topk_weights = make_inputs(ctx, 100, 64, 16, 3, seed=651)
+    calls = {
+        "dispatch": lambda: layout_and_dispatch(buffer, x, topk_idx, topk_weights, 16),
+        "combine": lambda: buffer.combine(earlier.recv_x, earlier.handle),
+        "cached dispatch": lambda: buffer.dispatch(earlier.x, handle=earlier.handle),
+    }
+    messages = []
+    for mine, theirs in (("dispatch", "combine"), ("combine", "dispatch"), ("dispatch", "cached dispatch"),
+                         ("cached dispatch", "combine")):  # fmt: skip
+        call = calls[mine] if ctx.rank == 0 else calls[theirs]
+        messages.append(_expect_group_mismatch(call, f"rank 0 {mine}, the others {theirs}"))
+        d = check_dispatch(ctx, topo, buffer, 64, 64, 16, 3, seed=652)  # usable: a correct round
+        combined, _, _ = buffer.combine(d.recv_x, d.handle)
+        assert_combine_close(combined, identity_partials(topo, d.x, d.in_rank), torch.bfloat16)
+    # Low latency: rank 0 dispatches, the others combine an earlier dispatch.
+    ll = cached_ll_buffer(ctx, topo, "different-ops", 32, 128)
+    num_experts = 4 * ctx.world_size
+    generator = torch.Generator().manual_seed(653 + ctx.rank)
+    ll_x = torch.randn(32, 128, generator=generator).bfloat16()
+    ll_idx, ll_w = exact_routing(generator, 32, num_experts)
+    recv, _, handle, _, _ = ll.low_latency_dispatch(ll_x, ll_idx, 32, num_experts, use_fp8=False)
+    y = recv.clone()
+    ll_calls = {
+        "dispatch": lambda: ll.low_latency_dispatch(ll_x, ll_idx, 32, num_experts, use_fp8=False),
+        "combine": lambda: ll.low_latency_combine(y, ll_idx, ll_w, handle),
+    }
+    messages.append(_expect_group_mismatch(ll_calls["dispatch"] if ctx.rank == 0 else ll_calls["combine"],
+                                           "low latency: rank 0 dispatch, the others combine"))  # fmt: skip
+    recv, _, handle, _, _ = ll.low_latency_dispatch(ll_x, ll_idx, 32, num_experts, use_fp8=False)
+    combined, _, _ = ll.low_latency_combine(recv.clone(), ll_idx, ll_w, handle)
+    assert torch.isfinite(combined.float()).all()
+    return messages
+
+
 def ll_handles_of_other_dispatches(ctx, topo):
     """Low-latency: rank 0 combines dispatch A while the others combine dispatch B, then rank 0 combines with a
     handle of another buffer of the group: GroupMismatchError on every rank, the buffer stays usable. Every rank
@@ -660,11 +701,11 @@ def ll_handles_of_other_dispatches(ctx, topo):
 # 7. Set-up: a missing rank and a rank killed during set-up (run_processes targets)
 
 
-def _setup_attempt(group, timeout_s: float):
+def _setup_attempt(group, timeout_s: float, num_nvl_bytes: int = 1 << 20):
     """`Buffer(group)`: ('ok' | error type, message, seconds)."""
     start = time.perf_counter()
     try:
-        buffer = deep_ep.Buffer(group, 1 << 20, explicitly_destroy=True, timeout_s=timeout_s)
+        buffer = deep_ep.Buffer(group, num_nvl_bytes, explicitly_destroy=True, timeout_s=timeout_s)
     except Exception as error:  # noqa: BLE001 - returned for the test to judge
         return type(error).__name__, str(error), time.perf_counter() - start
     buffer.destroy()
@@ -672,18 +713,22 @@ def _setup_attempt(group, timeout_s: float):
 
 
 def _die_in_exchange(when: str) -> None:
-    """Makes this process SIGKILL itself inside its next Buffer set-up: 'before' publishing its set-up string,
-    or 'after' the exchange (while the peers map segments and wait for it)."""
+    """Makes this process SIGKILL itself inside its next Buffer set-up: 'engine' while it creates its node engine,
+    'before' publishing its set-up string, or 'after' the exchange (while the peers map segments and wait for it)."""
     import mtdeepep._engine as engine
+    from mtdeepep._setup import SetupRendezvous
 
-    real = engine.exchange_strings
+    if when == "engine":
+        engine.NODE_ENGINES["cpu"] = lambda **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+        return
+    real = SetupRendezvous.exchange
 
-    def exchange(*args, **kwargs):
+    def exchange(self, value):
         if when == "after":
-            real(*args, **kwargs)
+            real(self, value)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    engine.exchange_strings = exchange
+    SetupRendezvous.exchange = exchange
 
 
 def setup_failures(proc, timeout_s: float):
@@ -710,6 +755,29 @@ def setup_failures(proc, timeout_s: float):
     _die_in_exchange("before")
     _setup_attempt(groups[(0, 1)], timeout_s)
     raise AssertionError("rank 1 survived its set-up")
+
+
+def peer_setup_failure_is_named(proc, big: int, timeout_s: float):
+    """Issue 23, item 3: rank 0 asks for more /dev/shm than exists (`big` bytes) and fails at once; rank 1 must say
+    at once that group rank 0 failed its set-up, with its reason (not time out without one, nor report the symptom,
+    a peer segment that does not exist). Then both set up a buffer of the same group, which must work (the failed
+    set-up does not leave the ranks' set-up numbers apart). Returns (first attempt, second attempt)."""
+    group = proc.init_group()
+    first = _setup_attempt(group, timeout_s, num_nvl_bytes=big if proc.rank == 0 else 1 << 20)
+    return first, _setup_attempt(group, timeout_s)
+
+
+def killed_during_setup_is_named_at_once(proc, timeout_s: float, when: str):
+    """Issue 23, item 3: rank 1 is SIGKILLed inside its Buffer set-up (`_die_in_exchange(when)`); rank 0 must name it
+    (its pid) at once, not after the timeout. Returns rank 0's (outcome, message, seconds) and the pids."""
+    group = proc.init_group()
+    pids = [None] * proc.num_processes
+    dist.all_gather_object(pids, os.getpid())
+    if proc.rank == 1:
+        _die_in_exchange(when)
+        _setup_attempt(group, timeout_s)
+        raise AssertionError("rank 1 survived its set-up")
+    return _setup_attempt(group, timeout_s), pids
 
 
 def store_host_killed_during_setup(proc, timeout_s: float):

@@ -141,6 +141,12 @@ def test_normal_mode_handles_of_different_dispatches_raise_on_every_rank(pool, t
 
 
 @pytest.mark.parametrize("topology", BOTH)
+def test_different_operations_on_different_ranks_leave_the_buffer_usable(pool, topology):
+    messages = pool.run(cases.different_operations_leave_the_buffer_usable, topology)
+    assert all(len(m) == 5 for m in messages), messages
+
+
+@pytest.mark.parametrize("topology", BOTH)
 def test_low_latency_handles_of_different_dispatches_raise_on_every_rank(pool, topology):
     messages = pool.run(cases.ll_handles_of_other_dispatches, topology)
     assert all(len(m) == 2 for m in messages), messages
@@ -159,18 +165,45 @@ def test_setup_gives_up_within_the_timeout_naming_the_missing_or_killed_rank():
     outcomes = {}
     for rank, report in enumerate((report0, report1, report2)):
         outcomes.update({f"{scenario} on rank {rank}": outcome for scenario, outcome in report.items()})
-    # A: rank 0 (the store's host) never arrives; B: rank 2 (group rank 1 of [0, 2]); C: rank 1 killed before it
-    # arrives: bounded by the timeout, naming the rank.
-    expected = {"A on rank 1": "[0] (global [0])", "A on rank 2": "[0] (global [0])", "B on rank 0": "[1] (global [2])",
-                "C on rank 0": "[1] (global [1])"}  # fmt: skip
+    # A: rank 0 (the store's host) never arrives; B: rank 2 (group rank 1 of [0, 2]), busy elsewhere: bounded by
+    # the timeout, naming the rank.
+    expected = {"A on rank 1": "[0] (global [0])", "A on rank 2": "[0] (global [0])", "B on rank 0": "[1] (global [2])"}
     for name, missing in expected.items():
         kind, message, seconds = outcomes[name]
         assert kind == "CommTimeoutError" and f"group rank(s) {missing} did not arrive" in message, (name, message)
         assert SETUP_TIMEOUT_S <= seconds < SETUP_TIMEOUT_S + 2, (name, seconds)
-    # D: rank 2 killed after the exchange, while rank 1 waits for it to map: named (its pid) at once.
+    # C: rank 1 killed as it starts the set-up of [0, 1], about when rank 0's 2 s run out: named either way, as
+    # missing or by its pid (test_a_rank_killed_during_setup_is_named_at_once has the set-up outlast the kill).
+    kind, message, seconds = outcomes["C on rank 0"]
+    assert "group rank(s) [1] (global [1]) did not arrive" in message or str(pids[1]) in message, message
+    assert seconds < SETUP_TIMEOUT_S + 2, (message, seconds)
+    # D: rank 2 killed after the exchange, while rank 1 waits for it to map: named (its pid).
     kind, message, seconds = outcomes["D on rank 1"]
     assert kind in ("CommError", "CommTimeoutError") and str(pids[2]) in message and "exited" in message, message
     assert seconds < SETUP_TIMEOUT_S + 2, seconds
+
+
+def test_a_peer_whose_setup_fails_is_named_with_its_reason():
+    """Issue 23, item 3 (before: rank 1 reported `cannot open peer segment ...: No such file or directory`, or timed
+    out naming no reason)."""
+    big = os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize * 4  # more than /dev/shm holds
+    finished = _processes(cases.peer_setup_failure_is_named, 2, (big, 20.0))
+    assert finished.exitcodes == [0, 0], finished.exitcodes
+    (first0, second0), (first1, second1) = finished.values[0][0], finished.values[1][0]
+    assert first0[0] == "CommError" and "/dev/shm" in first0[1], first0
+    assert first1[0] == "CommError" and "group rank 0 (global 0) failed its set-up" in first1[1], first1
+    assert "/dev/shm" in first1[1] and first1[2] < 5.0, first1  # rank 0's reason, at once (the timeout is 20 s)
+    assert second0[0] == second1[0] == "ok", (second0, second1)
+
+
+@pytest.mark.parametrize("when", ["engine", "before", "after"])
+def test_a_rank_killed_during_setup_is_named_at_once(when):
+    """Issue 23, item 3: a SIGKILL anywhere in the set-up (before: rank 0 reported nothing within 20 s)."""
+    finished = _processes(cases.killed_during_setup_is_named_at_once, 2, (20.0, when))
+    assert finished.exitcodes == [0, -signal.SIGKILL], finished.exitcodes
+    (kind, message, seconds), pids = finished.values[0][0]
+    assert kind in ("CommError", "CommTimeoutError") and str(pids[1]) in message and "exited" in message, message
+    assert seconds < 5.0, (message, seconds)
 
 
 def test_setup_reports_the_lost_store_host_when_rank_0_is_killed():

@@ -67,8 +67,32 @@ constexpr size_t kHugePage = 2u << 20;
 constexpr size_t kPooledMinimum = 1u << 20;  // smaller outputs gain nothing from pooling
 }  // namespace
 
+namespace {
+
+// A 2 MiB-aligned anonymous mapping of `bytes` (a multiple of 2 MiB): huge pages can back it.
+void* map_block(size_t bytes) {
+    const size_t padded = bytes + kHugePage;
+    void* raw = mmap(nullptr, padded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) throw std::bad_alloc();
+    const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+    const uintptr_t aligned = (start + kHugePage - 1) / kHugePage * kHugePage;
+    if (aligned > start) munmap(raw, aligned - start);  // the unaligned head
+    const uintptr_t end = aligned + bytes, padded_end = start + padded;
+    if (padded_end > end) munmap(reinterpret_cast<void*>(end), padded_end - end);  // and the tail
+    void* block = reinterpret_cast<void*>(aligned);
+    madvise(block, bytes, MADV_HUGEPAGE);  // advisory: fewer, larger page faults on first touch
+    return block;
+}
+
+}  // namespace
+
 HostPool::~HostPool() {
-    for (auto& [bytes, ptr] : cached_) std::free(ptr);
+    for (const auto& block : cached_) munmap(block.ptr, block.bytes);
+}
+
+size_t HostPool::cached_bytes() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return cached_bytes_;
 }
 
 at::Tensor HostPool::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
@@ -78,34 +102,43 @@ at::Tensor HostPool::empty(at::IntArrayRef sizes, at::ScalarType dtype) {
     if (bytes < kPooledMinimum) return at::empty(sizes, at::TensorOptions().dtype(dtype));
     const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
     void* ptr = nullptr;
+    size_t block_bytes = rounded;
     {
         std::lock_guard<std::mutex> lock(mutex_);
-        auto hit = cached_.find(rounded);
-        if (hit != cached_.end()) {
-            ptr = hit->second;
-            cached_.erase(hit);
-            cached_bytes_ -= rounded;
+        // The smallest cached block that holds the request without wasting more than half of it.
+        auto best = cached_.end();
+        for (auto it = cached_.begin(); it != cached_.end(); ++it)
+            if (it->bytes >= rounded && it->bytes <= 2 * rounded && (best == cached_.end() || it->bytes < best->bytes))
+                best = it;
+        if (best != cached_.end()) {
+            ptr = best->ptr;
+            block_bytes = best->bytes;
+            cached_bytes_ -= best->bytes;
+            cached_.erase(best);
         }
     }
-    if (ptr == nullptr) {
-        if (posix_memalign(&ptr, kHugePage, rounded) != 0) throw std::bad_alloc();
-        madvise(ptr, rounded, MADV_HUGEPAGE);  // advisory: fewer, larger page faults on first touch
-    }
+    if (ptr == nullptr) ptr = map_block(rounded);
     auto self = shared_from_this();
     return at::from_blob(
-        ptr, sizes, [self, rounded](void* p) { self->give_back(p, rounded); }, at::TensorOptions().dtype(dtype));
+        ptr, sizes, [self, block_bytes](void* p) { self->give_back(p, block_bytes); },
+        at::TensorOptions().dtype(dtype));
 }
 
 void HostPool::give_back(void* ptr, size_t bytes) {
+    std::vector<Cached> evicted;
     {
         std::lock_guard<std::mutex> lock(mutex_);
-        if (cached_bytes_ + bytes <= max_cached_bytes_) {
-            cached_.emplace(bytes, ptr);
-            cached_bytes_ += bytes;
-            return;
+        cached_.push_back({bytes, ptr, ++clock_});
+        cached_bytes_ += bytes;
+        while (!cached_.empty() && (cached_bytes_ > max_cached_bytes_ || cached_.size() > kMaxCachedBlocks)) {
+            auto oldest = std::min_element(cached_.begin(), cached_.end(),
+                                           [](const Cached& a, const Cached& b) { return a.freed < b.freed; });
+            evicted.push_back(*oldest);
+            cached_bytes_ -= oldest->bytes;
+            cached_.erase(oldest);
         }
     }
-    std::free(ptr);
+    for (const auto& block : evicted) munmap(block.ptr, block.bytes);  // outside the lock
 }
 
 }  // namespace mtdeepep

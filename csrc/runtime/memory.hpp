@@ -3,7 +3,7 @@
 // RegionArena hands out blocks of a rank's shared region. Dispatch outputs placed there are written by the
 // senders directly (one copy), and stay valid while any tensor viewing them lives: each tensor's deleter holds
 // the block, and the arena holds the mapping, so a view outlives `destroy()` and the Buffer itself. HostPool recycles
-// large heap blocks on 2 MiB pages so that outputs allocated every step do not pay a page fault per 4 KiB each time.
+// large mapped blocks on 2 MiB pages so that outputs allocated every step do not pay a page fault per 4 KiB each time.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <vector>
 
 namespace mtdeepep {
 
@@ -46,17 +47,31 @@ class RegionArena : public std::enable_shared_from_this<RegionArena> {
     std::multiset<size_t> headrooms_;  // one per live hold
 };
 
+// Pre-faulted host memory for large outputs (a page-faulting first touch costs more than the copy into it). Blocks
+// are mapped directly (mmap, 2 MiB-aligned, huge pages advised), never from malloc's heap: freed blocks would stay
+// in the heap's free lists, fragmented, and the process would grow over runs of varied sizes (issue 23, item 5).
+// A freed output's block is kept for reuse: a request takes the smallest cached block of at least its size and at
+// most twice it (so varied sizes reuse blocks instead of piling up one per size), and the cache keeps at most
+// `max_cached_bytes` and `kMaxCachedBlocks` blocks, the least recently freed ones unmapped first.
 class HostPool : public std::enable_shared_from_this<HostPool> {
   public:
+    static constexpr size_t kMaxCachedBlocks = 16;
     explicit HostPool(size_t max_cached_bytes) : max_cached_bytes_(max_cached_bytes) {}
     ~HostPool();
     at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype);
+    size_t cached_bytes() const;
 
   private:
+    struct Cached {
+        size_t bytes;
+        void* ptr;
+        uint64_t freed;  // when it was given back (a counter): the oldest goes first
+    };
     void give_back(void* ptr, size_t bytes);
-    std::mutex mutex_;
-    std::multimap<size_t, void*> cached_;
+    mutable std::mutex mutex_;
+    std::vector<Cached> cached_;
     size_t cached_bytes_ = 0;
+    uint64_t clock_ = 0;
     size_t max_cached_bytes_;
 };
 

@@ -173,9 +173,11 @@ def check_run_dir(run_dir: Path, resume: bool, init: str | None) -> Path | None:
     for a run directory that does not fit."""
     if resume and init:
         raise ValueError("--resume continues a run from its own checkpoint; --init starts a new one: pick one")
-    latest, _ = ckpt.find_resumable(run_dir, warn=resume and env_rank() == 0)
+    # The trainer state's sha256 is verified here (its step decides what is left to train); every file's is verified
+    # by rank 0 once the process groups exist (Trainer.find_checkpoint), before anything is loaded.
+    latest, skipped = ckpt.find_resumable(run_dir, verify_state=True, warn=resume and env_rank() == 0)
     if resume and latest is None:
-        raise ValueError(f"--resume: {run_dir} has no checkpoint to continue from")
+        raise ValueError(f"--resume: {ckpt.no_resumable_reason(run_dir, skipped)}")
     if not resume and latest is not None:
         raise ValueError(f"{run_dir} already holds a run (at {latest.name}); pass --resume or another --out")
     if init is not None and not (Path(init) / "config.json").is_file():
@@ -238,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.prepare_data:
         print(f"data ready: {data.directory} ({data.meta['num_tokens']} tokens, {data.meta['num_files']} files)")
         return 0
-    if latest is not None and ckpt.read_trainer_state(latest)["step"] >= train_cfg.steps:
+    # A finished run, but only if its final checkpoint is whole: else the resume below falls back to an older one.
+    if latest is not None and ckpt.read_trainer_state(latest)["step"] >= train_cfg.steps \
+            and ckpt.is_complete(latest, verify_checksums=True):  # fmt: skip
         if env_rank() == 0:
             print(f"{run_dir}: already trained to step {train_cfg.steps}; nothing to do")
             _summary(run_dir)
@@ -292,9 +296,14 @@ def main(argv: list[str] | None = None) -> int:
         np.save(run_dir / "val_tokens.npy", batches.val_tokens().numpy())
     start_step = 0
     if latest is not None:
-        latest = trainer.find_checkpoint()  # rank 0 verifies the checksums; every rank takes its choice
-        if latest is None:
-            raise RuntimeError(f"--resume: no checkpoint of {run_dir} passed the checksum verification")
+        try:
+            latest = trainer.find_checkpoint()  # rank 0 verifies the checksums; every rank takes its choice
+        except ValueError as exc:  # every rank: the same clean error as before the process groups existed
+            if parallel.is_main:
+                print(f"train.py: error: {exc}", file=sys.stderr)
+            ep_buffers.destroy()
+            parallel.destroy()
+            return 2
         start_step = trainer.resume(latest)
     elif args.init is not None:
         load_model(Path(args.init))

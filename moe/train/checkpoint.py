@@ -117,13 +117,14 @@ def is_complete(path: Path, *, verify_checksums: bool = False) -> bool:
     return sf.check_checkpoint(Path(path), verify_checksums=verify_checksums) is None
 
 
-def find_resumable(run_dir: str | Path, *, verify_checksums: bool = False,
+def find_resumable(run_dir: str | Path, *, verify_checksums: bool = False, verify_state: bool = False,
                    warn: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:  # fmt: skip
     """The newest complete checkpoint of a run (None: none) and the newer ones skipped, with the reason each is not
-    complete. `warn`: print a warning line per skipped checkpoint to stderr."""
+    complete (`verify_checksums`: every file's sha256 verified; `verify_state`: the trainer state's). `warn`: print a
+    warning line per skipped checkpoint to stderr."""
     skipped = []
     for _, path in reversed(_step_dirs(run_dir)):
-        reason = sf.check_checkpoint(path, verify_checksums=verify_checksums)
+        reason = sf.check_checkpoint(path, verify_checksums=verify_checksums, verify_state=verify_state)
         if reason is None:
             return path, skipped
         skipped.append((path, reason))
@@ -133,7 +134,21 @@ def find_resumable(run_dir: str | Path, *, verify_checksums: bool = False,
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
-    reason = sf.check_checkpoint(Path(path))
+    """The trainer state of a complete checkpoint, verified before it is trusted: its sha256 against the manifest's,
+    and its step against the manifest's (ValueError naming the checkpoint otherwise)."""
+    path = Path(path)
+    reason = sf.check_checkpoint(path, verify_state=True)
     if reason is not None:
         raise ValueError(f"{path} is not a complete trainer checkpoint: {reason}")
-    return json.loads((Path(path) / TRAINER_STATE).read_text())
+    state = json.loads((path / TRAINER_STATE).read_text())
+    if state.get("step") != sf.read_manifest(path).get("step"):
+        raise ValueError(f"{path}: {TRAINER_STATE} is of step {state.get('step')}, its manifest of another")
+    return state
+
+
+def no_resumable_reason(run_dir: str | Path, skipped: list[tuple[Path, str]]) -> str:
+    """Why a run directory has no checkpoint to continue from: none at all, or each one's reason to be refused."""
+    if not skipped:
+        return f"{run_dir} has no checkpoint to continue from"
+    reasons = "; ".join(f"{path.name}: {reason}" for path, reason in skipped)
+    return f"{run_dir} has no checkpoint to continue from (every checkpoint was refused: {reasons})"

@@ -176,10 +176,11 @@ def read_manifest(path: Path) -> dict[str, Any]:
         return json.load(f)
 
 
-def check_checkpoint(path: Path, *, verify_checksums: bool = False) -> str | None:
+def check_checkpoint(path: Path, *, verify_checksums: bool = False, verify_state: bool = False) -> str | None:
     """None when `path` is a complete flash checkpoint: its manifest is readable, of this format, of the step its
     name says, and every file it lists exists with the listed size (and, with `verify_checksums`, the listed
-    sha256). Otherwise the reason it is not."""
+    sha256; with `verify_state`, the sha256 of the trainer state alone: cheap, and what a reader of the step must
+    verify before it trusts it). Otherwise the reason it is not."""
     path = Path(path)
     if not path.is_dir():
         return "not a directory"
@@ -203,7 +204,8 @@ def check_checkpoint(path: Path, *, verify_checksums: bool = False) -> str | Non
         size = file.stat().st_size
         if size != record["bytes"]:
             return f"{rel} has {size} bytes, the manifest says {record['bytes']} (truncated or rewritten)"
-        if verify_checksums and sha256_file(file).sha256 != record["sha256"]:
+        verify = verify_checksums or (verify_state and rel == TRAINER_STATE)
+        if verify and sha256_file(file).sha256 != record["sha256"]:
             return f"{rel} does not match its sha256 in the manifest (corrupted)"
     return None
 

@@ -358,16 +358,19 @@ class Trainer:
             **self.run_info,
         }
 
-    def find_checkpoint(self) -> Path | None:
+    def find_checkpoint(self) -> Path:
         """The checkpoint to resume from (collective): rank 0 takes the newest complete one, the sha256 of every
-        file verified (newer incomplete ones skipped with a warning), and every rank takes rank 0's choice."""
-        box = [None]
+        file verified (newer incomplete ones skipped with a warning), and every rank takes rank 0's choice.
+        ValueError on every rank when none passes (rank 0's reasons in the message)."""
+        box: list = [None, ""]
         if self.parallel.is_main:
-            path, _ = ckpt.find_resumable(self.run_dir, verify_checksums=True)
-            box = [None if path is None else str(path)]
+            path, skipped = ckpt.find_resumable(self.run_dir, verify_checksums=True)
+            box = [None if path is None else str(path), ckpt.no_resumable_reason(self.run_dir, skipped)]
         if self.parallel.layout.world > 1:
             dist.broadcast_object_list(box, src=0)
-        return None if box[0] is None else Path(box[0])
+        if box[0] is None:
+            raise ValueError(f"--resume: {box[1]}")
+        return Path(box[0])
 
     def resume(self, path: Path) -> int:
         """Load a checkpoint of this run, saved in any layout (model, optimizer, rank-local state); returns its

@@ -78,3 +78,31 @@ def test_alias_refuses_to_shadow_a_real_deep_ep(clean_alias):
             compat.install_deep_ep_alias()
     finally:
         del sys.modules["deep_ep"]
+
+
+_PLAIN_IMPORT = """
+import sys
+
+import mtdeepep as deep_ep
+
+assert deep_ep.ElasticBuffer is __import__("mtdeepep.elastic").elastic.ElasticBuffer
+assert deep_ep.EPHandle is __import__("mtdeepep.elastic").elastic.EPHandle
+sys.modules["deep_ep"] = deep_ep  # what `import mtdeepep as deep_ep` promises: the package itself as deep_ep
+from deep_ep import Buffer, Config, ElasticBuffer, EPHandle, EventOverlap  # noqa: E402,F401
+
+import torchtitan.distributed.deepep.deepep as titan  # noqa: E402
+
+assert titan.ElasticBuffer is ElasticBuffer, "torchtitan did not take mtdeepep's ElasticBuffer"
+print("ok")
+"""
+
+
+def test_v2_names_on_a_plain_import():
+    """Issue 23, item 6: `import mtdeepep as deep_ep` (the README's first line, no alias installed) gives DeepEP V2's
+    `ElasticBuffer` and `EPHandle` too, so torchtitan 0.3.0's DeepEP backend imports with mtdeepep as `deep_ep`. In a
+    fresh interpreter: no alias of another test may help."""
+    import subprocess
+
+    pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is not installed")
+    done = subprocess.run([sys.executable, "-c", _PLAIN_IMPORT], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-4000:]

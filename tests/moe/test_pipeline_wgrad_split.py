@@ -201,6 +201,7 @@ def test_whole_model_split_backward_matches_the_fused_one():
         torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.timeout(900)  # a canary reports time, it must not fail on it (issue 23, item 7: 120 s at load 8)
 @pytest.mark.parametrize("mode", ["fused", "split"])
 def test_split_backward_benchmark(benchmark, mode):
     """pytest-benchmark canary of a zero-bubble stage's backward on the tiny model (forward, then one fused backward
@@ -232,7 +233,7 @@ def test_split_backward_benchmark(benchmark, mode):
             w_action = wgrad.take_weight_grads()
         ran.append(w_action())
 
-    benchmark.pedantic(step, rounds=15, warmup_rounds=2, iterations=1)
+    benchmark.pedantic(step, rounds=8, warmup_rounds=1, iterations=1)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters())
     if mode == "split":
         assert ran and min(ran) > 0

@@ -351,6 +351,58 @@ def test_kills_leave_the_last_complete_checkpoint(tmp_path, config, layout_run):
     _same_states(layout_run("dp2_zero1") / "checkpoints" / "step_8", root / "step_8")
 
 
+def _rewrite_step(path, old: int, new: int) -> None:
+    """Change the step recorded in a checkpoint's trainer_state.json, keeping its size (only its sha256 in the
+    manifest can tell): a bit flip on disk, or an edit."""
+    state = path / ckpt.TRAINER_STATE
+    text = state.read_text()
+    assert f'"step": {old}' in text and len(str(old)) == len(str(new))
+    state.write_text(text.replace(f'"step": {old}', f'"step": {new}', 1))
+
+
+def _flip_a_byte(path, name="rank_00000/model.safetensors"):
+    """Flip one byte in the middle of a checkpoint file (the size stays: only the sha256 can tell)."""
+    with open(path / name, "r+b") as f:
+        f.seek(os.path.getsize(path / name) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_corrupted_newest_checkpoint_is_not_trusted(tmp_path, capsys, config, one_process_run):
+    """Issue 23, item 1: step_8's trainer_state.json says step 9 (its sha256 no longer matches the manifest). It must
+    not be taken for a finished run ("nothing to do"): --resume verifies before it trusts, skips step_8 and trains
+    steps 5-8 again from step_4, reproducing the uninterrupted run."""
+    run_dir = tmp_path / "corrupt-state"
+    shutil.copytree(one_process_run, run_dir)
+    _rewrite_step(run_dir / "checkpoints" / "step_8", 8, 9)
+    _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", "--resume"])
+    ref, got = _records(one_process_run), _records(run_dir)
+    assert [r["step"] for r in got] == list(range(1, 9))
+    for a, b in zip(ref, got):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), a["step"]
+    assert ckpt.is_complete(run_dir / "checkpoints" / "step_8", verify_checksums=True)
+
+
+def test_resume_with_every_checkpoint_corrupted_is_a_clean_error(tmp_path, capsys, config, one_process_run):
+    """Issue 23, item 2: when no checkpoint passes its checksum verification, --resume ends with one clean error
+    naming the run directory and why each checkpoint was refused (exit 2), as when no checkpoint exists at all; no
+    traceback. Two ways: every trainer_state.json corrupted (found before any process group), and model shards
+    corrupted (found by the full verification after it)."""
+    for kind in ("state", "shards"):
+        run_dir = tmp_path / f"all-corrupt-{kind}"
+        shutil.copytree(one_process_run, run_dir)
+        for step in (4, 8):
+            path = run_dir / "checkpoints" / f"step_{step}"
+            _rewrite_step(path, step, step + 1) if kind == "state" else _flip_a_byte(path)
+        argv = ["--config", str(config), "--out", str(run_dir), "--seed", "7", "--steps", "12", "--resume"]
+        assert train_script.main(argv) == 2, kind
+        err = capsys.readouterr().err
+        assert "train.py: error: --resume:" in err and "no checkpoint to continue from" in err, err
+        assert "step_8" in err and "step_4" in err and "sha256" in err, err
+        assert "Traceback" not in err
+
+
 def test_finished_run_and_existing_run_dir(capsys, config, one_process_run):
     # --resume of a finished run has nothing to do; a new run into its directory is refused.
     assert train_script.main(["--config", str(config), "--out", str(one_process_run), "--seed", "7", "--resume"]) == 0

@@ -349,7 +349,14 @@ DispatchResult NormalProtocol::dispatch(const at::Tensor& x, const OptTensor& x_
             throw;
         }
     });
-    args->allocated->wait();  // the host needs the receive counts to return sized tensors, as upstream's CPU sync
+    try {
+        args->allocated->wait();  // the host needs the receive counts to return sized tensors, as upstream's CPU sync
+    } catch (const GroupMismatch&) {
+        // The ranks disagreed before any row moved (every rank raises): this dispatch never happened, so it must not
+        // take a number, or this rank's next dispatch would carry another number than its peers' and disagree too.
+        if (!cached_rank_prefix_matrix && dispatches_ == args->id.seq) --dispatches_;
+        throw;
+    }
     if (!async_finish) event->wait();
     auto& a = *args;
     return {a.recv_x,
