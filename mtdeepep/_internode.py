@@ -431,7 +431,10 @@ class InternodeEngine(Engine):
         del work
         if failure is not None:
             culprit = self._peer_failure()
-            raise _C.CommError(f"{where} failed: {culprit[0] if culprit else failure}")
+            if culprit is not None:  # the collective broke because a peer failed: what that peer reported
+                reason, timed_out = culprit
+                raise (_C.CommTimeoutError if timed_out else _C.CommError)(f"{where} stopped: {reason}")
+            raise _C.CommError(f"{where} failed: {failure}")
         if stop is not None:
             reason, timed_out = stop
             # Another rank already timed out waiting for the same missing rank: the same error, sooner.
