@@ -326,10 +326,12 @@ def test_exit_with_a_wait_in_flight_is_clean_and_the_peer_is_told(modes):
     if exited_after >= limit:
         problems.append(f"the exiting process took {exited_after:.1f} s to exit (timeout {EXIT_TIMEOUT_S} s)")
     # The peer's next calls raise CommError naming rank 1 at once (a low-latency combine whose rows had all arrived
-    # before rank 1 left completes, exactly; the call after it cannot).
+    # before rank 1 left completes, exactly; the call after it cannot). On a busy machine rank 1's own wait may run
+    # out before its exit ends it: what it reports is then its timeout, CommTimeoutError (a CommError), naming it.
     problems += [f"{mode}: {message} after {seconds:.2f} s (completed: {completed})"
                  for mode, (seconds, message, completed) in outcomes.items()
-                 if not (seconds < 2.0 and message.startswith("CommError") and "rank 1" in message)]  # fmt: skip
+                 if not (seconds < 2.0 and message.split(":")[0] in ("CommError", "CommTimeoutError")
+                         and "rank 1" in message)]  # fmt: skip
     assert not problems, "\n".join(problems)
 
 
