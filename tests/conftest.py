@@ -1,4 +1,4 @@
-"""Fixtures shared by the whole suite: rank pools of the one launcher (`mtdeepep.utils.testing`)."""
+"""Fixtures shared by the whole suite: `rank_pools` (tests/ranks.py), and time limits that stretch with the load."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 import pytest  # noqa: E402
 
-from mtdeepep.utils.testing import RankPools  # noqa: E402
+from .ranks import pool_fixture  # noqa: E402
 
 # A test's time limit catches a hang; it is no speed requirement. On a busy machine (CI beside other jobs) every test
 # runs slower, so the limits stretch with the load the session starts under: the 1-minute load average over the
@@ -51,9 +51,5 @@ def pytest_report_header(config):
     return f"mtdeepep: test time limits x{getattr(config, '_mtdeepep_timeout_scale', 1.0):.2f} (load-based)"
 
 
-@pytest.fixture(scope="module")
-def rank_pools():
-    """`rank_pools[n]`: the module's pool of `n` rank processes (spawned once, at first use; gloo on 127.0.0.1)."""
-    pools = RankPools()
-    yield pools
-    pools.close()
+# `rank_pools[n]`: the module's pool of `n` rank processes (spawned once, at first use; gloo on 127.0.0.1).
+rank_pools = pool_fixture()

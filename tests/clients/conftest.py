@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
+from ..ranks import pool_fixture
 
-from mtdeepep.utils.testing import RankPool
-
-
-@pytest.fixture(scope="module")
-def pool():
-    """The module's `RankPool` of 2 ranks (gloo on 127.0.0.1); a case may run 180 s."""
-    ranks = RankPool(2, timeout_s=180)
-    yield ranks
-    ranks.close()
+# The module's `RankPool` of 2 ranks (gloo on 127.0.0.1); a case may run 180 s.
+pool = pool_fixture(world_size=2, deadline_s=180)

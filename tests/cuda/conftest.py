@@ -10,8 +10,9 @@ import os
 import pytest
 import torch
 
-from mtdeepep.utils.testing import RankPools, cuda_executor_import_error
+from mtdeepep.utils.testing import cuda_executor_import_error
 
+from ..ranks import pool_fixture
 from .gpu import TIMEOUT_S
 
 
@@ -49,12 +50,10 @@ def pytest_runtest_makereport(item, call):
             reporter.write_line(f"\n[instafail] {item.nodeid} ({report.when})\n{report.longreprtext[-6000:]}")
 
 
-@pytest.fixture(scope="module")
-def cuda_pools():
-    """`cuda_pools[n]`: the module's pool of `n` rank processes on GPU 0 (spawned at first use)."""
-    pools = RankPools(
-        timeout_s=4 * TIMEOUT_S, start_timeout_s=120, threads=2, pg_timeout_s=2 * TIMEOUT_S,
-        env={"GLOO_SOCKET_IFNAME": "lo", "MTDEEPEP_TIMEOUT_S": str(TIMEOUT_S), "MTDEEPEP_DEVICE": "cuda"},
-    )  # fmt: skip
-    yield pools
-    pools.close()
+# `cuda_pools[n]`: the module's pool of `n` rank processes on GPU 0 (spawned at first use). Two intra-op threads per
+# rank for the host-side references; the process group waits twice mtdeepep's timeout, so a stuck kernel's own
+# CommTimeoutError comes first.
+cuda_pools = pool_fixture(
+    comm_timeout_s=TIMEOUT_S, deadline_s=4 * TIMEOUT_S, pg_timeout_s=2 * TIMEOUT_S, threads=2, start_timeout_s=120,
+    device="cuda",
+)  # fmt: skip

@@ -7,22 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from mtdeepep.utils.testing import RankPools
-
+from ..ranks import pool_fixture
 from .dispatch_cases import case_apply_fp8, case_fp8_dispatch
 
 pytestmark = pytest.mark.timeout(300)
 TIMEOUT_S = 30
 
 
-@pytest.fixture(scope="module")
-def pool():
-    pools = RankPools(
-        timeout_s=2 * TIMEOUT_S, threads=1, pg_timeout_s=TIMEOUT_S,
-        env={"GLOO_SOCKET_IFNAME": "lo", "MTDEEPEP_TIMEOUT_S": str(TIMEOUT_S)},
-    )  # fmt: skip
-    yield pools[2]
-    pools.close()
+pool = pool_fixture(world_size=2, comm_timeout_s=TIMEOUT_S, deadline_s=2 * TIMEOUT_S)
 
 
 def test_flex_dispatch_sends_fp8(pool):

@@ -24,8 +24,8 @@ from moe.models.deepseek_v3.recompute import MODULES
 from moe.models.deepseek_v3.tensor_parallel import parallelize
 from moe.parallel import gather_shards
 from moe.train.parallel import Layout, ParallelState
-from mtdeepep.utils.testing import RankPools
 from tests.models.dsv3_testlib import HF_CASES, tiny_config, tokens
+from tests.ranks import pool_fixture
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -245,14 +245,7 @@ LOSS_RTOL = 1e-5  # as tests/train/test_tensor_parallel.py (measured there: belo
 GRAD_RTOL = 1e-4  # relative to each gradient's largest entry (measured there: below 1e-5)
 
 
-@pytest.fixture(scope="module")
-def tp_pools():
-    pools = RankPools(
-        timeout_s=4 * TP_TIMEOUT_S, threads=1, pg_timeout_s=TP_TIMEOUT_S,
-        env={"GLOO_SOCKET_IFNAME": "lo", "MTDEEPEP_TIMEOUT_S": str(TP_TIMEOUT_S)},
-    )  # fmt: skip
-    yield pools
-    pools.close()
+tp_pools = pool_fixture(comm_timeout_s=TP_TIMEOUT_S, deadline_s=4 * TP_TIMEOUT_S)
 
 
 def tp_recompute_case(ctx, variant: str, ep: int, settings: list[str]) -> dict:

@@ -4,19 +4,9 @@ first."""
 
 from __future__ import annotations
 
-import pytest
-
-from mtdeepep.utils.testing import RankPools
+from ..ranks import pool_fixture
 
 TIMEOUT_S = 30
 
-
-@pytest.fixture(scope="module")
-def ep_pools():
-    """`ep_pools[n]`: the module's pool of `n` expert-parallel ranks."""
-    pools = RankPools(
-        timeout_s=2 * TIMEOUT_S, threads=1, pg_timeout_s=TIMEOUT_S,
-        env={"GLOO_SOCKET_IFNAME": "lo", "MTDEEPEP_TIMEOUT_S": str(TIMEOUT_S)},
-    )  # fmt: skip
-    yield pools
-    pools.close()
+# `ep_pools[n]`: the module's pool of `n` expert-parallel ranks.
+ep_pools = pool_fixture(comm_timeout_s=TIMEOUT_S, deadline_s=2 * TIMEOUT_S)

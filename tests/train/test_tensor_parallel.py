@@ -33,8 +33,8 @@ from moe.parallel import (
     vocab_parallel_cross_entropy,
 )
 from moe.train.parallel import Layout, ParallelState
-from mtdeepep.utils.testing import RankPools
 from tests.models.dsv3_testlib import HF_CASES, tiny_config, tokens
+from tests.ranks import pool_fixture
 
 TIMEOUT_S = 60
 LOSS_RTOL = 1e-5
@@ -48,14 +48,7 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def tp_pools():
-    pools = RankPools(
-        timeout_s=4 * TIMEOUT_S, threads=1, pg_timeout_s=TIMEOUT_S,
-        env={"GLOO_SOCKET_IFNAME": "lo", "MTDEEPEP_TIMEOUT_S": str(TIMEOUT_S)},
-    )  # fmt: skip
-    yield pools
-    pools.close()
+tp_pools = pool_fixture(comm_timeout_s=TIMEOUT_S, deadline_s=4 * TIMEOUT_S)
 
 
 def _state(ctx, tp: int, ep: int) -> ParallelState:
