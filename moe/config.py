@@ -59,7 +59,8 @@ class MoEConfig:
 
     # Dispatcher and experts.
     moe_token_dispatcher_type: str = "flex"  # mtdeepep normal mode (Megatron defaults to allgather); any name
-    # registered with moe.dispatcher.register_dispatcher ('alltoall', 'allgather', 'flex', 'flex_ll' built in)
+    # registered with moe.dispatcher.register_dispatcher ('alltoall', 'allgather', 'flex', 'flex_ll' built in),
+    # checked where the dispatcher is built (`build_dispatcher`, i.e. `MoELayer`), before any communication
     moe_grouped_gemm: bool = True
     moe_padded_batch_gemm: bool = False  # (ours) one torch.bmm over experts padded/truncated to one length
     moe_padded_batch_gemm_factor: float | None = None  # (ours) length = mean rows per expert * factor; None = max
@@ -212,9 +213,6 @@ class MoEConfig:
             raise ValueError("moe_pad_expert_input_to_capacity requires moe_expert_capacity_factor")
 
     def _validate_experts(self) -> None:
-        from moe.dispatcher.registry import check_dispatcher_name  # on use: moe.config imports no torch
-
-        check_dispatcher_name(self.moe_token_dispatcher_type)
         if self.moe_padded_batch_gemm_factor is not None and not self.moe_padded_batch_gemm_factor > 0:
             raise ValueError(f"moe_padded_batch_gemm_factor must be > 0, got {self.moe_padded_batch_gemm_factor}")
         if self.moe_padded_batch_gemm_factor is not None and not self.moe_padded_batch_gemm:

@@ -5,13 +5,21 @@ import threading
 
 import torch
 
-from ._C import CommError, CommTimeoutError, EventHandle, GroupMismatchError, cleanup_stale_segments
+from ._C import (
+    CommError,
+    CommTimeoutError,
+    EventHandle,
+    GroupMismatchError,
+    cleanup_stale_segments,
+    shutdown_all_runtimes,
+)
 from ._checks import skip_value_checks
-from ._internode import InternodeHandle
 from .autograd import combine, dispatch
 from .buffer import Buffer
 from .config import Config
 from .elastic import ElasticBuffer, EPHandle  # DeepEP V2: `import mtdeepep as deep_ep` serves V2 clients too
+from .engines.handles import InternodeHandle
+from .engines.internode import shutdown_all_engines
 from .event import EventOverlap
 
 topk_idx_t = torch.int64
@@ -20,9 +28,6 @@ topk_idx_t = torch.int64
 def _release_at_exit() -> None:
     # Abort the waits of every live runtime and join its comm thread while the interpreter can still run it: a comm
     # thread that needed the GIL during finalisation would abort the process.
-    from ._C import shutdown_all_runtimes
-    from ._internode import shutdown_all_engines
-
     shutdown_all_engines()  # Python workers first: their node runtimes go next
     shutdown_all_runtimes()
 

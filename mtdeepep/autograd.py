@@ -8,7 +8,7 @@ Python entry points with DeepEP's tuples.
 
 What cannot cross an op boundary travels beside it: the buffer by a process-local id (`buffer_id`, a live buffer
 of this process), the handle as its flat list of tensors (its identity is attached to one of them, see
-`mtdeepep._handles`), the event of an `async_finish` call as an attribute of the op's output, taken by the entry
+`mtdeepep.engines.handles`), the event of an `async_finish` call as an attribute of the op's output, taken by the entry
 point. The autograd graph keeps the buffer of its forward alive until the backward ran.
 
 `dispatch(..., async_finish=True)` returns as soon as the receive counts are known (the CPU sync upstream has too)
@@ -34,9 +34,9 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from ._handles import flatten_handle, unflatten_handle
 from .buffer import Buffer
 from .config import Config
+from .engines.handles import flatten_handle, unflatten_handle
 from .event import EventOverlap
 
 _EVENT = "_mtdeepep_event"

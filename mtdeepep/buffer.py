@@ -1,4 +1,4 @@
-"""`Buffer`: DeepEP's classic (V1) interface, a thin facade over an engine (see `mtdeepep._engine`).
+"""`Buffer`: DeepEP's classic (V1) interface, a thin facade over an engine (see `mtdeepep.engines`).
 
 It keeps DeepEP's names, argument order, defaults, return tuples and handles, checks every argument before any
 communication (a bad one raises ValueError on the rank that got it), and calls the engine chosen at set-up: the CPU
@@ -34,9 +34,9 @@ from ._checks import (
     require,
     split_x,
 )
-from ._engine import Engine, create_engine
-from ._handles import record_of
 from .config import Config
+from .engines import Engine, create_engine
+from .engines.handles import record_of
 from .event import EventOverlap, as_event
 
 XLike = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -325,13 +325,14 @@ class Buffer:
             handle: `(rank_prefix_matrix [R, R], channel_prefix_matrix [R, C], recv_channel_prefix_matrix [R, C],
                 recv_src_idx [num_recv_tokens], is_token_in_rank [num_tokens, R], send_head [num_tokens, R])`,
                 int32 but `is_token_in_rank`; `send_head[t, r]` is token t's position among the tokens sent to r.
-                The dispatch's identity is attached to it (see `mtdeepep._handles`): any live buffer of the same group
-                accepts it; ranks that combine handles of different dispatches all raise `GroupMismatchError`.
+                The dispatch's identity is attached to it (see `mtdeepep.engines.handles`): any live buffer of the
+                same group accepts it; ranks that combine handles of different dispatches all raise
+                `GroupMismatchError`.
             event: completion of the data movement.
 
         Several nodes: the same results and row order; `num_tokens_per_rdma_rank` (optional) is checked; the handle
         is an `mtdeepep.InternodeHandle` (8-tuple); the caller waits for the count and metadata exchanges, the
-        token bytes move in the background (see `mtdeepep._internode`).
+        token bytes move in the background (see `mtdeepep.engines.internode`).
         """
         engine = self._live_engine()
         num_channels = self._num_channels(config, self.get_dispatch_config)
@@ -398,7 +399,7 @@ class Buffer:
             event: completion.
 
         Several nodes: node partial sums (FP32, rounded once to x's dtype) are summed in FP32 at the source and
-        rounded again; all of it in the background with `async_finish` (see `mtdeepep._internode`).
+        rounded again; all of it in the background with `async_finish` (see `mtdeepep.engines.internode`).
         """
         engine = self._live_engine()
         num_channels = self._num_channels(config, self.get_combine_config)

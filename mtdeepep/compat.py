@@ -26,6 +26,11 @@ import importlib.machinery
 import sys
 import types
 
+import mtdeepep
+
+from . import elastic, utils
+from .utils import event
+
 ALIAS_NAME = "deep_ep"
 _MARK = "__mtdeepep_alias__"
 
@@ -43,11 +48,6 @@ def _module(name: str, doc: str, names: dict[str, object]) -> types.ModuleType:
 
 
 def _alias_modules() -> dict[str, types.ModuleType]:
-    import mtdeepep
-
-    from . import elastic, utils
-    from .utils import event
-
     top = _module(
         ALIAS_NAME,
         "mtdeepep under DeepEP's package name (mtdeepep.compat.install_deep_ep_alias).",

@@ -1,4 +1,4 @@
-"""DeepEP V2's `ElasticBuffer` and `EPHandle`: a thin facade over an engine (see `mtdeepep._engine`), as `Buffer` is.
+"""DeepEP V2's `ElasticBuffer` and `EPHandle`: a thin facade over an engine (see `mtdeepep.engines`), as `Buffer` is.
 
 DeepEP V2 (`deep_ep/buffers/elastic.py`) merges V1's normal and low-latency modes into one `dispatch`/`combine`
 pair on an `ElasticBuffer`, returning an `EPHandle` object instead of V1's handle tuple. torchtitan's DeepEP
@@ -110,10 +110,10 @@ import torch.distributed as dist
 
 from ._C import EventHandle
 from ._checks import COMBINE_DTYPES, check_tensor, check_timeout, split_x
-from ._engine import Engine, create_engine
-from ._handles import record_of
 from .buffer import Buffer
 from .config import Config
+from .engines import Engine, create_engine
+from .engines.handles import record_of
 from .event import EventOverlap
 
 BUFFER_ALIGNMENT = 2 << 20  # V2 sizes its buffers in 2 MiB units; the hint keeps that granularity

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 import mtdeepep as deep_ep
-from mtdeepep._handles import flatten_handle, record_of, unflatten_handle
+from mtdeepep.engines.handles import flatten_handle, record_of, unflatten_handle
 
 from .conformance.common import (
     assert_combine_close,
@@ -715,8 +715,8 @@ def _setup_attempt(group, timeout_s: float, num_nvl_bytes: int = 1 << 20):
 def _die_in_exchange(when: str) -> None:
     """Makes this process SIGKILL itself inside its next Buffer set-up: 'engine' while it creates its node engine,
     'before' publishing its set-up string, or 'after' the exchange (while the peers map segments and wait for it)."""
-    import mtdeepep._engine as engine
-    from mtdeepep._setup import SetupRendezvous
+    import mtdeepep.engines as engine
+    from mtdeepep.engines.setup import SetupRendezvous
 
     if when == "engine":
         engine.NODE_ENGINES["cpu"] = lambda **kwargs: os.kill(os.getpid(), signal.SIGKILL)

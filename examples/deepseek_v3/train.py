@@ -48,13 +48,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from moe import EPBuffers  # noqa: E402
 from moe.fp8_training import apply_fp8  # noqa: E402
-from moe.models.deepseek_v3.tensor_parallel import check_tensor_parallel, parallelize  # noqa: E402
+from moe.models.deepseek_v3.tensor_parallel import parallelize  # noqa: E402
 from moe.pipeline import PipelineRunner, TimelineRecorder  # noqa: E402
 from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, check_schedule, split_layers  # noqa: E402
 from moe.train import checkpoint as ckpt  # noqa: E402
 from moe.train.config import TrainingConfig  # noqa: E402
 from moe.train.data import TokenBatches, prepare_tokens  # noqa: E402
 from moe.train.faults import FaultPlan  # noqa: E402
+from moe.train.layout_rules import check_model_layout  # noqa: E402
 from moe.train.metrics import LOSS_PNG, METRICS, loss_table, plot_loss, read_metrics  # noqa: E402
 from moe.train.parallel import FP8_RECIPES, PP_SCHEDULES, Layout, ParallelState, env_local_rank, env_world_size  # noqa: E402
 from moe.train.rewind import TrainingStopped  # noqa: E402
@@ -117,30 +118,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="for 'selective' (default core_attn): core_attn moe_act layernorm mla_up_proj mlp moe "
                    "shared_experts")  # fmt: skip
     return p.parse_args(argv)
-
-
-def check_model_layout(model_cfg, train_cfg: TrainingConfig, layout: Layout) -> None:
-    """What the layout and the batch ask of the model config (ValueError, before any process group). The routing
-    settings themselves (e.g. a top-k larger than the experts of the allowed groups) are checked by
-    `DeepseekV3Config`."""
-    if layout.etp != 1:
-        raise ValueError(f"--etp {layout.etp}: expert tensor parallelism is not in the MoE layer yet")
-    layout.check_experts(model_cfg.n_routed_experts)
-    layout.check_batch(train_cfg.global_batch, train_cfg.micro_batches)
-    check_tensor_parallel(model_cfg, layout.tp)
-    if train_cfg.seq_len < layout.tp + model_cfg.num_nextn_predict_layers:
-        raise ValueError(
-            f"seq_len={train_cfg.seq_len} is shorter than --tp {layout.tp} + MTP depth "
-            f"{model_cfg.num_nextn_predict_layers}: a sequence-parallel rank would hold no position"
-        )
-    if train_cfg.seq_len > model_cfg.max_position_embeddings:
-        raise ValueError(
-            f"seq_len={train_cfg.seq_len} exceeds max_position_embeddings={model_cfg.max_position_embeddings}"
-        )
-    if train_cfg.seq_len < 2 + model_cfg.num_nextn_predict_layers:
-        raise ValueError(
-            f"seq_len={train_cfg.seq_len} leaves no target for MTP depth {model_cfg.num_nextn_predict_layers}"
-        )
 
 
 def pipeline_split(model_cfg, train_cfg: TrainingConfig, layout: Layout, args):

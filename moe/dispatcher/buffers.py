@@ -26,14 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+import mtdeepep as deep_ep
 from moe.dispatcher.comm import group_rank, group_size
-
-if TYPE_CHECKING:  # mtdeepep is imported on first use: the other dispatchers work without its compiled extension
-    import mtdeepep as deep_ep
 
 
 def _destroy_buffers(current: dict, created: weakref.WeakSet) -> None:
@@ -81,8 +78,6 @@ class EPBuffers:
         if buffer is not None:
             num_nvl_bytes = max(num_nvl_bytes, buffer.num_nvl_bytes)
             num_rdma_bytes = max(num_rdma_bytes, buffer.num_rdma_bytes)
-        import mtdeepep as deep_ep
-
         buffer = deep_ep.Buffer(
             group,
             num_nvl_bytes=num_nvl_bytes,

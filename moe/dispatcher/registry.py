@@ -9,7 +9,9 @@ Built in (registered by `moe.dispatcher`):
   (`moe.dispatcher.deepep_ll.DeepEPLowLatencyDispatcher`), for inference/decoding only: bfloat16 (or FP8) rows,
   at most `num_max_dispatch_tokens_per_rank` tokens per rank, shared expert overlapped through the receive hook.
 
-Other backends plug in the same way, and `MoEConfig` accepts their names once registered:
+Other backends plug in the same way. A name is looked up where the dispatcher is built (`build_dispatcher`, called
+by `MoELayer` before any communication), not when a `MoEConfig` is made: a config holds any name, and a layer
+built from it needs that name registered by then:
 
     @register_dispatcher("my_backend")
     def _build(config: MoEConfig, ep_group, ep_buffers) -> TokenDispatcher: ...

@@ -62,7 +62,7 @@ from torch.distributed.pipelining.schedules import (
 
 from moe.dispatcher.deepep import DeepEPDispatcher
 from moe.interleave import Comm, Event, Interleaver, comms_of, compute_spans
-from moe.pipeline.timeline import TimelineRecorder
+from moe.pipeline.timeline import TimelineRecorder, _write_atomic
 
 
 @dataclass
@@ -226,8 +226,6 @@ def plot_fb(path_png: str | os.PathLike, record: FBRecord, title: str = "") -> N
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
-
-    from moe.pipeline.timeline import _write_atomic
 
     origin = record.start
     lanes = [("F", "compute"), ("F", "comm"), ("B", "compute"), ("B", "comm")]

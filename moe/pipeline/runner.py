@@ -30,6 +30,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDu
 
 from moe import wgrad
 from moe.phase_timer import PhaseTimer, phase
+from moe.pipeline.overlap import install_overlapped_forward_backward
 from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, StageSplit, check_schedule, stages_of_rank
 from moe.pipeline.stages import DeepseekV3Stage, StageLoss, keep_stages
 from moe.pipeline.timeline import (
@@ -178,8 +179,6 @@ class PipelineRunner:
         else:
             self.schedule = ScheduleDualPipeV(self.stages, **kw)
             if overlap_moe_comm:
-                from moe.pipeline.overlap import install_overlapped_forward_backward
-
                 self.overlap = install_overlapped_forward_backward(self.schedule, self)
 
     def _example_args(self, module: DeepseekV3Stage, rows: int, seq_len: int, device: torch.device):

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from moe.layer import MoELayer
+from moe.loss import loss_share
 from moe.pipeline.split import StageSplit
-from moe.train.loss import loss_share
 
 
 class LayerElsewhere(nn.Module):
@@ -44,7 +44,7 @@ class StageLoss:
     """The loss a last stage returns for one micro-batch, and the sums behind it (read by the runner).
 
     `counts [1 + D] float64`: the global batch's next-token targets of the main head and of each MTP depth (set by
-    the runner before every step). The micro-batch's loss is `moe.train.loss.loss_share`'s, as in `Trainer`.
+    the runner before every step). The micro-batch's loss is `moe.loss.loss_share`'s, as in `Trainer`.
     """
 
     def __init__(self, mtp_loss_weight: float, num_mtp: int) -> None:

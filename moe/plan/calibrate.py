@@ -8,7 +8,8 @@
     gloo        between 2 processes of the project's launcher (mtdeepep.utils.testing.run_processes): a 16 MiB
                 all-reduce (bus bandwidth 2 (n-1)/n x bytes / time), a 16 MiB all-to-all, and a 4-byte
                 all-reduce (the latency)
-    runtime     the resident set of a fresh process that imported train.py's modules and joined a gloo group
+    runtime     the resident set of a fresh process that imported the library modules train.py imports
+                (`TRAIN_PY_MODULES`) and joined a gloo group
 
 Single-threaded, as the 'cpu' spec's ranks run (moe/plan/devices.py); the machine's rates are the one-thread rates
 times the cores. Each figure replaces the built-in 'cpu' spec's, with "calibrated <date>" as its source. The
@@ -17,14 +18,39 @@ machine is shared with other work: rates measured while it is busy are what a ra
 
 from __future__ import annotations
 
+import importlib
 import re
 import time
 
 import torch
+import torch.distributed as dist
 
+from moe.fp8_training.cast import cast_blockwise
+from moe.fp8_training.gemm import scaled_matmul
 from moe.plan.devices import CPU, DeviceSpec
+from mtdeepep.utils.testing import num_cores, run_processes
 
 ALLREDUCE_BYTES = 16 << 20
+
+# The library modules examples/deepseek_v3/train.py imports (tests/plan/test_calibrate.py keeps this list in step
+# with the script): the runtime baseline is a process that loaded what a training rank loads, without running the
+# script itself (the library does not execute examples/).
+TRAIN_PY_MODULES = (
+    "moe",
+    "moe.fp8_training",
+    "moe.models.deepseek_v3.tensor_parallel",
+    "moe.pipeline",
+    "moe.pipeline.split",
+    "moe.train.checkpoint",
+    "moe.train.config",
+    "moe.train.data",
+    "moe.train.faults",
+    "moe.train.layout_rules",
+    "moe.train.metrics",
+    "moe.train.parallel",
+    "moe.train.rewind",
+    "moe.train.trainer",
+)
 
 
 def _best_seconds(fn, repeats: int = 5, warmup: int = 1) -> float:
@@ -48,9 +74,6 @@ def gemm_tflops(dtype: torch.dtype, n: int = 1024) -> float:
 
 def fp8_emulated_tflops(n: int = 512) -> float:
     """TFLOP/s (of the GEMM's 2 n^3) of the FP8 recipes' emulated block-wise GEMM, casts included."""
-    from moe.fp8_training.cast import cast_blockwise
-    from moe.fp8_training.gemm import scaled_matmul
-
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, n, generator=gen, dtype=torch.bfloat16)
     w = torch.randn(n, n, generator=gen, dtype=torch.bfloat16)
@@ -81,12 +104,9 @@ def _rss_mib(field: str = "VmRSS") -> float:
 
 def _gloo_worker(proc) -> dict:
     """One of 2 processes: the runtime baseline, then gloo all-reduce / all-to-all timings."""
-    import torch.distributed as dist
-
-    from moe.plan.space import _train_module
-
     torch.set_num_threads(1)
-    _train_module()  # what train.py imports
+    for name in TRAIN_PY_MODULES:  # what a training rank loads
+        importlib.import_module(name)
     group = proc.init_group(timeout_s=60)
     baseline = _rss_mib("VmHWM")
     big = torch.ones(ALLREDUCE_BYTES // 4)
@@ -106,8 +126,6 @@ def _gloo_worker(proc) -> dict:
 
 def measure(timeout_s: float = 180.0) -> dict[str, float]:
     """The raw measurements (see the module docstring)."""
-    from mtdeepep.utils.testing import num_cores, run_processes
-
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     cores = num_cores()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, fields
 
+from moe.dispatcher.deepep import nvl_bytes_hint
 from moe.plan.devices import DeviceSpec
 from moe.plan.model import DTYPE_BYTES, FP32, ModelShape
 from moe.plan.space import Candidate, Workload
@@ -132,12 +133,7 @@ def ep_buffer_bytes(hidden: int, ep: int) -> float:
     """The mtdeepep normal-mode buffer the 'flex' dispatcher asks for (0 without EP)."""
     if ep <= 1:
         return 0.0
-    try:
-        from moe.dispatcher.deepep import nvl_bytes_hint
-
-        return float(nvl_bytes_hint(hidden, ep))
-    except (ImportError, RuntimeError, OSError):  # no compiled mtdeepep here: DeepEP's default config's size
-        return float(ep * 8 * 4096 * hidden * FP32 / 16)
+    return float(nvl_bytes_hint(hidden, ep))
 
 
 def estimate_memory(cand: Candidate, shape: ModelShape, work: Workload, spec: DeviceSpec) -> MemoryBreakdown:

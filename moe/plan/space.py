@@ -7,7 +7,8 @@ the trainer would refuse, calling the functions train.py calls:
   `Layout.check_batch` (global batch = dp x micro-batches x rows);
 - `moe.models.deepseek_v3.tensor_parallel.check_tensor_parallel` (heads, vocabulary, dense FFN divisible by tp);
 - `moe.pipeline.split.check_schedule` (micro-batch counts per schedule) and `split_layers`;
-- train.py's `check_model_layout` (etp > 1 refused, sequence long enough for sequence parallelism, ...), run last
+- `moe.train.layout_rules.check_model_layout`, train.py's own (etp > 1 refused, sequence long enough for sequence
+  parallelism, ...), run last
   as a catch-all, and `apply_fp8`'s rule (FP8 dispatch needs hidden % 128 == 0).
 Rejected choices are counted per reason; a rule decided for a partial choice (e.g. a TP size) counts every complete
 choice it covers, so the counts add up to the whole space.
@@ -19,22 +20,17 @@ pp) applies.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import itertools
-import sys
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.models.deepseek_v3.tensor_parallel import check_tensor_parallel
 from moe.pipeline.split import check_schedule
 from moe.plan.devices import DeviceSpec
 from moe.plan.model import DTYPE_BYTES, RECOMPUTE_CHOICES
+from moe.train.layout_rules import check_model_layout
 from moe.train.parallel import FP8_RECIPES, PP_SCHEDULES, Layout
-
-TRAIN_PY = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "train.py"
 
 # (schedule, chunks per rank) for pp > 1; 'interleaved' is Megatron's virtual pipeline (not in train.py).
 PIPELINE_SCHEDULES: tuple[tuple[str, int], ...] = (
@@ -160,16 +156,6 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-@functools.cache
-def _train_module():
-    """examples/deepseek_v3/train.py as a module (for `check_model_layout`, its own rules)."""
-    spec = importlib.util.spec_from_file_location("_plan_train_py", TRAIN_PY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("_plan_train_py", module)
-    spec.loader.exec_module(module)
-    return module
-
-
 class _TrainingStub:
     """The `TrainingConfig` fields `check_model_layout` reads."""
 
@@ -214,7 +200,6 @@ def enumerate_candidates(
     if bad:
         raise ValueError(f"unknown recompute / fp8 choices {bad}")
     space = Space([], Counter(), {})
-    train_py = _train_module()
     stub = _TrainingStub(work)
     n_rc, n_fp8 = len(recomputes), len(fp8s)
     for tp, pp in itertools.product(divisors(world), repeat=2):
@@ -240,7 +225,7 @@ def enumerate_candidates(
                 label = example + (f" {schedule}" + (f"-v{vpp}" if schedule == "interleaved" else "") if pp > 1 else "")
                 reason = _schedule_reason(config, work, pp, schedule, trainer_only)
                 if reason is None:
-                    reason = _train_py_reason(train_py, config, stub, world, tp, pp, ep, schedule)
+                    reason = _train_py_reason(config, stub, world, tp, pp, ep, schedule)
                 if reason is not None:
                     space.reject(reason, per_schedule, label)
                     continue
@@ -300,12 +285,12 @@ def _schedule_reason(
     return None
 
 
-def _train_py_reason(train_py, config, stub, world, tp, pp, ep, schedule) -> str | None:
+def _train_py_reason(config, stub, world, tp, pp, ep, schedule) -> str | None:
     """train.py's `check_model_layout` on the layout (etp 1): whatever it still refuses."""
     try:
         sched = schedule if schedule in PP_SCHEDULES else "1f1b"
         layout = Layout(world=world, tp=tp, pp=pp, ep=ep, pp_schedule=sched)
-        train_py.check_model_layout(config, stub, layout)
+        check_model_layout(config, stub, layout)
     except ValueError:
         return "train_py"
     return None

@@ -51,6 +51,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe.fp8_training.state import delayed_states
+
 REASONS = ("nan_loss", "nan_grad_norm", "loss_spike")
 
 
@@ -128,8 +130,6 @@ def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
 def amax_histories(model: nn.Module) -> list:
     """The FP8 delayed-scaling `AmaxHistory` objects of `model` (three per GEMM site of
     `moe.fp8_training.delayed_states`, each once); empty without FP8 or with the blockwise recipe."""
-    from moe.fp8_training.state import delayed_states
-
     found = {}
     for state in delayed_states(model).values():
         for h in (state.input, state.weight, state.grad_output):

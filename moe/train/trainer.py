@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe.balancing import load_imbalance, set_aux_loss_scale, update_expert_bias
+from moe.loss import loss_share
 from moe.memory import process_peak_bytes
 from moe.phase_timer import PhaseTimer, phase
 from moe.train import checkpoint as ckpt
@@ -54,7 +55,6 @@ from moe.train.config import TrainingConfig
 from moe.train.data import TokenBatches
 from moe.train.faults import Fault, FaultPlan
 from moe.train.flash import FlashCheckpointer, SaveRequest
-from moe.train.loss import loss_share
 from moe.train.metrics import LOSS_PNG, MetricsLog, plot_loss
 from moe.train.optim import MasterAdamW
 from moe.train.parallel import ParallelState, all_reduce_sum

@@ -15,7 +15,7 @@ import socket
 import torch.distributed as dist
 
 from .._C import EventHandle
-from .._setup import check_nodes_share_hosts, resolve_num_ranks_per_node
+from ..engines.setup import check_nodes_share_hosts, resolve_num_ranks_per_node
 from ..event import EventOverlap
 
 __all__ = ["EventHandle", "EventOverlap", "check_nvlink_connections"]

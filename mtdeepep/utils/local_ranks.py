@@ -45,6 +45,8 @@ import torch
 
 from .._checks import default_timeout
 from ..buffer import Buffer
+from ..engines import cuda as cuda_executor
+from ..engines.cuda import CudaEngine, LocalGroup
 
 _uids = itertools.count(1 << 40)  # buffer ids of single-process groups (never equal to a set-up's hash-based uid)
 _current = threading.local()  # the LocalRankContext of the calling thread, inside `run`
@@ -68,12 +70,10 @@ class LocalRanks:
             raise ValueError(f"mtdeepep: num_ranks must be an int >= 1, got {num_ranks!r}")
         if not torch.cuda.is_available():
             raise RuntimeError("mtdeepep: LocalRanks needs a CUDA device")
-        from .. import _cuda_engine
-
-        if _cuda_engine._C_cuda is None:
+        if cuda_executor._C_cuda is None:
             raise RuntimeError("mtdeepep: LocalRanks needs mtdeepep's CUDA executor (mtdeepep._C_cuda is not built)")
         torch.cuda.init()
-        if _cuda_engine._C_cuda.module_loading_lazy() == 1:
+        if cuda_executor._C_cuda.module_loading_lazy() == 1:
             # Seen on an H200: a kernel loaded at its first launch synchronises the context, which then waits for
             # the other ranks' kernels, which wait for this rank's next launch: every rank stops until the timeout.
             raise RuntimeError(
@@ -87,7 +87,7 @@ class LocalRanks:
         self.timeout_s = default_timeout(timeout_s)
         self.join_timeout_s = join_timeout_s
         # Streams no other rank or engine of this process holds (torch's pool hands its streams out round-robin).
-        self.streams = [_cuda_engine.claim_stream(self.device) for _ in range(num_ranks)]
+        self.streams = [cuda_executor.claim_stream(self.device) for _ in range(num_ranks)]
         self._created: list[list[Buffer]] = []
         self._contexts = [LocalRankContext(r, num_ranks, self) for r in range(num_ranks)]
         self._barrier = threading.Barrier(num_ranks, timeout=self.timeout_s)
@@ -100,8 +100,6 @@ class LocalRanks:
                 timeout_s: float | None = None, **_ignored) -> list[Buffer]:  # fmt: skip
         """One `Buffer` per rank, connected to each other (DeepEP's constructor arguments; those that only concern
         transports are accepted and ignored). Destroyed by `close()` if not before."""
-        from .._cuda_engine import CudaEngine, LocalGroup
-
         timeout_s = self.timeout_s if timeout_s is None else default_timeout(timeout_s)
         num_ll_bytes = num_rdma_bytes if low_latency_mode else 0
         engines: list[CudaEngine] = []
@@ -227,8 +225,6 @@ class LocalRanks:
 
     def close(self) -> None:
         """Destroys every buffer made by `buffers` or the contexts (after the device finished every rank's work)."""
-        from .. import _cuda_engine
-
         for buffers in self._created:
             for buffer in buffers:
                 if not buffer._destroyed:
@@ -236,7 +232,7 @@ class LocalRanks:
                     buffer._engine.destroy()
         self._created.clear()
         for stream in self.streams:
-            _cuda_engine.release_stream(stream)
+            cuda_executor.release_stream(stream)
 
     def __enter__(self) -> LocalRanks:
         return self

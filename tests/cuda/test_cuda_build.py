@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import mtdeepep
-from mtdeepep import _engine
+from mtdeepep import engines
+from mtdeepep.engines import cuda as cuda_executor
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "check_cuda.sh"
@@ -61,10 +62,10 @@ def test_check_cuda_passes_on_the_host_helpers():
 
 
 def test_cpu_build_imports_and_serves_cpu(monkeypatch):
-    assert "cpu" in _engine.NODE_ENGINES
+    assert "cpu" in engines.NODE_ENGINES
     monkeypatch.delenv("MTDEEPEP_DEVICE", raising=False)
-    monkeypatch.setattr(_engine.dist, "get_backend", lambda group: "gloo")
-    assert _engine.engine_device(object()) == torch.device("cpu")
+    monkeypatch.setattr(engines.dist, "get_backend", lambda group: "gloo")
+    assert engines.engine_device(object()) == torch.device("cpu")
     assert mtdeepep.Buffer is not None
 
 
@@ -72,25 +73,24 @@ def test_cpu_build_imports_and_serves_cpu(monkeypatch):
 def test_cuda_choice_without_a_device_raises(monkeypatch):
     monkeypatch.setenv("MTDEEPEP_DEVICE", "cuda")
     with pytest.raises(mtdeepep.CommError, match="no cuda device"):
-        _engine.engine_device(object())
+        engines.engine_device(object())
     monkeypatch.delenv("MTDEEPEP_DEVICE")
-    monkeypatch.setattr(_engine.dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(engines.dist, "get_backend", lambda group: "nccl")
     with pytest.raises(mtdeepep.CommError, match="no cuda device"):
-        _engine.engine_device(object())
+        engines.engine_device(object())
 
 
 def test_unknown_device_choice_is_a_value_error(monkeypatch):
     monkeypatch.setenv("MTDEEPEP_DEVICE", "tpu")
     with pytest.raises(ValueError, match="MTDEEPEP_DEVICE"):
-        _engine.engine_device(object())
+        engines.engine_device(object())
 
 
 def test_cuda_engine_module_imports_on_a_cpu_build():
-    from mtdeepep import _cuda_engine
-
-    has_module = _cuda_engine._C_cuda is not None
-    assert ("cuda" in _engine.NODE_ENGINES) == has_module
-    assert not _cuda_engine.CudaEngine.__abstractmethods__  # the whole engine seam is implemented
+    has_module = cuda_executor._C_cuda is not None
+    assert (engines.node_engine_class("cuda") is cuda_executor.CudaEngine) == has_module  # registered only if built
+    assert ("cuda" in engines.NODE_ENGINES) == has_module
+    assert not cuda_executor.CudaEngine.__abstractmethods__  # the whole engine seam is implemented
 
 
 # ---- the linked module (built by check_cuda.sh without a GPU: the CUDA runtime is linked statically) ----
@@ -147,11 +147,9 @@ class _FakeStream:
 
 
 def _engine_with_status(monkeypatch, module, code: int):
-    from mtdeepep import _cuda_engine
-
-    monkeypatch.setattr(_cuda_engine, "_C_cuda", module)
-    monkeypatch.setattr(_cuda_engine._gpu, "is_current_stream_capturing", lambda: False)
-    engine = object.__new__(_cuda_engine.CudaEngine)
+    monkeypatch.setattr(cuda_executor, "_C_cuda", module)
+    monkeypatch.setattr(cuda_executor._gpu, "is_current_stream_capturing", lambda: False)
+    engine = object.__new__(cuda_executor.CudaEngine)
     engine._failed, engine._destroyed, engine.buffer = None, False, _FakeBuffer(code)
     engine.comm_stream = _FakeStream()
     return engine

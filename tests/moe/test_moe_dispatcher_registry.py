@@ -125,12 +125,12 @@ def test_registration_rules(expert_loop):
 def test_unknown_name_lists_the_registered_dispatchers(expert_loop):
     listed = re.escape(str(sorted([*BUILT_IN, "test_expert_loop"])))
     with pytest.raises(ValueError, match=rf"moe_token_dispatcher_type='deepspeed' names no .*registered: {listed}"):
-        _config("deepspeed")
+        MoELayer(_config("deepspeed"))  # checked where the dispatcher is built, before any communication
     register_dispatcher("test_short_lived", lambda config, ep_group, ep_buffers: None)
     cfg = _config("test_short_lived")
     unregister_dispatcher("test_short_lived")
-    # A config validated while its name was registered: building the layer refuses it, listing the others.
+    # A config made while its name was registered: building the layer refuses it, listing the others.
     with pytest.raises(ValueError, match=rf"'test_short_lived' names no .*registered: {listed}"):
         MoELayer(cfg)
     with pytest.raises(ValueError, match="names no registered token dispatcher"):
-        _config("test_short_lived")
+        build_dispatcher(_config("test_short_lived"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe import MoEConfig, TopKRouter, node_limited_routing
+from moe import MoEConfig, MoELayer, TopKRouter, node_limited_routing
 from moe.router import group_limited_topk
 
 from .moe_testlib import assert_close, moe_config, ref_route_token
@@ -131,7 +131,6 @@ BAD_CONFIGS = [
     (dict(moe_expert_capacity_factor=0.0), "moe_expert_capacity_factor must be > 0"),
     (dict(moe_pad_expert_input_to_capacity=True), "requires moe_expert_capacity_factor"),
     (dict(moe_token_drop_policy="random"), "moe_token_drop_policy must be one of"),
-    (dict(moe_token_dispatcher_type="deepspeed"), "names no registered token dispatcher"),
     (dict(moe_shared_expert_overlap=True), "requires moe_shared_expert_intermediate_size"),
     (dict(fp8="e5m2"), "fp8 must be one of"),
     (dict(fp8="e4m3", moe_padded_batch_gemm=True), "moe_padded_batch_gemm is not supported with fp8"),
@@ -155,6 +154,14 @@ def test_aux_loss_coeffs_lists_the_enabled_losses():
 def test_config_rejects(overrides, message):
     with pytest.raises(ValueError, match=message):
         moe_config(ROUTER_LAYER, **overrides)
+
+
+def test_unknown_dispatcher_is_refused_where_the_layer_builds_it():
+    """The dispatcher name is checked by `build_dispatcher` (the registry's state), in `MoELayer`'s constructor,
+    before any communication; the config itself holds any name."""
+    config = moe_config(ROUTER_LAYER, moe_token_dispatcher_type="deepspeed")
+    with pytest.raises(ValueError, match="names no registered token dispatcher"):
+        MoELayer(config)
 
 
 def test_config_is_keyword_only():

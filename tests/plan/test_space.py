@@ -19,11 +19,13 @@ from moe.plan.space import (
     REASONS,
     Candidate,
     Workload,
-    _train_module,
     divisors,
     enumerate_candidates,
 )
+from moe.train.layout_rules import check_model_layout
 from moe.train.parallel import FP8_RECIPES, Layout
+
+from ..train.train_cases import load_script
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "configs"
 TINY = DeepseekV3Config.from_toml(CONFIGS / "tiny.toml")
@@ -57,7 +59,8 @@ def test_every_choice_is_counted_once(world):
 def test_accepted_layouts_pass_the_trainer_rules():
     space = enumerate_candidates(TINY, WORK, 8, CPU)
     assert space.accepted
-    train_py = _train_module()
+    train_py = load_script("train")
+    assert train_py.check_model_layout is check_model_layout  # the planner's rule is the trainer's own
     for c in space.accepted:
         layout = Layout(world=c.world, tp=c.tp, pp=c.pp, ep=c.ep, etp=c.etp)  # raises if the folding is broken
         layout.check_experts(TINY.n_routed_experts)

@@ -34,8 +34,17 @@ from safetensors.torch import save_file
 
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.models.deepseek_v3.init import init_weights
-from moe.models.deepseek_v3.model_dir import _write_private, atomic_directory, main_dtype, read_model_dir
-from moe.models.deepseek_v3.state import TRANSIENT_SUFFIXES
+from moe.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from moe.models.deepseek_v3.model_dir import (
+    _write_private,
+    atomic_directory,
+    main_dtype,
+    read_model_dir,
+    write_model_dir,
+)
+from moe.models.deepseek_v3.moe_block import moe_config
+from moe.models.deepseek_v3.mtp import MTPModule
+from moe.models.deepseek_v3.state import TRANSIENT_SUFFIXES, full_state_dict_shapes
 from mtdeepep.utils.fp8 import dequantize_blocks
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -186,9 +195,6 @@ def _layer_from_hf(rest: str, p: str, src: _Source, config: DeepseekV3Config, nu
 
 def expected_keys(config: DeepseekV3Config) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Our full state dict's keys -> (shape, float32-model dtype), from a meta-device model."""
-    from moe.models.deepseek_v3.model import DeepseekV3ForCausalLM
-    from moe.models.deepseek_v3.state import full_state_dict_shapes
-
     return full_state_dict_shapes(DeepseekV3ForCausalLM(config, device="meta"))
 
 
@@ -264,9 +270,6 @@ def fresh_mtp_state(
 ) -> dict[str, torch.Tensor]:
     """Freshly initialised weights of MTP modules `depths` (0-based), named `mtp.{k}.*`, as a whole model built
     with base seed `seed` would hold them (init.py)."""
-    from moe.models.deepseek_v3.moe_block import moe_config
-    from moe.models.deepseek_v3.mtp import MTPModule
-
     out = {}
     for k in depths:
         moe_kwargs = dict(config=moe_config(config)) if config.is_moe_layer(config.num_hidden_layers + k) else None
@@ -359,8 +362,6 @@ def import_hf(
     """Hugging Face directory -> our model directory (model_dir.py). Tensors keep their dtype; FP8 weights are
     dequantised to `fp8_dtype` (None: the checkpoint's main dtype, that of the embedding, as DeepSeek's own
     conversion does), with a message. Returns the config."""
-    from moe.models.deepseek_v3.model_dir import write_model_dir
-
     hf, config_dict = read_hf_dir(hf_dir)
     config = DeepseekV3Config.from_dict(config_dict, source=str(Path(hf_dir) / "config.json"))
     if any(t.dtype in FP8_DTYPES for t in hf.values()):

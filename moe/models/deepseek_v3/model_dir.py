@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moe.models.deepseek_v3.config import DeepseekV3Config
+from moe.train.shard_files import read_full_section
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
@@ -127,8 +128,6 @@ def read_model_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], DeepseekV
     boxes of every rank assembled, moe/train/shard_files.py)."""
     path = Path(path)
     if not (path / MODEL_FILE).is_file() and (path / "manifest.json").is_file() and (path / CONFIG_FILE).is_file():
-        from moe.train.shard_files import read_full_section
-
         return read_full_section(path, "model"), read_config(path)
     for name in (MODEL_FILE, CONFIG_FILE):
         if not (path / name).is_file():

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from moe.experts import SwiGLUExperts
 from moe.models.deepseek_v3.config import DeepseekV3Config
+from moe.models.deepseek_v3.model import DeepseekV3ForCausalLM
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,6 @@ class ParameterCounts:
 
 def parameter_counts(config: DeepseekV3Config) -> ParameterCounts:
     """Count on a meta-device model (see the module docstring)."""
-    from moe.models.deepseek_v3.model import DeepseekV3ForCausalLM
-
     model = DeepseekV3ForCausalLM(config, device="meta")
     routed_fraction = config.num_experts_per_tok / config.n_routed_experts
 

@@ -47,16 +47,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from . import _C
-from ._cpu_engine import low_latency_handle
-from ._engine import DispatchOutputs, Engine, Event
-from ._handles import DispatchRecord, attach
-from ._setup import group_key, group_ranks, new_group
+from .. import _C
+from .base import DispatchOutputs, Engine, Event
+from .handles import DispatchRecord, InternodeHandle, attach, low_latency_handle
+from .setup import group_key, group_ranks, new_group
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _ROW_ALIGNMENT = 16  # network rows are padded to this many bytes (int64 views, float32 view for the node stage)
@@ -68,24 +66,6 @@ _LIVE_ENGINES: weakref.WeakSet[InternodeEngine] = weakref.WeakSet()
 
 # ---------------------------------------------------------------------------------------------------------------
 # Handle and row format
-
-
-class InternodeHandle(NamedTuple):
-    """The handle of an internode dispatch: a tuple of 8 (pass it to `combine` and to cached `dispatch`).
-
-    Upstream's positions that its tests read are kept: `handle[0]` is `is_token_in_rank` and `handle[-4]` is
-    `recv_gbl_rank_prefix_sum`. Everything is on the engine's device.
-    """
-
-    is_token_in_rank: torch.Tensor  # [T, R] bool, as given to dispatch
-    send_node_prefix: torch.Tensor  # [N] int32, inclusive prefix over nodes of the rows this rank sends
-    send_token_idx: torch.Tensor  # [S] int64, token of each network row, grouped by destination node, token order
-    fwd_recv_node_prefix: torch.Tensor  # [N] int32, inclusive prefix over nodes of the rows this rank forwards
-    recv_gbl_rank_prefix_sum: torch.Tensor  # [R] int32, inclusive prefix over source ranks of the received rows
-    recv_src_meta: torch.Tensor  # [N_out, 2] int32, (source rank, token index there) per output row; -1 padding
-    recv_perm: torch.Tensor  # [N_recv] int64, output row i is row recv_perm[i] of the node stage's outputs (source
-    # nodes in order): the identity, as they come in output order
-    node_handle: tuple  # per source node, the node-local stage's handle (forwarded rows -> ranks of this node)
 
 
 @dataclass(frozen=True)
@@ -104,7 +84,7 @@ class _Chunk:
 
 @dataclass(frozen=True)
 class _InternodeState:
-    """The private copies an internode record keeps (see mtdeepep._handles)."""
+    """The private copies an internode record keeps (see mtdeepep.engines.handles)."""
 
     send_token_idx: torch.Tensor  # [S] int64, token of each network row, grouped by destination node
     send_counts: list[int]  # network rows this rank sends to each node
@@ -689,7 +669,6 @@ class InternodeEngine(Engine):
                 node_rows, _, _ = self.node.cached_dispatch(rows_n.view(torch.float32), None, chunk.node_record, 0,
                                                             num_channels, None, False)  # fmt: skip
             node_rows = node_rows.view(torch.uint8)
-            import os
 
             if not os.environ.get("SKIPCOPY"):
                 recv_data.view(torch.uint8)[out].copy_(node_rows[:, fmt.x_offset : fmt.x_offset + fmt.x_bytes])

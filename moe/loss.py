@@ -1,5 +1,6 @@
 """A micro-batch's share of the global-batch training loss (the trainer's loop and the last pipeline stage both
-take it from here, so a pipelined run computes what the plain one does)."""
+take it from here, so a pipelined run computes what the plain one does). It sits below both: the pipeline layer does
+not import the trainer."""
 
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ import os
 
 import torch
 
-from . import _C
-from ._engine import NODE_ENGINES, DispatchOutputs, Engine
-from ._handles import DispatchRecord, attach
+from .. import _C
+from .base import DispatchOutputs, Engine
+from .handles import DispatchRecord, attach, low_latency_handle
 
 
 class CpuEngine(Engine):
@@ -158,18 +158,3 @@ class CpuEngine(Engine):
 
     def ll_next_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         return self.low_latency.next_combine_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-
-
-def low_latency_handle(engine: Engine, src_info: torch.Tensor, layout_range: torch.Tensor, seq: int,
-                       x: torch.Tensor, num_max_dispatch_tokens_per_rank: int, num_experts: int) -> tuple:  # fmt: skip
-    """DeepEP's low-latency handle `(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)`
-    with the dispatch's identity attached. The C++ combine checks `src_info` and `layout_range` (bounds) itself."""
-    record = DispatchRecord(
-        kind="low_latency", group=engine.group, uid=engine.uid, seq=seq, num_tokens=x.size(0),
-        num_recv=src_info.numel(), state=None,
-    )  # fmt: skip
-    attach(src_info, record)
-    return src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts
-
-
-NODE_ENGINES["cpu"] = CpuEngine

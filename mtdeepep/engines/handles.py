@@ -13,12 +13,15 @@ keeps the tuple, and attaches to a tensor the dispatch created (never to a user'
   in place cannot make the engine read outside its buffers; the engine also checks them.
 
 The record survives rebuilding the tuple (`tuple(handle)`, unpacking and repacking): it lives on the tensor object.
+
+The handle types every engine issues live here too (`InternodeHandle`, `low_latency_handle`), so that the
+executors and the facades read them from this one module, below all of them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -74,6 +77,24 @@ def record_of(handle: Any, kind: str, group: tuple[tuple[int, ...], int], what: 
     return record
 
 
+class InternodeHandle(NamedTuple):
+    """The handle of an internode dispatch: a tuple of 8 (pass it to `combine` and to cached `dispatch`).
+
+    Upstream's positions that its tests read are kept: `handle[0]` is `is_token_in_rank` and `handle[-4]` is
+    `recv_gbl_rank_prefix_sum`. Everything is on the engine's device.
+    """
+
+    is_token_in_rank: torch.Tensor  # [T, R] bool, as given to dispatch
+    send_node_prefix: torch.Tensor  # [N] int32, inclusive prefix over nodes of the rows this rank sends
+    send_token_idx: torch.Tensor  # [S] int64, token of each network row, grouped by destination node, token order
+    fwd_recv_node_prefix: torch.Tensor  # [N] int32, inclusive prefix over nodes of the rows this rank forwards
+    recv_gbl_rank_prefix_sum: torch.Tensor  # [R] int32, inclusive prefix over source ranks of the received rows
+    recv_src_meta: torch.Tensor  # [N_out, 2] int32, (source rank, token index there) per output row; -1 padding
+    recv_perm: torch.Tensor  # [N_recv] int64, output row i is row recv_perm[i] of the node stage's outputs (source
+    # nodes in order): the identity, as they come in output order
+    node_handle: tuple  # per source node, the node-local stage's handle (forwarded rows -> ranks of this node)
+
+
 def flatten_handle(handle: tuple) -> list[torch.Tensor]:
     """A dispatch handle as the flat list of its tensors (custom ops take tensor lists): an intranode handle is its
     6 tensors, an internode one its 7 tensors followed by its node-local stage's handle."""
@@ -90,8 +111,6 @@ def flatten_handle(handle: tuple) -> list[torch.Tensor]:
 
 def unflatten_handle(flat: list[torch.Tensor]) -> tuple:
     """The handle tuple of `flatten_handle(handle)`."""
-    from ._internode import InternodeHandle  # (a handle knows its kind through its record)
-
     record = next((getattr(t, _ATTRIBUTE) for t in flat if hasattr(t, _ATTRIBUTE)), None)
     if record is not None and record.kind == "internode":
         # The internode handle's own tensors, then one node-stage handle per chunk of the same length.
@@ -100,3 +119,16 @@ def unflatten_handle(flat: list[torch.Tensor]) -> tuple:
         size = len(rest) // num_chunks
         return InternodeHandle(*flat[:num_own], tuple(tuple(rest[i : i + size]) for i in range(0, len(rest), size)))
     return tuple(flat)
+
+
+def low_latency_handle(engine, src_info: torch.Tensor, layout_range: torch.Tensor, seq: int,
+                       x: torch.Tensor, num_max_dispatch_tokens_per_rank: int, num_experts: int) -> tuple:  # fmt: skip
+    """DeepEP's low-latency handle `(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)`
+    with the dispatch's identity attached (`engine`: the issuing `Engine`, for its group and uid; every executor
+    issues this handle in low-latency mode). The C++ combine checks `src_info` and `layout_range` (bounds) itself."""
+    record = DispatchRecord(
+        kind="low_latency", group=engine.group, uid=engine.uid, seq=seq, num_tokens=x.size(0),
+        num_recv=src_info.numel(), state=None,
+    )  # fmt: skip
+    attach(src_info, record)
+    return src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts

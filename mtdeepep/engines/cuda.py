@@ -39,14 +39,13 @@ import threading
 
 import torch
 
-from . import _C
-from ._cpu_engine import low_latency_handle
-from ._engine import NODE_ENGINES, DispatchOutputs, Engine
-from ._handles import DispatchRecord, attach
+from .. import _C
+from .base import DispatchOutputs, Engine
+from .handles import DispatchRecord, attach, low_latency_handle
 
 try:
-    from . import _C_cuda
-except ImportError:  # a CPU build: the engine is not registered
+    from .. import _C_cuda
+except ImportError:  # a CPU build: the registry (mtdeepep.engines) offers no GPU executor
     _C_cuda = None
 
 # torch's module for the device: torch.cuda, or torch.musa (torch_musa mirrors its API) for a MUSA build.
@@ -678,6 +677,6 @@ class CudaEngine(Engine):
         return buffer
 
 
-if _C_cuda is not None:
-    NODE_ENGINES["cuda"] = CudaEngine
-    NODE_ENGINES["musa"] = CudaEngine  # the same sources built with MTDEEPEP_MUSA (torch_musa maps the cuda names)
+def built() -> bool:
+    """Whether this build has the GPU executor (`mtdeepep._C_cuda`); the registry offers `CudaEngine` only then."""
+    return _C_cuda is not None

@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from . import _C
+from .. import _C
 
 # Per group (by its ranks), how many exchanges this process started: the ranks of a group create their buffers in the
 # same order, so the n-th exchange of every rank meets under the same keys.

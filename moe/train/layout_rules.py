@@ -1,0 +1,38 @@
+"""What a parallel layout and a batch ask of a DeepSeek-V3 model config: the rules the trainer checks before any
+process group exists (examples/deepseek_v3/train.py) and the planner applies to every candidate layout
+(moe/plan/space.py), from one place."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from moe.models.deepseek_v3.tensor_parallel import check_tensor_parallel
+
+if TYPE_CHECKING:
+    from moe.models.deepseek_v3.config import DeepseekV3Config
+    from moe.train.config import TrainingConfig
+    from moe.train.parallel import Layout
+
+
+def check_model_layout(model_cfg: DeepseekV3Config, train_cfg: TrainingConfig, layout: Layout) -> None:
+    """What the layout and the batch ask of the model config (ValueError, before any process group). The routing
+    settings themselves (e.g. a top-k larger than the experts of the allowed groups) are checked by
+    `DeepseekV3Config`."""
+    if layout.etp != 1:
+        raise ValueError(f"--etp {layout.etp}: expert tensor parallelism is not in the MoE layer yet")
+    layout.check_experts(model_cfg.n_routed_experts)
+    layout.check_batch(train_cfg.global_batch, train_cfg.micro_batches)
+    check_tensor_parallel(model_cfg, layout.tp)
+    if train_cfg.seq_len < layout.tp + model_cfg.num_nextn_predict_layers:
+        raise ValueError(
+            f"seq_len={train_cfg.seq_len} is shorter than --tp {layout.tp} + MTP depth "
+            f"{model_cfg.num_nextn_predict_layers}: a sequence-parallel rank would hold no position"
+        )
+    if train_cfg.seq_len > model_cfg.max_position_embeddings:
+        raise ValueError(
+            f"seq_len={train_cfg.seq_len} exceeds max_position_embeddings={model_cfg.max_position_embeddings}"
+        )
+    if train_cfg.seq_len < 2 + model_cfg.num_nextn_predict_layers:
+        raise ValueError(
+            f"seq_len={train_cfg.seq_len} leaves no target for MTP depth {model_cfg.num_nextn_predict_layers}"
+        )
