@@ -29,6 +29,7 @@ from mtdeepep.elastic import ElasticBuffer
 from mtdeepep.utils import check_nvlink_connections, refs
 from mtdeepep.utils import fp8 as fp8_utils
 
+from ..conformance.placement import CPU, Placement
 from . import clients_env
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
@@ -368,41 +369,52 @@ def _spare_experts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
     return spare
 
 
-def torchtitan_training_round_trip(ctx, dtype_name: str):
-    """get_buffer / dispatch_tokens (compact layout, autograd) / grouped experts / combine_tokens / sync_combine,
-    forward and backward, against the reference layer; the routed rows against the reference dispatch."""
+def _titan_with_buffer(ctx, placement: Placement, hidden: int, capacity: int, num_topk: int):
+    """torchtitan's DeepEP V2 module and its buffer for the layer (`get_buffer`), on the placement's executor."""
+    placement.make_current()
     titan = clients_env.prepare_torchtitan()
+    buffer = titan.get_buffer(ctx.group, hidden=hidden, num_max_tokens_per_rank=capacity, num_topk=num_topk)
+    return titan, placement.check_buffer(buffer)
+
+
+def torchtitan_training_round_trip(ctx, dtype_name: str, placement: Placement = CPU):
+    """get_buffer / dispatch_tokens (compact layout, autograd) / grouped experts / combine_tokens / sync_combine,
+    forward and backward, against the reference layer; the routed rows against the reference dispatch. The layer's
+    tensors on `placement` (the GPU tests run it on GPU 0, where torchtitan's custom ops run under the CUDA key)."""
     dtype = DTYPES[dtype_name]
     capacity, hidden, num_experts, num_topk = 64, 128, 8, 3
     num_tokens = capacity - 5 * ctx.rank
     weights, topk_idx, ids, scores, x, grad_out = _titan_inputs(
         ctx, dtype, num_tokens, hidden, num_experts, num_topk, 300
     )
-    x.requires_grad_()
-    scores.requires_grad_()
-    titan.get_buffer(ctx.group, hidden=hidden, num_max_tokens_per_rank=capacity, num_topk=num_topk)
-
-    output, routed, tokens_per_expert, _ = _titan_layer(titan, ctx, x, ids, scores, weights, num_experts, capacity)
+    titan, _ = _titan_with_buffer(ctx, placement, hidden, capacity, num_topk)
+    x_d, scores_d = placement.to(x).requires_grad_(), placement.to(scores).requires_grad_()
+    output, routed, tokens_per_expert, _ = _titan_layer(
+        titan, ctx, x_d, placement.to(ids), scores_d, placement.to(weights), num_experts, capacity
+    )
+    placement.assert_on_device(output, routed)
     # Routed rows: the reference dispatch's rows, repeated once per local expert, in expert-major order.
     ref_dispatch = reference_dispatch(ctx, gather(ctx, (x.detach(), topk_idx, scores.detach())), num_experts)
     rows, slots = (ref_dispatch.recv_topk_idx >= 0).nonzero(as_tuple=True)
     order = torch.argsort(ref_dispatch.recv_topk_idx[rows, slots], stable=True)
-    assert torch.equal(routed.detach(), ref_dispatch.recv_x[rows[order]]), "routed rows differ from the reference"
+    routed_h = placement.host(routed.detach())
+    assert torch.equal(routed_h, ref_dispatch.recv_x[rows[order]]), "routed rows differ from the reference"
     assert tokens_per_expert.tolist() == ref_dispatch.num_recv_tokens_per_expert
-    (output.float() * grad_out).sum().backward()
+    (output.float() * placement.to(grad_out)).sum().backward()
 
     assert output.dtype == dtype and output.shape == x.shape
+    results = placement.host((output.detach(), x_d.grad, scores_d.grad))
     assert_layer_bounded(
-        ctx, (x, topk_idx, scores, weights, grad_out), (output, x.grad, scores.grad), dtype,
+        ctx, (x.detach(), topk_idx, scores.detach(), weights, grad_out), results, dtype,
         (num_topk + 3, num_topk + 1, 3), before_x=2, names=("output", "x.grad", "scores.grad"),
     )  # fmt: skip
     assert not titan._handle_cache, "torchtitan's handle cache should be empty after the backward"
 
 
-def torchtitan_inference_expanded_layout(ctx):
-    """Inference (`cudagraphable=True` under no_grad): the expanded, no-CPU-sync layout with per-expert counts from
-    `psum_num_recv_tokens_per_expert`; the output against the reference layer."""
-    titan = clients_env.prepare_torchtitan()
+def torchtitan_inference_expanded_layout(ctx, placement: Placement = CPU):
+    """Inference (`cudagraphable=True` under no_grad): the expanded layout with no host synchronisation, per-expert
+    counts from the device-side prefix sums (`psum_num_recv_tokens_per_expert`); the output against the reference
+    layer. The layer's tensors on `placement`."""
     dtype = torch.bfloat16
     capacity, hidden, num_experts, num_topk = 48, 128, 8, 3
     num_local = num_experts // ctx.world_size
@@ -410,10 +422,10 @@ def torchtitan_inference_expanded_layout(ctx):
     weights, topk_idx, ids, scores, x, grad_out = _titan_inputs(
         ctx, dtype, num_tokens, hidden, num_experts, num_topk, 400
     )
-    buffer = titan.get_buffer(ctx.group, hidden=hidden, num_max_tokens_per_rank=capacity, num_topk=num_topk)
+    titan, buffer = _titan_with_buffer(ctx, placement, hidden, capacity, num_topk)
     with torch.no_grad():
         output, routed, tokens_per_expert, state = _titan_layer(
-            titan, ctx, x, ids, scores, weights, num_experts, capacity, cudagraphable=True
+            titan, ctx, *placement.to(x, ids, scores, weights), num_experts, capacity, cudagraphable=True
         )
         assert state.cudagraphable, "the expanded (inference) path was not taken"
         worst = ctx.world_size * capacity * min(num_topk, num_local)
@@ -424,6 +436,7 @@ def torchtitan_inference_expanded_layout(ctx):
     ref = Reference(x, topk_idx, scores, weights, grad_out)
     # Expert rows (1), score product (2: score and product), the expert-rank reduction of a row's slots (1),
     # combine (1).
+    output = placement.host(output)
     assert_bounded("output", output, ref.out, ref.mag_out, dtype, 5, hidden + ctx.world_size + num_topk)
 
 

@@ -1,6 +1,7 @@
 """Helpers of the normal-mode conformance cases: inputs, the reference checks of a dispatch, combine tolerances.
 
-Every check compares with the plain-PyTorch reference of `mtdeepep.utils.refs` on the gathered global view.
+Every check compares with the plain-PyTorch reference of `mtdeepep.utils.refs` on the gathered global view, on the
+host: inputs are made on the host, moved to the topology's placement (placement.py) and the results copied back.
 
 Tolerances: dispatch moves bytes, so it must be exact. Combine sums rows in FP32 and rounds to the dtype of x: on
 one node once; on several nodes twice, since each node's partial sum (the FP32 sum of its ranks' rows) is rounded
@@ -23,11 +24,16 @@ import mtdeepep as deep_ep
 from mtdeepep.utils import refs
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+ROUTINGS = ("uniform", "skewed")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The ranks' collectives: a rank process's gloo group, or the ranks as threads of one process
+# (`mtdeepep.utils.local_ranks`, whose context has no group and gathers itself)
 
 
 def gather(ctx, value):
-    """Every rank's `value` (any picklable object), ordered by rank. Ranks that are threads of one process
-    (`mtdeepep.utils.local_ranks`) gather through their context."""
+    """Every rank's `value` (any picklable object), ordered by rank."""
     if hasattr(ctx, "all_gather_object"):
         return ctx.all_gather_object(value)
     out = [None] * ctx.world_size
@@ -35,12 +41,39 @@ def gather(ctx, value):
     return out
 
 
-def make_inputs(ctx, num_tokens, hidden, num_experts, num_topk, seed, dtype=torch.bfloat16, masked=0.1):
-    """Random `x [T, H]`, top-k of random scores `topk_idx [T, K]` with a share `masked` of slots set to -1, and
-    positive `topk_weights [T, K]`; different on every rank."""
+def barrier(ctx) -> None:
+    """Every rank of the case arrives."""
+    if hasattr(ctx, "barrier"):
+        ctx.barrier()
+    else:
+        dist.barrier(group=ctx.group)
+
+
+def all_reduce_sum(ctx, tensor: torch.Tensor) -> torch.Tensor:
+    """The sum over the ranks of a host tensor (a new tensor of its dtype)."""
+    return torch.stack(gather(ctx, tensor)).sum(dim=0).to(tensor.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs and the checks of a dispatch
+
+
+def make_inputs(ctx, num_tokens, hidden, num_experts, num_topk, seed, dtype=torch.bfloat16, masked=0.1,
+                routing="uniform"):  # fmt: skip
+    """Host tensors, different on every rank: random `x [T, H]`, top-k of random scores `topk_idx [T, K]` (distinct
+    experts per token) with a share `masked` of slots set to -1, and positive `topk_weights [T, K]`.
+
+    routing: 'uniform' takes the top-k of uniform random scores; 'skewed' multiplies the scores by a factor falling
+    from 4 to 1/4 across the experts, so the first rank's experts get most of the traffic (a hot rank, as unbalanced
+    routers give).
+    """
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     generator = torch.Generator().manual_seed(seed * 1000 + ctx.rank)
     x = torch.randn(num_tokens, hidden, generator=generator).to(dtype)
     scores = torch.rand(num_tokens, num_experts, generator=generator)
+    if routing == "skewed":
+        scores = scores * torch.logspace(2, -2, num_experts, base=2.0)
     topk_idx = scores.topk(num_topk, dim=1).indices
     drop = torch.rand(num_tokens, num_topk, generator=generator) < masked
     topk_idx = topk_idx.masked_fill(drop, -1)
@@ -66,13 +99,21 @@ def tokens_in_rank(ctx, topk_idx, num_experts) -> torch.Tensor:
     return refs.ref_dispatch_layout(topk_idx, num_experts, ctx.world_size)[2]
 
 
+def reference_dispatch(ctx, x, topk_idx, topk_weights, num_experts, expert_alignment=1) -> refs.RefDispatchResult:
+    """`refs.ref_dispatch` of every rank's host inputs, for this rank."""
+    everyone = gather(ctx, (x, topk_idx, topk_weights))
+    return refs.ref_dispatch(*[[e[i] for e in everyone] for i in range(3)], num_experts, ctx.rank, expert_alignment)
+
+
 @dataclass
 class Dispatched:
-    """A checked dispatch: this rank's inputs, the buffer's outputs and the reference's."""
+    """A checked dispatch: this rank's host inputs and their copies on the device (`inputs`: x, topk_idx,
+    topk_weights), the buffer's outputs (on the device) and the reference's."""
 
     x: torch.Tensor
     topk_idx: torch.Tensor
     topk_weights: torch.Tensor
+    inputs: tuple
     recv_x: torch.Tensor
     recv_idx: torch.Tensor
     recv_w: torch.Tensor
@@ -83,35 +124,40 @@ class Dispatched:
 
 
 def check_dispatch(ctx, topo, buffer, num_tokens, hidden, num_experts, num_topk, seed, dtype=torch.bfloat16,
-                   masked=0.1, expert_alignment=1) -> Dispatched:  # fmt: skip
-    """Dispatch random inputs; every output equal to the reference, plus upstream's own checks and the handle's."""
-    x, topk_idx, topk_weights = make_inputs(ctx, num_tokens, hidden, num_experts, num_topk, seed, dtype, masked)
+                   masked=0.1, expert_alignment=1, routing="uniform", **dispatch_kwargs) -> Dispatched:  # fmt: skip
+    """Dispatch random inputs on the topology's placement; every output equal to the reference, plus upstream's own
+    checks and the handle's. `dispatch_kwargs` go to the dispatch (e.g. a `config`)."""
+    placement = topo.placement
+    x, topk_idx, topk_weights = make_inputs(ctx, num_tokens, hidden, num_experts, num_topk, seed, dtype, masked,
+                                            routing)  # fmt: skip
+    inputs = placement.to(x, topk_idx, topk_weights)
     recv_x, recv_idx, recv_w, counts, handle, event = layout_and_dispatch(
-        buffer, x, topk_idx, topk_weights, num_experts, expert_alignment=expert_alignment
+        buffer, *inputs, num_experts, expert_alignment=expert_alignment, **dispatch_kwargs
     )
     assert event.query()
-    everyone = gather(ctx, (x, topk_idx, topk_weights))
-    ref = refs.ref_dispatch(*[[e[i] for e in everyone] for i in range(3)], num_experts, ctx.rank, expert_alignment)
-    assert torch.equal(recv_x, ref.recv_x), "recv_x differs from the reference"
-    assert torch.equal(recv_idx, ref.recv_topk_idx), "recv_topk_idx differs"
-    assert torch.equal(recv_w, ref.recv_topk_weights), "recv_topk_weights differs"
+    placement.assert_on_device(recv_x, recv_idx, recv_w)
+    got_x, got_idx, got_w = placement.host((recv_x, recv_idx, recv_w))
+    ref = reference_dispatch(ctx, x, topk_idx, topk_weights, num_experts, expert_alignment)
+    assert torch.equal(got_x, ref.recv_x), "recv_x differs from the reference"
+    assert torch.equal(got_idx, ref.recv_topk_idx), "recv_topk_idx differs"
+    assert torch.equal(got_w, ref.recv_topk_weights), "recv_topk_weights differs"
     assert counts == ref.num_recv_tokens_per_expert, (counts, ref.num_recv_tokens_per_expert)
     # Upstream's own checks: local ids in [-1, E_local), weights 0 exactly where the id is -1, counts equal to
     # the all-reduced per-expert counts.
     num_local = num_experts // ctx.world_size
-    assert bool(((recv_idx >= -1) & (recv_idx < num_local)).all())
-    assert bool((recv_w[recv_idx < 0] == 0).all())
-    global_counts = (topk_idx.unsqueeze(-1) == torch.arange(num_experts)).sum(dim=(0, 1)).int()
-    dist.all_reduce(global_counts, group=ctx.group)
+    assert bool(((got_idx >= -1) & (got_idx < num_local)).all())
+    assert bool((got_w[got_idx < 0] == 0).all())
+    global_counts = all_reduce_sum(ctx, (topk_idx.unsqueeze(-1) == torch.arange(num_experts)).sum(dim=(0, 1)).int())
     local_counts = global_counts[ctx.rank * num_local : (ctx.rank + 1) * num_local]
     assert counts == [refs.align_up(c, expert_alignment) for c in local_counts.tolist()]
     in_rank = tokens_in_rank(ctx, topk_idx, num_experts)
-    check_handle(ctx, topo, handle, ref, in_rank)
-    return Dispatched(x, topk_idx, topk_weights, recv_x, recv_idx, recv_w, counts, handle, ref, in_rank)
+    check_handle(ctx, topo, placement.host(handle), ref, in_rank)
+    return Dispatched(x, topk_idx, topk_weights, inputs, recv_x, recv_idx, recv_w, counts, handle, ref, in_rank)
 
 
 def check_handle(ctx, topo, handle, ref: refs.RefDispatchResult, in_rank: torch.Tensor) -> None:
-    """The handle's documented contents (upstream's positions): the one place that reads inside a handle."""
+    """The handle's documented contents (upstream's positions, on the host): the one place that reads inside a
+    handle. The channel prefixes and send_head are the executor's own bookkeeping: checked on the CPU executor."""
     assert isinstance(handle, tuple)
     if topo.internode:
         # is_token_in_rank first, upstream's recv_gbl_rank_prefix_sum at [-4], then the sources of the rows.
@@ -120,9 +166,11 @@ def check_handle(ctx, topo, handle, ref: refs.RefDispatchResult, in_rank: torch.
         assert torch.equal(handle.recv_src_meta.long(), torch.stack([ref.recv_src_rank, ref.recv_src_idx], dim=1))
         return
     rank_prefix_matrix, channel_prefix, recv_channel_prefix, recv_src_idx, handle_in_rank, send_head = handle
-    assert torch.equal(rank_prefix_matrix, ref.rank_prefix_matrix)
-    assert torch.equal(recv_src_idx.long(), ref.recv_src_idx)
-    assert torch.equal(handle_in_rank, in_rank)
+    assert torch.equal(rank_prefix_matrix, ref.rank_prefix_matrix), "handle: rank_prefix_matrix"
+    assert torch.equal(recv_src_idx.long(), ref.recv_src_idx), "handle: recv_src_idx"
+    assert torch.equal(handle_in_rank, in_rank), "handle: is_token_in_rank"
+    if topo.placement.on_gpu:
+        return
     assert channel_prefix.shape == recv_channel_prefix.shape == (ctx.world_size, deep_ep.Buffer.num_sms // 2)
     # send_head: each token's position among the tokens sent to each rank, -1 where it is not sent.
     for r in range(ctx.world_size):
@@ -169,6 +217,20 @@ def assert_combine_close(actual, partials, dtype, extra=None) -> None:
 # Errors
 
 
+def first_error(topo, kind: type[Exception], call, *later) -> Exception | None:
+    """The `kind` error that `call` raises, or None. The CPU executor raises in the call. On a GPU the host learns of
+    a device-side error where it synchronises: in the call when it does (a dispatch that returns counts), else at an
+    event's wait, at the device synchronisation, at the latest at the buffer's next call: `later`, those points in
+    order, are tried there until one raises."""
+    steps = [call, *later] if topo.placement.on_gpu else [call]
+    for step in steps:
+        try:
+            step()
+        except kind as error:
+            return error
+    return None
+
+
 def assert_value_errors(calls: dict) -> dict[str, ValueError]:
     """Every call of `calls` (name -> function) raises ValueError; returns the errors by name for message checks."""
     errors, wrong = {}, []
@@ -207,9 +269,7 @@ def assert_overlaps(ctx, run, calibrate: int, repeats: int, what: str) -> tuple[
             overlapped.append(run(work_s))
         t_comm, t_overlapped = statistics.median(serial), statistics.median(overlapped)
         saved = t_comm + work_s - t_overlapped
-        ok = torch.tensor([int(saved >= 0.5 * min(t_comm, work_s))])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=ctx.group)
-        if ok.item():
+        if all(gather(ctx, saved >= 0.5 * min(t_comm, work_s))):
             break
     assert saved >= 0.5 * min(t_comm, work_s), (
         f"no overlap: {what} with work {t_overlapped * 1e3:.2f} ms vs {t_comm * 1e3:.2f} ms + work"
@@ -227,7 +287,7 @@ def assert_async_overlaps(ctx, buffer, x, dispatch_kwargs) -> tuple[float, float
     """
 
     def run(work_s: float) -> float:
-        dist.barrier(group=ctx.group)
+        barrier(ctx)
         start = time.perf_counter()
         recv_x, _, _, _, handle, event = buffer.dispatch(x, async_finish=True, **dispatch_kwargs)
         if work_s:

@@ -21,14 +21,23 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
 
 import mtdeepep as deep_ep
 from mtdeepep.utils import fp8
 
-from .common import assert_overlaps, assert_value_errors, gather
+from .common import assert_overlaps, assert_value_errors, barrier, gather
+from .common import make_inputs as make_normal_inputs
 
 COUNT_MASK = (1 << 32) - 1
+FP8_MODES = {  # name: (use_fp8, round_scale, use_ue8m0)
+    "bf16": (False, False, False),
+    "fp8": (True, False, False),
+    "fp8-pow2": (True, True, False),
+    "fp8-ue8m0": (True, True, True),
+}
+# The sizes of the cases that a GPU runs too, (max tokens a rank, hidden, experts a rank, top-k): 'small' for the CPU
+# topologies, 'upstream' as upstream's low-latency test (128 tokens a rank, hidden 7168, top-8 of 8 experts a rank).
+SIZES = {"small": (64, 1024, 8, 8), "upstream": (128, 7168, 8, 8)}
 RANK_OFFSET = 128  # upstream's row value: source rank - 128 (exact in bfloat16 and in E4M3 with its own scale)
 
 
@@ -38,21 +47,24 @@ RANK_OFFSET = 128  # upstream's row value: source rank - 128 (exact in bfloat16 
 
 def ll_buffer(ctx, topo, name: str = "main", num_max_tokens: int = 64, hidden: int = 1024, experts_per_rank: int = 8,
               **kwargs) -> deep_ep.Buffer:  # fmt: skip
-    """One low-latency buffer per name, sized by the size hint, reused across the cases of a pool."""
+    """One low-latency buffer per name, sized by the size hint, on the topology's placement, reused across the cases
+    of a pool."""
     key = f"ll-{topo}-{name}-{sorted(kwargs.items())}"
     if key not in ctx.cache:
         hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(
             num_max_tokens, hidden, ctx.world_size, experts_per_rank * ctx.world_size
         )
-        ctx.cache[key] = deep_ep.Buffer(
-            ctx.group,
-            0,
-            hint,
-            low_latency_mode=True,
-            num_qps_per_rank=experts_per_rank,
+        ctx.cache[key] = topo.placement.new_buffer(
+            ctx, 0, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=experts_per_rank,
             **{**topo.buffer_kwargs(), **kwargs},
-        )
+        )  # fmt: skip
     return ctx.cache[key]
+
+
+def sized_buffer(ctx, topo, size: str) -> deep_ep.Buffer:
+    """The low-latency buffer of a size of `SIZES` ('small' is the cases' usual buffer)."""
+    num_max_tokens, hidden, experts_per_rank, _ = SIZES[size]
+    return ll_buffer(ctx, topo, "main" if size == "small" else size, num_max_tokens, hidden, experts_per_rank)
 
 
 def transport_of(buffer: deep_ep.Buffer) -> str:
@@ -69,6 +81,15 @@ def make_routing(ctx, num_tokens, num_experts, num_topk, seed, num_masked=6):
         cols = torch.randint(num_topk, (num_masked,), generator=generator)
         topk_idx[rows, cols] = -1
     topk_weights = torch.rand(num_tokens, num_topk, generator=generator) + 0.1
+    return topk_idx, topk_weights
+
+
+def routing_for(ctx, num_tokens, num_experts, num_topk, seed, routing="uniform", num_masked=6):
+    """`(topk_idx [T, K], topk_weights [T, K])` on the host: `make_routing`, or (routing 'skewed') the normal cases'
+    skewed routing, where the first rank's experts take most of the traffic."""
+    if routing == "uniform":
+        return make_routing(ctx, num_tokens, num_experts, num_topk, seed, num_masked)
+    _, topk_idx, topk_weights = make_normal_inputs(ctx, num_tokens, 8, num_experts, num_topk, seed, routing=routing)
     return topk_idx, topk_weights
 
 
@@ -246,6 +267,25 @@ def run_hook(hook):
         hook()
 
 
+def dispatch_checked(ctx, topo, buffer, x, topk_idx, num_experts, mode: str, t_max: int, **kwargs):
+    """`low_latency_dispatch` of host inputs on the topology's placement in one of `FP8_MODES`, checked on the host
+    (`check_dispatch`) after running the hook and waiting on the event; returns `(recv, count, handle, event, hook)`
+    (on the device)."""
+    placement = topo.placement
+    use_fp8, round_scale, use_ue8m0 = FP8_MODES[mode]
+    out = buffer.low_latency_dispatch(
+        *placement.to(x, topk_idx), t_max, num_experts, use_fp8=use_fp8, round_scale=round_scale,
+        use_ue8m0=use_ue8m0, **kwargs,
+    )  # fmt: skip
+    recv, count, handle, event, hook = out
+    run_hook(hook)
+    event.current_stream_wait()
+    placement.assert_on_device(*(recv if use_fp8 else (recv,)), count)
+    check_dispatch(ctx, x, topk_idx, num_experts, *placement.host((recv, count, handle)), use_fp8, round_scale,
+                   use_ue8m0, num_max_tokens=t_max)  # fmt: skip
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Dispatch
 
@@ -315,33 +355,74 @@ def fp8_cast_matches_reference(ctx, topo):
             assert torch.equal(unpack_ue8m0(packed, hidden // 128)[0], scales_ref)
 
 
+def dispatch_matches_reference(ctx, topo, mode: str, routing: str = "uniform", size: str = "small"):
+    """One mode of `FP8_MODES`, twice: every (expert, source) segment holds exactly that source's tokens in order;
+    FP8 rows bitwise the reference cast (wide-range rows: subnormals and all-zero blocks); per-expert counts added to
+    the cumulative stats."""
+    placement = topo.placement
+    t_max, hidden, experts_per_rank, num_topk = SIZES[size]
+    buffer = sized_buffer(ctx, topo, size)
+    num_experts = experts_per_rank * ctx.world_size
+    num_tokens = t_max - 7 * ctx.rank
+    x = make_x(ctx, num_tokens, hidden, seed=1, kind="wide" if FP8_MODES[mode][0] else "random")
+    topk_idx, _ = routing_for(ctx, num_tokens, num_experts, num_topk, 1, routing, num_masked=10)
+    stats = placement.to(torch.zeros(experts_per_rank, dtype=torch.int32))
+    for _ in range(2):
+        _, count, *_ = dispatch_checked(ctx, topo, buffer, x, topk_idx, num_experts, mode, t_max,
+                                        cumulative_local_expert_recv_stats=stats)  # fmt: skip
+    assert torch.equal(placement.host(stats), 2 * placement.host(count)), "cumulative_local_expert_recv_stats"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Combine
 
 
-def dispatch_compute_combine(ctx, buffer, x, topk_idx, topk_weights, num_experts, t_max, use_fp8=False,
+def dispatch_compute_combine(ctx, topo, buffer, x, topk_idx, topk_weights, num_experts, t_max, use_fp8=False,
                              round_scale=False, **combine_kwargs):  # fmt: skip
-    recv, count, handle, _, _ = buffer.low_latency_dispatch(
-        x, topk_idx, t_max, num_experts, use_fp8=use_fp8, round_scale=round_scale
-    )
-    check_dispatch(ctx, x, topk_idx, num_experts, recv, count, handle, use_fp8, round_scale)
-    y = expert_outputs(ctx, dequantised(recv, use_fp8), num_experts)
-    combined, event, hook = buffer.low_latency_combine(y, topk_idx, topk_weights, handle, **combine_kwargs)
+    """Dispatch of host inputs on the topology's placement (checked), the toy experts, then the weighted combine
+    against the float64 reference. Returns `(combined, expert outputs, handle)` (on the device)."""
+    placement = topo.placement
+    mode = "fp8-pow2" if round_scale else "fp8" if use_fp8 else "bf16"
+    recv, _, handle, _, _ = dispatch_checked(ctx, topo, buffer, x, topk_idx, num_experts, mode, t_max)
+    y = placement.to(expert_outputs(ctx, dequantised(placement.host(recv), use_fp8), num_experts))
+    combined, event, hook = buffer.low_latency_combine(y, *placement.to(topk_idx, topk_weights), handle,
+                                                       **combine_kwargs)  # fmt: skip
     run_hook(hook)
     event.current_stream_wait()
+    placement.assert_on_device(combined)
     ref, magnitude = reference_combine(x, topk_idx, topk_weights, use_fp8, round_scale)
-    assert_weighted_combine_close(combined, ref, magnitude, topk_idx.size(1))
+    assert_weighted_combine_close(placement.host(combined), ref, magnitude, topk_idx.size(1))
     return combined, y, handle
 
 
-def combine_matches_reference(ctx, topo):
-    """Weighted FP32 combine of toy expert outputs after BF16 and FP8 dispatch, against a float64 reference."""
-    buffer = ll_buffer(ctx, topo)
-    num_experts = 8 * ctx.world_size
-    x = make_x(ctx, 64, 1024, seed=4)
-    topk_idx, topk_weights = make_routing(ctx, 64, num_experts, 8, seed=4, num_masked=20)
-    for use_fp8, round_scale in ((False, False), (True, False), (True, True)):
-        dispatch_compute_combine(ctx, buffer, x, topk_idx, topk_weights, num_experts, 64, use_fp8, round_scale)
+def combine_matches_reference(ctx, topo, modes=("bf16", "fp8", "fp8-pow2"), routing: str = "uniform",
+                              size: str = "small"):  # fmt: skip
+    """Toy experts (y = x (1 + g / 8) per global expert g) on the rows dispatched in each mode, then the weighted
+    FP32 combine, against a float64 reference; zero-copy (outputs written into the next combine buffer) and `out=`
+    give the same bits."""
+    placement = topo.placement
+    t_max, hidden, experts_per_rank, num_topk = SIZES[size]
+    buffer = sized_buffer(ctx, topo, size)
+    num_experts = experts_per_rank * ctx.world_size
+    # small: a full rank of tokens, many masked slots; upstream: fewer tokens on the higher ranks
+    num_tokens, seed, num_masked = (t_max, 4, 20) if size == "small" else (t_max - 5 * ctx.rank, 2, 10)
+    x = make_x(ctx, num_tokens, hidden, seed=seed)
+    topk_idx, topk_weights = routing_for(ctx, num_tokens, num_experts, num_topk, seed, routing, num_masked)
+    idx_d, w_d = placement.to(topk_idx, topk_weights)
+    for mode in modes:
+        use_fp8, round_scale, _ = FP8_MODES[mode]
+        combined, y, handle = dispatch_compute_combine(ctx, topo, buffer, x, topk_idx, topk_weights, num_experts,
+                                                       t_max, use_fp8, round_scale)  # fmt: skip
+        got = placement.host(combined)
+        # Zero-copy: the expert outputs written into the area the next combine reads.
+        area = buffer.get_next_low_latency_combine_buffer(handle)
+        area.copy_(y)
+        zero_copy, _, _ = buffer.low_latency_combine(area, idx_d, w_d, handle, zero_copy=True)
+        assert torch.equal(placement.host(zero_copy), got), f"{mode}: zero-copy combine differs"
+        out = placement.to(torch.full((num_tokens, hidden), 7.0, dtype=torch.bfloat16))
+        placed, _, _ = buffer.low_latency_combine(y, idx_d, w_d, handle, out=out)
+        assert placed.data_ptr() == out.data_ptr(), "out= was not written in place"
+        assert torch.equal(placement.host(out), got), f"{mode}: combine into out= differs"
 
 
 def combine_modes_agree(ctx, topo):
@@ -351,7 +432,7 @@ def combine_modes_agree(ctx, topo):
     num_experts = 8 * ctx.world_size
     x = make_x(ctx, 50, 1024, seed=5)
     topk_idx, topk_weights = make_routing(ctx, 50, num_experts, 5, seed=5)
-    combined, y, handle = dispatch_compute_combine(ctx, buffer, x, topk_idx, topk_weights, num_experts, 64)
+    combined, y, handle = dispatch_compute_combine(ctx, topo, buffer, x, topk_idx, topk_weights, num_experts, 64)
     for mode in ("hook", "async"):
         again, event, hook = buffer.low_latency_combine(
             y, topk_idx, topk_weights, handle, async_finish=mode == "async", return_recv_hook=mode == "hook"
@@ -375,6 +456,31 @@ def combine_modes_agree(ctx, topo):
         raise AssertionError(f"{kwargs}: no ValueError")
 
 
+def async_and_hooks(ctx, topo, size: str = "small"):
+    """async_finish: the event completes the receive; return_recv_hook: calling the hook completes it (work can run
+    between send and hook: on a GPU a sleeping stream), for an FP8 dispatch and the combine; results as the
+    synchronous calls'."""
+    placement = topo.placement
+    t_max, hidden, experts_per_rank, num_topk = SIZES[size]
+    buffer = sized_buffer(ctx, topo, size)
+    num_experts = experts_per_rank * ctx.world_size
+    x = make_x(ctx, t_max, hidden, seed=3)
+    topk_idx, topk_weights = routing_for(ctx, t_max, num_experts, num_topk, 3, num_masked=10)
+    idx_d, w_d = placement.to(topk_idx, topk_weights)
+    ref, magnitude = reference_combine(x, topk_idx, topk_weights, True, False)
+    for kwargs in ({"async_finish": True}, {"return_recv_hook": True}):
+        recv, _, handle, event, hook = dispatch_checked(ctx, topo, buffer, x, topk_idx, num_experts, "fp8", t_max,
+                                                        **kwargs)  # fmt: skip
+        assert (hook is not None) == bool(kwargs.get("return_recv_hook")), kwargs
+        y = placement.to(expert_outputs(ctx, dequantised(placement.host(recv), True), num_experts))
+        combined, event, hook = buffer.low_latency_combine(y, idx_d, w_d, handle, **kwargs)
+        if hook is not None:
+            placement.busy_stream(1_000_000)  # work between the send and the receive
+            hook()
+        event.current_stream_wait()
+        assert_weighted_combine_close(placement.host(combined), ref, magnitude, num_topk)
+
+
 def masked_slots_and_empty_rank(ctx, topo):
     """The last rank has no tokens; tokens whose slots are all -1 go nowhere and combine to 0."""
     buffer = ll_buffer(ctx, topo)
@@ -383,11 +489,11 @@ def masked_slots_and_empty_rank(ctx, topo):
     x = make_x(ctx, num_tokens, 1024, seed=6)
     topk_idx, topk_weights = make_routing(ctx, num_tokens, num_experts, 4, seed=6)
     topk_idx[::3] = -1
-    combined, _, _ = dispatch_compute_combine(ctx, buffer, x, topk_idx, topk_weights, num_experts, 64)
+    combined, _, _ = dispatch_compute_combine(ctx, topo, buffer, x, topk_idx, topk_weights, num_experts, 64)
     assert combined.shape == (num_tokens, 1024) and bool((combined[::3] == 0).all())
     # every token of every rank to one expert, owned by the last rank
     topk_idx = torch.full((num_tokens, 1), num_experts - 1)
-    dispatch_compute_combine(ctx, buffer, x, topk_idx, torch.ones(num_tokens, 1), num_experts, 64, use_fp8=True)
+    dispatch_compute_combine(ctx, topo, buffer, x, topk_idx, torch.ones(num_tokens, 1), num_experts, 64, use_fp8=True)
 
 
 def hidden_and_topk_beyond_upstream_limits(ctx, topo):
@@ -396,10 +502,10 @@ def hidden_and_topk_beyond_upstream_limits(ctx, topo):
     num_experts = 8 * ctx.world_size
     x = make_x(ctx, 33, 100, seed=7)
     topk_idx, topk_weights = make_routing(ctx, 33, num_experts, 16, seed=7)
-    dispatch_compute_combine(ctx, buffer, x, topk_idx, topk_weights, num_experts, 64)
+    dispatch_compute_combine(ctx, topo, buffer, x, topk_idx, topk_weights, num_experts, 64)
     x = make_x(ctx, 33, 896, seed=8)
     topk_idx, topk_weights = make_routing(ctx, 33, num_experts, 11, seed=8)
-    dispatch_compute_combine(ctx, buffer, x, topk_idx, topk_weights, num_experts, 64, use_fp8=True)
+    dispatch_compute_combine(ctx, topo, buffer, x, topk_idx, topk_weights, num_experts, 64, use_fp8=True)
 
 
 def double_buffering(ctx, topo):
@@ -442,7 +548,7 @@ def hook_pending_two_calls_ago_is_refused(ctx, topo):
     for recv, count, handle, _, hook in (first, second):
         hook()
         check_dispatch(ctx, x, topk_idx, num_experts, recv, count, handle)
-    dispatch_compute_combine(ctx, buffer, x, topk_idx, topk_weights, num_experts, 64)
+    dispatch_compute_combine(ctx, topo, buffer, x, topk_idx, topk_weights, num_experts, 64)
 
 
 def wait_stats_name_the_late_rank(ctx, topo):
@@ -455,11 +561,11 @@ def wait_stats_name_the_late_rank(ctx, topo):
     late = ctx.world_size - 1
     dispatch_ns = torch.zeros(ctx.world_size, dtype=torch.int64)
     combine_ns = torch.zeros(ctx.world_size, dtype=torch.int64)
-    dist.barrier(group=ctx.group)
+    barrier(ctx)
     if ctx.rank == late:
         time.sleep(0.2)
     recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, 64, E, None, dispatch_ns, use_fp8=False)
-    dist.barrier(group=ctx.group)
+    barrier(ctx)
     if ctx.rank == late:
         time.sleep(0.2)
     buffer.low_latency_combine(expert_outputs(ctx, recv, E), topk_idx, topk_weights, handle,
@@ -540,7 +646,7 @@ def overlap_is_real(ctx, topo):
     topk_idx, _ = make_routing(ctx, 128, num_experts, 8, seed=13, num_masked=0)
 
     def run(compute_s: float, check: bool = False) -> float:
-        dist.barrier(group=ctx.group)
+        barrier(ctx)
         start = time.perf_counter()
         recv, count, handle, _, hook = buffer.low_latency_dispatch(
             x, topk_idx, 128, num_experts, use_fp8=False, return_recv_hook=True
@@ -601,7 +707,7 @@ def bad_inputs_raise_value_error_before_communicating(ctx, topo):
     }
     errors = assert_value_errors(cases)
     assert "get_low_latency_rdma_size_hint" in str(errors["region too small"]), errors["region too small"]
-    dispatch_compute_combine(ctx, buffer, x, topk_idx, topk_weights, E, 64)  # still in step with the peers
+    dispatch_compute_combine(ctx, topo, buffer, x, topk_idx, topk_weights, E, 64)  # still in step with the peers
 
 
 def mismatched_calls_raise_on_every_rank(ctx, topo):
@@ -617,7 +723,7 @@ def mismatched_calls_raise_on_every_rank(ctx, topo):
         assert "disagree" in str(error), error
     else:
         raise AssertionError("expected GroupMismatchError")
-    dispatch_compute_combine(ctx, buffer, x, topk_idx, topk_weights, E, 64)
+    dispatch_compute_combine(ctx, topo, buffer, x, topk_idx, topk_weights, E, 64)
 
 
 def missing_rank_times_out_then_clean_recovers(ctx, topo, timeout_s):
@@ -643,8 +749,8 @@ def missing_rank_times_out_then_clean_recovers(ctx, topo, timeout_s):
                 assert timeout_s <= time.perf_counter() - start < timeout_s + 5
                 outcome.append("timeout")
         buffer.clean_low_latency_buffer(32, 256, E)
-        dispatch_compute_combine(ctx, buffer, x, topk_idx, topk_weights, E, 32)
-        dist.barrier(group=ctx.group)
+        dispatch_compute_combine(ctx, topo, buffer, x, topk_idx, topk_weights, E, 32)
+        barrier(ctx)
         if ctx.rank == 1:
             buffer.destroy()
             outcome.append("destroyed")
@@ -656,7 +762,7 @@ def missing_rank_times_out_then_clean_recovers(ctx, topo, timeout_s):
                 assert "rank 1 failed" in str(error) and "destroyed" in str(error), error
                 assert time.perf_counter() - start < timeout_s
                 outcome.append("peer-destroyed")
-        dist.barrier(group=ctx.group)
+        barrier(ctx)
     finally:
         buffer.destroy()
     return outcome

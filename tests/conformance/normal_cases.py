@@ -2,7 +2,10 @@
 
 Each case runs in the rank processes of a `RankPool` (see test_normal.py) as `case(ctx, topo)`, builds random
 inputs on every rank, gathers them and compares the buffer's results with `mtdeepep.utils.refs` (tolerances in
-common.py).
+common.py). The cases that tests/cuda runs on a GPU as well (layout, dispatch and combine, FP8, alignment,
+num_worst_tokens, FP32 accumulation, bias, events, timeouts) keep their tensors on the topology's placement
+(placement.py): inputs made on the host and moved there, results copied back to be compared; their parameters
+(routing, dtypes, `size`) give the GPU tests upstream's sizes and a skewed routing.
 """
 
 from __future__ import annotations
@@ -19,44 +22,81 @@ import torch.distributed as dist
 import mtdeepep as deep_ep
 from mtdeepep.utils import fp8, refs
 
+from ..cuda.gpu import named_ranks
 from .common import (
+    all_reduce_sum,
     assert_async_overlaps,
     assert_combine_close,
     assert_value_errors,
+    barrier,
     check_dispatch,
+    first_error,
     gather,
     identity_partials,
     layout_and_dispatch,
     layout_kwargs,
     make_inputs,
     node_partials_f64,
+    reference_dispatch,
     tokens_in_rank,
 )
 from .topology import Topology
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# Sizes of the shared cases, (tokens, more tokens per rank, hidden, experts, top-k, seed): 'small' for the CPU
+# topologies; 'upstream' for a GPU: upstream's hidden 7168 (fp32: 4096) and a hidden whose rows are no multiple of
+# 16 bytes (the copies' tail).
+COMBINE_SIZES = {
+    "small": {name: [(300, 0, 160, 16, 4, 60 + i)] for i, name in enumerate(DTYPES)},
+    "upstream": {
+        "bfloat16": [(1024, 37, 7168, 64, 6, 20), (1024, 37, 777, 64, 6, 21)],
+        "float32": [(1024, 37, 4096, 64, 6, 20), (1024, 37, 1001, 64, 6, 21)],
+    },
+}
+FP8_SIZES = {"small": (200, 0, 256, 16, 4, 30), "upstream": (512, 11, 7168, 64, 8, 40)}
 
 # ---------------------------------------------------------------------------------------------------------------
 # Layout and dispatch
 
 
-def layout_matches_reference(ctx, topo: Topology):
+def layout_matches_reference(ctx, topo: Topology, routing: str = "uniform"):
+    """`get_dispatch_layout` against `refs.ref_dispatch_layout`, synchronous and async (after a previous event,
+    allocated on the comm stream): odd and empty shapes, upstream's setting (4096 tokens, top-8 of 256 experts) and
+    a count that differs per rank."""
+    placement = topo.placement
     buffer = topo.buffer(ctx)
     assert buffer.get_num_rdma_ranks() == topo.num_nodes and buffer.get_rdma_rank() == ctx.rank // topo.node_size
     assert buffer.get_root_rdma_rank(True) == ctx.rank // topo.node_size * topo.node_size
     assert buffer.get_root_rdma_rank(False) == 0
-    for seed, (tokens, experts, topk) in enumerate([(256, 16, 4), (1000, 64, 8), (1, 8, 8), (333, 8, 1), (0, 8, 2)]):
-        _, topk_idx, _ = make_inputs(ctx, tokens, 8, experts, topk, seed, masked=0.2)
-        per_rank, per_node, per_expert, in_rank, event = buffer.get_dispatch_layout(topk_idx, experts)
+    # (tokens, experts, top-k, seed, masked)
+    shapes = [(256, 16, 4, 0, 0.2), (1000, 64, 8, 1, 0.2), (1, 8, 8, 2, 0.2), (333, 8, 1, 3, 0.2), (0, 8, 2, 4, 0.2),
+              (4096, 256, 8, 10, 0.1), (37 + ctx.rank, 16, 3, 11, 0.1)]  # fmt: skip
+    for tokens, experts, topk, seed, masked in shapes:
+        _, topk_idx, _ = make_inputs(ctx, tokens, 8, experts, topk, seed, masked=masked, routing=routing)
         ref_rank, ref_expert, ref_in_rank = refs.ref_dispatch_layout(topk_idx, experts, ctx.world_size)
-        assert event.query()
-        assert per_rank.dtype == per_expert.dtype == torch.int32 and in_rank.dtype == torch.bool
-        assert torch.equal(per_rank, ref_rank) and torch.equal(per_expert, ref_expert)
-        assert torch.equal(in_rank, ref_in_rank)
-        if not topo.internode:
-            assert per_node is None  # upstream: no per-node counts within one node
-            continue
-        # A token counts once per node that one of its ranks is on, however many.
-        expected = ref_in_rank.view(tokens, topo.num_nodes, topo.node_size).any(dim=2).sum(dim=0)
-        assert per_node.dtype == torch.int32 and per_node.tolist() == expected.tolist(), (per_node, expected)
+        for async_finish in (False, True):
+            previous = deep_ep.Buffer.capture() if async_finish else None
+            per_rank, per_node, per_expert, in_rank, event = buffer.get_dispatch_layout(
+                placement.to(topk_idx), experts, previous_event=previous, async_finish=async_finish,
+                allocate_on_comm_stream=async_finish,
+            )  # fmt: skip
+            if async_finish:
+                event.current_stream_wait()
+            else:
+                assert event.query()
+            placement.assert_on_device(per_rank, per_node, per_expert, in_rank)
+            assert per_rank.dtype == per_expert.dtype == torch.int32 and in_rank.dtype == torch.bool
+            per_rank, per_node, per_expert, in_rank = placement.host((per_rank, per_node, per_expert, in_rank))
+            what = f"({tokens} tokens, async={async_finish})"
+            assert torch.equal(per_rank, ref_rank), f"num_tokens_per_rank differs {what}"
+            assert torch.equal(per_expert, ref_expert), f"num_tokens_per_expert differs {what}"
+            assert torch.equal(in_rank, ref_in_rank), f"is_token_in_rank differs {what}"
+            if not topo.internode:
+                assert per_node is None  # upstream: no per-node counts within one node
+                continue
+            # A token counts once per node that one of its ranks is on, however many.
+            expected = ref_in_rank.view(tokens, topo.num_nodes, topo.node_size).any(dim=2).sum(dim=0)
+            assert per_node.dtype == torch.int32 and per_node.tolist() == expected.tolist(), (per_node, expected)
 
 
 def dispatch_matches_reference(ctx, topo):
@@ -101,24 +141,39 @@ def dispatch_segments_constant_per_source(ctx, topo):
 
 
 def expert_alignment_rounds_counts(ctx, topo):
+    """Per-expert counts rounded up to `expert_alignment` (and the rows as the reference aligns them)."""
     buffer = topo.buffer(ctx)
-    for alignment in (4, 128):
-        check_dispatch(ctx, topo, buffer, 150, 32, 16, 4, seed=20 + alignment, expert_alignment=alignment)
+    for alignment, (tokens, hidden, experts, topk, seed) in ((4, (150, 32, 16, 4, 24)), (128, (150, 32, 16, 4, 148)),
+                                                             (64, (300, 256, 32, 4, 30))):  # fmt: skip
+        d = check_dispatch(ctx, topo, buffer, tokens, hidden, experts, topk, seed=seed, expert_alignment=alignment)
+        assert all(c % alignment == 0 for c in d.counts), d.counts
 
 
-def fp8_dispatch_passes_through(ctx, topo):
+def fp8_dispatch_passes_through(ctx, topo, routing: str = "uniform", size: str = "small"):
+    """FP8 rows `(float8_e4m3fn [T, H], float32 scales [T, H / 128])`, scales row- and column-major (upstream passes
+    column-major): bytes and scales exactly the reference's, received scales row-major, dequantised rows within FP8's
+    precision; a cached FP8 dispatch. `size`: 'small', or 'upstream' (hidden 7168, top-8 of 64 experts)."""
+    placement = topo.placement
     buffer = topo.buffer(ctx)
-    x, topk_idx, topk_weights = make_inputs(ctx, 200, 256, 16, 4, seed=30)
+    tokens, step, hidden, experts, topk, seed = FP8_SIZES[size]
+    x, topk_idx, topk_weights = make_inputs(ctx, tokens + step * ctx.rank, hidden, experts, topk, seed=seed,
+                                            routing=routing)  # fmt: skip
     e4m3, scales = fp8.per_token_cast_to_fp8(x.float())
     everyone = gather(ctx, (e4m3.view(torch.uint8), scales, topk_idx, x))
-    ref_data = refs.ref_dispatch([e[0] for e in everyone], [e[2] for e in everyone], None, 16, ctx.rank).recv_x
-    ref_scales = refs.ref_dispatch([e[1] for e in everyone], [e[2] for e in everyone], None, 16, ctx.rank).recv_x
-    ref_x = refs.ref_dispatch([e[3] for e in everyone], [e[2] for e in everyone], None, 16, ctx.rank).recv_x.float()
+    ref_data = refs.ref_dispatch([e[0] for e in everyone], [e[2] for e in everyone], None, experts, ctx.rank).recv_x
+    ref_scales = refs.ref_dispatch([e[1] for e in everyone], [e[2] for e in everyone], None, experts, ctx.rank).recv_x
+    ref_x = refs.ref_dispatch([e[3] for e in everyone], [e[2] for e in everyone], None, experts, ctx.rank).recv_x
+    ref_x = ref_x.float()
     for layout in ("row", "column"):
         s = scales if layout == "row" else scales.T.contiguous().T  # upstream passes column-major scales
-        (recv_data, recv_scales), *_, handle, _ = layout_and_dispatch(buffer, (e4m3, s), topk_idx, topk_weights, 16)
+        pair = placement.to(e4m3, s)
+        (recv_data, recv_scales), recv_idx, recv_w, _, handle, _ = layout_and_dispatch(
+            buffer, pair, *placement.to(topk_idx, topk_weights), experts
+        )
+        placement.assert_on_device(recv_data, recv_scales, recv_idx, recv_w)
         assert recv_data.dtype == torch.float8_e4m3fn and recv_scales.dtype == torch.float32
-        assert recv_scales.is_contiguous()
+        assert recv_scales.is_contiguous(), "received scales are row-major"
+        recv_data, recv_scales = placement.host((recv_data, recv_scales))
         assert torch.equal(recv_data.view(torch.uint8), ref_data), f"fp8 data ({layout}-major scales)"
         assert torch.equal(recv_scales, ref_scales), f"scales ({layout}-major)"
         # Dequantised rows still represent the sender's bf16 rows within FP8's precision: E4M3 keeps 3 mantissa
@@ -127,8 +182,9 @@ def fp8_dispatch_passes_through(ctx, topo):
         bound = 2.0**-4 * ref_x.abs() + 2.0**-10 * recv_scales.repeat_interleave(128, dim=1)
         assert bool(((deq - ref_x).abs() <= bound * 1.001).all())
         # a cached FP8 dispatch reuses the layout
-        (cached_data, cached_scales), *_ = buffer.dispatch((e4m3, s), handle=handle)
-        assert torch.equal(cached_data.view(torch.uint8), ref_data) and torch.equal(cached_scales, ref_scales)
+        cached_data, cached_scales = placement.host(buffer.dispatch(pair, handle=handle)[0])
+        assert torch.equal(cached_data.view(torch.uint8), ref_data), "cached fp8 data"
+        assert torch.equal(cached_scales, ref_scales), "cached scales"
 
 
 def cached_dispatch_matches(ctx, topo):
@@ -145,145 +201,194 @@ def cached_dispatch_matches(ctx, topo):
 
 
 def num_worst_tokens_pads_outputs(ctx, topo):
+    """`num_worst_tokens`: outputs sized for the worst case (no host sync for the count); the valid rows first,
+    then ids -1 and weights 0; the count list empty; combine through that handle uses only the valid rows."""
+    placement = topo.placement
     buffer = topo.buffer(ctx)
-    x, topk_idx, topk_weights = make_inputs(ctx, 100, 64, 16, 4, seed=50)
-    worst = 100 * ctx.world_size
-    recv_x, recv_idx, recv_w, counts, handle, _ = layout_and_dispatch(
-        buffer, x, topk_idx, topk_weights, 16, num_worst_tokens=worst
-    )
-    everyone = gather(ctx, (x, topk_idx, topk_weights))
-    ref = refs.ref_dispatch(*[[e[i] for e in everyone] for i in range(3)], 16, ctx.rank)
-    n = ref.recv_x.size(0)
-    assert recv_x.size(0) == recv_idx.size(0) == recv_w.size(0) == worst and counts == []
-    assert torch.equal(recv_x[:n], ref.recv_x) and torch.equal(recv_idx[:n], ref.recv_topk_idx)
-    assert torch.equal(recv_w[:n], ref.recv_topk_weights)
-    assert bool((recv_idx[n:] == -1).all()) and bool((recv_w[n:] == 0).all())
-    out, _, _ = buffer.combine(recv_x, handle)  # combine through a worst-case handle uses only the valid rows
-    assert_combine_close(out, identity_partials(topo, x, tokens_in_rank(ctx, topk_idx, 16)), torch.bfloat16)
+    for tokens, hidden, experts in ((100, 64, 16), (256, 512, 32)):
+        x, topk_idx, topk_weights = make_inputs(ctx, tokens, hidden, experts, 4, seed=50)
+        worst = tokens * ctx.world_size
+        recv_x, recv_idx, recv_w, counts, handle, _ = layout_and_dispatch(
+            buffer, *placement.to(x, topk_idx, topk_weights), experts, num_worst_tokens=worst
+        )
+        ref = reference_dispatch(ctx, x, topk_idx, topk_weights, experts)
+        n = ref.recv_x.size(0)
+        got_x, got_idx, got_w = placement.host((recv_x, recv_idx, recv_w))
+        assert got_x.size(0) == got_idx.size(0) == got_w.size(0) == worst and counts == []
+        assert torch.equal(got_x[:n], ref.recv_x) and torch.equal(got_idx[:n], ref.recv_topk_idx)
+        assert torch.equal(got_w[:n], ref.recv_topk_weights)
+        assert bool((got_idx[n:] == -1).all()) and bool((got_w[n:] == 0).all()), "padding rows"
+        out, _, _ = buffer.combine(recv_x, handle)  # combine through a worst-case handle uses only the valid rows
+        partials = identity_partials(topo, x, tokens_in_rank(ctx, topk_idx, experts))
+        assert_combine_close(placement.host(out), partials, torch.bfloat16)
 
 
 def num_worst_tokens_too_small_raises_on_every_rank(ctx, topo):
     """Too small a bound, for every rank or for some only: every rank raises GroupMismatchError (naming the bound)
-    before any token bytes move, and the buffer stays usable, also for a cached dispatch of an earlier handle."""
+    before any token bytes move (see `first_error` for where), and the buffer stays usable, also for a cached
+    dispatch of a handle from before the errors and of one from after them. Twice: an error leaves no trace."""
+    placement = topo.placement
     buffer = topo.buffer(ctx)
     x, topk_idx, topk_weights = make_inputs(ctx, 100, 16, 8, 4, seed=51, masked=0.0)
-    num_recv = buffer.get_dispatch_layout(topk_idx, 8)[0]
-    dist.all_reduce(num_recv, group=ctx.group)
+    x, topk_idx, topk_weights = placement.to(x, topk_idx, topk_weights)
+    num_recv = all_reduce_sum(ctx, placement.host(buffer.get_dispatch_layout(topk_idx, 8)[0]))
     assert bool((num_recv > 10).all())
     *_, handle, _ = layout_and_dispatch(buffer, x, topk_idx, topk_weights, 8)
-    x2, topk_idx2, topk_weights2 = make_inputs(ctx, 100, 16, 8, 2, seed=52, masked=0.0)
-    num_recv2 = buffer.get_dispatch_layout(topk_idx2, 8)[0]
-    dist.all_reduce(num_recv2, group=ctx.group)
+    x2, topk_idx2, topk_weights2 = placement.to(*make_inputs(ctx, 100, 16, 8, 2, seed=52, masked=0.0))
+    num_recv2 = all_reduce_sum(ctx, placement.host(buffer.get_dispatch_layout(topk_idx2, 8)[0]))
     median = int(num_recv2.median())
     over = [r for r in range(ctx.world_size) if num_recv2[r] > median]
     assert over and len(over) < ctx.world_size, num_recv2
-    attempts = {
-        "every rank over": (10, lambda: layout_and_dispatch(buffer, x, topk_idx, topk_weights, 8, num_worst_tokens=10)),
-        "some ranks over": (median, lambda: layout_and_dispatch(buffer, x2, topk_idx2, topk_weights2, 8,
-                                                                num_worst_tokens=median)),
-        "cached": (10, lambda: buffer.dispatch(x, handle=handle, num_worst_tokens=10)),
-    }  # fmt: skip
-    for name, (bound, call) in attempts.items():
-        try:
-            call()
-        except deep_ep.GroupMismatchError as error:
-            if name != "cached":
-                assert f"num_worst_tokens={bound}" in str(error), (name, error)
-        else:
-            raise AssertionError(f"{name}: expected GroupMismatchError")
-    check_dispatch(ctx, topo, buffer, 64, 16, 8, 2, seed=53)
+
+    def refused(name: str, bound: int, call) -> None:
+        error = first_error(topo, deep_ep.GroupMismatchError, call, placement.synchronize,
+                            lambda: buffer.get_dispatch_layout(topk_idx, 8))  # fmt: skip
+        assert error is not None, f"{name}: expected GroupMismatchError"
+        if name != "cached":
+            assert f"num_worst_tokens={bound}" in str(error), (name, error)
+        barrier(ctx)
+
+    for _ in range(2):
+        refused("every rank over", 10, lambda: layout_and_dispatch(buffer, x, topk_idx, topk_weights, 8,
+                                                                   num_worst_tokens=10))  # fmt: skip
+        refused("some ranks over", median, lambda: layout_and_dispatch(buffer, x2, topk_idx2, topk_weights2, 8,
+                                                                      num_worst_tokens=median))  # fmt: skip
+        refused("cached", 10, lambda: buffer.dispatch(x, handle=handle, num_worst_tokens=10))
+    d = check_dispatch(ctx, topo, buffer, 64, 16, 8, 2, seed=53)
+    refused("cached", 10, lambda: buffer.dispatch(d.inputs[0], handle=d.handle, num_worst_tokens=10))
+    check_dispatch(ctx, topo, buffer, 64, 16, 8, 2, seed=54)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Combine
 
 
-def combine_matches_reference(ctx, topo):
+def combine_matches_reference(ctx, topo, dtype_names=("bfloat16", "float16", "float32"), routing: str = "uniform",
+                              size: str = "small"):  # fmt: skip
+    """Dispatch, then combine of per-rank "expert" outputs with the received weights: within the bound of common.py;
+    the combined weights rebuild the original ones; results own their memory; a cached dispatch gives the same rows.
+    `size`: 'small', or 'upstream' (hidden 7168 for bf16 / 4096 for fp32, and one whose rows are no multiple of 16
+    bytes, ~1000 tokens a rank, top-6 of 64 experts)."""
+    placement = topo.placement
     buffer = topo.buffer(ctx)
-    for seed, dtype in enumerate((torch.bfloat16, torch.float16, torch.float32)):
-        d = check_dispatch(ctx, topo, buffer, 300, 160, 16, 4, seed=60 + seed, dtype=dtype)
-        expert_out = (d.recv_x.float() * (1.5 + ctx.rank) + 0.25).to(dtype)  # a different "expert" per rank
-        combined, combined_w, event = buffer.combine(expert_out, d.handle, topk_weights=d.recv_w)
-        assert combined_w.dtype == torch.float32 and event.query()
-        partials = node_partials_f64(ctx, topo, expert_out, d.ref.recv_src_rank, d.ref.recv_src_idx, 300)
-        assert_combine_close(combined, partials, dtype)
-        everyone = gather(ctx, (d.ref.recv_src_rank, d.ref.recv_src_idx, d.recv_w))
-        _, expected_w = refs.ref_combine(
-            gather(ctx, expert_out), [e[0] for e in everyone], [e[1] for e in everyone], ctx.rank, 300,
-            [e[2] for e in everyone],
-        )  # fmt: skip
-        assert torch.allclose(combined_w, expected_w, rtol=1e-6, atol=0)
-        # the combined weights rebuild the original ones (masked slots are 0 everywhere)
-        assert torch.allclose(combined_w, d.topk_weights.masked_fill(d.topk_idx < 0, 0.0), rtol=1e-6, atol=0)
-        # Results own their memory: the next calls (reusing the buffer's scratch) leave them unchanged.
-        kept = (combined.clone(), d.recv_x.clone())
-        buffer.combine(torch.zeros_like(expert_out), d.handle)
-        buffer.dispatch(torch.zeros_like(d.x), handle=d.handle)
-        assert torch.equal(combined, kept[0]) and torch.equal(d.recv_x, kept[1])
+    for dtype_name in dtype_names:
+        dtype = DTYPES[dtype_name]
+        for tokens, step, hidden, experts, topk, seed in COMBINE_SIZES[size][dtype_name]:
+            num_tokens = tokens + step * ctx.rank
+            d = check_dispatch(ctx, topo, buffer, num_tokens, hidden, experts, topk, seed=seed, dtype=dtype,
+                               routing=routing)  # fmt: skip
+            expert_out = (d.recv_x.float() * (1.5 + ctx.rank) + 0.25).to(dtype)  # a different "expert" per rank
+            combined, combined_w, event = buffer.combine(expert_out, d.handle, topk_weights=d.recv_w)
+            assert combined_w.dtype == torch.float32 and event.query()
+            placement.assert_on_device(combined, combined_w)
+            assert combined.shape == (num_tokens, hidden)
+            expert_out_h, combined_h, combined_w_h = placement.host((expert_out, combined, combined_w))
+            partials = node_partials_f64(ctx, topo, expert_out_h, d.ref.recv_src_rank, d.ref.recv_src_idx, num_tokens)
+            assert_combine_close(combined_h, partials, dtype)
+            everyone = gather(ctx, (d.ref.recv_src_rank, d.ref.recv_src_idx, placement.host(d.recv_w)))
+            _, expected_w = refs.ref_combine(
+                gather(ctx, expert_out_h), [e[0] for e in everyone], [e[1] for e in everyone], ctx.rank, num_tokens,
+                [e[2] for e in everyone],
+            )  # fmt: skip
+            assert torch.allclose(combined_w_h, expected_w, rtol=1e-6, atol=0)
+            # the combined weights rebuild the original ones (masked slots are 0 everywhere)
+            expected_w = d.topk_weights.masked_fill(d.topk_idx < 0, 0.0)
+            assert torch.allclose(combined_w_h, expected_w, rtol=1e-6, atol=0), "combined weights"
+            # Results own their memory: the next calls (reusing the buffer's scratch) leave them unchanged.
+            kept = (combined_h.clone(), placement.host(d.recv_x).clone())
+            buffer.combine(torch.zeros_like(expert_out), d.handle)
+            buffer.dispatch(torch.zeros_like(d.inputs[0]), handle=d.handle)
+            assert torch.equal(placement.host(combined), kept[0]) and torch.equal(placement.host(d.recv_x), kept[1])
+            # Cached mode: the handle's layout again, same rows.
+            cached, *_ = buffer.dispatch(d.inputs[0], handle=d.handle)
+            assert torch.equal(placement.host(cached), d.ref.recv_x), "cached dispatch differs"
 
 
 def combine_accumulates_in_fp32(ctx, topo):
     """Every token reaches every rank; rank 0 returns 1, the others 2^-8. Summed row by row in bf16 that stays 1;
     summed in FP32 per node, rounded, then summed in FP32 across nodes (and rounded), it does not."""
+    placement = topo.placement
     buffer = topo.buffer(ctx)
     num_experts = ctx.world_size * 2
-    topk_idx = torch.arange(0, num_experts, 2).repeat(8, 1)  # every token goes to every rank
-    x = torch.ones(8, 16, dtype=torch.bfloat16)
-    recv_x, _, _, _, handle, _ = layout_and_dispatch(buffer, x, topk_idx, None, num_experts)
-    value = 1.0 if ctx.rank == 0 else 2.0**-8
-    combined, _, _ = buffer.combine(torch.full_like(recv_x, value), handle)
-    node_sums = [
-        torch.tensor([1.0 if r == 0 else 2.0**-8 for r in range(n * topo.node_size, (n + 1) * topo.node_size)])
-        .sum()
-        .to(torch.bfloat16 if topo.internode else torch.float32)  # one node: no rounding before the last one
-        for n in range(topo.num_nodes)
-    ]
-    expected = torch.stack(node_sums).float().sum().bfloat16()
-    assert bool((combined == expected).all()), (combined[0, 0].item(), expected.item())
-    # 2 ranks on one node: 1 + 2^-8 rounds to 1 in bf16 as well, so only larger groups tell FP32 from bf16.
-    assert ctx.world_size == 2 or expected.item() > 1.0
+    for tokens, hidden in ((8, 16), (64, 256)):
+        topk_idx = torch.arange(0, num_experts, 2).repeat(tokens, 1)  # every token goes to every rank
+        x = torch.ones(tokens, hidden, dtype=torch.bfloat16)
+        recv_x, _, _, _, handle, _ = layout_and_dispatch(buffer, *placement.to(x, topk_idx), None, num_experts)
+        value = 1.0 if ctx.rank == 0 else 2.0**-8
+        combined = placement.host(buffer.combine(torch.full_like(recv_x, value), handle)[0])
+        node_sums = [
+            torch.tensor([1.0 if r == 0 else 2.0**-8 for r in range(n * topo.node_size, (n + 1) * topo.node_size)])
+            .sum()
+            .to(torch.bfloat16 if topo.internode else torch.float32)  # one node: no rounding before the last one
+            for n in range(topo.num_nodes)
+        ]
+        expected = torch.stack(node_sums).float().sum().bfloat16()
+        assert bool((combined == expected).all()), (combined[0, 0].item(), expected.item())
+        # 2 ranks on one node: 1 + 2^-8 rounds to 1 in bf16 as well, so only larger groups tell FP32 from bf16.
+        assert ctx.world_size == 2 or expected.item() > 1.0
 
 
 def combine_adds_bias(ctx, topo):
+    """`bias=b0` or `bias=(b0, b1)` (either may be None) is added to the FP32 sum before its one rounding."""
+    placement = topo.placement
     buffer = topo.buffer(ctx)
-    d = check_dispatch(ctx, topo, buffer, 128, 64, 8, 2, seed=70)
-    generator = torch.Generator().manual_seed(ctx.rank + 71)
-    b0 = torch.randn(128, 64, generator=generator).bfloat16()
-    b1 = torch.randn(128, 64, generator=generator).bfloat16()
-    partials = identity_partials(topo, d.x, d.in_rank)
-    for bias, extra in [(b0, b0.double()), ((b0, b1), b0.double() + b1.double()), ((None, b1), b1.double())]:
-        combined, _, _ = buffer.combine(d.recv_x, d.handle, bias=bias)
-        assert_combine_close(combined, partials, torch.bfloat16, extra)
+    for tokens, hidden, experts, topk, seed in ((128, 64, 8, 2, 70), (200, 384, 16, 3, 60)):
+        d = check_dispatch(ctx, topo, buffer, tokens, hidden, experts, topk, seed=seed)
+        generator = torch.Generator().manual_seed(ctx.rank + seed + 1)
+        b0 = torch.randn(tokens, hidden, generator=generator).bfloat16()
+        b1 = torch.randn(tokens, hidden, generator=generator).bfloat16()
+        b0_d, b1_d = placement.to(b0, b1)
+        partials = identity_partials(topo, d.x, d.in_rank)
+        for bias, extra in [(b0_d, b0.double()), ((b0_d, b1_d), b0.double() + b1.double()),
+                            ((b0_d, None), b0.double()), ((None, b1_d), b1.double())]:  # fmt: skip
+            combined, _, _ = buffer.combine(d.recv_x, d.handle, bias=bias)
+            assert_combine_close(placement.host(combined), partials, torch.bfloat16, extra)
 
 
 def async_and_previous_event(ctx, topo):
-    """async_finish returns events that complete; previous_event orders the calls; results as without them."""
+    """async_finish returns events that complete; the comm stream waits for `previous_event`: x is written on the
+    current stream behind a ~50 ms sleep kernel (on a GPU) and the async dispatch must still read the new x (without
+    the wait it reads the old random x); the returned events make the current stream wait; results as without
+    them. allocate_on_comm_stream without its prerequisites is refused."""
+    placement = topo.placement
     buffer = topo.buffer(ctx)
-    x, topk_idx, topk_weights = make_inputs(ctx, 256, 128, 16, 4, seed=80)
-    everyone = gather(ctx, (x, topk_idx, topk_weights))
-    ref = refs.ref_dispatch(*[[e[i] for e in everyone] for i in range(3)], 16, ctx.rank)
-    previous = deep_ep.Buffer.capture()
-    assert previous.query()
-    per_rank, per_node, per_expert, in_rank, layout_event = buffer.get_dispatch_layout(
-        topk_idx, 16, previous_event=previous, async_finish=True, allocate_on_comm_stream=True
-    )
-    recv_x, recv_idx, _, _, handle, dispatch_event = buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights, previous_event=layout_event,
-        async_finish=True,
-    )  # fmt: skip
-    combined, _, combine_event = buffer.combine(
-        recv_x, handle, previous_event=dispatch_event, async_finish=True, allocate_on_comm_stream=True
-    )
-    with combine_event:  # leaving the block waits, as EventOverlap's context manager does upstream
-        pass
-    dispatch_event.current_stream_wait()
-    assert layout_event.query() and dispatch_event.query() and combine_event.query()
-    assert torch.equal(recv_x, ref.recv_x) and torch.equal(recv_idx, ref.recv_topk_idx)
-    assert_combine_close(combined, identity_partials(topo, x, in_rank), torch.bfloat16)
+    for tokens, hidden, experts, seed in ((256, 128, 16, 80), (512, 1024, 32, 70)):
+        x, topk_idx, topk_weights = make_inputs(ctx, tokens, hidden, experts, 4, seed=seed)
+        stale = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed + 1 + ctx.rank)).bfloat16()
+        ref = reference_dispatch(ctx, x, topk_idx, topk_weights, experts)
+        x_d, idx_d, w_d = placement.to(stale, topk_idx, topk_weights)
+        x_new = placement.to(x)
+        barrier(ctx)
+        placement.busy_stream(100_000_000)  # ~50 ms of GPU clock cycles on the current stream
+        x_d.copy_(x_new)
+        previous = deep_ep.Buffer.capture()
+        if not placement.on_gpu:
+            assert previous.query()  # the CPU executor's "stream" has no work queued: complete at once
+        per_rank, per_node, per_expert, in_rank, layout_event = buffer.get_dispatch_layout(
+            idx_d, experts, previous_event=previous, async_finish=True, allocate_on_comm_stream=True
+        )
+        recv_x, recv_idx, _, _, handle, dispatch_event = buffer.dispatch(
+            x_d, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idx_d, topk_weights=w_d, previous_event=layout_event,
+            async_finish=True, allocate_on_comm_stream=True,
+        )  # fmt: skip
+        combined, _, combine_event = buffer.combine(
+            recv_x, handle, previous_event=dispatch_event, async_finish=True, allocate_on_comm_stream=True
+        )
+        with combine_event:  # leaving the block waits, as EventOverlap's context manager does upstream
+            pass
+        dispatch_event.current_stream_wait()
+        got_x, got_idx, got_combined, got_in_rank = placement.host((recv_x, recv_idx, combined, in_rank))
+        assert torch.equal(got_x, ref.recv_x), "the async dispatch did not wait for previous_event (stale rows)"
+        assert torch.equal(got_idx, ref.recv_topk_idx)
+        ref_in_rank = tokens_in_rank(ctx, topk_idx, experts)
+        assert torch.equal(got_in_rank, ref_in_rank), "is_token_in_rank of the async layout"
+        assert_combine_close(got_combined, identity_partials(topo, x, ref_in_rank), torch.bfloat16)
+        placement.synchronize()
+        assert layout_event.query() and dispatch_event.query() and combine_event.query()
     # allocate_on_comm_stream without its prerequisites is refused, as upstream asserts
     try:
-        buffer.get_dispatch_layout(topk_idx, 16, allocate_on_comm_stream=True)
+        buffer.get_dispatch_layout(idx_d, experts, allocate_on_comm_stream=True)
     except ValueError:
         pass
     else:
@@ -544,8 +649,11 @@ def _destroy_at(buffer: deep_ep.Buffer, release: float) -> None:
 
 def _timeout_outcome(topo, error: deep_ep.CommTimeoutError, phase: str) -> str:
     """'network' or 'node-local [late ranks]': where a rank timed out and whom it names. Internode messages name
-    the stage; an intranode buffer has only the node-local one."""
+    the stage; an intranode buffer has only the node-local one. The CUDA executor's messages name the ranks that did
+    not arrive in their own words (`named_ranks`); it runs on one node."""
     message = str(error)
+    if topo.placement.on_gpu:
+        return f"node-local {named_ranks(message) or message}"
     assert phase in message, message
     if " stopped: " in message:  # another rank's published timeout ended this rank's wait: what that rank reported
         message = message.partition(" stopped: ")[2]
@@ -564,68 +672,106 @@ def _timeout_outcome(topo, error: deep_ep.CommTimeoutError, phase: str) -> str:
     return f"node-local {[r + int(node.group(1)) for r in ranks] if node else ranks}"
 
 
+def _still_works(ctx, topo) -> None:
+    """After a timeout every rank's device is not hung (its synchronisation returns) and a fresh buffer dispatches
+    right."""
+    barrier(ctx)
+    topo.placement.synchronize()
+    check_dispatch(ctx, topo, topo.buffer(ctx, 16 << 20), 64, 256, 16, 2, seed=119)
+
+
+def bad_input_outcomes(topo) -> list[str]:
+    """What `bad_input_on_one_rank_times_out_the_others` returns on each rank: where it timed out and whom it names.
+    Internode, every operation begins with the operation check over the whole group: the others wait there for
+    rank 1. 2x2: rank 3 starts late; the first of ranks 0 and 2 to time out publishes its report, which stops it."""
+    stage = "network" if topo.internode else "node-local"
+    return [f"{stage} [1]", "value-error"] + [f"{stage} [1]"] * (topo.world_size - 2)
+
+
 def bad_input_on_one_rank_times_out_the_others(ctx, topo, timeout_s):
     """Rank 1 refuses its input before sending anything; the others time out after about `timeout_s`, naming the
-    stage they were waiting in and the ranks they waited for. Internode, every operation begins with the operation
-    check over the whole group, which rank 1 never joins. 2x2: rank 3 starts late, so that the timeout of rank 0 or
-    2, published in the store, stops rank 3's wait first: rank 3 then raises a CommTimeoutError too, carrying that
-    rank's report."""
+    stage they were waiting in and the ranks they waited for; then every rank uses its device again. With 3 or
+    more ranks every waiter but the first is stopped by a peer, and must still name rank 1. Internode, every
+    operation begins with the operation check over the whole group, which rank 1 never joins. 2x2: rank 3 starts
+    late, so that the timeout of rank 0 or 2, published in the store, stops rank 3's wait first: rank 3 then raises
+    a CommTimeoutError too, carrying that rank's report."""
+    placement = topo.placement
     buffer = topo.new_buffer(ctx, 1 << 20, explicitly_destroy=True, timeout_s=timeout_s)
-    release = time.perf_counter() + 2 * timeout_s + 0.5
+    release = time.perf_counter() + 2 * timeout_s + 0.5 + 2 * placement.timeout_slack_s
     try:
         x, topk_idx, topk_weights = make_inputs(ctx, 32, 64, 8, 2, seed=140)
         bad = topk_idx.clone()
         if ctx.rank == 1:
             bad[3, 0] = 99
+        x, bad, topk_weights = placement.to(x, bad, topk_weights)
         start = time.perf_counter()
         late_starter = 3 if str(topo) == "internode-2x2" else None
         if ctx.rank == late_starter:
             time.sleep(0.4 * timeout_s)
         try:
             layout_and_dispatch(buffer, x, bad, topk_weights, 8)
+            placement.synchronize()
         except ValueError as error:
             assert ctx.rank == 1 and "[-1, 8)" in str(error), error
-            return "value-error"
+            outcome = "value-error"
         except deep_ep.CommTimeoutError as error:
             elapsed = time.perf_counter() - start
             assert ctx.rank != 1
             # About the timeout: a rank that another rank's published timeout stops may end a little before its own.
-            assert 0.8 * timeout_s <= elapsed < 2 * timeout_s, elapsed
+            assert 0.8 * timeout_s <= elapsed < 2 * timeout_s + placement.timeout_slack_s, elapsed
             outcome = _timeout_outcome(topo, error, "dispatch")
             # Internode, every operation starts with the operation check over the whole group (rank 1 never joins it).
             assert not outcome.startswith("network") or "operation check" in str(error), error
             assert ctx.rank != late_starter or " stopped: " in str(error), error  # stopped by a peer's timeout
-            return outcome
-        raise AssertionError("the dispatch succeeded without rank 1")
+        else:
+            raise AssertionError("the dispatch succeeded without rank 1")
     finally:
         _destroy_at(buffer, release)
+    _still_works(ctx, topo)
+    return outcome
+
+
+def missing_in_combine_outcomes(topo) -> list[str]:
+    """What `missing_rank_in_combine_times_out` returns on each rank (internode, every combine starts with the
+    operation check over the whole group: it names rank 0)."""
+    stage = "network" if topo.internode else "node-local"
+    return ["skipped"] + [f"{stage} [0]"] * (topo.world_size - 1)
 
 
 def missing_rank_in_combine_times_out(ctx, topo, timeout_s, async_finish=False):
-    """Rank 0 never joins the combine; the others time out naming the stage they were waiting in. With
-    `async_finish` the call returns at once and the event's wait raises the timeout."""
+    """Rank 0 never joins the combine; the others time out naming the stage they were waiting in (see `first_error`
+    for where a GPU raises it); then every rank uses its device again. With `async_finish` the call returns at once
+    and the event's wait raises the timeout."""
+    placement = topo.placement
     buffer = topo.new_buffer(ctx, 1 << 20, explicitly_destroy=True, timeout_s=timeout_s)
-    release = time.perf_counter() + 2 * timeout_s + 1.0  # the dispatch before the combine takes a few ms
+    release = time.perf_counter() + 2 * timeout_s + 1.0 + placement.timeout_slack_s  # the dispatch takes a few ms
+    outcome = "skipped"
     try:
-        x, topk_idx, topk_weights = make_inputs(ctx, 32, 64, 8, 2, seed=150)
+        x, topk_idx, topk_weights = placement.to(*make_inputs(ctx, 32, 64, 8, 2, seed=150))
         recv_x, _, _, _, handle, _ = layout_and_dispatch(buffer, x, topk_idx, topk_weights, 8)
-        if ctx.rank == 0:
-            return "skipped"
-        try:
-            start = time.perf_counter()
-            _, _, event = buffer.combine(recv_x, handle, async_finish=async_finish)
-            assert async_finish and time.perf_counter() - start < timeout_s / 2, "combine returned without rank 0"
-            event.current_stream_wait()
-        except deep_ep.CommTimeoutError as error:
+        if ctx.rank != 0:
+            state = {}
+
+            def call():
+                start = time.perf_counter()
+                _, _, state["event"] = buffer.combine(recv_x, handle, async_finish=async_finish)
+                assert async_finish or placement.on_gpu, "combine returned without rank 0"
+                assert time.perf_counter() - start < timeout_s / 2 or not async_finish, "async combine blocked"
+                if not placement.on_gpu:
+                    state["event"].current_stream_wait()
+
+            error = first_error(topo, deep_ep.CommTimeoutError, call, lambda: state["event"].current_stream_wait(),
+                                placement.synchronize, lambda: buffer.get_dispatch_layout(topk_idx, 8))  # fmt: skip
+            assert error is not None, "combine succeeded without rank 0"
             outcome = _timeout_outcome(topo, error, "combine")
             if outcome.startswith("network"):  # internode, every operation starts with the operation check
                 assert "operation check" in str(error), error
             elif topo.internode:
                 assert "node 0" in str(error), error
-            return outcome
-        raise AssertionError("combine succeeded without rank 0")
     finally:
         _destroy_at(buffer, release)
+    _still_works(ctx, topo)
+    return outcome
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Low-latency mode (`low_latency_dispatch/combine`) on the topologies where it applies (low_latency_cases.py):
 one node of 2 and 4 ranks (shared-memory transport) and, for the cases that hold for both transports, several
-nodes (the collective transport).
+nodes (the collective transport); on the CPU executor (the GPU tests of tests/cuda run the same cases with a GPU
+placement, at upstream's size).
 
 The rank processes start once per world size for the module (`rank_pools`); every test runs one case in them.
 """
@@ -21,6 +22,7 @@ CASES = [
     cases.fp8_cast_matches_reference,
     cases.combine_matches_reference,
     cases.combine_modes_agree,
+    cases.async_and_hooks,
     cases.masked_slots_and_empty_rank,
     cases.hidden_and_topk_beyond_upstream_limits,
     cases.double_buffering,
@@ -44,6 +46,12 @@ def applies(case, topology) -> bool:
 )
 def test_case(pool, case, topology):
     pool.run(case, topology)
+
+
+@pytest.mark.parametrize("topology", NORMAL, ids=str)
+@pytest.mark.parametrize("mode", list(cases.FP8_MODES))
+def test_dispatch_matches_reference(pool, topology, mode):
+    pool.run(cases.dispatch_matches_reference, topology, mode)
 
 
 # The collective transport waits with the process group's own timeout, which names no missing rank: one node only.

@@ -1,5 +1,6 @@
 """Normal mode (layout, dispatch, combine, autograd, errors, timeouts) on every topology: intranode at 2 and 4
-ranks, internode as 2 nodes x 2 ranks and 4 nodes x 1 rank (cases in normal_cases.py).
+ranks, internode as 2 nodes x 2 ranks and 4 nodes x 1 rank (cases in normal_cases.py), on the CPU executor; the
+GPU tests of tests/cuda run the same cases with a GPU placement.
 
 The rank processes start once per world size for the module (`rank_pools`); every test runs one case in them.
 """
@@ -78,34 +79,14 @@ def test_async_finish_overlaps_the_transfer(pool, topology):
     pool.run(cases.async_finish_overlaps_the_transfer, topology)
 
 
-# Where each rank times out and whom it names: 'node-local [ranks]' or 'network [ranks]' (a set: any of them).
-BAD_INPUT_OUTCOMES = {
-    "intranode-2": ["node-local [1]", "value-error"],
-    "intranode-4": ["node-local [1]", "value-error", "node-local [1]", "node-local [1]"],
-    # Internode, every operation begins with the operation check over the whole group: the others wait there for
-    # rank 1. 2x2: rank 3 starts late; the first of ranks 0 and 2 to time out publishes its report, which stops it.
-    "internode-2x2": ["network [1]", "value-error", "network [1]", "network [1]"],
-    "internode-4x1": ["network [1]", "value-error", "network [1]", "network [1]"],
-}
-MISSING_IN_COMBINE_OUTCOMES = {
-    "intranode-2": ["skipped", "node-local [0]"],
-    "intranode-4": ["skipped", "node-local [0]", "node-local [0]", "node-local [0]"],
-    # Internode, every combine starts with the operation check over the whole group: it names rank 0.
-    "internode-2x2": ["skipped", "network [0]", "network [0]", "network [0]"],
-    "internode-4x1": ["skipped", "network [0]", "network [0]", "network [0]"],
-}
-
-
 @pytest.mark.parametrize("topology", NORMAL, ids=str)
 def test_bad_input_on_one_rank_times_out_the_others(pool, topology):
     outcomes = pool.run(cases.bad_input_on_one_rank_times_out_the_others, topology, TIMEOUT_S)
-    expected = BAD_INPUT_OUTCOMES[str(topology)]
-    assert len(outcomes) == len(expected)
-    assert all(got in want if isinstance(want, set) else got == want for got, want in zip(outcomes, expected)), outcomes
+    assert outcomes == cases.bad_input_outcomes(topology)
 
 
 @pytest.mark.parametrize("topology", NORMAL, ids=str)
 @pytest.mark.parametrize("async_finish", [False, True], ids=["sync", "async"])
 def test_missing_rank_in_combine_times_out(pool, topology, async_finish):
     outcomes = pool.run(cases.missing_rank_in_combine_times_out, topology, TIMEOUT_S, async_finish)
-    assert outcomes == MISSING_IN_COMBINE_OUTCOMES[str(topology)]
+    assert outcomes == cases.missing_in_combine_outcomes(topology)

@@ -3,7 +3,8 @@
 Intranode: one node of `world_size` ranks (`Buffer(group, ...)`, the default node size). Internode: nodes of
 `ranks_per_node` consecutive ranks (`Buffer(group, ..., num_ranks_per_node=...)`), so both stages run: the network
 stage over torch.distributed (gloo) and the node-local stage over shared memory. A `Topology` is pickled into the
-rank processes with every case.
+rank processes with every case, with its placement (placement.py): the CPU executor, or GPU 0 for the GPU tests of
+tests/cuda, which run the same cases on one node.
 """
 
 from __future__ import annotations
@@ -12,16 +13,24 @@ from dataclasses import dataclass
 
 import mtdeepep as deep_ep
 
+from .placement import CPU, Placement
+
 
 @dataclass(frozen=True)
 class Topology:
     world_size: int
     ranks_per_node: int | None = None  # None: one node of every rank (intranode)
+    placement: Placement = CPU
+
+    def __post_init__(self) -> None:
+        if self.placement.on_gpu and self.internode:
+            raise ValueError("the CUDA executor runs on one node: a GPU topology is intranode")
 
     def __str__(self) -> str:
+        prefix = "" if self.placement == CPU else f"{self.placement}-"
         if self.ranks_per_node is None:
-            return f"intranode-{self.world_size}"
-        return f"internode-{self.num_nodes}x{self.ranks_per_node}"
+            return f"{prefix}intranode-{self.world_size}"
+        return f"{prefix}internode-{self.num_nodes}x{self.ranks_per_node}"
 
     @property
     def internode(self) -> bool:
@@ -38,8 +47,10 @@ class Topology:
     def buffer_kwargs(self) -> dict:
         return {} if self.ranks_per_node is None else {"num_ranks_per_node": self.ranks_per_node}
 
-    def buffer(self, ctx, num_nvl_bytes: int = 64 << 20, **kwargs) -> deep_ep.Buffer:
-        """One buffer per topology and size, kept in the rank's cache across the cases of its pool."""
+    def buffer(self, ctx, num_nvl_bytes: int | None = None, **kwargs) -> deep_ep.Buffer:
+        """One buffer per topology and size (None: the placement's default), kept in the rank's cache across the
+        cases of its pool."""
+        num_nvl_bytes = self.placement.default_nvl_bytes if num_nvl_bytes is None else num_nvl_bytes
         key = f"{self}-{num_nvl_bytes}-{sorted(kwargs.items())}"
         if key not in ctx.cache:
             ctx.cache[key] = self.new_buffer(ctx, num_nvl_bytes, **kwargs)
@@ -47,7 +58,7 @@ class Topology:
 
     def new_buffer(self, ctx, num_nvl_bytes: int, **kwargs) -> deep_ep.Buffer:
         assert ctx.world_size == self.world_size, (ctx.world_size, self)
-        return deep_ep.Buffer(ctx.group, num_nvl_bytes, **self.buffer_kwargs(), **kwargs)
+        return self.placement.new_buffer(ctx, num_nvl_bytes, **self.buffer_kwargs(), **kwargs)
 
 
 INTRANODE_2 = Topology(2)

@@ -1,16 +1,17 @@
 """What every GPU test shares: the skip mark, the device, CUDA buffers, copies to the host for the references.
 
-2 to 4 rank processes share the one GPU (device 0): control over gloo on 127.0.0.1, data over CUDA IPC peer memory
-(NCCL refuses two ranks on one GPU). The same cases also run with the ranks as threads of one process
-(`mtdeepep.utils.local_ranks`: peer pointers instead of IPC, each rank its own stream, the kernels truly concurrent):
-a case reaches its ranks' collectives and buffers through `barrier(ctx)`, `new_buffer(ctx)` and the conformance
-helpers' `gather(ctx)`, which serve both. Every GPU test skips, with one reason, where there is no CUDA device; on a
-CUDA build of torch a missing executor is a failure, not a skip (`mtdeepep.utils.testing.cuda_skip_reason`); the
-MoE layer's single-process GPU tests need only the device.
+2 to 4 rank processes share the one GPU (device 0): control over gloo on 127.0.0.1, data over CUDA IPC peer memory (NCCL
+refuses two ranks on one GPU). The same cases also run with the ranks as threads of one process
+(`mtdeepep.utils.local_ranks`: peer pointers instead of IPC, each rank its own stream, the kernels truly concurrent): a
+case reaches its ranks' buffers through `new_buffer(ctx)` and their collectives through the conformance helpers'
+`barrier(ctx)` and `gather(ctx)`, which serve both. The cases both executors share are the conformance cases, run with
+the GPU placement (tests/conformance/placement.py), which keeps its tensors and buffers through this module. Every GPU
+test skips, with one reason, where there is no CUDA device; on a CUDA build of torch a missing executor is a failure,
+not a skip (`mtdeepep.utils.testing.cuda_skip_reason`); the MoE layer's single-process GPU tests need only the device.
 
 References stay on the host: results are copied to the CPU and compared with the plain-PyTorch references of
-`mtdeepep.utils.refs` and the conformance helpers, the same ones the CPU executor is tested against, so the CPU
-executor and the CUDA executor are held to one definition.
+`mtdeepep.utils.refs` and the conformance helpers, the same ones the CPU executor is tested against, so the CPU executor
+and the CUDA executor are held to one definition.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import mtdeepep as deep_ep
 from mtdeepep.utils.local_ranks import current_context
@@ -78,14 +78,6 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def barrier(ctx) -> None:
-    """Every rank of the case arrives (a rank process's gloo group, or the thread barrier of one process)."""
-    if hasattr(ctx, "barrier"):
-        ctx.barrier()
-    else:
-        dist.barrier(group=ctx.group)
-
-
 def sleep_on_stream(cycles: int) -> None:
     """Keeps the current stream busy for about `cycles` GPU clock cycles (nothing on the CPU executor)."""
     if not _on_cpu:
@@ -106,35 +98,6 @@ def new_buffer(ctx, num_nvl_bytes: int = 256 << 20, **kwargs) -> deep_ep.Buffer:
     if hasattr(ctx, "new_buffer"):  # ranks as threads of one process: every rank creates it together
         return check_cuda_buffer(ctx.new_buffer(num_nvl_bytes, **kwargs))
     return check_cuda_buffer(deep_ep.Buffer(ctx.group, num_nvl_bytes, **kwargs))
-
-
-def buffer(ctx, name: str = "normal", num_nvl_bytes: int = 256 << 20, **kwargs) -> deep_ep.Buffer:
-    """One buffer per name and size, kept in the rank's cache across the cases of its pool."""
-    key = f"cuda-{name}-{num_nvl_bytes}-{sorted(kwargs.items())}"
-    if key not in ctx.cache:
-        ctx.cache[key] = new_buffer(ctx, num_nvl_bytes, **kwargs)
-    return ctx.cache[key]
-
-
-def new_ll_buffer(ctx, num_max_tokens: int, hidden: int, experts_per_rank: int, **kwargs) -> deep_ep.Buffer:
-    """A low-latency CUDA `Buffer` sized by the size hint."""
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(
-        num_max_tokens, hidden, ctx.world_size, experts_per_rank * ctx.world_size
-    )
-    device()
-    if hasattr(ctx, "new_buffer"):
-        return check_cuda_buffer(ctx.new_buffer(0, hint, low_latency_mode=True, **kwargs))
-    buf = deep_ep.Buffer(ctx.group, 0, hint, low_latency_mode=True, num_qps_per_rank=experts_per_rank, **kwargs)
-    return check_cuda_buffer(buf)
-
-
-def ll_buffer(ctx, name: str = "ll", num_max_tokens: int = 128, hidden: int = 7168, experts_per_rank: int = 8,
-              **kwargs) -> deep_ep.Buffer:  # fmt: skip
-    """One low-latency buffer per name and size, kept across the cases of a pool."""
-    key = f"cuda-ll-{name}-{num_max_tokens}-{hidden}-{experts_per_rank}-{sorted(kwargs.items())}"
-    if key not in ctx.cache:
-        ctx.cache[key] = new_ll_buffer(ctx, num_max_tokens, hidden, experts_per_rank, **kwargs)
-    return ctx.cache[key]
 
 
 def cuda(*tensors: torch.Tensor | None):
@@ -161,35 +124,9 @@ def assert_on_gpu(*tensors: torch.Tensor | None) -> None:
         assert t is None or t.device == expected, f"result on {t.device}, not {expected}"
 
 
-ROUTINGS = ("uniform", "skewed")
-
-
 def rank_ids(num_ranks: int) -> str:
     """Test ids of rank counts: `R2`, `R4` (scripts/gpu_check.sh selects its stages by them)."""
     return f"R{num_ranks}"
-
-
-def make_inputs(ctx, num_tokens: int, hidden: int, num_experts: int, num_topk: int, seed: int,
-                dtype: torch.dtype = torch.bfloat16, routing: str = "uniform", masked: float = 0.1):  # fmt: skip
-    """Host tensors, different on every rank: random `x [T, H]`, `topk_idx [T, K]` int64 (distinct experts per token,
-    a share `masked` of slots -1) and positive `topk_weights [T, K]` float32.
-
-    routing: 'uniform' takes the top-k of uniform random scores; 'skewed' multiplies the scores by a factor falling
-    from 4 to 1/4 across the experts, so the first rank's experts get most of the traffic (a hot rank, as unbalanced
-    routers give).
-    """
-    if routing not in ROUTINGS:
-        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
-    generator = torch.Generator().manual_seed(seed * 1000 + ctx.rank)
-    x = torch.randn(num_tokens, hidden, generator=generator).to(dtype)
-    scores = torch.rand(num_tokens, num_experts, generator=generator)
-    if routing == "skewed":
-        scores = scores * torch.logspace(2, -2, num_experts, base=2.0)
-    topk_idx = scores.topk(num_topk, dim=1).indices
-    drop = torch.rand(num_tokens, num_topk, generator=generator) < masked
-    topk_idx = topk_idx.masked_fill(drop, -1)
-    topk_weights = torch.rand(num_tokens, num_topk, generator=generator) + 0.1
-    return x, topk_idx, topk_weights
 
 
 def named_ranks(message: str) -> list[int]:

@@ -17,7 +17,7 @@ import torch
 
 import mtdeepep as deep_ep
 
-from ..conformance.common import layout_and_dispatch
+from ..conformance.common import layout_and_dispatch, make_inputs
 from . import gpu
 
 VICTIM = 1
@@ -28,12 +28,12 @@ def killed_peer(proc, timeout_s: float):
     from each survivor; the victim dies by SIGKILL."""
     group = proc.init_group()
 
-    class Ctx:  # what gpu.new_buffer and gpu.make_inputs read of a pool's RankContext
+    class Ctx:  # what gpu.new_buffer and make_inputs read of a pool's RankContext
         rank = proc.rank
 
     Ctx.group = group
     buffer = gpu.new_buffer(Ctx, 64 << 20, explicitly_destroy=True, timeout_s=timeout_s)
-    x, topk_idx, topk_weights = gpu.make_inputs(Ctx, 256, 1024, 8 * proc.num_processes, 4, seed=130)
+    x, topk_idx, topk_weights = make_inputs(Ctx, 256, 1024, 8 * proc.num_processes, 4, seed=130)
     x_d, idx_d, w_d = gpu.cuda(x, topk_idx, topk_weights)
     recv_x, _, _, _, handle, _ = layout_and_dispatch(buffer, x_d, idx_d, w_d, 8 * proc.num_processes)
     buffer.combine(recv_x, handle)

@@ -1,10 +1,11 @@
-"""The GPU cases on the CPU executor, in CI: `gpu.run_on_cpu` makes the device moves no-ops, so each case's inputs,
-references, bounds and expected outcomes are checked against an executor that is tested on its own (tests/
-conformance). A GPU failure of the same case is then the GPU executor's, not the test's. Cases that need the device
-itself (CUDA graphs, SM counts, events ordering a sleeping stream, device checks, the FP8/grouped GEMMs) are not
-here. 2 ranks of the suite's CPU pools (`rank_pools`), and 4 for the timeouts: with 3 or more ranks every waiter
-but the first is stopped by a peer, and must still name the rank that did not arrive (the expected outcomes of the
-GPU runs at 4 ranks are these). About a minute and a half.
+"""The GPU tests' cases on the CPU executor, in CI: the shared cases with the GPU topology and the GPU tests' parameters
+(upstream's sizes, skewed routing), and the GPU's own cases that do not need the device itself. `gpu.run_on_cpu` makes
+the GPU placement's device moves no-ops, so each case's inputs, references, bounds and expected outcomes are checked,
+through the GPU placement's code path, against an executor that is tested on its own (tests/conformance). A GPU failure
+of the same case is then the GPU executor's, not the test's. Cases that need the device itself (CUDA graphs, SM counts,
+device checks, the FP8/grouped GEMMs) are not here. 2 ranks of the suite's CPU pools (`rank_pools`), and 4 for the
+timeouts: with 3 or more ranks every waiter but the first is stopped by a peer, and must still name the rank that did
+not arrive (the expected outcomes of the GPU runs at 4 ranks are these). About a minute and a half.
 """
 
 from __future__ import annotations
@@ -15,34 +16,40 @@ import pytest
 
 from mtdeepep.utils.testing import run_processes
 
+from ..conformance import low_latency_cases as shared_ll
+from ..conformance import normal_cases as shared
+from ..conformance.placement import CUDA
 from . import low_latency_cases as ll
 from . import moe_ep_cases, process_cases
 from . import normal_cases as normal
 from .gpu import run_on_cpu
+from .normal_cases import topology
 
 pytestmark = pytest.mark.timeout(300)
 
 TIMEOUT_S = 1.5  # the buffers' timeout in the timeout cases
+GPU_2 = topology(2)  # the GPU tests' topology of 2 ranks (its placement on the CPU executor here)
 
+# (test id, case, arguments): the shared cases with the GPU topology and the GPU tests' parameters.
 CASES = [
-    (normal.layout_matches_reference, ("skewed",)),
-    (normal.dispatch_combine_match_reference, ("bfloat16", "skewed")),
-    (normal.fp8_dispatch_with_scales, ("uniform",)),
-    (normal.expert_alignment_rounds_counts, ()),
-    (normal.num_worst_tokens_pads_outputs, ()),
-    (normal.combine_accumulates_in_fp32, ()),
-    (normal.combine_adds_bias, ()),
-    (normal.async_and_previous_event, ()),
-    (normal.num_worst_tokens_too_small_raises_on_every_rank, ()),
-    (normal.rounds_with_a_peer_ahead, (40,)),
-    (ll.dispatch_matches_reference, ("fp8-ue8m0", "skewed")),
-    (ll.combine_matches_reference, ("fp8-pow2", "uniform")),
-    (ll.async_and_hooks, ()),
-    (moe_ep_cases.flex_layer_matches_single_process, (32,)),
-]
+    ("layout_matches_reference", shared.layout_matches_reference, (GPU_2, "skewed")),
+    ("dispatch_combine_match_reference", shared.combine_matches_reference, (GPU_2, ("bfloat16",), "skewed",
+                                                                            "upstream")),
+    ("fp8_dispatch_with_scales", shared.fp8_dispatch_passes_through, (GPU_2, "uniform", "upstream")),
+    *[(case.__name__, case, (GPU_2,)) for case in (
+        shared.expert_alignment_rounds_counts, shared.num_worst_tokens_pads_outputs,
+        shared.combine_accumulates_in_fp32, shared.combine_adds_bias, shared.async_and_previous_event,
+        shared.num_worst_tokens_too_small_raises_on_every_rank,
+    )],
+    ("rounds_with_a_peer_ahead", normal.rounds_with_a_peer_ahead, (40,)),
+    ("dispatch_matches_reference", shared_ll.dispatch_matches_reference, (GPU_2, "fp8-ue8m0", "skewed", "upstream")),
+    ("combine_matches_reference", shared_ll.combine_matches_reference, (GPU_2, ("fp8-pow2",), "uniform", "upstream")),
+    ("async_and_hooks", shared_ll.async_and_hooks, (GPU_2, "upstream")),
+    ("flex_layer_matches_single_process", moe_ep_cases.flex_layer_matches_single_process, (32,)),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize("case, args", [pytest.param(c, a, id=c.__name__) for c, a in CASES])
+@pytest.mark.parametrize("case, args", [pytest.param(c, a, id=name) for name, c, a in CASES])
 def test_case_on_cpu(rank_pools, case, args):
     rank_pools[2].run(run_on_cpu, case, *args)
 
@@ -50,16 +57,14 @@ def test_case_on_cpu(rank_pools, case, args):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_timeouts_on_cpu(rank_pools, world_size):
     pool = rank_pools[world_size]
-    others = world_size - 2
-    outcomes = pool.run(run_on_cpu, normal.missing_rank_in_dispatch_times_out, TIMEOUT_S)
-    assert outcomes == ["timeout [1]", "skipped"] + ["timeout [1]"] * others
+    topo = topology(world_size)
+    outcomes = pool.run(run_on_cpu, shared.bad_input_on_one_rank_times_out_the_others, topo, TIMEOUT_S)
+    assert outcomes == shared.bad_input_outcomes(topo)
     for async_finish in (False, True):
-        outcomes = pool.run(run_on_cpu, normal.missing_rank_in_combine_times_out, TIMEOUT_S, async_finish)
-        assert outcomes == ["skipped"] + ["timeout [0]"] * (world_size - 1)
-    assert (
-        pool.run(run_on_cpu, ll.missing_rank_times_out, TIMEOUT_S)
-        == ["timeout [1]", "skipped"] + ["timeout [1]"] * others
-    )
+        outcomes = pool.run(run_on_cpu, shared.missing_rank_in_combine_times_out, topo, TIMEOUT_S, async_finish)
+        assert outcomes == shared.missing_in_combine_outcomes(topo)
+    outcomes = pool.run(run_on_cpu, ll.missing_rank_times_out, TIMEOUT_S)
+    assert outcomes == ["timeout [1]", "skipped"] + ["timeout [1]"] * (world_size - 2)
 
 
 def test_killed_peer_on_cpu():
@@ -72,6 +77,6 @@ def test_killed_peer_on_cpu():
 
 def test_torchtitan_on_cpu(rank_pools):
     pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is not installed")
-    from . import client_cases
+    from ..clients import client_cases
 
-    rank_pools[2].run(run_on_cpu, client_cases.torchtitan_training_round_trip, "bfloat16")
+    rank_pools[2].run(run_on_cpu, client_cases.torchtitan_training_round_trip, "bfloat16", CUDA)

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import pytest
 
+from ..conformance import low_latency_cases as shared_ll
+from ..conformance import normal_cases as shared
+from ..conformance.common import ROUTINGS
 from . import low_latency_cases as ll
 from . import normal_cases as normal
-from .gpu import ROUTINGS, rank_ids, skip_unless_cuda
+from .gpu import rank_ids, skip_unless_cuda
+from .normal_cases import topology
 
 pytestmark = [*skip_unless_cuda(), pytest.mark.timeout(300)]
 
@@ -41,38 +45,39 @@ def local_ranks():
         ranks.close()
 
 
+# (test id, case, arguments, shared): a shared case is a conformance case, run with the GPU topology first.
 NORMAL_CASES = [
-    (normal.layout_matches_reference, ("uniform",)),
-    (normal.layout_matches_reference, ("skewed",)),
-    *[(normal.dispatch_combine_match_reference, (d, r)) for d in sorted(normal.DTYPES) for r in ROUTINGS],
-    (normal.fp8_dispatch_with_scales, ("skewed",)),
-    (normal.expert_alignment_rounds_counts, ()),
-    (normal.num_worst_tokens_pads_outputs, ()),
-    (normal.combine_accumulates_in_fp32, ()),
-    (normal.combine_adds_bias, ()),
-    (normal.async_and_previous_event, ()),
-    (normal.sm_counts_agree, ()),
-    (normal.device_mismatch_raises_value_error, ()),
-    (normal.num_worst_tokens_too_small_raises_on_every_rank, ()),
-    (normal.small_region_raises_on_every_rank, ()),
-]
+    *[(f"layout_matches_reference-{r}", shared.layout_matches_reference, (r,), True) for r in ROUTINGS],
+    *[(f"dispatch_combine_match_reference-{d}-{r}", shared.combine_matches_reference, ((d,), r, "upstream"), True)
+      for d in ("bfloat16", "float32") for r in ROUTINGS],
+    ("fp8_dispatch_with_scales-skewed", shared.fp8_dispatch_passes_through, ("skewed", "upstream"), True),
+    *[(case.__name__, case, (), True) for case in (
+        shared.expert_alignment_rounds_counts, shared.num_worst_tokens_pads_outputs,
+        shared.combine_accumulates_in_fp32, shared.combine_adds_bias, shared.async_and_previous_event,
+    )],
+    (normal.sm_counts_agree.__name__, normal.sm_counts_agree, (), False),
+    (normal.device_mismatch_raises_value_error.__name__, normal.device_mismatch_raises_value_error, (), False),
+    ("num_worst_tokens_too_small_raises_on_every_rank", shared.num_worst_tokens_too_small_raises_on_every_rank, (),
+     True),
+    (normal.small_region_raises_on_every_rank.__name__, normal.small_region_raises_on_every_rank, (), False),
+]  # fmt: skip
 LOW_LATENCY_CASES = [
-    *[(ll.dispatch_matches_reference, (mode, "uniform")) for mode in ll.FP8_MODES],
-    (ll.dispatch_matches_reference, ("fp8", "skewed")),
-    *[(ll.combine_matches_reference, (mode, "skewed")) for mode in ("bf16", "fp8-pow2")],
-    (ll.async_and_hooks, ()),
-]
-
-
-def _id(case_args) -> str:
-    case, args = case_args
-    return "-".join([case.__name__, *map(str, args)])
+    *[(f"dispatch_matches_reference-{m}-uniform", shared_ll.dispatch_matches_reference, (m, "uniform", "upstream"),
+       True) for m in shared_ll.FP8_MODES],
+    ("dispatch_matches_reference-fp8-skewed", shared_ll.dispatch_matches_reference, ("fp8", "skewed", "upstream"),
+     True),
+    *[(f"combine_matches_reference-{m}-skewed", shared_ll.combine_matches_reference, ((m,), "skewed", "upstream"),
+       True) for m in ("bf16", "fp8-pow2")],
+    ("async_and_hooks", shared_ll.async_and_hooks, ("upstream",), True),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=rank_ids)
-@pytest.mark.parametrize("case_args", NORMAL_CASES + LOW_LATENCY_CASES, ids=_id)
-def test_case(local_ranks, world_size, case_args):
-    case, args = case_args
+@pytest.mark.parametrize("name, case, args, is_shared", [pytest.param(*c, id=c[0]) for c in NORMAL_CASES +
+                                                          LOW_LATENCY_CASES])  # fmt: skip
+def test_case(local_ranks, world_size, name, case, args, is_shared):
+    if is_shared:
+        args = (topology(world_size), *args)
     local_ranks[world_size].run(case, *args)
 
 
@@ -85,15 +90,18 @@ def test_rounds_with_a_peer_ahead(local_ranks, world_size):
 # by the first waiter's timeout (they raise CommTimeoutError naming it, not "rank 0 failed").
 @pytest.mark.parametrize("world_size", (2, 3, 4), ids=rank_ids)
 def test_missing_rank_in_dispatch_times_out(local_ranks, world_size):
-    outcomes = local_ranks[world_size].run(normal.missing_rank_in_dispatch_times_out, TIMEOUT_S)
-    assert outcomes == ["timeout [1]", "skipped"] + ["timeout [1]"] * (world_size - 2)
+    """Rank 1 refuses its input and never joins the dispatch: every other rank names it."""
+    topo = topology(world_size)
+    outcomes = local_ranks[world_size].run(shared.bad_input_on_one_rank_times_out_the_others, topo, TIMEOUT_S)
+    assert outcomes == shared.bad_input_outcomes(topo)
 
 
 @pytest.mark.parametrize("world_size", (2, 4), ids=rank_ids)
 @pytest.mark.parametrize("async_finish", [False, True], ids=["sync", "async"])
 def test_missing_rank_in_combine_times_out(local_ranks, world_size, async_finish):
-    outcomes = local_ranks[world_size].run(normal.missing_rank_in_combine_times_out, TIMEOUT_S, async_finish)
-    assert outcomes == ["skipped"] + ["timeout [0]"] * (world_size - 1)
+    topo = topology(world_size)
+    outcomes = local_ranks[world_size].run(shared.missing_rank_in_combine_times_out, topo, TIMEOUT_S, async_finish)
+    assert outcomes == shared.missing_in_combine_outcomes(topo)
 
 
 @pytest.mark.parametrize("world_size", (2, 4), ids=rank_ids)

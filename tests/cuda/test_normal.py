@@ -1,56 +1,63 @@
-"""Normal mode on the GPU (cases in normal_cases.py): 2 and 4 rank processes share GPU 0, control over gloo, data
-over CUDA IPC. Skipped, with one reason, without a CUDA device or without mtdeepep's CUDA executor."""
+"""Normal mode on the GPU: 2 and 4 rank processes share GPU 0, control over gloo, data over CUDA IPC. The cases both
+executors share are the conformance cases (tests/conformance/normal_cases.py) with the GPU placement, at upstream's
+sizes and with a skewed routing too; the GPU's own cases are in normal_cases.py. Skipped, with one reason, without a
+CUDA device or without mtdeepep's CUDA executor."""
 
 from __future__ import annotations
 
 import pytest
 
+from ..conformance import normal_cases as shared
+from ..conformance.common import ROUTINGS
 from . import normal_cases as cases
-from .gpu import ROUTINGS, rank_ids, skip_unless_cuda
+from .gpu import rank_ids, skip_unless_cuda
+from .normal_cases import topology
 
 pytestmark = [*skip_unless_cuda(), pytest.mark.timeout(600)]
 
 WORLD_SIZES = (2, 4)
 TIMEOUT_S = 3.0  # the buffers' timeout in the timeout cases
+DTYPE_NAMES = ("bfloat16", "float32")
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=rank_ids)
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_layout_matches_reference(cuda_pools, world_size, routing):
-    cuda_pools[world_size].run(cases.layout_matches_reference, routing)
+    cuda_pools[world_size].run(shared.layout_matches_reference, topology(world_size), routing)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=rank_ids)
 @pytest.mark.parametrize("routing", ROUTINGS)
-@pytest.mark.parametrize("dtype_name", sorted(cases.DTYPES))
+@pytest.mark.parametrize("dtype_name", DTYPE_NAMES)
 def test_dispatch_combine_match_reference(cuda_pools, world_size, routing, dtype_name):
-    cuda_pools[world_size].run(cases.dispatch_combine_match_reference, dtype_name, routing)
+    cuda_pools[world_size].run(shared.combine_matches_reference, topology(world_size), (dtype_name,), routing,
+                               "upstream")  # fmt: skip
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=rank_ids)
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_fp8_dispatch_with_scales(cuda_pools, world_size, routing):
-    cuda_pools[world_size].run(cases.fp8_dispatch_with_scales, routing)
+    cuda_pools[world_size].run(shared.fp8_dispatch_passes_through, topology(world_size), routing, "upstream")
+
+
+SHARED_CASES = [
+    shared.expert_alignment_rounds_counts,
+    shared.num_worst_tokens_pads_outputs,
+    shared.combine_accumulates_in_fp32,
+    shared.combine_adds_bias,
+    shared.async_and_previous_event,
+    shared.num_worst_tokens_too_small_raises_on_every_rank,
+]
+GPU_CASES = [cases.sm_counts_agree, cases.device_mismatch_raises_value_error, cases.small_region_raises_on_every_rank]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=rank_ids)
-@pytest.mark.parametrize(
-    "case",
-    [
-        cases.expert_alignment_rounds_counts,
-        cases.num_worst_tokens_pads_outputs,
-        cases.combine_accumulates_in_fp32,
-        cases.combine_adds_bias,
-        cases.async_and_previous_event,
-        cases.sm_counts_agree,
-        cases.device_mismatch_raises_value_error,
-        cases.num_worst_tokens_too_small_raises_on_every_rank,
-        cases.small_region_raises_on_every_rank,
-    ],
-    ids=lambda case: case.__name__,
-)
+@pytest.mark.parametrize("case", SHARED_CASES + GPU_CASES, ids=lambda case: case.__name__)
 def test_case(cuda_pools, world_size, case):
-    cuda_pools[world_size].run(case)
+    if case in SHARED_CASES:
+        cuda_pools[world_size].run(case, topology(world_size))
+    else:
+        cuda_pools[world_size].run(case)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=rank_ids)
@@ -68,12 +75,15 @@ def test_cuda_graph_dispatch_combine(cuda_pools, world_size, layout_in_graph):
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=rank_ids)
 def test_missing_rank_in_dispatch_times_out(cuda_pools, world_size):
-    outcomes = cuda_pools[world_size].run(cases.missing_rank_in_dispatch_times_out, TIMEOUT_S)
-    assert outcomes == ["timeout [1]", "skipped"] + ["timeout [1]"] * (world_size - 2)
+    """Rank 1 refuses its input and never joins the dispatch: the others time out naming it."""
+    topo = topology(world_size)
+    outcomes = cuda_pools[world_size].run(shared.bad_input_on_one_rank_times_out_the_others, topo, TIMEOUT_S)
+    assert outcomes == shared.bad_input_outcomes(topo)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES, ids=rank_ids)
 @pytest.mark.parametrize("async_finish", [False, True], ids=["sync", "async"])
 def test_missing_rank_in_combine_times_out(cuda_pools, world_size, async_finish):
-    outcomes = cuda_pools[world_size].run(cases.missing_rank_in_combine_times_out, TIMEOUT_S, async_finish)
-    assert outcomes == ["skipped"] + ["timeout [0]"] * (world_size - 1)
+    topo = topology(world_size)
+    outcomes = cuda_pools[world_size].run(shared.missing_rank_in_combine_times_out, topo, TIMEOUT_S, async_finish)
+    assert outcomes == shared.missing_in_combine_outcomes(topo)
