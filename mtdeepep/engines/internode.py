@@ -670,8 +670,7 @@ class InternodeEngine(Engine):
                                                             num_channels, None, False)  # fmt: skip
             node_rows = node_rows.view(torch.uint8)
 
-            if not os.environ.get("SKIPCOPY"):
-                recv_data.view(torch.uint8)[out].copy_(node_rows[:, fmt.x_offset : fmt.x_offset + fmt.x_bytes])
+            recv_data.view(torch.uint8)[out].copy_(node_rows[:, fmt.x_offset : fmt.x_offset + fmt.x_bytes])
             if recv_scales is not None:
                 recv_scales.view(torch.uint8)[out].copy_(
                     node_rows[:, fmt.scales_offset : fmt.scales_offset + fmt.scale_bytes]

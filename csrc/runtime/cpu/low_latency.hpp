@@ -1,6 +1,6 @@
 // DeepEP's low-latency mode on CPU ranks, on top of the runtime base: it uses the low-latency area of the runtime's
 // segments (runtime/cpu/low_latency_layout.hpp), signals and waits through the runtime's peer group, runs on its comm
-// thread, and drives the kernels of kernels/cpu/low_latency.hpp. Python (mtdeepep/_cpu_engine.py) validates the
+// thread, and drives the kernels of kernels/cpu/low_latency.hpp. Python (mtdeepep/engines/cpu.py) validates the
 // arguments before calling it.
 //
 // Two transports move the same rows into the same receive layout:

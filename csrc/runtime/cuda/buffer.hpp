@@ -1,6 +1,6 @@
 // The host side of the CUDA/MUSA executor for one Buffer on one rank: device memory (cudaMalloc), its IPC handles
 // and the peers' opened ones, the host-mapped status block, and the pointer tables the kernels index. Everything
-// else (tensors, streams, events, the caching allocator) stays with torch in Python (mtdeepep/_cuda_engine.py): this
+// else (tensors, streams, events, the caching allocator) stays with torch in Python (mtdeepep/engines/cuda.py): this
 // class only owns raw memory and turns the device status word into messages.
 //
 // Lifetime: `destroy()` sets the abort word (every device wait ends), synchronises the device, closes the peers'

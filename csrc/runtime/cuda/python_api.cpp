@@ -1,6 +1,6 @@
 // mtdeepep._C_cuda: the CUDA/MUSA executor's Python binding. It passes addresses (tensor.data_ptr()) and streams
 // (torch.cuda.Stream.cuda_stream) as integers: tensors, streams and events stay torch's, in
-// mtdeepep/_cuda_engine.py, so this module needs pybind11 and the CUDA runtime only (no torch C++ API), and its host
+// mtdeepep/engines/cuda.py, so this module needs pybind11 and the CUDA runtime only (no torch C++ API), and its host
 // code compiles against any torch build's headers.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
