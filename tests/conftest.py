@@ -53,3 +53,9 @@ def pytest_report_header(config):
 
 # `rank_pools[n]`: the module's pool of `n` rank processes (spawned once, at first use; gloo on 127.0.0.1).
 rank_pools = pool_fixture()
+
+
+@pytest.fixture
+def load_scale(request) -> float:
+    """The factor the time limits are stretched by (>= 1): for a test whose own budgets are in seconds."""
+    return getattr(request.config, "_mtdeepep_timeout_scale", 1.0)
