@@ -22,11 +22,11 @@ if ! "$VENV_PY" -c "import pybind11, numpy, pytest, pytest_timeout, pytest_bench
         setuptools wheel
 fi
 
-# The training example's dependencies (Hugging Face interop, tokenizer, progress bars); transformers is also the
+# The training example's dependencies (Hugging Face interop, tokenizer, progress bars, the resolved config's TOML); transformers is also the
 # reference model of the DeepSeek-V3 tests. None of them pulls torch.
-TRAIN_PKGS=(transformers==5.23.0 safetensors tokenizers tqdm)
-if ! "$VENV_PY" -c "import transformers, safetensors, tokenizers, tqdm; assert transformers.__version__ == '5.23.0'" 2>/dev/null; then
-    echo "[env] installing transformers, safetensors, tokenizers, tqdm"
+TRAIN_PKGS=(transformers==5.23.0 safetensors tokenizers tqdm tomli-w)
+if ! "$VENV_PY" -c "import transformers, safetensors, tokenizers, tqdm, tomli_w; assert transformers.__version__ == '5.23.0'" 2>/dev/null; then
+    echo "[env] installing transformers, safetensors, tokenizers, tqdm, tomli-w"
     "$VENV_PY" -m pip install -q "${TRAIN_PKGS[@]}"
 fi
 

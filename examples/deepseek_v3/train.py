@@ -31,7 +31,6 @@ their owner only.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -40,7 +39,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import tomllib
 import torch
 
 # Runs as a script from any directory: the repository root holds the packages.
@@ -48,100 +46,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from moe import EPBuffers  # noqa: E402
 from moe.fp8_training import apply_fp8  # noqa: E402
+from moe.models.deepseek_v3 import DeepseekV3ForCausalLM  # noqa: E402
+from moe.models.deepseek_v3.model_dir import config_json, read_model_dir, write_model_dir  # noqa: E402
 from moe.models.deepseek_v3.tensor_parallel import parallelize  # noqa: E402
 from moe.pipeline import PipelineRunner, TimelineRecorder  # noqa: E402
-from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, check_schedule, split_layers  # noqa: E402
 from moe.train import checkpoint as ckpt  # noqa: E402
-from moe.train.config import TrainingConfig  # noqa: E402
+from moe.train import job_config  # noqa: E402
 from moe.train.data import TokenBatches, prepare_tokens  # noqa: E402
 from moe.train.faults import FaultPlan  # noqa: E402
-from moe.train.layout_rules import check_model_layout  # noqa: E402
 from moe.train.metrics import LOSS_PNG, METRICS, loss_table, plot_loss, read_metrics  # noqa: E402
-from moe.train.parallel import FP8_RECIPES, PP_SCHEDULES, Layout, ParallelState, env_local_rank, env_world_size  # noqa: E402
+from moe.train.parallel import Layout, ParallelState, env_local_rank  # noqa: E402
 from moe.train.rewind import TrainingStopped  # noqa: E402
 from moe.train.trainer import ModelIO, Trainer  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The run's own options; every config field is a `--section.key` override or one of its aliases
+    (moe/train/job_config.py)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter,
+                                epilog=job_config.__doc__)  # fmt: skip
     p.add_argument("--config", required=True, help="TOML file with [model] and [training] tables")
     p.add_argument("--out", required=True, help="run directory")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: [training] steps)")
     p.add_argument("--seed", type=int, default=0, help="initial weights, data order, per-step randomness")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (divides the world size)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (sequence parallel with them)")
-    p.add_argument("--etp", type=int, default=1, help="expert tensor-parallel ranks (ep * etp divides dp * tp)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
-    p.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES,
-                   help="pipeline schedule (dualpipev: 2 stages per rank in a V)")  # fmt: skip
-    p.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
-                   help="decoder layers of the first pipeline stage (the rest shared evenly)")  # fmt: skip
-    p.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
-                   help="decoder layers of the last pipeline stage")  # fmt: skip
-    p.add_argument("--micro-batches", type=int, default=None,
-                   help="micro-batches per step per data-parallel rank (default: [training])")  # fmt: skip
-    p.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
-                   help="dualpipev: in each overlapped forward-backward chunk, one micro-batch's MoE dispatch / "
-                   "combine runs while the other micro-batch computes (same results bit for bit)")  # fmt: skip
-    p.add_argument("--pipeline-timeline", action="store_true",
-                   help="record every pipeline action; write RUN_DIR/pipeline_timeline.json (Perfetto) and .png "
-                   "of the last step, with the measured bubble")  # fmt: skip
-    p.add_argument("--fp8", default="none", choices=FP8_RECIPES, help="FP8 recipe")
-    p.add_argument(
-        "--use-distributed-optimizer",
-        action="store_true",
-        default=None,
-        help="ZeRO-1: optimizer states and FP32 masters sharded over the data-parallel ranks "
-        "(default: [training] use_distributed_optimizer)",
-    )
-    p.add_argument("--ddp-bucket-size", type=int, default=None, help="gradient bucket size in elements (ZeRO-1)")
     p.add_argument("--init", default=None, help="start from the weights of this checkpoint / model directory")
     p.add_argument(
         "--resume",
         action="store_true",
         help="continue the run in --out from its newest complete checkpoint (any layout)",
     )
-    p.add_argument("--data-cache", default=None, help="token cache directory (default: [training.data] cache_dir)")
     p.add_argument("--prepare-data", action="store_true", help="build the tokenizer and token file, then exit")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on every collective wait, seconds")
-    p.add_argument(
-        "--recompute-granularity",
-        default=None,
-        choices=("full", "selective"),
-        help="activation recompute (Megatron's; moe/models/deepseek_v3/recompute.py)",
-    )
-    p.add_argument("--recompute-method", default=None, choices=("uniform", "block"), help="for 'full'")
-    p.add_argument("--recompute-num-layers", type=int, default=None, help="for 'full': chunk size / layers")
-    p.add_argument("--recompute-modules", nargs="*", default=None,
-                   help="for 'selective' (default core_attn): core_attn moe_act layernorm mla_up_proj mlp moe "
-                   "shared_experts")  # fmt: skip
-    return p.parse_args(argv)
-
-
-def pipeline_split(model_cfg, train_cfg: TrainingConfig, layout: Layout, args):
-    """The decoder layers of each pipeline stage (None without pipeline parallelism); ValueError for a split or a
-    micro-batch count the schedule cannot run."""
-    outer = (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
-    if args.overlap_moe_expert_parallel_comm and (layout.pp == 1 or layout.pp_schedule != "dualpipev"):
-        raise ValueError(
-            "--overlap-moe-expert-parallel-comm overlaps DualPipeV's forward-backward chunks: it needs --pp > 1 "
-            "--pp-schedule dualpipev"
-        )
-    if layout.pp == 1:
-        if any(v is not None for v in outer):
-            raise ValueError("--decoder-first/last-pipeline-num-layers need --pp > 1")
-        return None
-    check_schedule(layout.pp_schedule, layout.pp, train_cfg.micro_batches)
-    if model_cfg.tie_word_embeddings and layout.pp_schedule != "dualpipev":
-        raise ValueError(
-            f"tie_word_embeddings with --pp {layout.pp} --pp-schedule {layout.pp_schedule}: the embedding and the "
-            "output head would sit on different ranks; untie them or use dualpipev"
-        )
-    stages = layout.pp * SCHEDULE_STAGES_PER_RANK[layout.pp_schedule]
-    return split_layers(model_cfg.num_hidden_layers, stages, first_stage_layers=outer[0],
-                        last_stage_layers=outer[1])  # fmt: skip
+    job_config.add_tree_options(p)
+    return p
 
 
 def check_run_dir(run_dir: Path, resume: bool, init: str | None) -> Path | None:
@@ -162,49 +100,22 @@ def check_run_dir(run_dir: Path, resume: bool, init: str | None) -> Path | None:
     return latest
 
 
-def check_init_config(init: str, model_cfg) -> None:
-    """The --init model directory must hold the model of --config (the training extensions may differ)."""
-    from moe.models.deepseek_v3.config import EXTENSION_FIELDS
-    from moe.models.deepseek_v3.model_dir import read_config
-
-    theirs, ours = read_config(init).to_dict(), model_cfg.to_dict()
-    diff = {k: (theirs[k], ours[k]) for k in ours if k not in EXTENSION_FIELDS and theirs.get(k) != ours[k]}
-    if diff:
-        raise ValueError(f"--init {init}: its model differs from the [model] of --config: {diff} (checkpoint, config)")
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    parser = build_parser()
+    try:
+        args, overrides = job_config.parse(parser, argv)
+    except ValueError as exc:
+        parser.error(str(exc))
     os.umask(0o077)  # checkpoints, metrics and caches: owner only
 
     # Step 1: everything that can be wrong is checked before any process group exists.
-    from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, RecomputeConfig
-    from moe.models.deepseek_v3.model_dir import config_json, read_model_dir, write_model_dir
-
     try:
-        model_cfg = DeepseekV3Config.from_toml(args.config)
-        train_cfg = TrainingConfig.from_toml(args.config)
-        if args.steps is not None:
-            train_cfg = dataclasses.replace(train_cfg, steps=args.steps)
-        if args.data_cache is not None:
-            train_cfg.data.cache_dir = args.data_cache
-        if args.use_distributed_optimizer:
-            train_cfg = dataclasses.replace(train_cfg, use_distributed_optimizer=True)
-        if args.ddp_bucket_size is not None:
-            train_cfg = dataclasses.replace(train_cfg, ddp_bucket_size=args.ddp_bucket_size)
-        if args.micro_batches is not None:
-            train_cfg = dataclasses.replace(train_cfg, micro_batches=args.micro_batches)
-        layout = Layout(world=env_world_size(), tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
-                        pp_schedule=args.pp_schedule, fp8=args.fp8)  # fmt: skip
-        check_model_layout(model_cfg, train_cfg, layout)
-        split = pipeline_split(model_cfg, train_cfg, layout, args)
-        recompute = RecomputeConfig(args.recompute_granularity, args.recompute_method, args.recompute_num_layers,
-                                    tuple(args.recompute_modules or ("core_attn",)))  # fmt: skip
-        recompute.full_chunks(model_cfg.num_hidden_layers)  # recompute_num_layers fits the model
+        job = job_config.load_job(args.config, overrides)
+        model_cfg, train_cfg, layout, split = job.model, job.training, job.layout, job.split
         run_dir = Path(args.out)
         latest = None if args.prepare_data else check_run_dir(run_dir, args.resume, args.init)
         if args.init is not None:
-            check_init_config(args.init, model_cfg)
+            job_config.check_init_config(args.init, model_cfg)
         data = prepare_tokens(train_cfg.data, model_cfg.vocab_size, build=env_local_rank() == 0)
         batches = TokenBatches(data.tokens, seq_len=train_cfg.seq_len, global_batch=train_cfg.global_batch,
                                val_sequences=train_cfg.data.val_sequences, seed=args.seed)  # fmt: skip
@@ -234,16 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     parallelize(model, parallel)  # tensor + sequence parallel over the TP group (slices of the same weights)
     if layout.fp8 != "none":  # FP8 GEMMs (and FP8 dispatch) under the recipe; weights stay the FP32/BF16 masters
         apply_fp8(model, layout.fp8, tp_group=parallel.tp_group)
-    model.set_recompute(recompute)
+    model.set_recompute(job.recompute)
     pipeline = None
     if split is not None:  # prunes the model to this rank's stages: before the optimizer exists
-        recorder = TimelineRecorder(parallel.pp_rank, enabled=args.pipeline_timeline)
+        recorder = TimelineRecorder(parallel.pp_rank, enabled=job.parallel.pipeline_timeline)
         pipeline = PipelineRunner(model, parallel, schedule=layout.pp_schedule, split=split,
                                   micro_batches=train_cfg.micro_batches, seq_len=train_cfg.seq_len,
                                   micro_rows=train_cfg.global_batch // layout.dp // train_cfg.micro_batches,
                                   mtp_loss_weight=model_cfg.mtp_loss_weight,
                                   num_mtp=model_cfg.num_nextn_predict_layers, recorder=recorder,
-                                  overlap_moe_comm=args.overlap_moe_expert_parallel_comm)  # fmt: skip
+                                  overlap_moe_comm=job.parallel.overlap_moe_expert_parallel_comm)  # fmt: skip
 
     def load_model(path: Path) -> None:
         state_dict, _ = _read_model(read_model_dir, path)
@@ -268,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     # Step 3: the run directory, the starting point, the loop.
     if parallel.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        _write_run_json(run_dir, args, layout, train_cfg, data, parallel)
+        _write_run_json(run_dir, args, job, data)
+        job.save(run_dir)  # the resolved tree: `--config RUN_DIR/config.toml` runs it again
         shutil.copyfile(data.tokenizer_path, run_dir / "tokenizer.json")
         np.save(run_dir / "val_tokens.npy", batches.val_tokens().numpy())
     start_step = 0
@@ -286,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         load_model(Path(args.init))
     parallel.barrier()
     if parallel.is_main:
+        print(f"resolved config ({run_dir / job_config.CONFIG_TOML}):\n{job.toml()}")
         print(f"training {Path(args.config).stem} ({_layout_text(layout)}) from step {start_step} to {train_cfg.steps}")
     t0 = time.perf_counter()
     try:
@@ -296,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         ep_buffers.destroy()
         parallel.destroy()
         return 3
-    if pipeline is not None and args.pipeline_timeline:
+    if pipeline is not None and job.parallel.pipeline_timeline:
         report = pipeline.write_timeline(run_dir / "pipeline_timeline.json", run_dir / "pipeline_timeline.png")
         if parallel.is_main:
             print(f"last step's pipeline bubble {100 * report.fraction:.1f}% ({run_dir}/pipeline_timeline.*)")
@@ -327,14 +240,12 @@ def _layout_text(layout: Layout) -> str:
     return text + (f", {layout.pp_schedule}" if layout.pp > 1 else "")
 
 
-def _write_run_json(run_dir: Path, args, layout: Layout, train_cfg: TrainingConfig, data, parallel) -> None:
-    with open(args.config, "rb") as f:
-        doc = tomllib.load(f)
+def _write_run_json(run_dir: Path, args, job: job_config.Job, data) -> None:
     info = {
-        "title": _title(args, layout),
-        "layout": {**layout.to_dict(), "dtype": train_cfg.dtype},
-        "overlap_moe_expert_parallel_comm": args.overlap_moe_expert_parallel_comm,
-        "config": {"path": str(args.config), "model": doc["model"], "training": train_cfg.to_dict()},
+        "title": _title(args, job.layout),
+        "layout": {**job.layout.to_dict(), "dtype": job.training.dtype},
+        "overlap_moe_expert_parallel_comm": job.parallel.overlap_moe_expert_parallel_comm,
+        "config": {"path": str(args.config), **job.tables},
         "seed": args.seed,
         "init": args.init,
         "data": data.meta,

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
+from moe.models.deepseek_v3 import DeepseekV3Config
+from moe.train import job_config
+from moe.train.config import TrainingConfig
 from moe.train.config_tree import (
     FREE,
     ConfigTree,
@@ -17,6 +21,9 @@ from moe.train.config_tree import (
     parse_value,
     split_overrides,
 )
+from moe.train.parallel import Layout
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(kw_only=True)
@@ -127,3 +134,58 @@ def test_aliases_are_argparse_options_with_a_tree_path():
     parser.add_argument("--train-iters", dest="training.steps", type=int)
     args = parser.parse_args(["--lr", "0.25"])
     assert [(o.path, o.value) for o in overrides_from_namespace(args)] == [(("training", "lr"), 0.25)]
+
+
+# -- the trainer's tree (moe/train/job_config.py) -----------------------------------------------------------------
+
+TINY = ROOT / "examples" / "deepseek_v3" / "configs" / "tiny.toml"
+
+
+def _job(argv: list[str], world: int = 4):
+    parser = argparse.ArgumentParser()
+    job_config.add_tree_options(parser)
+    _, overrides = job_config.parse(parser, argv)
+    return job_config.load_job(TINY, overrides, world=world)
+
+
+@pytest.mark.parametrize(
+    "argv", [["--tp", "2"], ["--tensor-model-parallel-size", "2"], ["--parallel.tp", "2"], ["--parallel.tp=2"]]
+)
+def test_short_flags_megatron_names_and_paths_set_the_same_field(argv):
+    job = _job(argv)
+    assert job.layout.tp == 2 and job.parallel.tp == 2 and job.tables["parallel"]["tp"] == 2
+
+
+def test_every_section_takes_overrides_and_the_saved_tree_runs_again(tmp_path):
+    job = _job(["--train-iters", "7", "--training.lr", "1e-3", "--training.data.val-sequences", "4", "--ep", "4",
+                "--model.rope_parameters.rope_theta", "5e4", "--recompute-granularity", "selective",
+                "--bf16"])  # fmt: skip
+    assert (job.training.steps, job.training.lr, job.training.data.val_sequences) == (7, 1e-3, 4)
+    assert job.training.dtype == "bfloat16" and job.layout.ep == 4
+    assert job.model.rope_parameters["rope_theta"] == 5e4 and job.recompute.granularity == "selective"
+    job.save(tmp_path)
+    again = job_config.load_job(tmp_path / job_config.CONFIG_TOML, [], world=4)
+    assert again.tables == job.tables
+    assert again.model == job.model and again.training == job.training and again.recompute == job.recompute
+
+
+def test_the_file_alone_gives_what_train_py_read_before():
+    """No override: the model and training configs equal those the file's own readers give."""
+    job = _job([], world=1)
+    assert job.model == DeepseekV3Config.from_toml(TINY) and job.training == TrainingConfig.from_toml(TINY)
+    assert job.layout == Layout(world=1) and job.split is None
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--ep", "3"], r"ep \* etp = 3 must divide dp \* tp = 4"),
+        (["--model.hidden_sise", "64"], r"unknown key 'model.hidden_sise' \(did you mean hidden_size\?\)"),
+        (["--parallel.pp", "4", "--parallel.pp_schedule", "dualpipev"], r"DualPipeV needs at least 2 \* pp = 8"),
+        (["--recompute.granularity", "full"], "needs recompute_method"),
+        (["--training.betas", "[0.9]"], "betas must be two numbers"),
+    ],
+)
+def test_bad_trees_fail_with_the_rule(argv, match):
+    with pytest.raises(ValueError, match=match):
+        _job(argv)

@@ -23,6 +23,7 @@ import stat
 
 import numpy as np
 import pytest
+import tomllib
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -106,6 +107,10 @@ def test_run_outputs(one_process_run):
     assert info["layout"] == {"world": 1, "dp": 1, "tp": 1, "pp": 1, "ep": 1, "etp": 1, "expert_dp": 1,
                               "schedule": "1f1b", "fp8": "none", "dtype": "float32"}  # fmt: skip
     assert info["config"]["model"]["n_routed_experts"] == 8 and info["config"]["training"]["steps"] == 8
+    # The resolved config tree, saved with the run, is the run's config: every table, every default filled in.
+    saved = tomllib.loads((run_dir / "config.toml").read_text())
+    assert set(saved) == {"model", "training", "parallel", "recompute"} and saved["training"]["steps"] == 8
+    assert saved["parallel"]["ep"] == 1 and saved["training"]["data"]["val_sequences"] == 8
     assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [4, 8]
     assert ckpt.latest_checkpoint(run_dir).name == "step_8"

@@ -1,0 +1,235 @@
+"""The DeepSeek-V3 trainer's one config tree (examples/deepseek_v3/train.py): what a run is, from a TOML file and
+the command line, validated before any process group exists (moe/train/config_tree.py has the mechanism).
+
+    [model]       DeepseekV3Config     (moe/models/deepseek_v3/config.py)
+    [training]    TrainingConfig       (moe/train/config.py), with [training.data] DataConfig
+    [parallel]    ParallelConfig       (below): tp, pp, ep, etp, the schedule, the FP8 recipe, pipeline options
+    [recompute]   RecomputeConfig      (moe/models/deepseek_v3/recompute.py)
+
+Every field can be set in the file or as `--section.key value` (`--training.lr 1e-3`, `--parallel.tp 2`,
+`--model.rope_parameters.rope_theta 5e4`). The short flags (`--tp`, `--ep`, `--steps`, ...) and Megatron's option
+names (`--tensor-model-parallel-size`, `--train-iters`, `--global-batch-size`, `--lr`, ...) are aliases of tree
+fields. Command line over file over defaults; the resolved tree is printed by rank 0 and saved as RUN_DIR/config.toml
+(`--config RUN_DIR/config.toml` runs it again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from moe.models.deepseek_v3 import DeepseekV3Config, RecomputeConfig
+from moe.models.deepseek_v3.config import EXTENSION_FIELDS
+from moe.models.deepseek_v3.model_dir import read_config
+from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, StageSplit, check_schedule, split_layers
+from moe.train.config import TrainingConfig
+from moe.train.config_tree import ConfigTree, Section, dataclass_schema, overrides_from_namespace, split_overrides
+from moe.train.layout_rules import check_model_layout
+from moe.train.parallel import FP8_RECIPES, PP_SCHEDULES, Layout, env_world_size
+
+CONFIG_TOML = "config.toml"
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the ranks are split and scheduled (`Layout` adds the world size, which torchrun gives).
+
+    tp, pp, ep, etp: tensor-, pipeline-, expert- and expert-tensor-parallel sizes (Megatron's
+        `--tensor-model-parallel-size` ...). pp_schedule: '1f1b', 'zbh1' or 'dualpipev'.
+    decoder_first/last_pipeline_num_layers: decoder layers of the first / last pipeline stage (the rest shared
+        evenly). overlap_moe_expert_parallel_comm: DualPipeV's overlapped chunks run one micro-batch's MoE dispatch /
+        combine beside the other's compute. pipeline_timeline: record the last step's pipeline actions (Perfetto
+        JSON and PNG in the run directory). fp8: the FP8 recipe ('none', 'delayed', 'blockwise').
+    """
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    pp_schedule: str = "1f1b"
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    overlap_moe_expert_parallel_comm: bool = False
+    pipeline_timeline: bool = False
+    fp8: str = "none"
+
+    def layout(self, world: int) -> Layout:
+        return Layout(world=world, tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, pp_schedule=self.pp_schedule,
+                      fp8=self.fp8)  # fmt: skip
+
+
+@dataclass
+class Job:
+    """A validated run: the four configs, the layout over this world, the pipeline split (None without pipeline
+    parallelism) and the resolved tree (what is printed and saved)."""
+
+    model: DeepseekV3Config
+    training: TrainingConfig
+    parallel: ParallelConfig
+    recompute: RecomputeConfig
+    layout: Layout
+    split: StageSplit | None
+    tables: dict[str, dict[str, Any]]
+
+    def toml(self) -> str:
+        """The resolved tree as TOML (unset optional fields, None, are left out: TOML has no null)."""
+        return tomli_w.dumps(_drop_none(self.tables))
+
+    def save(self, run_dir: Path) -> None:
+        (run_dir / CONFIG_TOML).write_text(self.toml())
+
+
+def _build_model(table: dict[str, Any]) -> DeepseekV3Config:
+    if not table:
+        raise ValueError("no [model] table")
+    return DeepseekV3Config.from_dict(table, strict=True, source="[model]")
+
+
+def _build_training(table: dict[str, Any]) -> TrainingConfig:
+    if not table:
+        raise ValueError("no [training] table")
+    return TrainingConfig.from_dict(table)
+
+
+def _build_recompute(table: dict[str, Any]) -> RecomputeConfig:
+    table = dict(table)
+    table["modules"] = tuple(table.get("modules") or ("core_attn",))  # Megatron's default, also for an empty list
+    return RecomputeConfig(**table)
+
+
+TREE = ConfigTree(
+    [
+        Section("model", dataclass_schema(DeepseekV3Config), _build_model, DeepseekV3Config.to_dict),
+        Section("training", dataclass_schema(TrainingConfig), _build_training, TrainingConfig.to_dict),
+        Section("parallel", dataclass_schema(ParallelConfig), lambda t: ParallelConfig(**t), dataclasses.asdict),
+        Section(
+            "recompute",
+            dataclass_schema(RecomputeConfig),
+            _build_recompute,
+            lambda r: {**dataclasses.asdict(r), "modules": list(r.modules)},
+        ),
+    ]
+)
+
+
+def add_tree_options(p: argparse.ArgumentParser) -> None:
+    """The short flags and Megatron's names, each an alias of a tree field (its `dest` is the field's path)."""
+
+    def alias(*flags: str, dest: str, **kwargs: Any) -> None:
+        p.add_argument(*flags, dest=dest, default=None, **kwargs)
+
+    alias("--steps", "--train-iters", dest="training.steps", type=int,
+          help="optimizer steps (default: [training] steps)")  # fmt: skip
+    alias("--micro-batches", dest="training.micro_batches", type=int,
+          help="micro-batches per step per data-parallel rank (default: [training])")  # fmt: skip
+    alias("--global-batch-size", dest="training.global_batch", type=int, help="sequences per optimizer step")
+    alias("--seq-length", dest="training.seq_len", type=int, help="tokens per sequence")
+    alias("--lr", dest="training.lr", type=float, help="peak learning rate")
+    alias("--min-lr", dest="training.min_lr", type=float, help="learning rate at the end of the cosine decay")
+    alias("--lr-warmup-iters", dest="training.warmup_steps", type=int, help="linear warm-up steps")
+    alias("--weight-decay", dest="training.weight_decay", type=float, help="AdamW weight decay")
+    alias("--clip-grad", dest="training.clip_grad", type=float, help="global gradient-norm clip (0: off)")
+    alias("--save-interval", dest="training.checkpoint_every", type=int, help="steps between checkpoints")
+    alias("--log-interval", dest="training.log_every", type=int, help="steps between console log lines")
+    alias("--bf16", dest="training.dtype", action="store_const", const="bfloat16", help="BF16 parameters/activations")
+    alias("--use-distributed-optimizer", dest="training.use_distributed_optimizer", action="store_const", const=True,
+          help="ZeRO-1: optimizer states and FP32 masters sharded over the data-parallel ranks "
+          "(default: [training] use_distributed_optimizer)")  # fmt: skip
+    alias("--ddp-bucket-size", dest="training.ddp_bucket_size", type=int,
+          help="gradient bucket size in elements (ZeRO-1)")  # fmt: skip
+    alias("--data-cache", dest="training.data.cache_dir", help="token cache directory (default: [training.data])")
+    alias("--ep", "--expert-model-parallel-size", dest="parallel.ep", type=int,
+          help="expert-parallel ranks (divides the world size)")  # fmt: skip
+    alias("--tp", "--tensor-model-parallel-size", dest="parallel.tp", type=int,
+          help="tensor-parallel ranks (sequence parallel with them)")  # fmt: skip
+    alias("--etp", "--expert-tensor-parallel-size", dest="parallel.etp", type=int,
+          help="expert tensor-parallel ranks (ep * etp divides dp * tp)")  # fmt: skip
+    alias("--pp", "--pipeline-model-parallel-size", dest="parallel.pp", type=int, help="pipeline-parallel ranks")
+    alias("--pp-schedule", dest="parallel.pp_schedule", choices=PP_SCHEDULES,
+          help="pipeline schedule (dualpipev: 2 stages per rank in a V)")  # fmt: skip
+    alias("--decoder-first-pipeline-num-layers", dest="parallel.decoder_first_pipeline_num_layers", type=int,
+          help="decoder layers of the first pipeline stage (the rest shared evenly)")  # fmt: skip
+    alias("--decoder-last-pipeline-num-layers", dest="parallel.decoder_last_pipeline_num_layers", type=int,
+          help="decoder layers of the last pipeline stage")  # fmt: skip
+    alias("--overlap-moe-expert-parallel-comm", dest="parallel.overlap_moe_expert_parallel_comm",
+          action="store_const", const=True,
+          help="dualpipev: in each overlapped forward-backward chunk, one micro-batch's MoE dispatch / combine runs "
+          "while the other micro-batch computes (same results bit for bit)")  # fmt: skip
+    alias("--pipeline-timeline", dest="parallel.pipeline_timeline", action="store_const", const=True,
+          help="record every pipeline action; write RUN_DIR/pipeline_timeline.json (Perfetto) and .png of the last "
+          "step, with the measured bubble")  # fmt: skip
+    alias("--fp8", "--fp8-recipe", dest="parallel.fp8", choices=FP8_RECIPES, help="FP8 recipe (default none)")
+    alias("--recompute-granularity", dest="recompute.granularity", choices=("full", "selective"),
+          help="activation recompute (Megatron's; moe/models/deepseek_v3/recompute.py)")  # fmt: skip
+    alias("--recompute-method", dest="recompute.method", choices=("uniform", "block"), help="for 'full'")
+    alias("--recompute-num-layers", dest="recompute.num_layers", type=int,
+          help="for 'full': chunk size / layers")  # fmt: skip
+    alias("--recompute-modules", dest="recompute.modules", nargs="*",
+          help="for 'selective' (default core_attn): core_attn moe_act layernorm mla_up_proj mlp moe "
+          "shared_experts")  # fmt: skip
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """`(args, overrides)`: the parser's options (the aliases among them) and the `--section.key` overrides."""
+    rest, dotted = split_overrides(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(rest)
+    return args, [*overrides_from_namespace(args), *dotted]
+
+
+def load_job(config: str | Path, overrides, world: int | None = None) -> Job:
+    """The run's configs from the TOML file and the overrides, with every rule the layout, the batch and the pipeline
+    put on the model checked (ValueError, before any process group)."""
+    tables = TREE.read(config, overrides)
+    built = TREE.build(tables)
+    model, training, parallel, recompute = built["model"], built["training"], built["parallel"], built["recompute"]
+    layout = parallel.layout(env_world_size() if world is None else world)
+    check_model_layout(model, training, layout)
+    split = pipeline_split(model, training, layout, parallel)
+    recompute.full_chunks(model.num_hidden_layers)  # recompute_num_layers fits the model
+    return Job(model, training, parallel, recompute, layout, split, TREE.resolved(built))
+
+
+def pipeline_split(model_cfg, train_cfg: TrainingConfig, layout: Layout, parallel: ParallelConfig):
+    """The decoder layers of each pipeline stage (None without pipeline parallelism); ValueError for a split or a
+    micro-batch count the schedule cannot run."""
+    outer = (parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers)
+    if parallel.overlap_moe_expert_parallel_comm and (layout.pp == 1 or layout.pp_schedule != "dualpipev"):
+        raise ValueError(
+            "--overlap-moe-expert-parallel-comm overlaps DualPipeV's forward-backward chunks: it needs --pp > 1 "
+            "--pp-schedule dualpipev"
+        )
+    if layout.pp == 1:
+        if any(v is not None for v in outer):
+            raise ValueError("--decoder-first/last-pipeline-num-layers need --pp > 1")
+        return None
+    check_schedule(layout.pp_schedule, layout.pp, train_cfg.micro_batches)
+    if model_cfg.tie_word_embeddings and layout.pp_schedule != "dualpipev":
+        raise ValueError(
+            f"tie_word_embeddings with --pp {layout.pp} --pp-schedule {layout.pp_schedule}: the embedding and the "
+            "output head would sit on different ranks; untie them or use dualpipev"
+        )
+    stages = layout.pp * SCHEDULE_STAGES_PER_RANK[layout.pp_schedule]
+    return split_layers(model_cfg.num_hidden_layers, stages, first_stage_layers=outer[0],
+                        last_stage_layers=outer[1])  # fmt: skip
+
+
+def check_init_config(init: str, model_cfg: DeepseekV3Config) -> None:
+    """The --init model directory must hold the model of --config (the training extensions may differ)."""
+    theirs, ours = read_config(init).to_dict(), model_cfg.to_dict()
+    diff = {k: (theirs[k], ours[k]) for k in ours if k not in EXTENSION_FIELDS and theirs.get(k) != ours[k]}
+    if diff:
+        raise ValueError(f"--init {init}: its model differs from the [model] of --config: {diff} (checkpoint, config)")
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, tuple):
+        return list(value)
+    return value
