@@ -145,8 +145,10 @@ class Trainer:
         self.local_rows = config.global_batch // parallel.layout.dp
         self.micro_rows = self.local_rows // config.micro_batches
         # The state list: what checkpoints save and load, and what the rewind snapshot copies.
-        self.state = TrainState.of_trainer(model, self.optimizer, config, parallel, batches, seed=seed,
-                                           run_info=self.run_info)  # fmt: skip
+        self.state = TrainState.of_trainer(
+            model, self.optimizer, config, parallel, batches, seed=seed, run_info=self.run_info,
+            full_state_dict=model_io.full_state_dict if model_io is not None else None,
+        )  # fmt: skip
         # Anomaly checks and rewind, slow-rank detection, injected faults.
         self.faults = faults if faults is not None else FaultPlan()
         self.guard = RewindGuard(config, self.state, world=parallel.layout.world, rank=parallel.rank)

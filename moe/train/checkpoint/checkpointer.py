@@ -23,7 +23,8 @@ from moe.train.parallel import ParallelState
 class ModelIO:
     """How the trainer saves and loads the model (the model's own format).
 
-    full_state_dict: collective over the ranks: the whole model's state (every expert) on each rank.
+    full_state_dict: collective over the ranks: the whole model's state (every expert) on each rank (the state
+        list's model component gathers it for the export, `TrainState.of_trainer`).
     write: `write(path, state_dict)` writes a model directory at `path` (which does not exist yet); rank 0 only.
     load: `load(path)` loads a model directory into this rank's model (its experts only); every rank.
     write_config: `write_config(directory)` writes the model's config.json there (every checkpoint has one, so any
@@ -45,7 +46,7 @@ class Checkpointer:
         state: the state list (`TrainState`) saved and loaded.
         every: a checkpoint every `every` steps (0: only the last step's).
         model_io: the model's own format: every checkpoint holds its config.json; the last step's also the whole
-            model as a model directory (gathered over the ranks, rank 0 writes it). None: neither.
+            model as a model directory (the state list's `export_model`, rank 0 writes it). None: neither.
         extra_files: copied into every checkpoint (e.g. the tokenizer).
         keep_last: keep only the newest `keep_last` checkpoints (0: keep all).
         faults: injected faults (the writer's "checkpoint_write" hook point).
@@ -66,7 +67,7 @@ class Checkpointer:
 
     def due(self, step: int, last_step: bool = False) -> bool:
         """Whether `save(step, last_step=last_step)` writes a checkpoint."""
-        return ((self.every and step % self.every == 0) or last_step) and step not in self._saved
+        return bool((self.every and step % self.every == 0) or last_step) and step not in self._saved
 
     def save(self, step: int, *, last_step: bool = False) -> Path | None:
         """Checkpoint the state after step `step` when it is due (collective: every rank calls it at every step):
@@ -76,9 +77,7 @@ class Checkpointer:
         if not self.due(step, last_step):
             return None
         part = self.state.state_dict()
-        export = None
-        if last_step and self.model_io is not None:
-            export = {k: v.detach().clone() for k, v in self._merge_stages(self.model_io.full_state_dict()).items()}
+        export = self.state.export_model() if last_step and self.model_io is not None else None
         request = SaveRequest()
         if self.parallel.is_main:
             io = self.model_io
@@ -91,16 +90,6 @@ class Checkpointer:
             )
         self._saved.add(step)
         return self.writer.save(step, part.entries, part.tensors, part.info, request)
-
-    def _merge_stages(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """With pipeline parallelism, every pipeline rank's part of a state dict in one (collective over the
-        pipeline group; disjoint keys: each rank holds other layers)."""
-        group = self.parallel.pp_group
-        if group is None:
-            return state
-        parts: list[dict] = [{} for _ in range(self.parallel.layout.pp)]
-        dist.all_gather_object(parts, {k: v.detach().clone() for k, v in state.items()}, group=group)
-        return {k: v for part in parts for k, v in part.items()}
 
     # -- the writer's job
 

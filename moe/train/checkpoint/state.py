@@ -5,7 +5,8 @@ The state is a list of components (`TrainState`), each with `state_dict()` (its 
 (`TrainProgress`: step, seed, layout), the data position (`DataPosition`), the learning-rate schedule
 (`LRSchedule`), the model (`ModelState`), the optimizer (`OptimizerState`) and the rank-local state
 (`RankLocalState`). The same list gives the rewind snapshot (moe/train/rewind.py) the live tensors and host-side
-state it copies (`snapshot_tensors`, `host_state` / `load_host_state`).
+state it copies (`snapshot_tensors`, `host_state` / `load_host_state`), and the last checkpoint's model-directory
+export its whole model (`TrainState.export_model`, from the model component).
 
 Sharded (each tensor a box of a layout-independent global tensor, see moe/io/boxes.py; resharded on load):
 - "model": every entry of the model's `state_dict()` (parameters and buffers: the routers' expert biases among
@@ -28,12 +29,14 @@ that site (the scale a global amax reduction would give: no overflow, possibly a
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moe.balancing import ExpertBias
@@ -355,10 +358,26 @@ class LRSchedule(Component):
 
 
 class ModelState(Component):
-    """The model's parameters and buffers (sharded, `model_entries`)."""
+    """The model's parameters and buffers (sharded, `model_entries`), and the whole model for a model-directory
+    export (`export`: `full_state_dict`, the model's own gather, merged over the pipeline stages)."""
 
-    def __init__(self, model: nn.Module, parallel: ParallelState) -> None:
+    def __init__(self, model: nn.Module, parallel: ParallelState,
+                 full_state_dict: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:  # fmt: skip
         self.model, self.parallel = model, parallel
+        self.full_state_dict = full_state_dict
+
+    def export(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's state dict (copies; collective over the ranks), None without `full_state_dict`."""
+        if self.full_state_dict is None:
+            return None
+        state = {k: v.detach().clone() for k, v in self.full_state_dict().items()}
+        group = self.parallel.pp_group
+        if group is None:
+            return state
+        # Pipeline parallelism: every pipeline rank's part in one (disjoint keys: each rank holds other layers).
+        parts: list[dict] = [{} for _ in range(self.parallel.layout.pp)]
+        dist.all_gather_object(parts, state, group=group)
+        return {k: v for part in parts for k, v in part.items()}
 
     def state_dict(self) -> StatePart:
         return StatePart(entries=model_entries(self.model, self.parallel))
@@ -453,15 +472,26 @@ class TrainState:
 
     @classmethod
     def of_trainer(cls, model: nn.Module, optimizer, config, parallel: ParallelState, batches, *, seed: int,
-                   run_info: dict[str, Any]) -> TrainState:  # fmt: skip
+                   run_info: dict[str, Any],
+                   full_state_dict: Callable[[], dict[str, torch.Tensor]] | None = None) -> TrainState:  # fmt: skip
+        """The trainer's state list (`full_state_dict`: the model's gather, for the model-directory export)."""
         progress = TrainProgress(seed, parallel, run_info)
         return cls([progress, DataPosition(config, batches, progress), LRSchedule(config, progress, parallel.is_main),
-                    ModelState(model, parallel), OptimizerState(optimizer, parallel),
+                    ModelState(model, parallel, full_state_dict), OptimizerState(optimizer, parallel),
                     RankLocalState(model, parallel)])  # fmt: skip
+
+    def _component(self, kind: type) -> Any:
+        found = [c for c in self.components if isinstance(c, kind)]
+        return found[0] if found else None
 
     @property
     def progress(self) -> TrainProgress:
-        return next(c for c in self.components if isinstance(c, TrainProgress))
+        return self._component(TrainProgress)
+
+    def export_model(self) -> dict[str, torch.Tensor] | None:
+        """The whole model for a model-directory export (collective), None when the list cannot give one."""
+        model = self._component(ModelState)
+        return model.export() if model is not None else None
 
     def state_dict(self) -> StatePart:
         """Every component's part of this rank's checkpoint, merged."""
