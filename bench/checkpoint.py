@@ -1,4 +1,4 @@
-"""Flash checkpoints of DeepSeek-V3 training (moe/train/flash.py): what a checkpoint costs the training step (the
+"""Flash checkpoints of DeepSeek-V3 training (moe/train/checkpoint/): what a checkpoint costs the training step (the
 copy of each rank's state into CPU memory) against the step time, what the background writer takes, checkpoint
 sizes, and the synchronous gather-and-write save it replaced.
 
@@ -38,14 +38,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from _common import RESULTS_DIR, environment, make_parser, num_cores, print_table, run_ranks, save_results
 
 from moe import EPBuffers
 from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.train.checkpoint import ModelIO
+from moe.train.checkpoint.state import optimizer_entries
 from moe.train.config import TrainingConfig
 from moe.train.data import TokenBatches, prepare_tokens
 from moe.train.parallel import Layout, ParallelState
-from moe.train.trainer import ModelIO, Trainer
+from moe.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 # name -> (ranks, expert-parallel size, ZeRO-1, dtype)
@@ -67,7 +70,7 @@ def measure(rank: int, world: int, group, args: argparse.Namespace, row: str, wo
     model_cfg = DeepseekV3Config.from_toml(REPO / args.config)
     train_cfg = TrainingConfig.from_toml(REPO / args.config)
     train_cfg = TrainingConfig(**{**vars(train_cfg), "global_batch": args.global_batch, "seq_len": args.seq_len,
-                                  "micro_batches": args.micro_batches, "dtype": dtype, "checkpoint_every": 0,
+                                  "micro_batches": args.micro_batches, "dtype": dtype, "checkpoint_every": 1,
                                   "use_distributed_optimizer": zero, "steps": 10_000})  # fmt: skip
     layout = Layout(world=world, ep=ep)
     parallel = ParallelState.from_process_group(layout) if world > 1 else ParallelState.single()
@@ -102,10 +105,10 @@ def measure(rank: int, world: int, group, args: argparse.Namespace, row: str, wo
     for _ in range(args.checkpoints):
         parallel.barrier()
         start = time.perf_counter()
-        trainer.save(step)
+        trainer.checkpointer.save(step)
         save_call.append(time.perf_counter() - start)
         during += train(args.between)[:1]  # the step right after the save runs beside the writer
-    trainer.close_checkpoints(True)
+    trainer.checkpointer.close(True)
     stats = trainer.checkpointer.stats
     sync_s = sync_save(trainer, Path(work) / f"{row}-sync", parallel)
     buffers.destroy()
@@ -127,14 +130,14 @@ def measure(rank: int, world: int, group, args: argparse.Namespace, row: str, wo
 
 
 def sync_save(trainer: Trainer, out: Path, parallel: ParallelState) -> float:
-    """The previous format's save, timed: gather the whole model and optimizer state (collective), rank 0 writes
-    both files and fsyncs them."""
+    """The previous format's save, timed: gather the whole model and optimizer state to rank 0 (collective), rank 0
+    writes both files and fsyncs them."""
     from safetensors.torch import save_file
 
     parallel.barrier()
     start = time.perf_counter()
     model_sd = {k: v.detach().clone() for k, v in trainer.model.full_state_dict().items()}
-    optim_sd = trainer.optimizer.full_state()
+    optim_sd = _gathered_optimizer_state(trainer, parallel)
     if parallel.is_main:
         out.mkdir(parents=True, exist_ok=True)
         for name, sd in (("model.safetensors", model_sd), ("optimizer.safetensors", optim_sd)):
@@ -144,6 +147,18 @@ def sync_save(trainer: Trainer, out: Path, parallel: ParallelState) -> float:
             os.close(fd)
     parallel.barrier()
     return time.perf_counter() - start
+
+
+def _gathered_optimizer_state(trainer: Trainer, parallel: ParallelState) -> dict[str, torch.Tensor]:
+    """Every element of the optimizer state once (the boxes each rank stores in a checkpoint), gathered to every
+    rank: the bytes the previous format moved (its keys are `rank:index:key`, only their bytes matter here)."""
+    entries = optimizer_entries(trainer.optimizer, parallel)
+    mine = {f"{i}:{e.key}": e.tensor.detach().cpu().clone() for i, e in enumerate(entries) if e.write}
+    parts = [mine]
+    if parallel.layout.world > 1:
+        parts = [None] * parallel.layout.world
+        dist.all_gather_object(parts, mine)
+    return {f"{r}:{k}": v for r, part in enumerate(parts) for k, v in part.items()}
 
 
 def run_row(args: argparse.Namespace, row: str, work: str) -> dict[str, Any]:

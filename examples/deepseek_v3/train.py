@@ -22,7 +22,7 @@ Slow ranks are reported with `log_straggler` (moe/train/straggler.py).
 
 Writes into RUN_DIR: run.json (layout and config), metrics.jsonl (one line per optimizer step, and events), loss.png,
 tokenizer.json, val_tokens.npy (held-out sequences for evaluate.py), checkpoints/step_N/ and checkpoints/latest.
-Checkpoints are sharded flash checkpoints (moe/train/flash.py: each rank writes its shard in the background); the
+Checkpoints are sharded flash checkpoints (moe/train/checkpoint/: each rank writes its shard in the background); the
 last one also holds the whole model as a model directory. Every checkpoint reads as a model directory (--init,
 evaluate.py, hf.py), and `--resume` continues from the newest complete one in any layout. Files are readable by
 their owner only.
@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from moe import EPBuffers  # noqa: E402
 from moe.fp8_training import apply_fp8  # noqa: E402
+from moe.io.atomic import write_json  # noqa: E402
 from moe.models.deepseek_v3 import DeepseekV3ForCausalLM  # noqa: E402
 from moe.models.deepseek_v3.model_dir import config_json, read_model_dir, write_model_dir  # noqa: E402
 from moe.models.deepseek_v3.tensor_parallel import parallelize  # noqa: E402
@@ -57,7 +58,7 @@ from moe.train.faults import FaultPlan  # noqa: E402
 from moe.train.metrics import LOSS_PNG, METRICS, loss_table, plot_loss, read_metrics  # noqa: E402
 from moe.train.parallel import Layout, ParallelState, env_local_rank  # noqa: E402
 from moe.train.rewind import TrainingStopped  # noqa: E402
-from moe.train.trainer import ModelIO, Trainer  # noqa: E402
+from moe.train.trainer import Trainer  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -84,12 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_run_dir(run_dir: Path, resume: bool, init: str | None) -> Path | None:
     """The checkpoint to resume from (None: a new run): the newest complete one (incomplete newer ones are skipped
-    with a warning; the ranks agree on one with verified checksums later, `Trainer.find_checkpoint`); ValueError
+    with a warning; the ranks agree on one with verified checksums later, `Checkpointer.find_resumable`); ValueError
     for a run directory that does not fit."""
     if resume and init:
         raise ValueError("--resume continues a run from its own checkpoint; --init starts a new one: pick one")
     # The trainer state's sha256 is verified here (its step decides what is left to train); every file's is verified
-    # by rank 0 once the process groups exist (Trainer.find_checkpoint), before anything is loaded.
+    # by rank 0 once the process groups exist (Checkpointer.find_resumable), before anything is loaded.
     latest, skipped = ckpt.find_resumable(run_dir, verify_state=True, warn=resume and env_rank() == 0)
     if resume and latest is None:
         raise ValueError(f"--resume: {ckpt.no_resumable_reason(run_dir, skipped)}")
@@ -161,10 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         model.load_full_state_dict(state_dict)
 
     def write_config(directory: Path) -> None:
-        text = json.dumps(config_json(model_cfg, DTYPES[train_cfg.dtype]), indent=2, sort_keys=True) + "\n"
-        (directory / "config.json").write_text(text)
+        write_json(directory / "config.json", config_json(model_cfg, DTYPES[train_cfg.dtype]), indent=2)
 
-    model_io = ModelIO(
+    model_io = ckpt.ModelIO(
         full_state_dict=model.full_state_dict,
         write=lambda path, sd: write_model_dir(path, sd, model_cfg),
         load=load_model,
@@ -186,14 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     start_step = 0
     if latest is not None:
         try:
-            latest = trainer.find_checkpoint()  # rank 0 verifies the checksums; every rank takes its choice
+            latest = trainer.checkpointer.find_resumable()  # rank 0 verifies the checksums; every rank takes its choice
         except ValueError as exc:  # every rank: the same clean error as before the process groups existed
             if parallel.is_main:
                 print(f"train.py: error: {exc}", file=sys.stderr)
             ep_buffers.destroy()
             parallel.destroy()
             return 2
-        start_step = trainer.resume(latest)
+        start_step = trainer.checkpointer.load(latest)
     elif args.init is not None:
         load_model(Path(args.init))
     parallel.barrier()
@@ -252,7 +252,7 @@ def _write_run_json(run_dir: Path, args, job: job_config.Job, data) -> None:
         "torch": torch.__version__,
         "threads_per_rank": torch.get_num_threads(),
     }
-    ckpt.write_json(run_dir / "run.json", info)
+    write_json(run_dir / "run.json", info)
 
 
 def _summary(run_dir: Path) -> None:

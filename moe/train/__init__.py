@@ -5,17 +5,14 @@
 - `data`: corpus, tokenizer, cached token file, `TokenBatches` (layout-independent global batches).
 - `schedule`: warm-up + cosine learning rate.
 - `optim`: `MasterAdamW` (FP32 master weights, gradient reduction over the layout, global-norm clipping).
-- `checkpoint`: the checkpoints of a run directory: the `latest` pointer, completeness, which one a resume takes.
-- `flash`: asynchronous sharded checkpoints (copy to CPU memory, background writer, rank 0's atomic commit).
-- `shard_files`: their files: streamed safetensors with sha256, the manifest, the resharding reader.
-- `sharded`: the geometry: a rank's part of a global tensor as boxes (experts, TP shards, ZeRO-1 ranges).
-- `train_state`: what a checkpoint holds of a rank (model, optimizer, RNG, FP8 amax histories), and loading it.
-- `crash_faults`: crash injection for the checkpoint tests (a rank SIGKILLs itself).
+- `checkpoint`: `Checkpointer` (cadence, asynchronous sharded writes, manifest, purging, resuming in any layout)
+  over the state list (`TrainState`: counters, data position, schedule, model, optimizer, RNG, FP8 amax histories);
+  the file format and the atomic writes are `moe.io`.
 - `metrics`: metrics.jsonl (step records and events) and the loss plot.
 - `rewind`: NaN/Inf and loss-spike checks, the in-memory snapshot, rewind and skip.
 - `straggler`: slow-rank reports from the per-rank phase times (`moe.phase_timer`).
-- `faults`: injected faults (the test hook of rewind and slow-rank detection).
-- `trainer`: `Trainer` (the step, the loop, save and resume).
+- `faults`: injected faults (the test hook of rewind, slow-rank detection and crash recovery), one plan.
+- `trainer`: `Trainer` (the step and the loop).
 """
 
 from moe.train.config import DataConfig, TrainingConfig

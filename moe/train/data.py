@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe.io.atomic import fsync_path
 from moe.train.config import DataConfig
-from moe.train.shard_files import fsync_path
 
 EOS = "<|endoftext|>"
 FORMAT_VERSION = 1

@@ -24,6 +24,7 @@ from typing import Any
 
 import tomli_w
 
+from moe.io.atomic import write_bytes
 from moe.models.deepseek_v3 import DeepseekV3Config, RecomputeConfig
 from moe.models.deepseek_v3.config import EXTENSION_FIELDS
 from moe.models.deepseek_v3.model_dir import read_config
@@ -82,7 +83,7 @@ class Job:
         return tomli_w.dumps(_drop_none(self.tables))
 
     def save(self, run_dir: Path) -> None:
-        (run_dir / CONFIG_TOML).write_text(self.toml())
+        write_bytes(run_dir / CONFIG_TOML, self.toml().encode())
 
 
 def _build_model(table: dict[str, Any]) -> DeepseekV3Config:

@@ -41,6 +41,75 @@ class MetricsLog:
         self._file.close()
 
 
+class RunReport:
+    """What a rank reports while it trains: on the main rank metrics.jsonl, the progress bar and its lines; on the
+    others nothing. Tracks the last step reported (`done`): steps run again after a rewind are not reported twice.
+
+    Args:
+        run_dir: the run directory.
+        total_steps: the run's last step.
+        start_step: the step resumed from (0: a new run); later records of metrics.jsonl are dropped.
+        log_every: a progress line every `log_every` steps (and at the last).
+        main: whether this rank reports.
+    """
+
+    def __init__(self, run_dir: str | Path, *, total_steps: int, start_step: int, log_every: int, main: bool) -> None:
+        from tqdm.auto import tqdm
+
+        self.main, self.total, self.log_every = main, total_steps, log_every
+        self.done = start_step
+        self.log = MetricsLog(run_dir, resume_step=start_step) if main else None
+        self.bar = tqdm(total=total_steps, initial=start_step, disable=not main, unit="step", dynamic_ncols=True)
+
+    def fresh(self, step: int) -> bool:
+        """Whether `step` runs for the first time (not again after a rewind)."""
+        return step > self.done
+
+    def event(self, record: dict[str, Any], line: str | None = None) -> None:
+        """Write an event (and print `line` above the bar)."""
+        if self.main:
+            self.log.write(record)
+            if line:
+                self.bar.write(line)
+
+    def record(self, record: dict[str, Any]) -> None:
+        """Write a step record, the first time the step runs."""
+        step = record["step"]
+        if not self.fresh(step):
+            return
+        self.event(record)
+        if self.main:
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if step % self.log_every == 0 or step == self.total:
+                self.bar.write(_log_line(record))
+
+    def advance(self, step: int) -> None:
+        """Step `step` is over (run or skipped)."""
+        if self.fresh(step):
+            self.bar.update(1)
+        self.done = max(self.done, step)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.log is not None:
+            self.log.close()
+
+    def plot(self, png_path: str | Path, title: str = "") -> None:
+        """The loss plot of metrics.jsonl (main rank)."""
+        if self.main:
+            plot_loss(self.log.path, png_path, title=title)
+
+
+def _log_line(r: dict[str, Any]) -> str:
+    mtp = "" if r["mtp_loss"] is None else f" mtp {r['mtp_loss']:.4f}"
+    imb = r["expert_load_max_over_mean"]
+    worst = f" load max/mean <= {max(imb.values()):.2f}" if imb else ""
+    return (
+        f"step {r['step']:>5} loss {r['loss']:.4f}{mtp} lr {r['lr']:.2e} grad_norm {r['grad_norm']:.3f} "
+        f"{r['tokens_per_s']:.0f} tok/s{worst}"
+    )
+
+
 def _read_all(path: str | Path) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.is_file():

@@ -25,16 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe.parallel.sharding import gather_shards, tp_shard_of
 from moe.train.config import TrainingConfig
 from moe.train.parallel import ParallelState, all_reduce_sum
 
 
 @dataclass
 class StateTensor:
-    """One optimizer tensor of this rank, for the sharded checkpoints (moe/train/flash.py).
+    """One optimizer tensor of this rank, for the sharded checkpoints (moe/train/checkpoint/state.py).
 
-    key: `<param name>.<exp_avg | exp_avg_sq | master>` (the keys of `full_state`).
+    key: `<param name>.<exp_avg | exp_avg_sq | master>` (its key in a checkpoint's "optimizer" section).
     tensor: the live tensor (a load writes into it): the parameter's local shape, or with `flat` 1-D.
     param: its parameter (local shape and tensor-parallel tags).
     expert: sharded over the EP group along dim 0.
@@ -186,49 +185,10 @@ class MasterAdamW:
         for state in self.adamw.state.values():
             state["step"].fill_(float(steps))
 
-    # -- state (layout independent: expert tensors gathered to all experts)
-
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """AdamW state and FP32 master weights keyed `<param name>.<exp_avg | exp_avg_sq | step | master>`, the
-        expert tensors gathered over the EP group to all experts (collective over it). Empty before the first step.
-        """
-        out: dict[str, torch.Tensor] = {}
-        for q in self.params:
-            state = self.adamw.state.get(q.master)
-            tensors = dict(state) if state else {}
-            if q.master is not q.param:
-                tensors["master"] = q.master.detach()
-            for key, t in tensors.items():
-                out[f"{q.name}.{key}"] = (
-                    local_to_full(t.detach(), q.expert, self.parallel, q.param).clone().contiguous()
-                )
-        return out
-
     def state_bytes_per_rank(self) -> int:
         """Bytes of optimizer state this rank holds: exp_avg, exp_avg_sq and the FP32 master copies of the
         non-FP32 parameters (an FP32 parameter is its own master)."""
         return sum(q.master.numel() * 4 * (2 + (q.master is not q.param)) for q in self.params)
-
-    @torch.no_grad()
-    def load_full_state(self, full: dict[str, torch.Tensor]) -> None:
-        """Inverse of `full_state` for this rank's layout (expert tensors sliced to the local experts)."""
-        check_state_keys(full, [(q.name, q.master is not q.param) for q in self.params])
-        for q in self.params:
-            state = {}
-            for key in ("exp_avg", "exp_avg_sq", "step", "master"):
-                name = f"{q.name}.{key}"
-                if name not in full:
-                    continue
-                t = full_to_local(full[name], q.expert, self.parallel, q.param)
-                if key == "master":
-                    q.master.copy_(t)
-                else:
-                    state[key] = t.clone()
-            if state:
-                for key in ("exp_avg", "exp_avg_sq"):
-                    if state[key].shape != q.master.shape:
-                        raise ValueError(f"{q.name}.{key}: shape {tuple(state[key].shape)} != {tuple(q.master.shape)}")
-                self.adamw.state[q.master] = state
 
 
 # -- pieces shared with the ZeRO-1 optimizer (moe/train/zero.py)
@@ -256,52 +216,3 @@ def clip_factor(norm: float, max_norm: float) -> float:
     if max_norm <= 0 or not math.isfinite(norm):
         return 1.0
     return min(1.0, max_norm / (norm + 1e-6))
-
-
-def check_state_keys(full: dict[str, torch.Tensor], params: list[tuple[str, bool]]) -> None:
-    """Raises ValueError unless `full` has exactly the keys of the parameters `(name, has_separate_master)`:
-    `<name>.exp_avg / .exp_avg_sq / .step` once stepped, and `<name>.master` for the non-FP32 parameters."""
-    stepped = any(k.endswith(".exp_avg") for k in full)
-    keys = ["exp_avg", "exp_avg_sq", "step"] if stepped else []
-    expected = {f"{name}.{k}" for name, master in params for k in keys + (["master"] if master else [])}
-    if set(full) != expected:
-        missing, extra = sorted(expected - set(full)), sorted(set(full) - expected)
-        raise ValueError(f"optimizer state does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
-
-
-def local_to_full(
-    t: torch.Tensor, expert: bool, parallel: ParallelState, param: nn.Parameter | None = None
-) -> torch.Tensor:
-    """This rank's tensor of a parameter (or of its optimizer state) -> the layout-independent full tensor:
-    expert tensors gathered over the EP group along dim 0, tensor-parallel shards (`param`'s
-    `tensor_parallel_shard`) over the TP group (collectives over them); others as they are."""
-    if t.dim() == 0:
-        return t
-    shard = tp_shard_of(param) if param is not None else None
-    if shard is not None and parallel.tp_group is not None:
-        t = gather_shards(t, shard, parallel.tp_group)
-    return _gather_dim0(t, parallel.ep_group) if expert else t
-
-
-def full_to_local(
-    t: torch.Tensor, expert: bool, parallel: ParallelState, param: nn.Parameter | None = None
-) -> torch.Tensor:
-    """Inverse of `local_to_full`: the expert tensors sliced to this rank's local experts, tensor-parallel
-    parameters to this rank's shard."""
-    if t.dim() == 0:
-        return t
-    if expert:
-        n = t.size(0) // parallel.layout.ep
-        t = t[parallel.ep_rank * n : (parallel.ep_rank + 1) * n]
-    shard = tp_shard_of(param) if param is not None else None
-    if shard is not None and shard.size > 1:
-        t = shard.shard(t)
-    return t
-
-
-def _gather_dim0(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    if group is None:
-        return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts)

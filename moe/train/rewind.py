@@ -44,14 +44,15 @@ import math
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from moe.fp8_training.state import delayed_states
+if TYPE_CHECKING:
+    from moe.train.checkpoint.state import TrainState
+
 
 REASONS = ("nan_loss", "nan_grad_norm", "loss_spike")
 
@@ -127,23 +128,6 @@ def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
 
 
-def amax_histories(model: nn.Module) -> list:
-    """The FP8 delayed-scaling `AmaxHistory` objects of `model` (three per GEMM site of
-    `moe.fp8_training.delayed_states`, each once); empty without FP8 or with the blockwise recipe."""
-    found = {}
-    for state in delayed_states(model).values():
-        for h in (state.input, state.weight, state.grad_output):
-            found[id(h)] = h
-    return list(found.values())
-
-
-@dataclass
-class _PythonState:
-    adamw_state: dict = field(default_factory=dict)  # param -> its AdamW state dict (same tensor objects)
-    optimizer_steps: int | None = None  # DistributedAdamW.steps
-    histories: list = field(default_factory=list)  # (AmaxHistory, history tensor copy, num_recorded)
-
-
 class StateSnapshot:
     """An in-memory copy of the training state of one rank (see the module docstring).
 
@@ -154,25 +138,17 @@ class StateSnapshot:
     slices) sees the old values without being replaced.
 
     Args:
-        model: this rank's model (under pipeline parallelism: its stages).
-        optimizer: `MasterAdamW` or `DistributedAdamW` (their torch AdamW is `optimizer.adamw`).
+        state: the rank's state list (moe/train/checkpoint/state.py: the model, under pipeline parallelism its
+            stages; the optimizer, `MasterAdamW` or `DistributedAdamW`; the FP8 amax histories); the components
+            name the tensors (`snapshot_tensors`) and the host-side state (`host_state`) that are copied.
     """
 
-    def __init__(self, model: nn.Module, optimizer) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.histories = amax_histories(model)
+    def __init__(self, state: TrainState) -> None:
+        self.state = state
         self.step: int | None = None  # the state entering this step
         self._copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # storage ptr -> (live bytes, copy)
-        self._python = _PythonState()
+        self._host: list = []
         self.extra: Any = None
-
-    def _live_tensors(self) -> list[torch.Tensor]:
-        adamw = self.optimizer.adamw
-        out = [*self.model.parameters(), *self.model.buffers()]
-        out += [p for group in adamw.param_groups for p in group["params"]]
-        out += [t for state in adamw.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-        return out
 
     @torch.no_grad()
     def take(self, step: int, extra: Any = None) -> float:
@@ -180,7 +156,7 @@ class StateSnapshot:
         as given and handed back by `restore`."""
         start = time.perf_counter()
         live: dict[int, torch.Tensor] = {}
-        for t in self._live_tensors():
+        for t in self.state.snapshot_tensors():
             ptr = t.untyped_storage().data_ptr()
             if ptr not in live and t.untyped_storage().nbytes():
                 live[ptr] = _storage_bytes(t)
@@ -191,12 +167,7 @@ class StateSnapshot:
             copy.copy_(data)
             copies[ptr] = (data, copy)
         self._copies = copies
-        adamw = self.optimizer.adamw
-        self._python = _PythonState(
-            adamw_state={p: dict(s) for p, s in adamw.state.items()},
-            optimizer_steps=getattr(self.optimizer, "steps", None),
-            histories=[(h, h.history.clone(), h.num_recorded) for h in self.histories],
-        )
+        self._host = self.state.host_state()
         self.extra = extra
         self.step = step
         return time.perf_counter() - start
@@ -209,15 +180,7 @@ class StateSnapshot:
             raise RuntimeError("no snapshot to restore")
         for data, copy in self._copies.values():
             data.copy_(copy)
-        adamw = self.optimizer.adamw
-        adamw.state.clear()  # states created after the snapshot (e.g. MasterAdamW's first step) go
-        for p, s in self._python.adamw_state.items():
-            adamw.state[p] = dict(s)
-        if self._python.optimizer_steps is not None:  # both optimizers count their steps (moe/train/optim.py, zero.py)
-            self.optimizer.set_steps(self._python.optimizer_steps)
-        for h, history, num_recorded in self._python.histories:
-            h.history = history.clone()
-            h.num_recorded = num_recorded
+        self.state.load_host_state(self._host)
         return self.extra
 
     @property
@@ -242,12 +205,12 @@ class RewindGuard:
 
     Args:
         config: the [training] settings (check_for_*, spiky_loss_*, rewind_*).
-        model, optimizer: what the snapshot copies.
+        state: what the snapshot copies (the state list, `TrainState`).
         world: ranks that must agree (the flags are all-reduced over the default group when > 1).
         rank: this rank's global rank (named in the event when its own loss was non-finite).
     """
 
-    def __init__(self, config, model: nn.Module, optimizer, *, world: int, rank: int) -> None:
+    def __init__(self, config, state: TrainState, *, world: int, rank: int) -> None:
         self.config = config
         self.world, self.rank = world, rank
         self.spikes = (
@@ -256,7 +219,7 @@ class RewindGuard:
             else None
         )
         self.interval = config.rewind_snapshot_interval
-        self.snapshot = StateSnapshot(model, optimizer) if self.interval > 0 else None
+        self.snapshot = StateSnapshot(state) if self.interval > 0 else None
         self.skipped: set[int] = set()  # steps rewound and skipped
         self.in_a_row = 0  # anomalies since the last step that passed beyond the last anomaly
         self.last_anomaly = 0

@@ -17,15 +17,17 @@ The maths of a step do not depend on the layout (see moe/train/parallel.py and m
 Randomness: torch's generator is reseeded from `(seed, step)` at the start of every step, so a resumed run draws
 the same numbers as an uninterrupted one whatever the layout (the generator states are saved anyway).
 
-Checkpoints (moe/train/flash.py): every `checkpoint_every` steps and at the last one, each rank copies its shard
-of the state (its experts, its TP shard, its stages, its ZeRO-1 shards, its generators and FP8 amax histories)
-into CPU memory and a background thread writes it; rank 0 commits the checkpoint once every shard is on disk. The
-last checkpoint also holds the whole model as a model directory (model.safetensors + config.json). `resume` reads
-the boxes this rank needs from any layout's checkpoint.
+Checkpoints (moe/train/checkpoint/): `Checkpointer.save(step, last_step=...)` takes one every `checkpoint_every`
+steps and at the last one: each rank copies its shard of the state list (`TrainState`: its experts, its TP shard,
+its stages, its ZeRO-1 shards, its generators and FP8 amax histories, the counters) into CPU memory and a background
+thread writes it; rank 0 commits the checkpoint once every shard is on disk. The last checkpoint also holds the
+whole model as a model directory (model.safetensors + config.json). `Checkpointer.load` reads the boxes this rank
+needs from any layout's checkpoint.
 
 Anomalies (moe/train/rewind.py): before the optimizer step, the global loss and gradient norm are checked for
 NaN/Inf and the loss for a spike; an anomalous step makes no update, `fit` restores the last in-memory snapshot and
-skips the step (its batch), as a step listed in `iterations_to_skip` is skipped. Slow ranks
+skips the step (its batch), as a step listed in `iterations_to_skip` is skipped. Injected faults (the tests' hook,
+moe/train/faults.py) act at named hook points of the components, not in the loop. Slow ranks
 (moe/train/straggler.py): with `log_straggler`, every rank times its phases and every `straggler_interval` steps the
 ranks much slower than their peers in a phase are reported. Both write their events into metrics.jsonl (records
 with a "kind"; the step records have none).
@@ -36,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,40 +49,19 @@ from moe.balancing import load_imbalance, set_aux_loss_scale, update_expert_bias
 from moe.loss import loss_share
 from moe.memory import process_peak_bytes
 from moe.phase_timer import PhaseTimer, phase
-from moe.train import checkpoint as ckpt
-from moe.train import crash_faults
-from moe.train import train_state as ts
+from moe.train.checkpoint import Checkpointer, ModelIO, TrainState
 from moe.train.config import TrainingConfig
 from moe.train.data import TokenBatches
-from moe.train.faults import Fault, FaultPlan
-from moe.train.flash import FlashCheckpointer, SaveRequest
-from moe.train.metrics import LOSS_PNG, MetricsLog, plot_loss
+from moe.train.faults import FaultPlan
+from moe.train.metrics import LOSS_PNG, RunReport
 from moe.train.optim import MasterAdamW
 from moe.train.parallel import ParallelState, all_reduce_sum
 from moe.train.rewind import AnomalyDetected, RewindGuard, TrainingStopped
 from moe.train.schedule import lr_at
-from moe.train.shard_files import CheckpointReader
 from moe.train.straggler import StragglerMonitor, slow_rank_event
 from moe.train.zero import DistributedAdamW, ZeroConfig
 
 IGNORE_INDEX = -100
-
-
-@dataclass
-class ModelIO:
-    """How the trainer saves and loads the model (the model's own format).
-
-    full_state_dict: collective over the ranks: the whole model's state (every expert) on each rank.
-    write: `write(path, state_dict)` writes a model directory at `path` (which does not exist yet); rank 0 only.
-    load: `load(path)` loads a model directory into this rank's model (its experts only); every rank.
-    write_config: `write_config(directory)` writes the model's config.json there (every checkpoint has one, so any
-        checkpoint reads as a model directory); None: none.
-    """
-
-    full_state_dict: Callable[[], dict[str, torch.Tensor]]
-    write: Callable[[Path, dict[str, torch.Tensor]], None]
-    load: Callable[[Path], None]
-    write_config: Callable[[Path], None] | None = None
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -117,6 +97,7 @@ class Trainer:
         pipeline: with pipeline parallelism, the `moe.pipeline.PipelineRunner` that runs each step's micro-batches
             (built first: it prunes `model` to this rank's stages).
         faults: test hook: faults to inject (moe/train/faults.py), None for none.
+        run_info: keys added to every checkpoint's trainer_state.json ("title": the loss plot's title).
         checkpoint_timeout_s: how long rank 0 waits for the other ranks' shards of one checkpoint.
     """
 
@@ -147,10 +128,8 @@ class Trainer:
         self.batches = batches
         self.run_dir = Path(run_dir)
         self.seed = seed
-        self.model_io = model_io
         self.mtp_loss_weight = float(mtp_loss_weight)
         self.num_mtp = int(num_mtp)
-        self.extra_checkpoint_files = tuple(Path(p) for p in extra_checkpoint_files)
         self.run_info = run_info or {}
         self.moe_layers = list(model.moe_layers())
         names = {id(m): n for n, m in model.named_modules()}
@@ -165,9 +144,14 @@ class Trainer:
             self.optimizer = MasterAdamW(model, expert_params, config, parallel)
         self.local_rows = config.global_batch // parallel.layout.dp
         self.micro_rows = self.local_rows // config.micro_batches
+        # The state list: what checkpoints save and load, and what the rewind snapshot copies.
+        self.state = TrainState.of_trainer(
+            model, self.optimizer, config, parallel, batches, seed=seed, run_info=self.run_info,
+            full_state_dict=model_io.full_state_dict if model_io is not None else None,
+        )  # fmt: skip
         # Anomaly checks and rewind, slow-rank detection, injected faults.
-        self.faults = faults
-        self.guard = RewindGuard(config, model, self.optimizer, world=parallel.layout.world, rank=parallel.rank)
+        self.faults = faults if faults is not None else FaultPlan()
+        self.guard = RewindGuard(config, self.state, world=parallel.layout.world, rank=parallel.rank)
         self.phase_timer: PhaseTimer | None = None
         self.straggler: StragglerMonitor | None = None
         if config.log_straggler:
@@ -181,12 +165,13 @@ class Trainer:
                 interval=config.straggler_interval, factor=config.straggler_factor,
                 min_seconds=config.straggler_min_seconds,
             )  # fmt: skip
-        elif faults is not None and faults.has_delays:
+        elif self.faults.has_delays:
             raise ValueError("injected sleep faults act on the phase timer: set [training] log_straggler = true")
-        if faults is not None and pipeline is not None and faults.has_loss_faults:
+        if pipeline is not None and self.faults.has_loss_faults:
             raise ValueError("injected loss faults act in the trainer's micro-batch loop, which pipeline runs skip")
-        # Flash checkpoints.
-        self.checkpointer = FlashCheckpointer(self.run_dir, parallel, timeout_s=checkpoint_timeout_s)
+        self.checkpointer = Checkpointer(self.run_dir, parallel, self.state, every=config.checkpoint_every,
+                                         model_io=model_io, extra_files=extra_checkpoint_files, faults=self.faults,
+                                         timeout_s=checkpoint_timeout_s)  # fmt: skip
 
     # -- one optimizer step
 
@@ -195,8 +180,7 @@ class Trainer:
         `AnomalyDetected` on every rank, before any update, when the step fails its checks (moe/train/rewind.py)."""
         cfg, par = self.config, self.parallel
         timer = self.phase_timer
-        if timer is not None and self.faults is not None:
-            timer.set_delays(self.faults.delays(step, par.rank))
+        self.faults.at("step_start", step=step, rank=par.rank, timer=timer)
         start = time.perf_counter()
         torch.manual_seed(step_seed(self.seed, step))
         self.model.train()
@@ -212,8 +196,7 @@ class Trainer:
                 sums, load_of = self.pipeline.step(tokens_BS, counts, step)
             loads = [load_of[id(layer)] for layer in self.moe_layers]
         else:
-            fault = self.faults.loss_fault(step, par.rank) if self.faults is not None else None
-            sums, loads = self._micro_batches(tokens_BS, counts, fault)
+            sums, loads = self._micro_batches(tokens_BS, counts, step)
         with phase(timer, "grad_sync"):  # the norm's all-reduce is where ranks wait for a late one: not 'optimizer'
             self.optimizer.reduce_gradients()
             grad_norm = self.optimizer.global_grad_norm()
@@ -245,6 +228,7 @@ class Trainer:
             stages: list[dict] = [{} for _ in range(par.layout.pp)]
             dist.all_gather_object(stages, imbalance, group=par.pp_group)
             imbalance = {k: v for part in stages for k, v in part.items()}
+        self.state.progress.step = step
         return {
             "step": step,
             "loss": loss,
@@ -258,11 +242,10 @@ class Trainer:
             "expert_load_max_over_mean": imbalance,
         }
 
-    def _micro_batches(
-        self, tokens_BS: torch.Tensor, counts: torch.Tensor, fault: Fault | None = None
-    ) -> tuple[torch.Tensor, list]:
-        """Forward and backward of each micro-batch in turn (no pipeline): `(loss sums [1 + D] float64, tokens per
-        expert of each MoE layer)`. `fault` (test hook) corrupts the first micro-batch's LM loss sum."""
+    def _micro_batches(self, tokens_BS: torch.Tensor, counts: torch.Tensor, step: int) -> tuple[torch.Tensor, list]:
+        """Forward and backward of each micro-batch in turn (no pipeline) of step `step`: `(loss sums [1 + D]
+        float64, tokens per expert of each MoE layer)`. The "loss" fault hook point (test hook) may corrupt the
+        first micro-batch's LM loss sum."""
         cfg, timer = self.config, self.phase_timer
         sums = torch.zeros(1 + self.num_mtp, dtype=torch.float64)
         loads = [torch.zeros(layer.config.num_moe_experts, dtype=torch.float64) for layer in self.moe_layers]
@@ -271,8 +254,9 @@ class Trainer:
             with self.optimizer.accumulation_context(index, cfg.micro_batches):
                 with phase(timer, "forward"):
                     out = self.model(mb_BS, labels=mb_BS)
-                    if fault is not None and index == 0:
-                        out.lm_loss_sum = fault.apply(out.lm_loss_sum)
+                    if index == 0:
+                        out.lm_loss_sum = self.faults.at("loss", step=step, rank=self.parallel.rank,
+                                                         value=out.lm_loss_sum)  # fmt: skip
                     loss, mb_sums = loss_share(out, counts, self.mtp_loss_weight, self.num_mtp)
                 with phase(timer, "backward"):
                     loss.backward()
@@ -280,129 +264,6 @@ class Trainer:
             for load, layer in zip(loads, self.moe_layers):
                 load += layer.metrics.tokens_per_expert.double()
         return sums, loads
-
-    # -- checkpoints
-
-    def save(self, step: int) -> Path:
-        """Checkpoint `RUN_DIR/checkpoints/step_<step>/` (collective): blocks for the copy of this rank's state into
-        CPU memory (and for the previous checkpoint's write, if it is still going), then writes in the background.
-        The run's last step also exports the whole model (gathered, rank 0 writes it). Returns the directory."""
-        request = SaveRequest()
-        export = None
-        if step == self.config.steps and self.model_io is not None:
-            export = {k: v.detach().clone() for k, v in self._merge_stages(self.model_io.full_state_dict()).items()}
-        if self.parallel.is_main:
-            request = SaveRequest(
-                trainer_state=self.trainer_state(step),
-                write_config=self.model_io.write_config if self.model_io is not None else None,
-                extra_files=self.extra_checkpoint_files,
-                export=export,
-                write_model_dir=self.model_io.write if self.model_io is not None else None,
-            )
-        entries = ts.model_entries(self.model, self.parallel) + ts.optimizer_entries(self.optimizer, self.parallel)
-        tensors, info = ts.rank_state(self.model)
-        return self.checkpointer.save(step, entries, tensors, info, request)
-
-    def close_checkpoints(self, ok: bool = True) -> None:
-        """Finish the last checkpoint before the process exits (`FlashCheckpointer.close`): collective and raising
-        when `ok`; on an exception path (`ok=False`) local and silent."""
-        self.checkpointer.close(ok)
-
-    def _before_step(self, step: int) -> None:
-        """A background write's error surfaces at the next step; the tests' crash injection
-        (moe/train/crash_faults.py)."""
-        self.checkpointer.raise_if_failed()
-        fault = self.checkpointer.fault
-        if fault is not None and (fault.kind, fault.rank, fault.step) == ("kill_at_step", self.parallel.rank, step):
-            self.checkpointer.wait()
-            crash_faults.kill_self(f"rank {self.parallel.rank} before step {step}")
-
-    def _merge_stages(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """With pipeline parallelism, every pipeline rank's part of a state dict in one (collective over the
-        pipeline group; disjoint keys: each rank holds other layers)."""
-        group = self.parallel.pp_group
-        if group is None:
-            return state
-        parts: list[dict] = [{} for _ in range(self.parallel.layout.pp)]
-        dist.all_gather_object(parts, {k: v.detach().clone() for k, v in state.items()}, group=group)
-        return {k: v for part in parts for k, v in part.items()}
-
-    def trainer_state(self, step: int) -> dict[str, Any]:
-        cfg = self.config
-        return {
-            "step": step,
-            "seed": self.seed,
-            "data": {
-                "next_step": step + 1,
-                "consumed_sequences": step * cfg.global_batch,
-                "epoch": (step * cfg.global_batch) // self.batches.num_train,
-                "global_batch": cfg.global_batch,
-                "seq_len": cfg.seq_len,
-                "num_train_windows": self.batches.num_train,
-            },
-            "schedule": {
-                "lr": cfg.lr,
-                "min_lr": cfg.min_lr,
-                "warmup_steps": cfg.warmup_steps,
-                "total_steps": cfg.steps,
-                "last_lr": lr_at(
-                    step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps
-                ),  # fmt: skip
-            },
-            "optimizer": {"kind": type(self.optimizer).__name__, "steps": self.optimizer.steps},
-            "rng": {
-                "policy": "torch.manual_seed(step_seed(seed, step)) at the start of every step; the generator "
-                "states of every rank are in its rank_*/state.safetensors"
-            },  # fmt: skip
-            "layout": self.parallel.layout.to_dict(),
-            **self.run_info,
-        }
-
-    def find_checkpoint(self) -> Path:
-        """The checkpoint to resume from (collective): rank 0 takes the newest complete one, the sha256 of every
-        file verified (newer incomplete ones skipped with a warning), and every rank takes rank 0's choice.
-        ValueError on every rank when none passes (rank 0's reasons in the message)."""
-        box: list = [None, ""]
-        if self.parallel.is_main:
-            path, skipped = ckpt.find_resumable(self.run_dir, verify_checksums=True)
-            box = [None if path is None else str(path), ckpt.no_resumable_reason(self.run_dir, skipped)]
-        if self.parallel.layout.world > 1:
-            dist.broadcast_object_list(box, src=0)
-        if box[0] is None:
-            raise ValueError(f"--resume: {box[1]}")
-        return Path(box[0])
-
-    def resume(self, path: Path) -> int:
-        """Load a checkpoint of this run, saved in any layout (model, optimizer, rank-local state); returns its
-        step."""
-        state = ckpt.read_trainer_state(path)
-        for key, mine in (("seed", self.seed),):
-            if state[key] != mine:
-                raise ValueError(f"{path} was trained with {key}={state[key]}, this run has {mine}")
-        data = dict(state["data"], num_train_windows=state["data"].get("num_train_windows", self.batches.num_train))
-        for key, mine in (("global_batch", self.config.global_batch), ("seq_len", self.config.seq_len),
-                          ("num_train_windows", self.batches.num_train)):  # fmt: skip
-            if data[key] != mine:
-                raise ValueError(
-                    f"{path} was trained with {key}={data[key]}, this run has {mine}: the data position would not "
-                    "carry over"
-                )
-        cfg, sched = self.config, state["schedule"]
-        mine = {"lr": cfg.lr, "min_lr": cfg.min_lr, "warmup_steps": cfg.warmup_steps, "total_steps": cfg.steps}
-        changed = {k: (sched[k], v) for k, v in mine.items() if sched[k] != v}
-        if changed and self.parallel.is_main:
-            print(f"note: the learning-rate schedule changed since {path.name} (checkpoint, now): {changed}")
-        steps = int(state["optimizer"]["steps"])
-        with CheckpointReader(path) as reader:
-            ts.load_entries(reader, ts.model_entries(self.model, self.parallel))
-            ts.load_entries(reader, ts.optimizer_entries(self.optimizer, self.parallel, create=steps > 0))
-            self.optimizer.set_steps(steps)
-            same = reader.manifest["layout"] == self.parallel.layout.to_dict()
-            note = ts.load_rank_state(reader, self.model, self.parallel, same_layout=same)
-        if self.parallel.is_main:
-            layout = "the same layout" if same else f"layout {reader.manifest['layout']} resharded"
-            print(f"resumed from {path} (step {state['step']}, {layout}; {note})")
-        return int(state["step"])
 
     # -- the loop
 
@@ -416,79 +277,70 @@ class Trainer:
         rewound raises `TrainingStopped` after a "stop" event. With `log_straggler`, "phase_times" and
         "slow_rank" events every `straggler_interval` steps.
         """
-        cfg = self.config
-        main = self.parallel.is_main
-        log = MetricsLog(self.run_dir, resume_step=start_step) if main else None
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=cfg.steps, initial=start_step, disable=not main, unit="step", dynamic_ncols=True)
-
-        def event(record: dict[str, Any], line: str | None = None) -> None:
-            if main:
-                log.write(record)
-                if line:
-                    bar.write(line)
-
+        last, rank = self.config.steps, self.parallel.rank
+        report = RunReport(self.run_dir, total_steps=last, start_step=start_step, log_every=self.config.log_every,
+                           main=self.parallel.is_main)  # fmt: skip
         records: dict[int, dict[str, Any]] = {}
-        configured_skips = set(cfg.iterations_to_skip)
-        done, saved, step = start_step, set(), start_step + 1  # done: the last step past on the first pass
-        ok = False
+        step, ok = start_step + 1, False
         try:
-            while step <= cfg.steps:
-                self._before_step(step)
-                fresh = step > done
-                if step in configured_skips or step in self.guard.skipped:
-                    if fresh and step in configured_skips:
-                        line = f"step {step:>5} skipped (iterations_to_skip): no update, its batch is not used"
-                        event({"kind": "skip", "step": step, "reason": "iterations_to_skip"}, line)
-                else:
-                    snapshot_s = self.guard.maybe_snapshot(step)
-                    try:
-                        record = self.train_step(step)
-                    except AnomalyDetected as anomaly:
-                        if self.straggler is not None:
-                            self.straggler.step_done(step)
-                        try:
-                            rewind = self.guard.rewind(anomaly)
-                        except TrainingStopped as stop:
-                            event({"kind": "stop", "step": stop.step, "reason": stop.reason, "message": str(stop)},
-                                  f"stopped: {stop}")  # fmt: skip
-                            raise
-                        e = rewind.event
-                        event(e, f"step {step:>5} rewound ({e['reason']}): {e['message']}; restored the state after "
-                                 f"step {e['restored_to_step']}, step {step} is skipped")  # fmt: skip
-                        step = rewind.resume_step
-                        continue
-                    if snapshot_s is not None:  # taken before the step, outside its step_s
-                        record["snapshot_s"] = snapshot_s
-                        record["snapshot_mib"] = self.guard.snapshot.nbytes / 2**20
-                    records[step] = record
-                    if fresh:
-                        event(record)
-                        if main:
-                            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-                            if step % cfg.log_every == 0 or step == cfg.steps:
-                                bar.write(_log_line(record))
-                    if self.straggler is not None:
-                        self._report_stragglers(step, event)
-                if fresh:
-                    bar.update(1)
-                if ((cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps) and (
-                    step not in saved
-                ):
-                    self.save(step)
-                    saved.add(step)
-                done = max(done, step)
+            while step <= last:
+                self.checkpointer.raise_if_failed()  # a background write's error surfaces at the next step
+                self.faults.at("before_step", step=step, rank=rank, drain=self.checkpointer.wait)
+                rewound_to = self._step(step, report, records)
+                if rewound_to is not None:  # the snapshot's state is back: run again from its step
+                    step = rewound_to
+                    continue
+                report.advance(step)
+                self.checkpointer.save(step, last_step=step == last)
                 step += 1
             ok = True
         finally:
-            bar.close()
-            if log is not None:
-                log.close()
-            self.close_checkpoints(ok)  # the last checkpoint is complete (or its error raised) before we return
-        if main and records:
-            plot_loss(log.path, self.run_dir / LOSS_PNG, title=self.run_info.get("title", ""))
+            report.close()
+            self.checkpointer.close(ok)  # the last checkpoint is complete (or its error raised) before we return
+        if records:
+            report.plot(self.run_dir / LOSS_PNG, title=self.run_info.get("title", ""))
         return [records[s] for s in sorted(records)]
+
+    def _step(self, step: int, report: RunReport, records: dict[int, dict[str, Any]]) -> int | None:
+        """Step `step`: skipped (configured, or rewound before), or trained and reported (its record into
+        `records`); an anomaly rewinds. Returns the step to run next after a rewind, None otherwise."""
+        configured_skip = step in self.config.iterations_to_skip
+        if configured_skip or step in self.guard.skipped:
+            if configured_skip and report.fresh(step):
+                report.event(
+                    {"kind": "skip", "step": step, "reason": "iterations_to_skip"},
+                    f"step {step:>5} skipped (iterations_to_skip): no update, its batch is not used",
+                )
+            self.state.progress.step = step
+            return None
+        snapshot_s = self.guard.maybe_snapshot(step)
+        try:
+            record = self.train_step(step)
+        except AnomalyDetected as anomaly:
+            return self._rewind(step, anomaly, report)
+        if snapshot_s is not None:  # taken before the step, outside its step_s
+            record["snapshot_s"] = snapshot_s
+            record["snapshot_mib"] = self.guard.snapshot.nbytes / 2**20
+        records[step] = record
+        report.record(record)
+        if self.straggler is not None:
+            self._report_stragglers(step, report.event)
+        return None
+
+    def _rewind(self, step: int, anomaly: AnomalyDetected, report: RunReport) -> int:
+        """Rewind after the anomaly of step `step` (or stop, with a "stop" event); returns the step to run next."""
+        if self.straggler is not None:
+            self.straggler.step_done(step)
+        try:
+            rewind = self.guard.rewind(anomaly)
+        except TrainingStopped as stop:
+            report.event({"kind": "stop", "step": stop.step, "reason": stop.reason, "message": str(stop)},
+                         f"stopped: {stop}")  # fmt: skip
+            raise
+        e = rewind.event
+        report.event(e, f"step {step:>5} rewound ({e['reason']}): {e['message']}; restored the state after "
+                        f"step {e['restored_to_step']}, step {step} is skipped")  # fmt: skip
+        return rewind.resume_step
 
     def _report_stragglers(self, step: int, event: Callable[..., None]) -> None:
         """Count the step; every `straggler_interval` steps gather the phase times and report the slow ranks."""
@@ -500,13 +352,3 @@ class Trainer:
         for finding in findings:
             event(slow_rank_event(step, times["first_step"], finding),
                   f"steps {times['first_step']}-{step}: {finding.describe()}")  # fmt: skip
-
-
-def _log_line(r: dict[str, Any]) -> str:
-    mtp = "" if r["mtp_loss"] is None else f" mtp {r['mtp_loss']:.4f}"
-    imb = r["expert_load_max_over_mean"]
-    worst = f" load max/mean <= {max(imb.values()):.2f}" if imb else ""
-    return (
-        f"step {r['step']:>5} loss {r['loss']:.4f}{mtp} lr {r['lr']:.2e} grad_norm {r['grad_norm']:.3f} "
-        f"{r['tokens_per_s']:.0f} tok/s{worst}"
-    )

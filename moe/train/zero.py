@@ -2,7 +2,7 @@
 master weights and moments are sharded over the data-parallel ranks (Megatron-core's distributed optimizer).
 
 A drop-in for `MasterAdamW` (moe/train/optim.py): the same constructor, `zero_grad / reduce_gradients /
-global_grad_norm / clip / step / full_state / load_full_state`, the same AdamW maths (torch's single-tensor AdamW on
+global_grad_norm / clip / step / state_tensors / set_steps`, the same AdamW maths (torch's single-tensor AdamW on
 slices of the parameters) and the same layout-independent state format. What the trainer adds (see
 `accumulation_context`): micro-batches other than the last run under `no_sync()`, so nothing is communicated until
 the last micro-batch's backward.
@@ -55,11 +55,8 @@ from moe.train.config import TrainingConfig
 from moe.train.optim import (
     StateTensor,
     build_adamw,
-    check_state_keys,
     clip_factor,
     decays,
-    full_to_local,
-    local_to_full,
 )
 from moe.train.parallel import ParallelState
 
@@ -282,7 +279,7 @@ class DistributedAdamW:
 
     def _init_adamw_state(self) -> None:
         """AdamW's per-slice state as views into the shard buffers (its single-tensor update is in place), so the
-        moments are contiguous per bucket for the gathers of `full_state`."""
+        moments are contiguous per bucket (`state_tensors` hands out one flat range per bucket and key)."""
         for b in self.buckets:
             for s in b.segments:
                 n = s.hi - s.lo
@@ -499,64 +496,6 @@ class DistributedAdamW:
     def set_steps(self, steps: int) -> None:
         """Set the step count (AdamW's of every slice too) after a load."""
         self.steps = int(steps)
-        for state in self.adamw.state.values():
-            state["step"].fill_(float(self.steps))
-
-    # -- state (layout independent, MasterAdamW's format)
-
-    @torch.no_grad()
-    def full_state(self) -> dict[str, torch.Tensor]:
-        """AdamW state and FP32 master weights keyed `<param name>.<exp_avg | exp_avg_sq | step | master>` as
-        MasterAdamW writes them (the shards gathered over each bucket's group, experts over the EP group);
-        collective. Masters only for non-FP32 parameters; no moments before the first step."""
-        out: dict[str, torch.Tensor] = {}
-        for b in self.buckets:
-            flats: dict[str, torch.Tensor] = {}
-            if self.steps:
-                flats["exp_avg"], flats["exp_avg_sq"] = b.exp_avg, b.exp_avg_sq
-            if b.master is not None:
-                flats["master"] = b.master
-            full = {k: self._gather_flat(v, b, k) for k, v in flats.items()}
-            for e in b.entries:
-                for key, flat in full.items():
-                    t = flat[e.offset : e.offset + e.numel].view(e.param.shape)
-                    out[f"{e.name}.{key}"] = local_to_full(t, e.expert, self.parallel, e.param).clone().contiguous()
-                if self.steps:
-                    out[f"{e.name}.step"] = torch.tensor(float(self.steps), dtype=torch.float32)
-        return out
-
-    def _gather_flat(self, shard: torch.Tensor, b: _Bucket, what: str) -> torch.Tensor:
-        if b.group is None:
-            return shard
-        out = torch.empty(b.numel, dtype=shard.dtype, device=shard.device)
-        self._wait(
-            _all_gather(out, shard.contiguous().clone(), b.group), f"full_state gather of {what}, {b.describe()}"
-        )
-        return out
-
-    @torch.no_grad()
-    def load_full_state(self, full: dict[str, torch.Tensor]) -> None:
-        """Inverse of `full_state` (also reads MasterAdamW's checkpoints): each rank keeps its shards."""
-        entries = [e for b in self.buckets for e in b.entries]
-        check_state_keys(full, [(e.name, e.param.dtype != torch.float32) for e in entries])
-        steps = {float(full[f"{e.name}.step"]) for e in entries if f"{e.name}.step" in full}
-        if len(steps) > 1:
-            raise ValueError(f"ZeRO-1 steps every parameter together, but the state has steps {sorted(steps)}")
-        for b in self.buckets:
-            for s in b.segments:
-                n = s.hi - s.lo
-                for key, dest in (("exp_avg", b.exp_avg), ("exp_avg_sq", b.exp_avg_sq), ("master", b.master)):
-                    name = f"{s.entry.name}.{key}"
-                    if dest is None:
-                        continue
-                    if name not in full:  # a state saved before the first step: no moments yet
-                        dest[s.shard_lo : s.shard_lo + n].zero_()
-                        continue
-                    t = full_to_local(full[name], s.entry.expert, self.parallel, s.entry.param)
-                    if tuple(t.shape) != tuple(s.entry.param.shape):
-                        raise ValueError(f"{name}: shape {tuple(t.shape)} != {tuple(s.entry.param.shape)}")
-                    dest[s.shard_lo : s.shard_lo + n].copy_(t.reshape(-1)[s.lo : s.hi])
-        self.steps = int(steps.pop()) if steps else 0
         for state in self.adamw.state.values():
             state["step"].fill_(float(self.steps))
 

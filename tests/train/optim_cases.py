@@ -9,6 +9,7 @@ from torch import nn
 from moe.train.config import TrainingConfig
 from moe.train.optim import MasterAdamW
 from moe.train.parallel import Layout, ParallelState
+from tests.train.state_io import gathered_state, load_state
 
 E = 8  # experts
 WORLD = 4
@@ -62,8 +63,9 @@ def _run(model: Toy, opt: MasterAdamW, ranks: list[int], ep: int, ep_rank: int, 
     return norms
 
 
-def reference(steps: int, clip: float, ep: int, dtype=torch.float32):
-    """One process: the experts' gradient of expert e is the sum over the ranks r whose EP rank holds e."""
+def reference(steps: int, clip: float, ep: int, run_dir: str, dtype=torch.float32):
+    """One process: the experts' gradient of expert e is the sum over the ranks r whose EP rank holds e. Returns
+    the norms, the parameters and the optimizer state (checkpointed into `run_dir`, read back whole)."""
     model = Toy(E, dtype)
     opt = MasterAdamW(model, [model.experts], _config(clip), ParallelState.single())
     norms = []
@@ -83,24 +85,25 @@ def reference(steps: int, clip: float, ep: int, dtype=torch.float32):
         opt.clip(norm)
         opt.step(lr=1e-2 * step)
         norms.append(norm)
-    return norms, {k: v.detach().clone() for k, v in model.state_dict().items()}, opt.full_state()
+    state = gathered_state(opt, ParallelState.single(), run_dir)
+    return norms, {k: v.detach().clone() for k, v in model.state_dict().items()}, state
 
 
-def sharded_case(ctx, steps: int, clip: float, ep: int, dtype=torch.float32):
+def sharded_case(ctx, steps: int, clip: float, ep: int, run_dir: str, dtype=torch.float32):
     state = ParallelState.from_process_group(Layout(world=ctx.world_size, ep=ep))
     model = Toy(E // ep, dtype)
     L = E // ep
     model.experts.data.copy_(model.full_experts[state.ep_rank * L : (state.ep_rank + 1) * L])
     opt = MasterAdamW(model, [model.experts], _config(clip), state)
     norms = _run(model, opt, [ctx.rank], ep, state.ep_rank, steps)
-    return norms, {k: v.detach().clone() for k, v in model.state_dict().items()}, opt.full_state()
+    return norms, {k: v.detach().clone() for k, v in model.state_dict().items()}, gathered_state(opt, state, run_dir)
 
 
-def reload_case(ctx, full_state: dict, ep: int):
-    """Load a full optimizer state into a layout with `ep`, then gather it back."""
+def reload_case(ctx, checkpoint: str, steps: int, ep: int, run_dir: str):
+    """Load an optimizer checkpoint (of any layout) into a layout with `ep`, then gather it back."""
     state = ParallelState.from_process_group(Layout(world=ctx.world_size, ep=ep))
     model = Toy(E // ep)
     opt = MasterAdamW(model, [model.experts], _config(1.0), state)
-    opt.load_full_state(full_state)
+    load_state(opt, state, checkpoint, steps)
     local = opt.adamw.state[model.experts]["exp_avg"].clone()
-    return local, opt.full_state()
+    return local, gathered_state(opt, state, run_dir)

@@ -1,4 +1,4 @@
-"""Flash checkpoints in one process (moe/train/flash.py): what the step blocks for is a copy, the background write
+"""Flash checkpoints in one process (moe/train/checkpoint/): what the step blocks for is a copy, the background write
 commits an atomic directory with a manifest of sha256s, its errors reach the main thread, a process killed in the
 middle of a write leaves the previous checkpoint, and damaged checkpoints are skipped with a warning."""
 
@@ -10,18 +10,19 @@ import re
 import signal
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from moe.io import shard_files as sf
 from moe.train import checkpoint as ckpt
-from moe.train import crash_faults
-from moe.train import shard_files as sf
-from moe.train import train_state as ts
+from moe.train import faults
+from moe.train.checkpoint import state as ts
+from moe.train.checkpoint.writer import CheckpointWriteError, SaveRequest, ShardWriter
 from moe.train.config import TrainingConfig
-from moe.train.flash import CheckpointWriteError, FlashCheckpointer, SaveRequest
 from moe.train.optim import MasterAdamW
 from moe.train.parallel import Layout, ParallelState
 from mtdeepep.utils.testing import run_processes
@@ -40,7 +41,7 @@ def _trained(seed: int = 0, par: ParallelState = PAR) -> tuple[nn.Module, Master
     return model, opt
 
 
-def _save(cp: FlashCheckpointer, step: int, model: nn.Module, opt: MasterAdamW, extra=(), par=PAR) -> Path:
+def _save(cp: ShardWriter, step: int, model: nn.Module, opt: MasterAdamW, extra=(), par=PAR) -> Path:
     entries = ts.model_entries(model, par) + ts.optimizer_entries(opt, par)
     tensors, info = ts.rank_state(model)
     return cp.save(step, entries, tensors, info, SaveRequest(trainer_state={"step": step}, extra_files=tuple(extra)))
@@ -55,7 +56,7 @@ def test_save_commits_what_the_step_copied(tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     moments = {st.key: st.tensor.clone() for st in opt.state_tensors()}
     (tmp_path / "tokenizer.json").write_text("{}")
-    cp = FlashCheckpointer(tmp_path, PAR)
+    cp = ShardWriter(tmp_path, PAR)
     final = _save(cp, 3, model, opt, extra=[tmp_path / "tokenizer.json"])
     with torch.no_grad():  # training goes on while the thread writes: the checkpoint keeps the copied values
         for p in model.parameters():
@@ -84,7 +85,7 @@ def test_save_commits_what_the_step_copied(tmp_path):
 
 def test_a_write_error_reaches_the_main_thread(tmp_path, monkeypatch):
     model, opt = _trained()
-    cp = FlashCheckpointer(tmp_path, PAR)
+    cp = ShardWriter(tmp_path, PAR)
     _save(cp, 1, model, opt)
     cp.wait()
 
@@ -108,7 +109,7 @@ def _dp2_then_rank1_fails(proc, run_dir: str, monkeypatch_target) -> str:
     proc.init_group(timeout_s=60)
     par = ParallelState.from_process_group(Layout(world=2))
     model, opt = _trained(par=par)
-    cp = FlashCheckpointer(run_dir, par, timeout_s=60)
+    cp = ShardWriter(run_dir, par, timeout_s=60)
     _save(cp, 1, model, opt, par=par)
     cp.close()
     proc.send({("model", k): v.numpy().copy() for k, v in model.state_dict().items()}
@@ -148,11 +149,11 @@ def test_two_ranks_share_the_writes_and_one_failing_fails_the_checkpoint(tmp_pat
 
 def _save_then_die_writing(proc, run_dir: str) -> None:
     model, opt = _trained()
-    cp = FlashCheckpointer(run_dir, PAR)
+    cp = ShardWriter(run_dir, PAR)
     _save(cp, 1, model, opt)
     cp.close()
-    os.environ[crash_faults.ENV] = "kill_in_write:0:2"
-    cp = FlashCheckpointer(run_dir, PAR)
+    os.environ[faults.CRASH_ENV] = "kill_in_write:0:2"
+    cp = ShardWriter(run_dir, PAR, faults=faults.FaultPlan.from_env())
     _save(cp, 2, model, opt)
     cp.close()
     raise AssertionError("the fault did not fire")
@@ -169,7 +170,7 @@ def test_killed_in_the_middle_of_a_write_leaves_the_previous_checkpoint(tmp_path
     assert ckpt.find_resumable(tmp_path, verify_checksums=True)[0].name == "step_1"
     # The next run's first save removes the leftover.
     model, opt = _trained()
-    cp = FlashCheckpointer(tmp_path, PAR)
+    cp = ShardWriter(tmp_path, PAR)
     _save(cp, 3, model, opt)
     cp.close()
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_1", "step_3"]
@@ -177,7 +178,7 @@ def test_killed_in_the_middle_of_a_write_leaves_the_previous_checkpoint(tmp_path
 
 def test_damaged_checkpoints_are_skipped_with_a_warning(tmp_path, capsys):
     model, opt = _trained()
-    cp = FlashCheckpointer(tmp_path, PAR)
+    cp = ShardWriter(tmp_path, PAR)
     for step in (1, 2, 3):
         _save(cp, step, model, opt)
     cp.close()
@@ -206,7 +207,7 @@ def test_no_checkpoint_yet(tmp_path):
 
 def test_bad_pointer_is_reported(tmp_path):
     model, opt = _trained()
-    cp = FlashCheckpointer(tmp_path, PAR)
+    cp = ShardWriter(tmp_path, PAR)
     _save(cp, 1, model, opt)
     cp.close()
     (tmp_path / "checkpoints" / "latest").write_text("step_9\n")
@@ -218,6 +219,53 @@ def test_bad_pointer_is_reported(tmp_path):
 
 
 def test_fault_specs_are_checked():
-    assert crash_faults.Fault.parse("kill_in_write:1:8") == crash_faults.Fault("kill_in_write", 1, 8)
+    assert faults.parse_crash("kill_in_write:1:8") == faults.Fault("kill_in_write", 1, step=8)
     with pytest.raises(ValueError, match="KIND:RANK:STEP"):
-        crash_faults.Fault.parse("kill:1")
+        faults.parse_crash("kill:1")
+    # The old spelling joins the JSON plan of the same run.
+    environ = {faults.ENV: '[{"kind": "kill_at_step", "step": 6, "rank": 1}]', faults.CRASH_ENV: "kill_in_write:0:8"}
+    assert faults.FaultPlan.from_env(environ).faults == [faults.Fault("kill_at_step", 1, step=6),
+                                                         faults.Fault("kill_in_write", 0, step=8)]  # fmt: skip
+
+
+def _state_list(model: nn.Module, opt: MasterAdamW, seed: int = 0) -> ts.TrainState:
+    """The trainer's state list for a small model (the data position of 10 training windows)."""
+    cfg = TrainingConfig(steps=4, global_batch=1, seq_len=2, lr=1e-2)
+    progress = ts.TrainProgress(seed, PAR, {"title": "t"})
+    return ts.TrainState([progress, ts.DataPosition(cfg, SimpleNamespace(num_train=10), progress),
+                          ts.LRSchedule(cfg, progress, is_main=True), ts.ModelState(model, PAR),
+                          ts.OptimizerState(opt, PAR), ts.RankLocalState(model, PAR)])  # fmt: skip
+
+
+def test_checkpointer_owns_cadence_purging_and_load(tmp_path, capsys):
+    model, opt = _trained()
+    state = _state_list(model, opt)
+    cp = ckpt.Checkpointer(tmp_path, PAR, state, every=2, keep_last=2)
+    saved = {}
+    for step in (1, 2, 2, 3, 4, 5, 6):  # step 2 again: a step replayed after a rewind is not saved twice
+        state.progress.step = step
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        path = cp.save(step, last_step=step == 5)
+        if path is not None:
+            saved[step] = (path, model[0].weight.clone())
+    cp.close()
+    assert sorted(saved) == [2, 4, 5, 6] and len(cp.stats) == 4
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [5, 6]  # keep_last = 2
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_6"
+    trainer_state = ckpt.read_trainer_state(saved[6][0])  # every component's keys
+    assert set(trainer_state) == {"step", "seed", "layout", "title", "data", "schedule", "optimizer", "rng"}
+    assert trainer_state["step"] == 6 and trainer_state["data"]["next_step"] == 7
+    assert trainer_state["optimizer"] == {"kind": "MasterAdamW", "steps": 1}
+    # Load into another model and optimizer: the state of step 5, the counters too.
+    model2, opt2 = _trained(seed=1)
+    opt2.set_steps(0)
+    state2 = _state_list(model2, opt2)
+    cp2 = ckpt.Checkpointer(tmp_path, PAR, state2)
+    assert cp2.find_resumable() == saved[6][0]
+    assert cp2.load(saved[5][0]) == 5 and state2.progress.step == 5 and opt2.steps == 1
+    assert torch.equal(model2[0].weight, saved[5][1])
+    assert all(torch.equal(a.tensor, b.tensor) for a, b in zip(opt2.state_tensors(), opt.state_tensors()))
+    assert "resumed from" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="seed=0, this run has 1"):
+        ckpt.Checkpointer(tmp_path, PAR, _state_list(model2, opt2, seed=1)).load(saved[5][0])

@@ -13,15 +13,17 @@ import pytest
 import torch
 
 from moe.fp8_training import apply_fp8
+from moe.io.shard_files import SECTIONS, read_full_section
 from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.train.checkpoint import ModelIO
+from moe.train.checkpoint.state import amax_histories
 from moe.train.config import TrainingConfig
 from moe.train.data import TokenBatches
 from moe.train.faults import ENV, FaultPlan
 from moe.train.metrics import read_events, read_metrics
 from moe.train.parallel import ParallelState
-from moe.train.rewind import AnomalyDetected, SpikeDetector, StateSnapshot, amax_histories
-from moe.train.shard_files import SECTIONS, read_full_section
-from moe.train.trainer import ModelIO, Trainer
+from moe.train.rewind import AnomalyDetected, SpikeDetector, StateSnapshot
+from moe.train.trainer import Trainer
 from mtdeepep.utils.testing import run_processes
 from tests.train import train_cases as tc
 
@@ -95,10 +97,12 @@ def _trainer(tmp_path, *, zero: bool, dtype: str = "float32", fp8: str | None = 
 
 def _state(trainer: Trainer) -> dict:
     """Everything a step changes, copied: model parameters and buffers (router biases and counts), the optimizer's
-    full state (moments, steps, masters), its step counter, the FP8 amax histories."""
+    state (moments, steps, masters), its step counter, the FP8 amax histories."""
     out = {f"model.{k}": v.detach().clone() for k, v in trainer.model.state_dict(keep_vars=True).items()}
     out.update({f"buffer.{k}": v.clone() for k, v in trainer.model.named_buffers()})
-    out.update({f"optim.{k}": v.clone() for k, v in trainer.optimizer.full_state().items()})
+    opt = trainer.optimizer  # its live tensors (moments, masters; ZeRO-1: the whole shards) and AdamW's step counts
+    out.update({f"optim.{i}.{st.key}": st.tensor.detach().clone() for i, st in enumerate(opt.state_tensors())})
+    out.update({f"optim.step.{i}": s["step"].clone() for i, s in enumerate(opt.adamw.state.values())})
     out["optim_steps"] = torch.tensor(getattr(trainer.optimizer, "steps", -1))
     for i, h in enumerate(amax_histories(trainer.model)):
         out[f"amax.{i}"] = h.history.clone()
@@ -119,11 +123,11 @@ def _assert_same(a: dict, b: dict) -> None:
 )
 def test_snapshot_restores_every_piece_of_state(tmp_path, one_thread, zero, dtype, fp8):
     trainer = _trainer(tmp_path, zero=zero, dtype=dtype, fp8=fp8)
-    first = StateSnapshot(trainer.model, trainer.optimizer)
+    first = StateSnapshot(trainer.state)
     first.take(1)
     at_start = _state(trainer)  # before any step: no AdamW state yet
     trainer.train_step(1)
-    snap = StateSnapshot(trainer.model, trainer.optimizer)
+    snap = StateSnapshot(trainer.state)
     snap.take(2)
     before = _state(trainer)
     if fp8 is not None:
@@ -148,8 +152,19 @@ def test_fault_plan_parsing():
         '[{"kind": "loss_spike", "step": 2, "rank": 1, "factor": 9.5},'
         ' {"kind": "sleep", "steps": [1, 3], "rank": 0, "phase": "dispatch", "seconds": 0.01}]'
     )
-    assert plan.loss_fault(2, 1).factor == 9.5 and plan.loss_fault(2, 0) is None and plan.loss_fault(3, 1) is None
-    assert plan.delays(3, 0) == {"dispatch": 0.01} and plan.delays(4, 0) == {} and plan.has_delays
+    one = torch.tensor(1.0)
+    assert plan.at("loss", step=2, rank=1, value=one).item() == 9.5
+    assert plan.at("loss", step=2, rank=0, value=one) is one and plan.at("loss", step=3, rank=1, value=one) is one
+
+    class Timer:
+        def set_delays(self, delays):
+            self.delays = delays
+
+    timer = Timer()
+    plan.at("step_start", step=3, rank=0, timer=timer)
+    assert timer.delays == {"dispatch": 0.01}
+    plan.at("step_start", step=4, rank=0, timer=timer)
+    assert timer.delays == {} and plan.has_delays
     assert FaultPlan.from_env({}) is None
     for text, message in [
         ("{", "not JSON"),

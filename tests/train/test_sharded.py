@@ -1,4 +1,4 @@
-"""The boxes of sharded checkpoints (moe/train/sharded.py) against plain slicing: every rank's pieces of a global
+"""The boxes of sharded checkpoints (moe/io/boxes.py) against plain slicing: every rank's pieces of a global
 tensor hold exactly the global elements their boxes name, and the ranks' boxes tile the tensor once, for expert
 shards, tensor-parallel shards with chunks (the dense SwiGLU's [gate | up]) and ZeRO-1 flat ranges that start and
 end anywhere."""
@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
+from moe.io.boxes import Box, Placement, check_tiling, flat_boxes, pieces
 from moe.parallel.sharding import TPShard
-from moe.train.sharded import Box, Placement, check_tiling, flat_boxes, pieces
 
 
 def _local(full: torch.Tensor, ep_rank: int, ep: int, tp: TPShard | None) -> torch.Tensor:

@@ -29,15 +29,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from moe.io.shard_files import read_full_section
 from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, read_model_dir
 from moe.train import checkpoint as ckpt
-from moe.train import crash_faults
+from moe.train import faults
+from moe.train.checkpoint import ModelIO
 from moe.train.config import TrainingConfig
 from moe.train.data import TokenBatches, prepare_tokens
 from moe.train.metrics import read_metrics
 from moe.train.parallel import ParallelState
-from moe.train.shard_files import read_full_section
-from moe.train.trainer import ModelIO, Trainer
+from moe.train.trainer import Trainer
 from mtdeepep.utils.testing import run_processes
 from tests.train import train_cases as tc
 
@@ -71,9 +72,9 @@ def _run(argv, nproc=1, timeout_s=300):
 
 
 def _rank_with_crash(proc, argv: list[str], fault: str) -> str:
-    """`tc.torchrun_rank` with `MTDEEPEP_CRASH_FAULT=fault` (moe/train/crash_faults.py): the named rank SIGKILLs
+    """`tc.torchrun_rank` with `MTDEEPEP_CRASH_FAULT=fault` (moe/train/faults.py): the named rank SIGKILLs
     itself (no value, exit code -9); the others' failure, once their peer is gone, is returned as text."""
-    os.environ[crash_faults.ENV] = fault
+    os.environ[faults.CRASH_ENV] = fault
     try:
         tc.torchrun_rank(proc, argv)
     except Exception as exc:  # noqa: BLE001 (the survivors of a killed rank are expected to fail)

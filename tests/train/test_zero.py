@@ -12,6 +12,7 @@ from moe.train.optim import MasterAdamW
 from moe.train.parallel import ParallelState
 from moe.train.zero import DistributedAdamW, ZeroConfig
 from tests.train import zero_cases as cases
+from tests.train.state_io import load_state, save_state
 
 # Both optimizers sum the same FP32 gradients with gloo, but over differently cut buffers, so with more than 2 ranks
 # the order of the additions may differ: a few ulps (~1e-7 relative) per gradient element. AdamW's update
@@ -29,9 +30,9 @@ def _config(**kw) -> TrainingConfig:
     "world, ep, micro, bucket_size",
     [(2, 1, 1, None), (2, 2, 3, 200), (4, 1, 2, 150), (4, 2, 4, 97)],
 )
-def test_parameters_equal_plain_master_adamw(rank_pools, world, ep, micro, bucket_size):
+def test_parameters_equal_plain_master_adamw(rank_pools, tmp_path, world, ep, micro, bucket_size):
     steps, clip = 3, 0.5
-    results = rank_pools[world].run(cases.parity_case, ep, steps, micro, clip, bucket_size)
+    results = rank_pools[world].run(cases.parity_case, ep, steps, micro, clip, bucket_size, str(tmp_path))
     for out in results:
         ref_norms, ref_params, ref_state, ref_bytes = out["ref"]
         norms, params, state, zero_bytes = out["zero"]
@@ -54,8 +55,8 @@ def test_parameters_equal_plain_master_adamw(rank_pools, world, ep, micro, bucke
             assert ref_bytes / world <= zero_bytes <= ref_bytes / world * 1.03
 
 
-def test_bf16_parameters_keep_fp32_masters(rank_pools):
-    [out, _] = rank_pools[2].run(cases.parity_case, 1, 3, 1, 0.5, 150, torch.bfloat16)
+def test_bf16_parameters_keep_fp32_masters(rank_pools, tmp_path):
+    [out, _] = rank_pools[2].run(cases.parity_case, 1, 3, 1, 0.5, 150, str(tmp_path), torch.bfloat16)
     ref_norms, ref_params, ref_state, ref_bytes = out["ref"]
     norms, params, state, zero_bytes = out["zero"]
     assert params["inp.weight"].dtype == torch.bfloat16 and state["inp.weight.master"].dtype == torch.float32
@@ -69,8 +70,9 @@ def test_bf16_parameters_keep_fp32_masters(rank_pools):
     assert ref_bytes / 2 <= zero_bytes <= 0.51 * ref_bytes
 
 
-def test_full_state_moves_between_zero1_and_master_adamw(rank_pools):
-    for state, back, ref_params, params, zero_state, other in rank_pools[4].run(cases.state_swap_case, 2, 60):
+def test_full_state_moves_between_zero1_and_master_adamw(rank_pools, tmp_path):
+    results = rank_pools[4].run(cases.state_swap_case, 2, 60, str(tmp_path))
+    for state, back, ref_params, params, zero_state, other in results:
         assert set(back) == set(state)
         for key in state:  # sharded and gathered back: the same bits
             assert torch.equal(back[key], state[key]), key
@@ -138,7 +140,7 @@ def test_a_rank_that_never_arrives_fails_naming_the_phase(rank_pools):
     assert waited < 10
 
 
-def test_misuse_is_reported():
+def test_misuse_is_reported(tmp_path):
     model = nn.Linear(3, 3)
     with pytest.raises(ValueError, match="bucket_size"):
         ZeroConfig(bucket_size=0)
@@ -149,8 +151,14 @@ def test_misuse_is_reported():
     model(torch.ones(1, 3)).sum().backward()  # one process: every bucket "launches" as soon as it is complete
     with pytest.raises(RuntimeError, match="arrived after the reduce-scatter"):
         model(torch.ones(1, 3)).sum().backward()
-    with pytest.raises(ValueError, match="does not match the model"):
-        opt.load_full_state({"weight.exp_avg": torch.zeros(3, 3)})
+    other = nn.Linear(3, 5)  # a checkpoint of another model: "weight" [5, 3]
+    other_opt = MasterAdamW(other, [], _config(), ParallelState.single())
+    other(torch.ones(1, 3)).sum().backward()
+    other_opt.reduce_gradients()
+    other_opt.step(1e-2)
+    path = save_state(other_opt, ParallelState.single(), tmp_path)
+    with pytest.raises(ValueError, match=r"optimizer tensor (weight|bias)\.exp_avg: the checkpoint holds shape \(5"):
+        load_state(opt, ParallelState.single(), path, steps=1)
     tagged = nn.Linear(2, 2)
     tagged.weight.expert_parallel = True
     tagged.weight.sequence_parallel_grad = True

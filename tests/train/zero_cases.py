@@ -15,6 +15,7 @@ from moe.train.config import TrainingConfig
 from moe.train.optim import MasterAdamW
 from moe.train.parallel import Layout, ParallelState
 from moe.train.zero import CollectiveTimeout, DistributedAdamW, ZeroConfig
+from tests.train.state_io import gathered_state, load_state, save_state
 
 E = 4  # experts of the fake MoE layer
 D_IN, WIDTH = 12, 20
@@ -94,9 +95,10 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def parity_case(ctx, ep: int, steps: int, micro: int, clip: float, bucket_size: int | None, dtype=torch.float32):
+def parity_case(ctx, ep: int, steps: int, micro: int, clip: float, bucket_size: int | None, run_dir: str,
+                dtype=torch.float32):  # fmt: skip
     """MasterAdamW and ZeRO-1 from the same initial model and data on this rank; returns both runs' norms,
-    parameters, full states and state bytes."""
+    parameters, full states (checkpointed under `run_dir`, read back whole) and state bytes."""
     par = ParallelState.from_process_group(Layout(world=ctx.world_size, ep=ep))
     ref_model = Net(ep, par.ep_rank, dtype)
     ref = MasterAdamW(ref_model, [ref_model.experts], config(clip), par)
@@ -106,8 +108,8 @@ def parity_case(ctx, ep: int, steps: int, micro: int, clip: float, bucket_size: 
     norms = train(model, opt, par, steps, micro, zero=True)
     opt.remove_hooks()
     return {
-        "ref": (ref_norms, _params(ref_model), ref.full_state(), ref.state_bytes_per_rank()),
-        "zero": (norms, _params(model), opt.full_state(), opt.state_bytes_per_rank()),
+        "ref": (ref_norms, _params(ref_model), gathered_state(ref, par, f"{run_dir}/ref"), ref.state_bytes_per_rank()),
+        "zero": (norms, _params(model), gathered_state(opt, par, f"{run_dir}/zero"), opt.state_bytes_per_rank()),
         "buckets": [(b.kind, b.numel, b.group_size, sum(e.numel for e in b.entries)) for b in opt.buckets],
         "straddling": _straddling(opt),
         "dp": par.layout.dp,
@@ -125,21 +127,22 @@ def _straddling(opt: DistributedAdamW) -> int:
     return n
 
 
-def state_swap_case(ctx, ep: int, bucket_size: int):
-    """full_state round trips: a MasterAdamW state loaded into ZeRO-1 gathers back equal, and both optimizers
+def state_swap_case(ctx, ep: int, bucket_size: int, run_dir: str):
+    """Checkpoint round trips: a MasterAdamW state loaded into ZeRO-1 gathers back equal, and both optimizers
     continue with the same next step from it; a ZeRO-1 state loads into MasterAdamW."""
     par = ParallelState.from_process_group(Layout(world=ctx.world_size, ep=ep))
     cfg = config(1.0)
     ref_model = Net(ep, par.ep_rank)
     ref = MasterAdamW(ref_model, [ref_model.experts], cfg, par)
     train(ref_model, ref, par, 2, 1, zero=False)
-    state = ref.full_state()
+    ref_path = save_state(ref, par, f"{run_dir}/ref")
+    state = gathered_state(ref, par, f"{run_dir}/ref_again")
     # a ZeRO-1 optimizer on a model holding the same weights, loaded from MasterAdamW's state
     model = Net(ep, par.ep_rank)
     model.load_state_dict(ref_model.state_dict())
     opt = DistributedAdamW(model, [], cfg, par, ZeroConfig(bucket_size=bucket_size, timeout_s=60))
-    opt.load_full_state(state)
-    back = opt.full_state()
+    load_state(opt, par, ref_path, ref.steps)
+    back = gathered_state(opt, par, f"{run_dir}/back")
     # one more step on both (step 3 of the data)
     for o, m in ((ref, ref_model), (opt, model)):
         o.zero_grad()
@@ -151,10 +154,11 @@ def state_swap_case(ctx, ep: int, bucket_size: int):
     # and ZeRO-1's state into a fresh MasterAdamW
     other_model = Net(ep, par.ep_rank)
     other = MasterAdamW(other_model, [other_model.experts], cfg, par)
-    zero_state = opt.full_state()
-    other.load_full_state(zero_state)
+    zero_path = save_state(opt, par, f"{run_dir}/zero")
+    zero_state = gathered_state(opt, par, f"{run_dir}/zero_again")
+    load_state(other, par, zero_path, opt.steps)
     opt.remove_hooks()
-    return state, back, _params(ref_model), _params(model), zero_state, other.full_state()
+    return state, back, _params(ref_model), _params(model), zero_state, gathered_state(other, par, f"{run_dir}/other")
 
 
 class Tagged(nn.Module):

@@ -32,16 +32,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from moe.io.atomic import atomic_directory, write_bytes, write_json
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.models.deepseek_v3.init import init_weights
 from moe.models.deepseek_v3.model import DeepseekV3ForCausalLM
-from moe.models.deepseek_v3.model_dir import (
-    _write_private,
-    atomic_directory,
-    main_dtype,
-    read_model_dir,
-    write_model_dir,
-)
+from moe.models.deepseek_v3.model_dir import main_dtype, read_model_dir, write_model_dir
 from moe.models.deepseek_v3.moe_block import moe_config
 from moe.models.deepseek_v3.mtp import MTPModule
 from moe.models.deepseek_v3.state import TRANSIENT_SUFFIXES, full_state_dict_shapes
@@ -409,7 +404,7 @@ def write_hf_dir(
         total += nbytes
 
     def fill(tmp: Path) -> None:
-        _write_private(tmp / "config.json", (json.dumps(config_dict, indent=2, sort_keys=True) + "\n").encode())
+        write_json(tmp / "config.json", config_dict, indent=2)
         if len(shards) == 1:
             save_file(shards[0], str(tmp / SAFE_WEIGHTS), metadata={"format": "pt"})
             return
@@ -419,7 +414,7 @@ def write_hf_dir(
             save_file(shard, str(tmp / name), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(shard, name))
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _write_private(tmp / SAFE_INDEX, (json.dumps(index, indent=2) + "\n").encode())
+        write_bytes(tmp / SAFE_INDEX, (json.dumps(index, indent=2) + "\n").encode())
 
     return atomic_directory(path, fill, overwrite=overwrite)
 

@@ -1,7 +1,7 @@
-"""Flash checkpoints: the step blocks for a copy of this rank's state into CPU memory; a background thread writes
-the rank's shard; rank 0 commits the checkpoint once every rank's shard is on disk.
+"""The asynchronous writer of flash checkpoints: the step blocks for a copy of this rank's state into CPU memory; a
+background thread writes the rank's shard; rank 0 commits the checkpoint once every rank's shard is on disk.
 
-Protocol of checkpoint `step_N` (files: moe/train/shard_files.py):
+Protocol of checkpoint `step_N` (files: moe/io/shard_files.py):
 1. `save` (every rank, main thread): wait for this rank's previous checkpoint job to end (its error, if any, is
    raised here), copy this rank's tensors into reused CPU buffers (pinned for accelerator tensors), start the
    job's writer thread and return: training goes on.
@@ -13,7 +13,8 @@ Protocol of checkpoint `step_N` (files: moe/train/shard_files.py):
 3. Rank 0's writer, after its own shard: waits (deadline `timeout_s`) for every rank's index (or error marker),
    checks that the ranks' boxes cover every tensor exactly once, writes `trainer_state.json`, `config.json`, the
    extra files (tokenizer) and, for an export, the whole-model `model.safetensors`; writes `manifest.json` last,
-   fsyncs the directory, renames it to `step_N` (atomic), fsyncs the parent and points `latest` at it.
+   fsyncs the directory, renames it to `step_N` (atomic, `moe.io.atomic.publish_directory`), fsyncs the parent,
+   points `latest` at it and, with `keep_last`, removes the older checkpoints beyond the newest `keep_last`.
 A crash at any point leaves the previous checkpoints and `latest` as they were, and at worst a hidden partial
 directory, which the next run's first save removes. SESSION (drawn by rank 0, broadcast at the first save) keeps
 a relaunched run from mistaking a crashed attempt's files for its own.
@@ -43,12 +44,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moe.train import checkpoint as ckpt
-from moe.train import crash_faults
-from moe.train import shard_files as sf
+from moe.io import shard_files as sf
+from moe.io.atomic import fsync_path, publish_directory, write_bytes, write_json
+from moe.io.boxes import Box, check_tiling, pieces
+from moe.train.checkpoint import run_dir as ckpt
+from moe.train.checkpoint.state import Entry
+from moe.train.faults import FaultPlan
 from moe.train.parallel import ParallelState
-from moe.train.sharded import Box, check_tiling, pieces
-from moe.train.train_state import Entry
 
 ABORT_GRACE_S = 60.0  # on an exception path, how long rank 0 still waits for the other ranks' shards
 WRITER_NICE = 10  # the writer thread's niceness (Linux: per thread): the training threads keep the cores first
@@ -110,7 +112,8 @@ class _Job:
     stats: SaveStats
     layout: dict[str, Any]
     timeout_s: float
-    fault: crash_faults.Fault | None
+    keep_last: int
+    faults: FaultPlan
     shard_done: threading.Event = field(default_factory=threading.Event)
     shard_ok: bool = False
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -123,21 +126,25 @@ class _Job:
         return self.partial / sf.rank_dir_name(self.rank)
 
 
-class FlashCheckpointer:
+class ShardWriter:
     """Asynchronous sharded checkpoints of one rank (see the module docstring).
 
     Args:
         run_dir: the run directory (`RUN_DIR/checkpoints/step_N`).
         parallel: this rank's groups (rank, world, and the all-reduces of `close`).
         timeout_s: rank 0's deadline for the other ranks' shards of one checkpoint.
+        keep_last: after each commit, keep only the newest `keep_last` checkpoints (0: keep all).
+        faults: injected faults (the "checkpoint_write" hook point, moe/train/faults.py); None: none.
     `stats` lists the `SaveStats` of every checkpoint taken.
     """
 
-    def __init__(self, run_dir: str | Path, parallel: ParallelState, *, timeout_s: float = 600.0) -> None:
+    def __init__(self, run_dir: str | Path, parallel: ParallelState, *, timeout_s: float = 600.0,
+                 keep_last: int = 0, faults: FaultPlan | None = None) -> None:  # fmt: skip
         self.run_dir = Path(run_dir)
         self.parallel = parallel
         self.timeout_s = float(timeout_s)
-        self.fault = crash_faults.from_env()
+        self.keep_last = int(keep_last)
+        self.faults = faults if faults is not None else FaultPlan()
         self.session: str | None = None
         self.stats: list[SaveStats] = []
         self._job: _Job | None = None
@@ -166,7 +173,8 @@ class FlashCheckpointer:
             partial=root / f".{ckpt.checkpoint_name(step)}.partial-{self.session}", session=self.session,
             rank=self.parallel.rank, world=self.parallel.layout.world, tensors=tensors, rank_tensors=rank_tensors,
             rank_info=rank_info, request=request or SaveRequest(), stats=stats,
-            layout=self.parallel.layout.to_dict(), timeout_s=self.timeout_s, fault=self.fault,
+            layout=self.parallel.layout.to_dict(), timeout_s=self.timeout_s, keep_last=self.keep_last,
+            faults=self.faults,
         )  # fmt: skip
         self.stats.append(stats)
         job.thread = threading.Thread(target=_run_job, args=(job,), name=f"flash-checkpoint-{step}")
@@ -320,7 +328,7 @@ def _mark_failed(job: _Job, exc: BaseException) -> None:
     with contextlib.suppress(OSError):
         if job.partial.is_dir():  # not if rank 0 gave the checkpoint up already
             marker = job.partial / f"{sf.rank_dir_name(job.rank)}.error"
-            sf.write_bytes(marker, f"{type(exc).__name__}: {exc}\n".encode())
+            write_bytes(marker, f"{type(exc).__name__}: {exc}\n".encode())
 
 
 def _write_shard(job: _Job) -> None:
@@ -349,30 +357,23 @@ def _write_shard(job: _Job) -> None:
     files[rel] = sf.write_safetensors(job.partial / rel, job.rank_tensors, {"step": str(job.step)}).to_json()
     index = {"format": sf.FORMAT, "session": job.session, "step": job.step, "rank": job.rank, "files": files,
              "tensors": tables, "state": job.rank_info}  # fmt: skip
-    sf.write_json(job.rank_dir / sf.RANK_INDEX, index)
-    sf.fsync_path(job.rank_dir)
+    write_json(job.rank_dir / sf.RANK_INDEX, index)
+    fsync_path(job.rank_dir)
     job.stats.shard_bytes = sum(f["bytes"] for f in files.values())
 
 
 class _FaultHook:
-    """`kill_in_write` (moe/train/crash_faults.py): SIGKILL once half of this rank's sharded bytes are written."""
+    """The "checkpoint_write" hook point (moe/train/faults.py): progress through this rank's sharded bytes."""
 
     def __init__(self, job: _Job) -> None:
-        f = job.fault
-        self.armed = f is not None and f.kind == "kill_in_write" and (f.rank, f.step) == (job.rank, job.step)
         self.job = job
         self.before = 0
         self.total = sum(b.numel() * b.element_size() for part in job.tensors.values() for _, b in part)
 
     def progress(self, rel: str):
-        if not self.armed:
-            return None
-
         def hook(written: int, total: int) -> None:
-            if self.before + written >= self.total // 2:
-                done = self.before + written
-                crash_faults.kill_self(f"rank {self.job.rank} writing {rel} of step {self.job.step} ({done} of about "
-                                 f"{self.total} bytes of its shard written)")  # fmt: skip
+            self.job.faults.at("checkpoint_write", step=self.job.step, rank=self.job.rank,
+                               written=self.before + written, total=self.total, what=rel)  # fmt: skip
 
         return hook
 
@@ -431,7 +432,7 @@ def _commit(job: _Job) -> None:
     request = job.request
     if request.trainer_state is None:
         raise CheckpointWriteError("rank 0's save request has no trainer state")
-    files[sf.TRAINER_STATE] = sf.write_json(job.partial / sf.TRAINER_STATE, request.trainer_state).to_json()
+    files[sf.TRAINER_STATE] = write_json(job.partial / sf.TRAINER_STATE, request.trainer_state).to_json()
     if request.export is not None and request.write_model_dir is not None:
         export = job.partial / ".model"
         request.write_model_dir(export, request.export)
@@ -444,7 +445,7 @@ def _commit(job: _Job) -> None:
         shutil.copyfile(path, job.partial / Path(path).name)
     for child in sorted(job.partial.iterdir()):  # the files rank 0 added
         if child.is_file() and child.name not in files and not child.name.endswith((".tmp", ".error")):
-            sf.fsync_path(child)
+            fsync_path(child)
             files[child.name] = sf.sha256_file(child).to_json()
     manifest = {
         "format": sf.FORMAT,
@@ -457,8 +458,10 @@ def _commit(job: _Job) -> None:
         "files": files,
         "tensors": tensors,
     }
-    sf.write_json(job.partial / sf.MANIFEST, manifest)  # last: a checkpoint with a manifest is complete
-    sf.fsync_path(job.partial)
-    ckpt.publish(job.partial, job.final)
+    write_json(job.partial / sf.MANIFEST, manifest)  # last: a checkpoint with a manifest is complete
+    fsync_path(job.partial)
+    publish_directory(job.partial, job.final)
     ckpt.set_latest(job.final.parent.parent, job.step)
+    if job.keep_last:
+        ckpt.purge(job.final.parent.parent, job.keep_last)
     job.stats.total_bytes = sum(f["bytes"] for f in files.values()) + (job.final / sf.MANIFEST).stat().st_size

@@ -3,7 +3,7 @@ resumed run takes.
 
 Layout of a run directory:
 ```
-RUN_DIR/checkpoints/step_N/                   one complete checkpoint (moe/train/shard_files.py: manifest.json, ...)
+RUN_DIR/checkpoints/step_N/                   one complete checkpoint (moe/io/shard_files.py: manifest.json, ...)
 RUN_DIR/checkpoints/latest                    text file: the name of the newest committed checkpoint ("step_N")
 RUN_DIR/checkpoints/.step_N.partial-SESSION/  a checkpoint being written (or left by a crash)
 ```
@@ -15,15 +15,14 @@ warning, whatever `latest` says: a resumed run takes the newest complete checkpo
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-from moe.train import shard_files as sf
-from moe.train.shard_files import fsync_path
+from moe.io import shard_files as sf
+from moe.io.atomic import fsync_path, write_bytes
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -38,30 +37,6 @@ def checkpoint_name(step: int) -> str:
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINTS
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Replace `path`'s content with `text` atomically (temporary file, fsync, rename, fsync of the directory)."""
-    sf.write_bytes(path, text.encode())
-    fsync_path(path.parent)
-
-
-def write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=1, sort_keys=True) + "\n")
-
-
-def publish(partial: Path, final: Path) -> None:
-    """Rename the finished directory `partial` to `final` (atomic), replacing a `final` that exists (a re-save of
-    the same step: moved aside first, removed after), and flush the parent directory."""
-    old = None
-    if final.exists():
-        old = final.parent / f".{final.name}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-    os.rename(partial, final)
-    fsync_path(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def remove_partials(run_dir: str | Path) -> list[Path]:
@@ -79,7 +54,8 @@ def set_latest(run_dir: str | Path, step: int) -> None:
     root = checkpoints_dir(run_dir)
     if not (root / checkpoint_name(step)).is_dir():
         raise FileNotFoundError(f"no checkpoint {root / checkpoint_name(step)}")
-    write_text_atomic(root / LATEST, checkpoint_name(step) + "\n")
+    write_bytes(root / LATEST, (checkpoint_name(step) + "\n").encode())
+    fsync_path(root)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -106,6 +82,16 @@ def _step_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
         if m and p.is_dir():
             found.append((int(m.group(1)), p))
     return sorted(found)
+
+
+def purge(run_dir: str | Path, keep_last: int) -> list[Path]:
+    """Remove all but the newest `keep_last` complete checkpoints (0: keep all; `latest` always points to the
+    newest); returns the removed directories. Incomplete `step_N` directories are left for inspection."""
+    complete = list_checkpoints(run_dir)
+    old = [p for _, p in complete[:-keep_last]] if keep_last > 0 else []
+    for p in old:
+        shutil.rmtree(p, ignore_errors=True)
+    return old
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:

@@ -1,5 +1,5 @@
 """Where a rank's tensor sits in a layout-independent ("global") tensor, as boxes: the geometry of the sharded
-checkpoints (moe/train/flash.py).
+checkpoints (moe/io/shard_files.py, moe/train/checkpoint/).
 
 A rank holds, of a global tensor (a whole parameter of the model, or its optimizer state), a *local* tensor:
 - expert tensors: the local experts, rows `[e0, e0 + L)` of dim 0 (`dim0_offset = e0`);

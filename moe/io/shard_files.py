@@ -1,7 +1,8 @@
 """Files of a sharded (flash) checkpoint: safetensors written as a stream with their SHA-256, the manifest, and the
 reader that takes any rank's boxes of a tensor from the files that hold them.
 
-A checkpoint directory (see moe/train/flash.py for how it is written):
+The file format only (no training logic): model code reads checkpoints through it (`read_full_section`) without
+importing the trainer. A checkpoint directory (see moe/train/checkpoint/writer.py for how it is written):
 ```
 step_N/
   manifest.json              written last: the format, the step, the layout, every file with its sha256 and size,
@@ -34,7 +35,8 @@ from typing import Any
 
 import torch
 
-from moe.train.sharded import Box, Placement, pieces
+from moe.io.atomic import FileRecord
+from moe.io.boxes import Box, Placement, pieces
 
 FORMAT = "mtdeepep.flash_checkpoint"
 FORMAT_VERSION = 1
@@ -65,24 +67,6 @@ def dtype_from_name(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {name!r} in a checkpoint")
     return dtype
-
-
-@dataclass(frozen=True)
-class FileRecord:
-    sha256: str
-    bytes: int
-
-    def to_json(self) -> dict:
-        return {"sha256": self.sha256, "bytes": self.bytes}
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's or a directory's data and metadata to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_safetensors(
@@ -141,21 +125,6 @@ def write_safetensors(
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return FileRecord(digest.hexdigest(), total)
-
-
-def write_bytes(path: Path, data: bytes) -> FileRecord:
-    """Write `data` at `path` (temporary name, fsync, rename); returns its sha256 and size."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return FileRecord(hashlib.sha256(data).hexdigest(), len(data))
-
-
-def write_json(path: Path, obj: Any) -> FileRecord:
-    return write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
 def sha256_file(path: Path) -> FileRecord:
