@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from moe import EPBuffers  # noqa: E402
-from moe.fp8_training import apply_fp8  # noqa: E402
+from moe.fp8 import apply_fp8  # noqa: E402
 from moe.models.deepseek_v3.tensor_parallel import check_tensor_parallel, parallelize  # noqa: E402
 from moe.pipeline import PipelineRunner, TimelineRecorder  # noqa: E402
 from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, check_schedule, split_layers  # noqa: E402

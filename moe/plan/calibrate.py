@@ -48,8 +48,8 @@ def gemm_tflops(dtype: torch.dtype, n: int = 1024) -> float:
 
 def fp8_emulated_tflops(n: int = 512) -> float:
     """TFLOP/s (of the GEMM's 2 n^3) of the FP8 recipes' emulated block-wise GEMM, casts included."""
-    from moe.fp8_training.cast import cast_blockwise
-    from moe.fp8_training.gemm import scaled_matmul
+    from moe.fp8.cast import cast_blockwise
+    from moe.fp8.gemm import scaled_matmul
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, n, generator=gen, dtype=torch.bfloat16)

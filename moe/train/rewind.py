@@ -127,8 +127,8 @@ def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def amax_histories(model: nn.Module) -> list:
     """The FP8 delayed-scaling `AmaxHistory` objects of `model` (three per GEMM site of
-    `moe.fp8_training.delayed_states`, each once); empty without FP8 or with the blockwise recipe."""
-    from moe.fp8_training.state import delayed_states
+    `moe.fp8.delayed_states`, each once); empty without FP8 or with the blockwise recipe."""
+    from moe.fp8.state import delayed_states
 
     found = {}
     for state in delayed_states(model).values():

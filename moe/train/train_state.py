@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from moe.balancing import ExpertBias
-from moe.fp8_training.state import ROLES, delayed_states
+from moe.fp8.state import ROLES, delayed_states
 from moe.layer import MoELayer
 from moe.parallel.sharding import tp_shard_of
 from moe.train.optim import StateTensor
