@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe.fp8.recipe import FP8_FORMATS
+
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 ROUTER_DTYPES = (None, "fp32", "fp64")
 TOKEN_DROP_POLICIES = ("probs", "position")
-FP8_FORMATS = (None, "e4m3")
 RECOMPUTE_LEVELS = (None, "light", "medium", "full")
 
 
@@ -74,7 +75,9 @@ class MoEConfig:
     moe_flex_ll_use_fp8: bool = False  # (ours) 'flex_ll': FP8 dispatch payloads (hidden_size a multiple of 128)
     moe_flex_use_fp8: bool = False  # (ours) 'flex': dispatch E4M3 tokens with 1x128 scales, combine in high
     # precision (DeepSeek-V3; hidden_size a multiple of 128)
-    fp8: str | None = None  # None or 'e4m3' (DeepSeek-V3 block-wise recipe for the expert GEMMs)
+    fp8: str | None = None  # None or 'e4m3' (DeepSeek-V3 block-wise recipe for the expert GEMMs). The FP8 switches
+    # (this one for the expert GEMMs, moe_flex_use_fp8 / moe_flex_ll_use_fp8 for the dispatch wire format) are read
+    # through moe.fp8.fp8_switches
 
     # Recompute (see moe/recompute.py).
     moe_layer_recompute: bool = False  # checkpoint the whole MoE layer (the same as moe_recompute_level='full')

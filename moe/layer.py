@@ -16,7 +16,7 @@ from moe.capacity import apply_capacity, expert_capacity, pad_rows, plan_padding
 from moe.config import MoEConfig
 from moe.dispatcher import DispatchResult, EPBuffers, TokenDispatcher, build_dispatcher
 from moe.experts import SwiGLUExperts, SwiGLUMLP
-from moe.fp8 import Fp8SwiGLUExperts
+from moe.fp8 import Fp8SwiGLUExperts, fp8_switches
 from moe.interleave import in_flight
 from moe.phase_timer import PhaseTimer, mark_backward, phase
 from moe.recompute import checkpointed
@@ -90,11 +90,8 @@ class MoELayer(nn.Module):
             impl = "padded"
         else:
             impl = "grouped" if config.moe_grouped_gemm else "loop"
-        experts_cls = Fp8SwiGLUExperts if config.fp8 is not None else SwiGLUExperts
-        self.experts = experts_cls(
-            self.num_local_experts,
-            config.hidden_size,
-            config.moe_ffn_hidden_size,
+        experts_args = (self.num_local_experts, config.hidden_size, config.moe_ffn_hidden_size)
+        experts_kwargs = dict(
             impl=impl,
             padded_factor=config.moe_padded_batch_gemm_factor,
             padded_alignment=config.moe_padded_batch_gemm_alignment,
@@ -102,6 +99,11 @@ class MoELayer(nn.Module):
             dtype=dtype,
             device=device,
         )
+        fp8_recipe = fp8_switches(config).experts
+        if fp8_recipe is None:
+            self.experts = SwiGLUExperts(*experts_args, **experts_kwargs)
+        else:
+            self.experts = Fp8SwiGLUExperts(*experts_args, recipe=fp8_recipe, **experts_kwargs)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SwiGLUMLP(

@@ -11,7 +11,7 @@ Pieces:
 
 - `WeightGradStore`: one per MoE-layer call under autograd (per micro-batch: calls in flight at once never share
   one), holding slots for the expert weights and the queued closures of their weight-gradient GEMMs.
-- `deferring(store)`: in this context the expert GEMMs (`moe.experts`, `moe.fp8`, `moe.fp8_training.experts`)
+- `deferring(store)`: in this context the expert GEMMs (`moe.experts`, `moe.fp8.grouped`)
   take their weight's slot at forward time (`slot_for(weight)`); their backward then hands the weight-gradient
   closure to `wgrad_or_defer`, which queues it and returns None as that weight's gradient.
 - `run_deferred()`: runs every queued closure of this thread. A dispatcher's backward calls it between starting and

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from . import _C
+from .utils.fp8 import FP8_BLOCK
 
 FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, name))
 COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_EXPERTS = 1 << 16
-FP8_BLOCK = 128
 DEFAULT_TIMEOUT_S = 100.0
 
 

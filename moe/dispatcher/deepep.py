@@ -52,6 +52,7 @@ import mtdeepep as deep_ep
 from moe import wgrad
 from moe.dispatcher.base import DispatchResult, TokenDispatcher, sort_slots_by_expert, weighted_scatter_sum
 from moe.dispatcher.buffers import EPBuffers, buffer_group, buffer_source
+from moe.fp8.recipe import fp8_switches
 from moe.interleave import in_flight
 from moe.phase_timer import phase
 from mtdeepep.utils.fp8 import FP8_BLOCK, per_token_cast_back, per_token_cast_to_fp8
@@ -320,5 +321,5 @@ def build_deepep(config, ep_group: dist.ProcessGroup | None, ep_buffers: EPBuffe
         hidden_size=config.hidden_size,
         ep_group=ep_group,
         ep_buffers=ep_buffers,
-        use_fp8=config.moe_flex_use_fp8,
+        use_fp8=fp8_switches(config).flex_dispatch,
     )

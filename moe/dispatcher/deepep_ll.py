@@ -40,6 +40,7 @@ import mtdeepep as deep_ep
 from moe.dispatcher.alltoall import AllToAllDispatcher
 from moe.dispatcher.base import DispatchResult, TokenDispatcher
 from moe.dispatcher.buffers import EPBuffers, buffer_group, buffer_source
+from moe.fp8.recipe import fp8_switches
 from mtdeepep.utils.fp8 import FP8_BLOCK, per_token_cast_back, per_token_cast_to_fp8
 
 DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK = 128
@@ -302,5 +303,5 @@ def build_deepep_ll(
         ep_group=ep_group,
         ep_buffers=ep_buffers,
         num_max_dispatch_tokens_per_rank=config.moe_flex_ll_num_max_dispatch_tokens_per_rank,
-        use_fp8=config.moe_flex_ll_use_fp8,
+        use_fp8=fp8_switches(config).flex_ll_dispatch,
     )

@@ -25,8 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe.fp8_training.cast import cast_blockwise
-from moe.fp8_training.gemm import scaled_matmul
+from moe.fp8.cast import cast_blockwise
+from moe.fp8.gemm import scaled_matmul
 from moe.plan.devices import CPU, DeviceSpec
 from mtdeepep.utils.testing import num_cores, run_processes
 
@@ -37,15 +37,16 @@ ALLREDUCE_BYTES = 16 << 20
 # script itself (the library does not execute examples/).
 TRAIN_PY_MODULES = (
     "moe",
-    "moe.fp8_training",
+    "moe.fp8",
+    "moe.io.atomic",
+    "moe.models.deepseek_v3",
+    "moe.models.deepseek_v3.model_dir",
     "moe.models.deepseek_v3.tensor_parallel",
     "moe.pipeline",
-    "moe.pipeline.split",
     "moe.train.checkpoint",
-    "moe.train.config",
+    "moe.train.job_config",
     "moe.train.data",
     "moe.train.faults",
-    "moe.train.layout_rules",
     "moe.train.metrics",
     "moe.train.parallel",
     "moe.train.rewind",

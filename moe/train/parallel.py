@@ -23,8 +23,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from moe.fp8.recipe import FP8_RECIPES
+
 PP_SCHEDULES = ("1f1b", "zbh1", "dualpipev")
-FP8_RECIPES = ("none", "delayed", "blockwise")
 BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda", "mccl": "musa"}
 
 

@@ -15,6 +15,8 @@ bf16-output variant, one bf16 rounding.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -122,7 +124,7 @@ def test_fp8_linear_runs_torch_scaled_mm_for_all_three_gemms(spy):
     w = torch.randn(512, 384, generator=gen) * 0.05
     g = torch.randn(256, 384, generator=gen)
     x_d, w_d = x.to(CUDA).requires_grad_(), w.to(CUDA).requires_grad_()
-    y = fp8_linear(x_d, w_d)
+    y = fp8_linear(x_d, w_d.t())  # fp8_linear takes nn.Linear's [out, in] weight
     y.backward(g.to(CUDA))
     assert calls["_scaled_mm"] == 3, f"expected 3 real FP8 GEMMs, ran {calls['_scaled_mm']}"
 
@@ -149,7 +151,7 @@ def test_fp8_experts_on_cuda_track_float32_experts(spy):
     calls = spy("_scaled_mm")
     torch.manual_seed(0)
     ref = SwiGLUExperts(4, 512, 256, init_std=0.05, device=CUDA)
-    fp8 = Fp8SwiGLUExperts.from_experts(ref)
+    fp8 = Fp8SwiGLUExperts.from_experts(copy.deepcopy(ref))  # own weights: from_experts shares ref's Parameters
     counts = [40, 0, 60, 28]
     x = torch.randn(128, 512, generator=torch.Generator().manual_seed(3)).to(CUDA)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()

@@ -9,6 +9,8 @@ GEMMs and multiplies gate by up (~24 dB measured). Floors, a few dB under those:
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -74,7 +76,7 @@ def test_fp8_linear_is_the_blockwise_recipe_for_all_three_gemms():
     x = torch.randn(96, 256, generator=gen, requires_grad=True)
     w = (torch.randn(256, 384, generator=gen) * 0.05).requires_grad_()
     g = torch.randn(96, 384, generator=gen)
-    y = fp8_linear(x, w)
+    y = fp8_linear(x, w.t())  # fp8_linear takes nn.Linear's [out, in] weight
     y.backward(g)
     xd, wd = x.detach(), w.detach()
     torch.testing.assert_close(y, fake_quantize(xd, ACT_TILE) @ fake_quantize(wd, WEIGHT_TILE))
@@ -103,7 +105,7 @@ def test_fp8_grouped_linear_quantises_weight_grads_per_group():
 def test_fp8_experts_track_float32_experts():
     torch.manual_seed(0)
     ref = SwiGLUExperts(4, 256, 128, init_std=0.05)
-    fp8 = Fp8SwiGLUExperts.from_experts(ref)
+    fp8 = Fp8SwiGLUExperts.from_experts(copy.deepcopy(ref))  # own weights: from_experts shares ref's Parameters
     counts = [20, 0, 30, 14]
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()

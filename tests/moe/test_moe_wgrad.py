@@ -14,9 +14,8 @@ import torch
 from moe import MoELayer, wgrad
 from moe.experts import batched_linear, grouped_linear, grouped_mm_available, loop_linear
 from moe.fp8 import fp8_grouped_linear
-from moe.fp8_training import fp8_grouped_linear as recipe_fp8_grouped_linear
-from moe.fp8_training.linear import Fp8Caster
-from moe.fp8_training.recipe import BlockwiseScaling, DelayedScaling
+from moe.fp8.linear import Fp8Caster
+from moe.fp8.recipe import BlockwiseScaling, DelayedScaling
 
 from .moe_testlib import SMALL_LAYER, moe_config
 
@@ -35,13 +34,13 @@ def _gemms():
         "bmm": (batched_linear, (L, 8, K), (L, K, M)),
         "fp8_e4m3": (lambda x, w: fp8_grouped_linear(x, w, COUNTS), (N, 128), (L, 128, M)),
         "fp8_blockwise": (
-            lambda x, w: recipe_fp8_grouped_linear(x, w, COUNTS, Fp8Caster(BlockwiseScaling())),
+            lambda x, w: fp8_grouped_linear(x, w, COUNTS, Fp8Caster(BlockwiseScaling())),
             (N, 128),
             (L, 128, M),
         ),
         # Delayed scaling keeps amax histories: a fresh caster per call, so both runs cast alike.
         "fp8_delayed": (
-            lambda x, w: recipe_fp8_grouped_linear(x, w, COUNTS, Fp8Caster(delayed)),
+            lambda x, w: fp8_grouped_linear(x, w, COUNTS, Fp8Caster(delayed)),
             (N, 128),
             (L, 128, M),
         ),

@@ -16,9 +16,8 @@ from torch import nn
 from moe import wgrad
 from moe.experts import SwiGLUMLP, batched_linear, grouped_linear, loop_linear
 from moe.fp8 import fp8_grouped_linear
-from moe.fp8_training import fp8_grouped_linear as recipe_fp8_grouped_linear
-from moe.fp8_training.linear import Fp8Caster, fp8_linear
-from moe.fp8_training.recipe import BlockwiseScaling, DelayedScaling
+from moe.fp8.linear import Fp8Caster, fp8_linear
+from moe.fp8.recipe import BlockwiseScaling, DelayedScaling
 from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 
 pytestmark = pytest.mark.timeout(120)
@@ -69,7 +68,7 @@ def _cases():
         "bmm": (experts(batched_linear), (L, 8, 32)),
         "fp8_experts": (experts(lambda x, w: fp8_grouped_linear(x, w, COUNTS), K=128), (N, 128)),
         "fp8_blockwise_experts": (
-            experts(lambda x, w: recipe_fp8_grouped_linear(x, w, COUNTS, Fp8Caster(BlockwiseScaling())), K=128),
+            experts(lambda x, w: fp8_grouped_linear(x, w, COUNTS, Fp8Caster(BlockwiseScaling())), K=128),
             (N, 128),
         ),
         "fp8_delayed_linear": (fp8(DelayedScaling()), (16, 128)),

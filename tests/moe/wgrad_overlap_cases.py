@@ -17,15 +17,15 @@ import moe.dispatcher.comm as comm
 import mtdeepep as deep_ep
 from moe import EPBuffers, MoEConfig, MoELayer
 from moe import wgrad as wgrad_module
-from moe.fp8_training import to_fp8_experts
-from moe.fp8_training.recipe import BlockwiseScaling, DelayedScaling
+from moe.fp8 import Fp8SwiGLUExperts
+from moe.fp8.recipe import BlockwiseScaling, DelayedScaling
 
 from .ep_buffer_cases import config
 from .moe_testlib import ep_group
 
 H = 32
 
-# (dispatcher, MoEConfig overrides, hidden, dtype, FP8 recipe of `moe.fp8_training` or None).
+# (dispatcher, MoEConfig overrides, hidden, dtype, FP8 recipe of `moe.fp8` or None).
 VARIANTS = {
     "flex": ("flex", {}, H, torch.float32, None),
     "flex_shared_overlap_aux": (
@@ -112,7 +112,7 @@ def delayed_wgrad_is_bitwise_the_undelayed(ctx) -> dict[str, int]:
                     torch.manual_seed(5)
                     layer = MoELayer(cfg, ep_group=group, ep_buffers=ep_buffers, dtype=dtype)
                     if recipe is not None:
-                        to_fp8_experts(layer.experts, recipe)
+                        layer.experts = Fp8SwiGLUExperts.from_experts(layer.experts, recipe)
                     ran[0] = 0
                     results[name, on, together] = _train(layer, ctx, hidden, dtype, together)
                     delayed[name, on, together] = ran[0]

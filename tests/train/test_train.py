@@ -577,7 +577,7 @@ def fp8_delayed_run(tmp_path_factory, config):
 def test_fp8_runs_track_the_fp32_run(tmp_path, config, one_process_run, fp8_delayed_run, recipe, flags, nproc):
     """`--fp8` in the training command, alone and composed with TP + SP and folded EP (FP8 GEMMs on TP shards,
     FP8 dispatch through mtdeepep): 8 steps follow the FP32 run. E4M3 keeps 3 mantissa bits (relative rounding up
-    to 2^-4 per element, ~30 dB SQNR per GEMM, tests/fp8_training): over 8 steps the losses move by at most 0.36%
+    to 2^-4 per element, ~30 dB SQNR per GEMM, tests/fp8): over 8 steps the losses move by at most 0.36%
     (blockwise), 0.57% (delayed), 0.37% (blockwise, TP2 x EP2) relative (measured); the bound 2% would catch a
     GEMM left unscaled or a dispatch that drops its scales. Under DualPipeV, torch's split backward runs every FP8
     GEMM's backward node twice (I, then W): the casts must outlive the first."""

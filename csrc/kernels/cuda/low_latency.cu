@@ -30,6 +30,33 @@ __device__ __forceinline__ float weighted_add(float acc, float w, uint16_t value
     return __fadd_rn(acc, __fmul_rn(w, bf16_to_float(value)));
 }
 
+// One 1x128 block of a row cast to E4M3 (refs.per_token_cast_to_fp8): the lane's 4 codes, packed, and the block's
+// scale, the same on every lane.
+struct Fp8Block {
+    uint32_t packed;
+    float scale;
+};
+
+// The 1x128 cast of the dispatch and of cast_kernel, by a whole warp: lane i casts channels [4i, 4i + 4) of the 128
+// bfloat16 values at `block` (16-byte aligned: hidden % 128 == 0). scale = max(amax, 1e-4) / 448, rounded up to a
+// power of two with `round_scale`; a NaN in the block makes the scale NaN.
+__device__ __forceinline__ Fp8Block cast_block_1x128(const uint16_t* block, int lane, bool round_scale) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(block + lane * 4);  // 4 bfloat16
+    float v[4] = {bf16_to_float(raw.x & 0xffffu), bf16_to_float(raw.x >> 16), bf16_to_float(raw.y & 0xffffu),
+                  bf16_to_float(raw.y >> 16)};
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    // fmaxf drops NaN: carry it explicitly, as the CPU kernel's integer max does.
+    const bool nan = __any_sync(kFullMask, isnan(v[0]) || isnan(v[1]) || isnan(v[2]) || isnan(v[3]));
+    amax = warp_max(amax);
+    float scale = nan ? __int_as_float(0x7fc00000) : fmaxf(amax, kAmaxFloor) / kE4M3Max;
+    if (round_scale && isfinite(scale)) scale = power_of_two_ceil(scale);
+    const uint32_t packed = static_cast<uint32_t>(float_to_e4m3(v[0] / scale)) |
+                            (static_cast<uint32_t>(float_to_e4m3(v[1] / scale)) << 8) |
+                            (static_cast<uint32_t>(float_to_e4m3(v[2] / scale)) << 16) |
+                            (static_cast<uint32_t>(float_to_e4m3(v[3] / scale)) << 24);
+    return {packed, scale};
+}
+
 struct Area {
     uint8_t* base;
     LowLatencyControl control;
@@ -163,19 +190,7 @@ __global__ void __launch_bounds__(kThreads)
         // FP8: block s of 128 channels, 4 per lane; the cast happens once and is written to every destination.
         for (int s = 0; s < num_scales; ++s) {
             const int h = s * kScaleBlock + lane * 4;
-            const uint2 raw = *reinterpret_cast<const uint2*>(x + h);  // 4 bfloat16 (hidden % 128 == 0: aligned)
-            float v[4] = {bf16_to_float(raw.x & 0xffffu), bf16_to_float(raw.x >> 16), bf16_to_float(raw.y & 0xffffu),
-                          bf16_to_float(raw.y >> 16)};
-            float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-            // fmaxf drops NaN: carry it explicitly, as the CPU kernel's integer max does.
-            const bool nan = __any_sync(kFullMask, isnan(v[0]) || isnan(v[1]) || isnan(v[2]) || isnan(v[3]));
-            amax = warp_max(amax);
-            float scale = nan ? __int_as_float(0x7fc00000) : fmaxf(amax, kAmaxFloor) / kE4M3Max;
-            if (args.round_scale && isfinite(scale)) scale = power_of_two_ceil(scale);
-            const uint32_t packed = static_cast<uint32_t>(float_to_e4m3(v[0] / scale)) |
-                                    (static_cast<uint32_t>(float_to_e4m3(v[1] / scale)) << 8) |
-                                    (static_cast<uint32_t>(float_to_e4m3(v[2] / scale)) << 16) |
-                                    (static_cast<uint32_t>(float_to_e4m3(v[3] / scale)) << 24);
+            const auto [packed, scale] = cast_block_1x128(x + s * kScaleBlock, lane, args.round_scale);
             for (int k = 0; k < args.num_topk; ++k) {
                 const int d = __shfl_sync(kFullMask, dest, k);
                 if (d < 0) continue;
@@ -336,20 +351,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t b = warp; b < num_blocks; b += num_warps) {
         const int64_t t = b / num_scales;
         const int s = static_cast<int>(b % num_scales);
-        const int h = s * kScaleBlock + lane * 4;
-        const uint2 raw = *reinterpret_cast<const uint2*>(x + t * x_stride + h);
-        float v[4] = {bf16_to_float(raw.x & 0xffffu), bf16_to_float(raw.x >> 16), bf16_to_float(raw.y & 0xffffu),
-                      bf16_to_float(raw.y >> 16)};
-        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-        const bool nan = __any_sync(kFullMask, isnan(v[0]) || isnan(v[1]) || isnan(v[2]) || isnan(v[3]));
-        amax = warp_max(amax);
-        float scale = nan ? __int_as_float(0x7fc00000) : fmaxf(amax, kAmaxFloor) / kE4M3Max;
-        if (round_scale && isfinite(scale)) scale = power_of_two_ceil(scale);
-        const uint32_t packed = static_cast<uint32_t>(float_to_e4m3(v[0] / scale)) |
-                                (static_cast<uint32_t>(float_to_e4m3(v[1] / scale)) << 8) |
-                                (static_cast<uint32_t>(float_to_e4m3(v[2] / scale)) << 16) |
-                                (static_cast<uint32_t>(float_to_e4m3(v[3] / scale)) << 24);
-        *reinterpret_cast<uint32_t*>(e4m3 + t * hidden + h) = packed;
+        const auto [packed, scale] = cast_block_1x128(x + t * x_stride + s * kScaleBlock, lane, round_scale);
+        *reinterpret_cast<uint32_t*>(e4m3 + t * hidden + s * kScaleBlock + lane * 4) = packed;
         if (lane == 0) scales[t * num_scales + s] = scale;
     }
 }

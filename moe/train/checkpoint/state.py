@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe.balancing import ExpertBias
-from moe.fp8_training.state import ROLES, delayed_states
+from moe.fp8.state import ROLES, delayed_states
 from moe.io.boxes import Placement
 from moe.io.shard_files import CheckpointReader
 from moe.layer import MoELayer

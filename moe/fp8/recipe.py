@@ -1,4 +1,5 @@
-"""The two FP8 training recipes as dataclasses (the settings only; the arithmetic is in cast.py and gemm.py).
+"""The FP8 recipes (the settings only; the arithmetic is in cast.py and gemm.py), their names, the tiles, and the one
+function that reads the FP8 switches of a `MoEConfig` (`fp8_switches`).
 
 Both recipes use E4M3 (`torch.float8_e4m3fn`, max 448, 3 mantissa bits) for every operand of every GEMM, the
 gradients included. Transformer Engine's per-tensor "HYBRID" format sends gradients in E5M2 (2 mantissa bits, range
@@ -6,14 +7,22 @@ up to 57344) because one scale per tensor must cover a gradient's whole dynamic 
 gradients of the delayed recipe too, as the issue asks, and rely on the amax history (with `margin`) for range: a
 gradient value above the history's amax saturates at 448 * scale instead of overflowing. The block-wise recipe
 needs E5M2 even less: a 1x128 tile only has to cover the range of 128 values (DeepSeek-V3 uses E4M3 throughout).
+
+This module imports nothing of `moe` (moe/config.py imports its name lists).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mtdeepep.utils.fp8 import FP8_BLOCK
+
+# Tiles of the block-wise recipe, `(rows, cols)` of one scale (`mtdeepep.utils.fp8.quantize_blocks`).
+ACT_TILE = (1, FP8_BLOCK)  # one scale per row per 128 columns (columns = the reduction dimension)
+WEIGHT_TILE = (FP8_BLOCK, FP8_BLOCK)
+COL_TILE = (FP8_BLOCK, 1)  # one scale per column per 128 rows (rows = the reduction dimension)
+
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-FP8_BLOCK = 128
 
 
 @dataclass(frozen=True)
@@ -64,8 +73,8 @@ class BlockwiseScaling:
     power_of_two_scales: bool = False
 
     name = "blockwise"
-    act_tile = (1, FP8_BLOCK)
-    weight_tile = (FP8_BLOCK, FP8_BLOCK)
+    act_tile = ACT_TILE
+    weight_tile = WEIGHT_TILE
 
     def __post_init__(self) -> None:
         if not isinstance(self.power_of_two_scales, bool):
@@ -74,7 +83,12 @@ class BlockwiseScaling:
 
 Fp8Recipe = DelayedScaling | BlockwiseScaling
 
+# The one table of recipe names. The trainer's `--fp8` / `Layout.fp8` take a recipe name or 'none';
+# `MoEConfig.fp8` takes a format name that stands for a recipe with its default settings.
 RECIPES = {"delayed": DelayedScaling, "blockwise": BlockwiseScaling}
+FP8_RECIPES = ("none", *RECIPES)
+FORMAT_RECIPES = {"e4m3": "blockwise"}  # MoEConfig.fp8: DeepSeek-V3's block-wise E4M3 expert GEMMs
+FP8_FORMATS = (None, *FORMAT_RECIPES)
 
 
 def recipe_from_name(name: str, **options) -> Fp8Recipe:
@@ -82,3 +96,25 @@ def recipe_from_name(name: str, **options) -> Fp8Recipe:
     if name not in RECIPES:
         raise ValueError(f"fp8 recipe must be one of {tuple(RECIPES)}, got {name!r}")
     return RECIPES[name](**options)
+
+
+@dataclass(frozen=True)
+class Fp8Switches:
+    """What a MoE layer runs in FP8 (see the package docstring for the flags behind each field).
+
+    Attributes:
+        experts: the routed experts' GEMM recipe, or None (GEMMs in the weights' dtype).
+        flex_dispatch: the 'flex' dispatcher (`DeepEPDispatcher`) sends E4M3 tokens with 1x128 scales.
+        flex_ll_dispatch: the 'flex_ll' dispatcher (`DeepEPLowLatencyDispatcher`) sends E4M3 payloads.
+    """
+
+    experts: Fp8Recipe | None
+    flex_dispatch: bool
+    flex_ll_dispatch: bool
+
+
+def fp8_switches(config) -> Fp8Switches:
+    """The FP8 settings of a MoE layer, from its `MoEConfig` (`fp8`, `moe_flex_use_fp8`, `moe_flex_ll_use_fp8`):
+    the one place the layer, its experts and its dispatchers read them."""
+    recipe = None if config.fp8 is None else recipe_from_name(FORMAT_RECIPES[config.fp8])
+    return Fp8Switches(recipe, bool(config.moe_flex_use_fp8), bool(config.moe_flex_ll_use_fp8))

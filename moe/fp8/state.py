@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe.fp8_training.cast import amax_to_scale
-from moe.fp8_training.recipe import DelayedScaling
+from moe.fp8.cast import amax_to_scale
+from moe.fp8.recipe import DelayedScaling
 
 ROLES = ("input", "weight", "grad_output")
 

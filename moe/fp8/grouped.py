@@ -1,7 +1,6 @@
-"""The routed experts' grouped GEMMs in FP8 under either recipe.
+"""The grouped FP8 GEMM of the routed experts, and the experts that use it, under either recipe.
 
-`Fp8GroupedExperts` is `moe.experts.SwiGLUExperts` (same parameters, same grouped-GEMM layout `w [L, K, M]`) whose
-`linear` runs each group's three GEMMs in FP8 with FP32 accumulation:
+`fp8_grouped_linear` runs each group's three GEMMs in FP8 with FP32 accumulation:
 
     forward      y_l  = x_l @ w_l        delayed: x per-tensor (all rows), w per-tensor (all L experts' stacked
                                          weight); blockwise: x 1x128 along K, each w_l in 128x128 blocks
@@ -9,15 +8,14 @@
     weight grad  dw_l = x_l^T @ g_l      delayed: the same per-tensor casts; blockwise: x_l^T 1x128 and g_l 128x1
                                          along the tokens
 
-The two GEMM sites (FC1 on `w13 [L, H, 2F]`, FC2 on `w2 [L, F, H]`) keep separate delayed-scaling histories; the
-shape of the weight tells them apart (FC1 is `[H, 2F]`, FC2 `[F, H]`: equal only if F = 0). Under the
-block-wise recipe this is the arithmetic of `moe.fp8.Fp8SwiGLUExperts` (same tiles, same quantiser), with the
-optional power-of-two scales, and every GEMM through `gemm.scaled_matmul`.
+`Fp8SwiGLUExperts` is `moe.experts.SwiGLUExperts` (same parameters, same grouped-GEMM layout `w [L, K, M]`) whose
+`linear` is `fp8_grouped_linear`. The MoE layer builds it for `MoEConfig.fp8` (the block-wise recipe); the
+converter (convert.py) builds one from a layer's `SwiGLUExperts` for a trainer recipe (`from_experts`, holding the
+same Parameter objects). The two GEMM sites (FC1 on `w13 [L, H, 2F]`, FC2 on `w2 [L, F, H]`) keep separate casters
+(delayed-scaling histories); the shape of the weight tells them apart (FC1 is `[H, 2F]`, FC2 `[F, H]`: equal only if
+F = 0).
 
-`to_fp8_experts(experts, recipe)` switches a built `SwiGLUExperts` in place (its class), keeping its Parameter
-objects, so an optimizer built before still owns them and state-dict keys do not change.
-
-Legend: N rows sorted by expert, L experts, K reduction, M columns.
+Legend: N rows sorted by expert, L experts, K reduction, M columns, H hidden, F expert FFN hidden.
 """
 
 from __future__ import annotations
@@ -25,11 +23,11 @@ from __future__ import annotations
 import torch
 
 from moe import wgrad
-from moe.experts import SwiGLUExperts
-from moe.fp8_training import gemm
-from moe.fp8_training.cast import Fp8Operand, cast_blockwise
-from moe.fp8_training.linear import COL_TILE, Fp8Caster
-from moe.fp8_training.recipe import Fp8Recipe
+from moe.experts import SwiGLUExperts, counts_to_list
+from moe.fp8 import gemm
+from moe.fp8.cast import Fp8Operand, cast_blockwise
+from moe.fp8.linear import Fp8Caster
+from moe.fp8.recipe import COL_TILE, BlockwiseScaling, Fp8Recipe
 
 
 def _rows(op: Fp8Operand, start: int, end: int) -> Fp8Operand:
@@ -101,36 +99,65 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None
 
 
-def fp8_grouped_linear(x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int], caster: Fp8Caster) -> torch.Tensor:
+def fp8_grouped_linear(
+    x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int] | torch.Tensor, caster: Fp8Caster | None = None
+) -> torch.Tensor:
     """`y[rows of group l] = x[rows of group l] @ w[l]` in FP8: `x [N, K]` sorted by group, `w [L, K, M]`, `counts`
-    `[L]` ints summing to N. Returns `[N, M]` in x's dtype."""
+    `[L]` (ints or an int tensor) summing to N. Returns `[N, M]` in x's dtype.
+
+    `caster`: the GEMM site's casts (None: DeepSeek-V3's block-wise recipe, which keeps no state)."""
+    counts = counts_to_list(counts)
+    if caster is None:
+        caster = Fp8Caster(BlockwiseScaling())
     if w_LKM.dim() != 3 or x_NK.size(1) != w_LKM.size(1) or len(counts) != w_LKM.size(0):
         raise ValueError(
             f"fp8_grouped_linear: x {tuple(x_NK.shape)}, w {tuple(w_LKM.shape)}, {len(counts)} counts do not match"
         )
     if sum(counts) != x_NK.size(0):
         raise ValueError(f"fp8_grouped_linear: counts sum to {sum(counts)}, x has {x_NK.size(0)} rows")
-    return _Fp8GroupedLinear.apply(x_NK, w_LKM, tuple(int(c) for c in counts), caster, wgrad.slot_for(w_LKM),
+    return _Fp8GroupedLinear.apply(x_NK, w_LKM, tuple(counts), caster, wgrad.slot_for(w_LKM),
                                    wgrad.split_weight_of(w_LKM))  # fmt: skip
 
 
-class Fp8GroupedExperts(SwiGLUExperts):
-    """`SwiGLUExperts` with FP8 grouped GEMMs (build with `to_fp8_experts`; impl 'grouped' or 'loop')."""
+class Fp8SwiGLUExperts(SwiGLUExperts):
+    """`SwiGLUExperts` whose two grouped GEMMs run in FP8 under `recipe` (the weights stay in their dtype as master
+    weights and are cast per use). Supports impl 'grouped' and 'loop' (both compute the same).
 
-    fp8_casters: dict[str, Fp8Caster]
+    Args:
+        *args, **kwargs: those of `SwiGLUExperts`.
+        recipe: `BlockwiseScaling` (default: DeepSeek-V3's, `MoEConfig.fp8='e4m3'`) or `DelayedScaling`. Expert
+            weights are not tensor parallel, so their amaxes are not reduced over any group.
+    """
+
+    def __init__(self, *args, recipe: Fp8Recipe | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.impl == "padded":
+            raise ValueError("FP8 experts use grouped GEMMs; impl='padded' (moe_padded_batch_gemm) is not supported")
+        recipe = BlockwiseScaling() if recipe is None else recipe
+        self.fp8_casters = {"fc1": Fp8Caster(recipe), "fc2": Fp8Caster(recipe)}
 
     def linear(self, x_NK: torch.Tensor, w_LKM: torch.Tensor, counts: list[int]) -> torch.Tensor:
         site = "fc1" if tuple(w_LKM.shape[1:]) == (self.hidden_size, 2 * self.ffn_hidden_size) else "fc2"
         return fp8_grouped_linear(x_NK, w_LKM, counts, self.fp8_casters[site])
 
-
-def to_fp8_experts(experts: SwiGLUExperts, recipe: Fp8Recipe) -> Fp8GroupedExperts:
-    """Switch `experts` (in place; returned) to FP8 grouped GEMMs under `recipe`. Expert weights are not tensor
-    parallel here, so their amaxes are not reduced over any group."""
-    if not isinstance(experts, SwiGLUExperts):
-        raise ValueError(f"to_fp8_experts needs SwiGLUExperts, got {type(experts).__name__}")
-    if experts.impl == "padded":
-        raise ValueError("FP8 experts use grouped GEMMs; impl='padded' (moe_padded_batch_gemm) is not supported")
-    experts.__class__ = Fp8GroupedExperts
-    experts.fp8_casters = {"fc1": Fp8Caster(recipe), "fc2": Fp8Caster(recipe)}
-    return experts
+    @classmethod
+    def from_experts(cls, experts: SwiGLUExperts, recipe: Fp8Recipe | None = None) -> Fp8SwiGLUExperts:
+        """FP8 experts holding `experts`' Parameter objects (an optimizer built before still owns them; state-dict
+        keys are unchanged) and settings; `experts` itself is left as it was."""
+        if not isinstance(experts, SwiGLUExperts):
+            raise ValueError(f"Fp8SwiGLUExperts.from_experts needs SwiGLUExperts, got {type(experts).__name__}")
+        new = cls(
+            experts.num_local_experts,
+            experts.hidden_size,
+            experts.ffn_hidden_size,
+            impl=experts.impl,
+            padded_factor=experts.padded_factor,
+            padded_alignment=experts.padded_alignment,
+            row_alignment=experts.row_alignment,
+            init_std=experts.init_std,
+            dtype=experts.w13.dtype,
+            device="meta",  # no storage and no random draws: the weights are `experts`' own
+            recipe=recipe,
+        )
+        new.w13, new.w2 = experts.w13, experts.w2
+        return new.train(experts.training)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from moe.experts import SwiGLUMLP
-from moe.fp8_training import Fp8GroupedExperts, Fp8Linear, Fp8SwiGLUMLP, apply_fp8, gemm
+from moe.fp8 import Fp8Linear, Fp8SwiGLUExperts, Fp8SwiGLUMLP, apply_fp8, gemm
 from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.models.deepseek_v3.norm import RMSNorm
@@ -48,7 +48,7 @@ def test_apply_fp8_switches_the_gemms_and_keeps_everything_else(recipe):
     assert conv.experts == [f"{n}.experts" for n in moe_layers]
     assert conv.fp8_dispatch == moe_layers and conv.high_precision_dispatch == []
     assert all(modules[n].dispatcher.use_fp8 and modules[n].config.moe_flex_use_fp8 for n in moe_layers)
-    assert all(isinstance(modules[n], Fp8GroupedExperts) for n in conv.experts)
+    assert all(isinstance(modules[n], Fp8SwiGLUExperts) for n in conv.experts)
     dense_mlps = [n for n, m in model.named_modules() if type(m) is SwiGLUMLP]
     assert dense_mlps == []  # every dense MLP and shared expert was switched
     assert sorted(conv.mlps) == sorted(["layers.0.mlp", *(f"{n}.shared_experts" for n in moe_layers)])
@@ -107,7 +107,7 @@ def test_tensor_parallel_mlp_is_switched_through_the_hook():
     ref = swiglu_reference(x, mlp)
     assert out.shape == ref.shape and not torch.equal(out, ref)  # FP8 rounding happened
     snr = 10 * torch.log10(ref.square().sum() / (out - ref).square().sum())
-    assert snr > 22  # one E4M3 rounding of each operand per GEMM (tests/fp8_training/test_fp8_numerics.py)
+    assert snr > 22  # one E4M3 rounding of each operand per GEMM (tests/fp8/test_fp8_numerics.py)
 
 
 def swiglu_reference(x, mlp):

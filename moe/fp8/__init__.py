@@ -1,5 +1,20 @@
-"""FP8 training recipes for the DeepSeek-V3 trainer (issue 11): per-tensor delayed scaling and DeepSeek-V3
-block-wise scaling, E4M3 throughout, FP32 accumulation, FP32 master weights.
+"""FP8 in one place: the recipes, the casts, the FP8 GEMM, the FP8 linear and grouped linear, the FP8 experts and the
+converter that switches a model to them. Used by the MoE layer (`MoEConfig.fp8`) and by the DeepSeek-V3 trainer's
+recipes (issue 11: per-tensor delayed scaling and DeepSeek-V3 block-wise scaling, E4M3 throughout, FP32
+accumulation, FP32 master weights). The one quantiser underneath is `mtdeepep.utils.fp8.quantize_blocks`.
+
+Modules: recipe.py (the recipes, their names, the tiles, `fp8_switches`), cast.py (E4M3 casts), gemm.py (one FP8
+GEMM, real or emulated, and the one `torch._scaled_mm` probe), linear.py (the FP8 linear and the per-site caster),
+grouped.py (the FP8 grouped linear and `Fp8SwiGLUExperts`), state.py (delayed-scaling amax histories), convert.py
+(`Fp8Converter` / `apply_fp8`).
+
+Switches. Two different things run in FP8, set by different flags that resolve through `fp8_switches(config)`:
+- the expert GEMMs' recipe. `MoEConfig.fp8` (None or 'e4m3' = the block-wise recipe) makes a MoE layer build
+  `Fp8SwiGLUExperts`. The trainer's `--fp8` (`Layout.fp8`: 'none', 'delayed' or 'blockwise') converts the whole
+  model (`apply_fp8`: Linears, dense MLPs, shared and routed experts) and switches on FP8 dispatch below.
+- the dispatch wire format: E4M3 tokens with 1x128 scales between ranks, the GEMMs untouched.
+  `MoEConfig.moe_flex_use_fp8` for the 'flex' dispatcher (combine in high precision), `moe_flex_ll_use_fp8` for
+  'flex_ll'.
 
 Recipes (recipe.py):
 - `DelayedScaling` (Transformer Engine's per-tensor recipe): one scale per tensor, from an amax history per operand
@@ -11,9 +26,9 @@ Recipes (recipe.py):
   optionally rounded up to powers of two (UE8M0).
 Gradients are E4M3 too in both recipes (recipe.py says why the delayed recipe does not use TE's E5M2).
 
-What runs in FP8 (`apply_fp8`, apply.py): the forward, input-gradient and weight-gradient GEMMs of every Linear but
+What runs in FP8 (`apply_fp8`, convert.py): the forward, input-gradient and weight-gradient GEMMs of every Linear but
 the output head (attention projections, MTP's `eh_proj`; tensor-parallel linears through their `linear_fn` hook),
-of the dense SwiGLU MLPs and shared experts, and of the routed experts' grouped GEMMs (experts.py). The MoE layers'
+of the dense SwiGLU MLPs and shared experts, and of the routed experts' grouped GEMMs (grouped.py). The MoE layers'
 'flex' dispatcher sends E4M3 tokens with their 1x128 scales through mtdeepep and combines in high precision
 (moe/dispatcher/deepep.py, `moe_flex_use_fp8`). What does not: embeddings, the output head, the routers (FP32),
 norms, rotary embedding, the attention core (SDPA), the SwiGLU activations, the losses; those stay in the model's
@@ -38,35 +53,56 @@ it is used at run time. The tests use it as an independent reference for the fir
 per-tensor E4M3 cast) when it is installed.
 """
 
-from moe.fp8_training.apply import Fp8Conversion, Fp8Linear, Fp8SwiGLUMLP, apply_fp8
-from moe.fp8_training.cast import Fp8Operand, amax_to_scale, cast_blockwise, cast_per_tensor
-from moe.fp8_training.experts import Fp8GroupedExperts, fp8_grouped_linear, to_fp8_experts
-from moe.fp8_training.gemm import scaled_matmul
-from moe.fp8_training.linear import Fp8Caster, Fp8LinearFn, fp8_linear
-from moe.fp8_training.recipe import BlockwiseScaling, DelayedScaling, Fp8Recipe, recipe_from_name
-from moe.fp8_training.state import AmaxHistory, DelayedState, delayed_states
+from moe.fp8.cast import Fp8Operand, amax_to_scale, cast_blockwise, cast_per_tensor, fake_quantize
+from moe.fp8.convert import Fp8Conversion, Fp8Converter, Fp8Linear, Fp8SwiGLUMLP, apply_fp8
+from moe.fp8.gemm import scaled_matmul, scaled_mm_variant
+from moe.fp8.grouped import Fp8SwiGLUExperts, fp8_grouped_linear
+from moe.fp8.linear import Fp8Caster, Fp8LinearFn, fp8_linear
+from moe.fp8.recipe import (
+    ACT_TILE,
+    COL_TILE,
+    FP8_FORMATS,
+    FP8_RECIPES,
+    WEIGHT_TILE,
+    BlockwiseScaling,
+    DelayedScaling,
+    Fp8Recipe,
+    Fp8Switches,
+    fp8_switches,
+    recipe_from_name,
+)
+from moe.fp8.state import AmaxHistory, DelayedState, delayed_states
 
 __all__ = [
+    "ACT_TILE",
+    "COL_TILE",
+    "FP8_FORMATS",
+    "FP8_RECIPES",
+    "WEIGHT_TILE",
     "AmaxHistory",
     "BlockwiseScaling",
     "DelayedScaling",
     "DelayedState",
     "Fp8Caster",
     "Fp8Conversion",
-    "Fp8GroupedExperts",
+    "Fp8Converter",
     "Fp8Linear",
     "Fp8LinearFn",
     "Fp8Operand",
     "Fp8Recipe",
+    "Fp8SwiGLUExperts",
     "Fp8SwiGLUMLP",
+    "Fp8Switches",
     "amax_to_scale",
     "apply_fp8",
     "cast_blockwise",
     "cast_per_tensor",
     "delayed_states",
+    "fake_quantize",
     "fp8_grouped_linear",
     "fp8_linear",
+    "fp8_switches",
     "recipe_from_name",
     "scaled_matmul",
-    "to_fp8_experts",
+    "scaled_mm_variant",
 ]

@@ -6,7 +6,8 @@ so `scale = amax / 448` puts the amax on E4M3's largest finite value. Values are
 even through `torch.float8_e4m3fn`.
 
 An `Fp8Operand` is one GEMM operand after the cast: the E4M3 data, its FP32 scales and how they tile it (None: one
-scale for the whole tensor).
+scale for the whole tensor). The block-wise casts are `mtdeepep.utils.fp8.quantize_blocks`, the one quantiser of the
+library, its dispatchers and these recipes.
 """
 
 from __future__ import annotations
@@ -61,3 +62,8 @@ def cast_blockwise(x: torch.Tensor, tile: tuple[int, int], power_of_two: bool = 
         raise ValueError(f"cast_blockwise expects a 2-D tensor, got shape {tuple(x.shape)}")
     q, scale = quantize_blocks(x, tile, round_scale=power_of_two)
     return Fp8Operand(q, scale, tile)
+
+
+def fake_quantize(x_MK: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+    """Quantise-dequantise round trip (float32): what a block-wise FP8 GEMM sees of `x_MK`."""
+    return cast_blockwise(x_MK, tile).dequantize()

@@ -14,7 +14,8 @@ Operands per recipe:
 The bias is added in FP32; the output is in x's dtype, the weight gradient in the weight's (FP32 master weights).
 
 `Fp8LinearFn(recipe, tp_group)` is the `linear_fn` a Linear module calls as `linear_fn(x, weight, bias)`: one per
-module, since the delayed recipe's histories belong to one GEMM site.
+module, since the delayed recipe's histories belong to one GEMM site. An `Fp8Caster` casts the operands of one GEMM
+site; the grouped expert GEMMs (grouped.py) use it too.
 """
 
 from __future__ import annotations
@@ -23,12 +24,10 @@ import torch
 import torch.distributed as dist
 
 from moe import wgrad
-from moe.fp8_training import gemm
-from moe.fp8_training.cast import Fp8Operand, cast_blockwise, cast_per_tensor
-from moe.fp8_training.recipe import BlockwiseScaling, DelayedScaling, Fp8Recipe
-from moe.fp8_training.state import DelayedState
-
-COL_TILE = (128, 1)
+from moe.fp8 import gemm
+from moe.fp8.cast import Fp8Operand, cast_blockwise, cast_per_tensor
+from moe.fp8.recipe import COL_TILE, BlockwiseScaling, DelayedScaling, Fp8Recipe
+from moe.fp8.state import DelayedState
 
 
 class Fp8Caster:
@@ -112,11 +111,15 @@ class _Fp8Linear(torch.autograd.Function):
 
 
 def fp8_linear(
-    x: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None, caster: Fp8Caster
+    x: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None = None, caster: Fp8Caster | None = None
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with its three GEMMs in FP8. `x [..., K]`; returns `[..., N]` in x's dtype."""
+    """`F.linear(x, weight, bias)` with its three GEMMs in FP8. `x [..., K]`; returns `[..., N]` in x's dtype.
+
+    `caster`: the GEMM site's casts (None: DeepSeek-V3's block-wise recipe, which keeps no state)."""
     if weight_NK.dim() != 2 or x.size(-1) != weight_NK.size(1):
         raise ValueError(f"fp8_linear: x {tuple(x.shape)} does not match weight {tuple(weight_NK.shape)}")
+    if caster is None:
+        caster = Fp8Caster(BlockwiseScaling())
     x_MK = x.reshape(-1, x.size(-1))
     y_MN = _Fp8Linear.apply(x_MK, weight_NK, bias_N, caster, wgrad.split_weight_of(weight_NK))
     return y_MN.view(*x.shape[:-1], weight_NK.size(0))
