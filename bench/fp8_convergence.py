@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from _common import RESULTS_DIR, environment, make_parser, print_table, save_results
 
-from moe.fp8 import apply_fp8
+from moe.fp8.convert import apply_fp8
 from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.train.config import DataConfig, TrainingConfig

@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from moe import EPBuffers  # noqa: E402
-from moe.fp8 import apply_fp8  # noqa: E402
+from moe.fp8.convert import apply_fp8  # noqa: E402
 from moe.io.atomic import write_json  # noqa: E402
 from moe.models.deepseek_v3 import DeepseekV3ForCausalLM  # noqa: E402
 from moe.models.deepseek_v3.model_dir import config_json, read_model_dir, write_model_dir  # noqa: E402

@@ -6,7 +6,7 @@ accumulation, FP32 master weights). The one quantiser underneath is `mtdeepep.ut
 Modules: recipe.py (the recipes, their names, the tiles, `fp8_switches`), cast.py (E4M3 casts), gemm.py (one FP8
 GEMM, real or emulated, and the one `torch._scaled_mm` probe), linear.py (the FP8 linear and the per-site caster),
 grouped.py (the FP8 grouped linear and `Fp8SwiGLUExperts`), state.py (delayed-scaling amax histories), convert.py
-(`Fp8Converter` / `apply_fp8`).
+(`Fp8Converter` / `apply_fp8`: it sits above the MoE layer, so import it as `moe.fp8.convert`).
 
 Switches. Two different things run in FP8, set by different flags that resolve through `fp8_switches(config)`:
 - the expert GEMMs' recipe. `MoEConfig.fp8` (None or 'e4m3' = the block-wise recipe) makes a MoE layer build
@@ -54,7 +54,6 @@ per-tensor E4M3 cast) when it is installed.
 """
 
 from moe.fp8.cast import Fp8Operand, amax_to_scale, cast_blockwise, cast_per_tensor, fake_quantize
-from moe.fp8.convert import Fp8Conversion, Fp8Converter, Fp8Linear, Fp8SwiGLUMLP, apply_fp8
 from moe.fp8.gemm import scaled_matmul, scaled_mm_variant
 from moe.fp8.grouped import Fp8SwiGLUExperts, fp8_grouped_linear
 from moe.fp8.linear import Fp8Caster, Fp8LinearFn, fp8_linear
@@ -84,17 +83,12 @@ __all__ = [
     "DelayedScaling",
     "DelayedState",
     "Fp8Caster",
-    "Fp8Conversion",
-    "Fp8Converter",
-    "Fp8Linear",
     "Fp8LinearFn",
     "Fp8Operand",
     "Fp8Recipe",
     "Fp8SwiGLUExperts",
-    "Fp8SwiGLUMLP",
     "Fp8Switches",
     "amax_to_scale",
-    "apply_fp8",
     "cast_blockwise",
     "cast_per_tensor",
     "delayed_states",

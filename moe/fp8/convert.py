@@ -27,10 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe.dispatcher.deepep import DeepEPDispatcher
 from moe.experts import SwiGLUMLP
 from moe.fp8.grouped import Fp8SwiGLUExperts
 from moe.fp8.linear import Fp8LinearFn
 from moe.fp8.recipe import BlockwiseScaling, DelayedScaling, Fp8Recipe, fp8_switches, recipe_from_name
+from moe.layer import MoELayer
 from moe.wgrad import SplitWgradLinear
 from mtdeepep.utils.fp8 import FP8_BLOCK
 
@@ -116,8 +118,6 @@ class Fp8Converter:
         """Convert `model` in place (its submodules are replaced; `model` itself is kept, so it must not be a plain
         `nn.Linear` or `SwiGLUMLP`). Call once, before or after building the optimizer."""
         # moe.layer builds its experts from this package (MoEConfig.fp8): imported at call time, not at import.
-        from moe.layer import MoELayer
-
         if any(hasattr(m, "linear_fns") or hasattr(m, "linear_fn") for m in model.modules()):
             raise ValueError("apply_fp8: the model already has FP8 GEMMs (apply_fp8 was called before)")
         out = Fp8Conversion(self.recipe)
@@ -155,8 +155,6 @@ class Fp8Converter:
 
     def _switch_dispatch(self, layer: nn.Module) -> bool:
         """Make a MoE layer's 'flex' dispatcher send FP8 tokens (its config says so too); False if it has none."""
-        from moe.dispatcher.deepep import DeepEPDispatcher  # needs mtdeepep's extension: imported on first use
-
         if not (self.fp8_dispatch and isinstance(layer.dispatcher, DeepEPDispatcher)):
             return False
         if layer.config.hidden_size % FP8_BLOCK:

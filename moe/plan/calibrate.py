@@ -37,7 +37,7 @@ ALLREDUCE_BYTES = 16 << 20
 # script itself (the library does not execute examples/).
 TRAIN_PY_MODULES = (
     "moe",
-    "moe.fp8",
+    "moe.fp8.convert",
     "moe.io.atomic",
     "moe.models.deepseek_v3",
     "moe.models.deepseek_v3.model_dir",

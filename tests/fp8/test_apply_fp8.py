@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from moe.experts import SwiGLUMLP
-from moe.fp8 import Fp8Linear, Fp8SwiGLUExperts, Fp8SwiGLUMLP, apply_fp8, gemm
+from moe.fp8 import Fp8SwiGLUExperts, gemm
+from moe.fp8.convert import Fp8Linear, Fp8SwiGLUMLP, apply_fp8
 from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.models.deepseek_v3.norm import RMSNorm

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe.fp8 import apply_fp8
+from moe.fp8.convert import apply_fp8
 from moe.io.shard_files import SECTIONS, read_full_section
 from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from moe.train.checkpoint import ModelIO
