@@ -259,6 +259,31 @@ def save_results(path: Path, payload: dict[str, Any]) -> None:
     print(f"wrote {path}")
 
 
+def save_run(path: Path, args: argparse.Namespace, **payload: Any) -> None:
+    """Writes a run's JSON (`save_results`): its command-line arguments as strings, then `payload` in order, then
+    the `environment()`."""
+    save_results(path, {"args": {k: str(v) for k, v in vars(args).items()}, **payload, "environment": environment()})
+
+
+def add_pipeline_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a pipeline benchmark's training run (bench/pipeline.py, bench/dualpipe_overlap.py): its
+    micro-batches, their shape, the steps timed after the warm-up ones, the seed."""
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def parse_choices(text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """'a,b' -> ('a', 'b'), each one of `allowed` (else argparse's error for an option's type)."""
+    values = tuple(part.strip() for part in text.split(",") if part.strip())
+    if not values or any(v not in allowed for v in values):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {allowed}, got {text!r}")
+    return values
+
+
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], *notes: str) -> None:
     """The table, then the notes under it, a line each."""
     print(format_table(headers, rows))

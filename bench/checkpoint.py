@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import RESULTS_DIR, environment, make_parser, num_cores, print_table, run_ranks, save_results
+from _common import RESULTS_DIR, make_parser, num_cores, print_table, run_ranks, save_run
 
 from moe import EPBuffers
 from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -231,8 +231,7 @@ def main() -> None:
         "shard MiB: one rank's files; ckpt MiB: the whole checkpoint; sync save s: the previous format's gathered, "
         "synchronous save. Largest rank's figures.",
     )
-    save_results(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-                             "environment": environment()})  # fmt: skip
+    save_run(args.json, args, rows=rows)
 
 
 if __name__ == "__main__":

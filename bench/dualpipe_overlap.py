@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import RESULTS_DIR, environment, make_parser, print_table, run_ranks, save_results
+from _common import RESULTS_DIR, add_pipeline_run_arguments, make_parser, print_table, run_ranks, save_run
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("off", "sequential", "overlap")
@@ -111,12 +111,7 @@ def _worker(rank: int, world: int, group, args) -> dict:
 def main() -> None:
     parser = make_parser(__doc__)
     parser.add_argument("--config", default="tiny", help="examples/deepseek_v3/configs/<name>.toml")
-    parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--rows", type=int, default=1, help="sequences per micro-batch")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
+    add_pipeline_run_arguments(parser)
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "dualpipe_overlap.json")
     args = parser.parse_args()
     args.out_dir = args.json.parent
@@ -158,8 +153,7 @@ def main() -> None:
         "F&B and comm columns: summed over the F&B actions of all 4 ranks (median step); hidden: 1 - exposed / "
         f"exposed of 'sequential'. PNGs: {args.out_dir}/dualpipe_overlap_timeline.png, dualpipe_overlap_fb.png",
     )  # fmt: skip
-    save_results(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
-                             "environment": environment()})  # fmt: skip
+    save_run(args.json, args, results=results)
 
 
 if __name__ == "__main__":

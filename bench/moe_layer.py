@@ -76,6 +76,7 @@ from _common import (
     make_parser,
     median,
     num_cores,
+    parse_choices,
     parse_int_list,
     print_table,
     run_ranks,
@@ -125,20 +126,31 @@ def variant_name(dispatcher: str, experts: str) -> str:
 # One rank
 
 
-def build_layer(cfg: BenchConfig, dispatcher: str, experts: str, group: dist.ProcessGroup) -> MoELayer:
-    """The same router and expert weights for every variant (same seed; each rank holds its own experts)."""
+def seeded_layer(cfg: BenchConfig, group: dist.ProcessGroup, **settings: Any) -> MoELayer:
+    """The benchmark's layer (H, E, F, top-k, no load balancing) with the `MoEConfig` `settings` of one variant,
+    built under the benchmark's seed: the same router and expert weights for every variant (each rank holds its
+    own experts)."""
     config = MoEConfig(
         hidden_size=cfg.hidden,
         num_moe_experts=cfg.experts,
         moe_ffn_hidden_size=cfg.ffn,
         moe_router_topk=cfg.topk,
         moe_router_load_balancing_type="none",
+        **settings,
+    )
+    torch.manual_seed(cfg.seed)
+    return MoELayer(config, ep_group=group)
+
+
+def build_layer(cfg: BenchConfig, dispatcher: str, experts: str, group: dist.ProcessGroup) -> MoELayer:
+    """The layer of the variant (`dispatcher`, `experts`)."""
+    return seeded_layer(
+        cfg,
+        group,
         moe_token_dispatcher_type=dispatcher,
         moe_grouped_gemm=experts != "loop",
         moe_padded_batch_gemm=experts == "padded",
     )
-    torch.manual_seed(cfg.seed)
-    return MoELayer(config, ep_group=group)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -332,19 +344,14 @@ class PhaseClock:
 
 def overlap_layer(cfg: BenchConfig, mode: str, group: dist.ProcessGroup) -> MoELayer:
     on = mode != "off"
-    config = MoEConfig(
-        hidden_size=cfg.hidden,
-        num_moe_experts=cfg.experts,
-        moe_ffn_hidden_size=cfg.ffn,
-        moe_router_topk=cfg.topk,
-        moe_router_load_balancing_type="none",
+    return seeded_layer(
+        cfg,
+        group,
         moe_token_dispatcher_type="flex",
         moe_shared_expert_intermediate_size=cfg.shared_ffn,
         moe_shared_expert_overlap=on,
         overlap_dispatch_backward_with_experts_wgrad=on,
     )
-    torch.manual_seed(cfg.seed)
-    return MoELayer(config, ep_group=group)
 
 
 def bench_overlap_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, cfg: BenchConfig) -> dict[str, Any]:
@@ -518,13 +525,6 @@ def run_overlap(cfg: BenchConfig, ep_sizes: list[int], args: argparse.Namespace)
 # Entry point
 
 
-def _choices(text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
-    values = tuple(part.strip() for part in text.split(",") if part.strip())
-    if not values or any(v not in allowed for v in values):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {allowed}, got {text!r}")
-    return values
-
-
 def parse_args() -> argparse.Namespace:
     defaults = BenchConfig()
     parser = make_parser(__doc__)
@@ -542,13 +542,13 @@ def parse_args() -> argparse.Namespace:
     add_config_arguments(parser, defaults, ("tokens", "hidden", "ffn", "experts", "topk"), helps)
     parser.add_argument(
         "--dispatchers",
-        type=lambda s: _choices(s, DISPATCHERS),
+        type=lambda s: parse_choices(s, DISPATCHERS),
         default=defaults.dispatchers,
         help="comma-separated, the first is the baseline (default: alltoall,flex)",
     )
     parser.add_argument(
         "--expert-impls",
-        type=lambda s: _choices(s, EXPERT_IMPLS),
+        type=lambda s: parse_choices(s, EXPERT_IMPLS),
         default=defaults.expert_impls,
         help="comma-separated (default: grouped,padded,loop)",
     )

@@ -50,12 +50,12 @@ from pathlib import Path
 import torch
 from _common import (
     RESULTS_DIR,
-    environment,
+    add_pipeline_run_arguments,
     environment_variables,
     make_parser,
     print_table,
     run_ranks,
-    save_results,
+    save_run,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -185,12 +185,7 @@ def main() -> None:
     parser = make_parser(__doc__)
     parser.add_argument("--config", default="tiny", help="a name of examples/deepseek_v3/configs/ or a .toml path")
     parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--rows", type=int, default=1, help="sequences per micro-batch")
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
+    add_pipeline_run_arguments(parser)
     parser.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                         help="1F1B / ZB-H1: layers of the first stage (the last also runs the head and MTP); "
                         "DualPipeV's V puts the first and last stage on one rank")  # fmt: skip
@@ -227,8 +222,7 @@ def main() -> None:
         "F/B/W; "
         f"traces and PNGs in {args.out_dir}/pipeline_<schedule>_pp{args.pp}.*",
     )  # fmt: skip
-    save_results(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
-                             "environment": environment()})  # fmt: skip
+    save_run(args.json, args, results=results)
 
 
 if __name__ == "__main__":

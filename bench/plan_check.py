@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import tomllib
-from _common import RESULTS_DIR, environment, num_cores, print_table, save_results
+from _common import RESULTS_DIR, num_cores, print_table, save_run
 from train_layouts import _dump_toml, bench_config, train_rank
 
 from moe.models.deepseek_v3.config import DeepseekV3Config
@@ -297,9 +297,8 @@ def main() -> None:
         measured = [merge_rounds(name, runs[name]) for name in args.rows]
     rows = estimate_rows(measured, model, workload, spec)
     rho_min, rho_med = print_report(args, rows)
-    payload = {"args": {k: str(v) for k, v in vars(args).items()}, "spec": spec.to_dict(), "rows": rows}
-    payload.update(spearman_min=rho_min, spearman_median=rho_med, runtime_baseline=baseline, environment=environment())
-    save_results(args.json, payload)
+    save_run(args.json, args, spec=spec.to_dict(), rows=rows, spearman_min=rho_min, spearman_median=rho_med,
+             runtime_baseline=baseline)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from typing import Any
 
 import tomllib
 import torch
-from _common import RESULTS_DIR, environment, make_parser, num_cores, print_table, save_results, threads_per_rank
+from _common import RESULTS_DIR, make_parser, num_cores, print_table, save_run, threads_per_rank
 
 from moe.train.metrics import read_metrics
 from mtdeepep.utils.testing import run_processes
@@ -216,8 +216,7 @@ def main() -> None:
         "without the distributed optimizer (ZeRO-1 expects about 1/dp).",
         f"{num_cores()} cores: rows with more ranks than cores oversubscribe (ranks take turns).",
     )
-    save_results(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-                             "environment": environment()})  # fmt: skip
+    save_run(args.json, args, rows=rows)
 
 
 if __name__ == "__main__":

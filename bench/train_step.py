@@ -75,6 +75,7 @@ from _common import (
     environment_variables,
     make_parser,
     num_cores,
+    parse_choices,
     parse_int_list,
     print_table,
     run_ranks,
@@ -531,13 +532,6 @@ def print_ep(cfg: BenchConfig, rows: list[dict[str, Any]], ep_sizes: list[int]) 
 # Entry point
 
 
-def _choices(text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
-    values = tuple(part.strip() for part in text.split(",") if part.strip())
-    if not values or any(v not in allowed for v in values):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {allowed}, got {text!r}")
-    return values
-
-
 def parse_args() -> argparse.Namespace:
     defaults = BenchConfig()
     parser = make_parser(__doc__)
@@ -553,7 +547,7 @@ def parse_args() -> argparse.Namespace:
     for name in ("precisions", "ep_precisions"):
         parser.add_argument(
             f"--{name.replace('_', '-')}",
-            type=lambda s: _choices(s, tuple(DTYPES)),
+            type=lambda s: parse_choices(s, tuple(DTYPES)),
             default=getattr(defaults, name),
             help="comma-separated subset of fp32,bf16 (default: fp32,bf16)",
         )

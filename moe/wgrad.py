@@ -42,6 +42,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from moe.modules import ModuleReplacements
+from mtdeepep.utils.thread_local import thread_local_setting
+
 _local = threading.local()
 
 
@@ -141,12 +144,8 @@ def run_deferred() -> int:
 @contextlib.contextmanager
 def deferring(store: WeightGradStore | None) -> Iterator[None]:
     """Expert GEMMs built in this context delay the weight gradients of `store`'s weights (None: none)."""
-    previous = getattr(_local, "current", None)
-    _local.current = store
-    try:
+    with thread_local_setting(_local, "current", store):
         yield
-    finally:
-        _local.current = previous
 
 
 WgradSlot = tuple[WeightGradStore, int]
@@ -208,12 +207,8 @@ def split_gemms_enabled() -> bool:
 def split_gemms(enabled: bool = True) -> Iterator[None]:
     """GEMMs built in this context (forward, or a recompute in the backward) can queue their weight gradients for a
     pipeline W action."""
-    previous = split_gemms_enabled()
-    _local.split_gemms = enabled
-    try:
+    with thread_local_setting(_local, "split_gemms", enabled, default=False):
         yield
-    finally:
-        _local.split_gemms = previous
 
 
 def split_weight_of(weight: torch.Tensor) -> torch.Tensor | None:
@@ -324,7 +319,32 @@ def matmul(x: torch.Tensor, weight_KN: torch.Tensor) -> torch.Tensor:
 
 class SplitWgradLinear(torch.nn.Linear):
     """`nn.Linear` whose GEMM is `self.linear_fn` if set (an FP8 recipe's), else `linear` above; same parameters and
-    state-dict keys. The pipeline switches plain `nn.Linear` modules of zero-bubble stages to it."""
+    state-dict keys. The pipeline replaces plain `nn.Linear` modules of zero-bubble stages by it
+    (`split_wgrad_linears`)."""
+
+    @classmethod
+    def from_linear(cls, linear_module: torch.nn.Linear) -> SplitWgradLinear:
+        """A module of this class holding `linear_module`'s Parameter objects (built on the meta device, so no
+        memory and no random numbers are spent on weights it drops) in the same training mode."""
+        new = cls(linear_module.in_features, linear_module.out_features, bias=linear_module.bias is not None,
+                  device="meta", dtype=linear_module.weight.dtype)  # fmt: skip
+        new.weight, new.bias = linear_module.weight, linear_module.bias
+        return new.train(linear_module.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return getattr(self, "linear_fn", linear)(x, self.weight, self.bias)
+
+
+def split_wgrad_linears(model: torch.nn.Module) -> list[str]:
+    """Replace every plain `nn.Linear` submodule of `model` by a `SplitWgradLinear` holding the same Parameter
+    objects (names, state-dict keys and an optimizer's hold on them unchanged), so that its GEMM's weight gradient
+    can be deferred to a pipeline W action. Subclasses (FP8's and the tensor-parallel linears) already compute
+    with `linear` or a `linear_fn` of their own and are kept. Returns the replaced modules' names."""
+    replacements = ModuleReplacements("split_wgrad_linears")
+    names = []
+    for name, module in model.named_modules():
+        if type(module) is torch.nn.Linear:
+            replacements.add(name, module, SplitWgradLinear.from_linear(module))
+            names.append(name)
+    replacements.install(model)
+    return names

@@ -15,6 +15,7 @@ import torch
 
 from . import _C
 from .utils.fp8 import FP8_BLOCK
+from .utils.thread_local import thread_local_setting
 
 FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e4m3fnuz") if hasattr(torch, name))
 COMBINE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -90,12 +91,8 @@ def skip_value_checks() -> Iterator[None]:
     reading a GPU tensor's values synchronises the host with its stream (two index ranges and a layout sum per
     dispatch), which a timed loop or a host that must run ahead of the GPU cannot afford. Values out of range are
     then the caller's responsibility, as in DeepEP. CPU tensors are still checked (no synchronisation there)."""
-    previous = getattr(_value_checks, "skip", False)
-    _value_checks.skip = True
-    try:
+    with thread_local_setting(_value_checks, "skip", True, default=False):
         yield
-    finally:
-        _value_checks.skip = previous
 
 
 def values_readable(tensor: torch.Tensor) -> bool:

@@ -38,6 +38,7 @@ from .buffer import Buffer
 from .config import Config
 from .engines.handles import flatten_handle, unflatten_handle
 from .event import EventOverlap
+from .utils.thread_local import thread_local_setting
 
 _EVENT = "_mtdeepep_event"
 _NO_TENSOR = torch.empty(0)  # stands for an absent optional output (ops return tensors only)
@@ -95,12 +96,8 @@ def backward_comm_hook(hook: Callable[[str], AbstractContextManager] | None) -> 
     Thread-local, because a CPU backward runs on the thread that called it: only that thread's backward changes.
     `hook=None` turns it off inside the block. Nesting restores the outer hook on exit.
     """
-    previous = getattr(_THREAD, "hook", None)
-    _THREAD.hook = hook
-    try:
+    with thread_local_setting(_THREAD, "hook", hook):
         yield
-    finally:
-        _THREAD.hook = previous
 
 
 def _backward_comm(name: str, starts: list[Callable[[bool], tuple]]) -> list[tuple]:

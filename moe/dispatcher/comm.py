@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from moe import wgrad
+from moe.adjoint import adjoint_pair
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -140,26 +141,8 @@ def reduce_scatter_v_raw(x: torch.Tensor, sizes: list[int], group: dist.ProcessG
     return out[: sizes[group_rank(group)]]
 
 
-class _AllGatherV(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
-        ctx.sizes, ctx.group = sizes, group
-        return all_gather_v_raw(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter_v_raw(grad.contiguous(), ctx.sizes, ctx.group), None, None
-
-
-class _ReduceScatterV(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
-        ctx.sizes, ctx.group = sizes, group
-        return reduce_scatter_v_raw(x, sizes, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return all_gather_v_raw(grad.contiguous(), ctx.sizes, ctx.group), None, None
+# Each one's gradient is the other (the raw functions copy their input into padded buffers: any layout will do).
+_AllGatherV, _ReduceScatterV = adjoint_pair(all_gather_v_raw, reduce_scatter_v_raw, ("_AllGatherV", "_ReduceScatterV"))
 
 
 def all_gather_v(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:

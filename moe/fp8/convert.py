@@ -33,6 +33,7 @@ from moe.fp8.grouped import Fp8SwiGLUExperts
 from moe.fp8.linear import Fp8LinearFn
 from moe.fp8.recipe import BlockwiseScaling, DelayedScaling, Fp8Recipe, fp8_switches, recipe_from_name
 from moe.layer import MoELayer
+from moe.modules import ModuleReplacements
 from moe.wgrad import SplitWgradLinear
 from mtdeepep.utils.fp8 import FP8_BLOCK
 
@@ -46,11 +47,9 @@ class Fp8Linear(SplitWgradLinear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, linear_fn: Fp8LinearFn) -> Fp8Linear:
         """An `Fp8Linear` holding `linear`'s Parameter objects, computing with `linear_fn`."""
-        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                  device="meta", dtype=linear.weight.dtype)  # fmt: skip
-        new.weight, new.bias = linear.weight, linear.bias
+        new = super().from_linear(linear)
         new.linear_fn = linear_fn
-        return new.train(linear.training)
+        return new
 
 
 class Fp8SwiGLUMLP(SwiGLUMLP):
@@ -87,11 +86,6 @@ def _output_weight(model: nn.Module) -> torch.Tensor | None:
     return weight if isinstance(weight, torch.Tensor) else None
 
 
-def _has_module_hooks(module: nn.Module) -> bool:
-    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return any(getattr(module, h, None) for h in hooks)
-
-
 class Fp8Converter:
     """Converts models to FP8 GEMMs under one recipe (see the module docstring).
 
@@ -122,7 +116,7 @@ class Fp8Converter:
             raise ValueError("apply_fp8: the model already has FP8 GEMMs (apply_fp8 was called before)")
         out = Fp8Conversion(self.recipe)
         head = _output_weight(model)
-        replaced: dict[int, nn.Module] = {}  # id(old module) -> its FP8 replacement
+        replacements = ModuleReplacements("apply_fp8")
         for name, module in list(model.named_modules()):
             leaf = name.rsplit(".", 1)[-1]
             if isinstance(module, nn.Linear):
@@ -130,27 +124,27 @@ class Fp8Converter:
                     continue
                 linear_fn = Fp8LinearFn(self.recipe, self.tp_group)
                 if type(module) is nn.Linear:
-                    _replace(replaced, name, module, Fp8Linear.from_linear(module, linear_fn))
+                    replacements.add(name, module, Fp8Linear.from_linear(module, linear_fn))
                 else:  # a subclass whose forward already calls `linear_fn` (the tensor-parallel linears)
                     module.linear_fn = linear_fn
                 out.linears.append(name)
             elif isinstance(module, SwiGLUMLP):  # the dense MLP (plain or tensor parallel) and shared experts
                 fns = {"w13": Fp8LinearFn(self.recipe, self.tp_group), "w2": Fp8LinearFn(self.recipe, self.tp_group)}
                 if type(module) is SwiGLUMLP:
-                    _replace(replaced, name, module, Fp8SwiGLUMLP.from_mlp(module, fns))
+                    replacements.add(name, module, Fp8SwiGLUMLP.from_mlp(module, fns))
                 else:
                     module.linear_fns = fns
                 out.mlps.append(name)
             elif isinstance(module, MoELayer):
                 experts_name = f"{name}.experts" if name else "experts"
                 fp8_experts = Fp8SwiGLUExperts.from_experts(module.experts, self.recipe)
-                _replace(replaced, experts_name, module.experts, fp8_experts)
+                replacements.add(experts_name, module.experts, fp8_experts)
                 out.experts.append(experts_name)
                 if self._switch_dispatch(module):
                     out.fp8_dispatch.append(name)
                 else:
                     out.high_precision_dispatch.append(name)
-        self._install(model, replaced)
+        replacements.install(model)
         return out
 
     def _switch_dispatch(self, layer: nn.Module) -> bool:
@@ -162,24 +156,6 @@ class Fp8Converter:
         layer.config = dataclasses.replace(layer.config, moe_flex_use_fp8=True)
         layer.dispatcher.use_fp8 = fp8_switches(layer.config).flex_dispatch
         return True
-
-    @staticmethod
-    def _install(model: nn.Module, replaced: dict[int, nn.Module]) -> None:
-        """Put each replacement wherever its old module was a child (a module shared by two parents in both)."""
-        for parent in list(model.modules()):
-            for key, child in list(parent._modules.items()):
-                if child is not None and id(child) in replaced:
-                    parent._modules[key] = replaced[id(child)]
-
-
-def _replace(replaced: dict[int, nn.Module], name: str, old: nn.Module, new: nn.Module) -> None:
-    """Record `new` as `old`'s replacement (checked: a child of the model, no module hooks to lose)."""
-    if not name:
-        raise ValueError(f"apply_fp8 would replace the model itself (a plain {type(old).__name__}): pass a module "
-                         "that contains it")  # fmt: skip
-    if _has_module_hooks(old):  # they would stay on the old object
-        raise ValueError(f"apply_fp8: cannot replace {name} ({type(old).__name__}), it has module hooks")
-    replaced[id(old)] = new
 
 
 def apply_fp8(

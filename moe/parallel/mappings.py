@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from moe.adjoint import adjoint_pair
+
 # torch 2.13 renamed reduce_scatter_tensor (now deprecated) to reduce_scatter_single.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -117,26 +119,10 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, shards, dim):
-        ctx.shards, ctx.dim = shards, dim
-        return _all_gather_seq(x, shards, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.shards, ctx.dim), None, None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, shards, dim):
-        ctx.shards, ctx.dim = shards, dim
-        return _reduce_scatter_seq(x, shards, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.shards, ctx.dim), None, None
+# The gather's gradient is the reduce-scatter and the other way round (see the module docstring's table).
+_GatherFromSP, _ReduceScatterToSP = adjoint_pair(
+    _all_gather_seq, _reduce_scatter_seq, ("_GatherFromSP", "_ReduceScatterToSP")
+)
 
 
 class _ScatterToSP(torch.autograd.Function):

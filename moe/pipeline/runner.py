@@ -154,10 +154,8 @@ class PipelineRunner:
             for layer in model.moe_layers():
                 layer.config = dataclasses.replace(layer.config, overlap_dispatch_backward_with_experts_wgrad=False)
             # Every GEMM of a weight defers its weight gradient to the W action (moe.wgrad): plain nn.Linear
-            # modules get the class whose GEMM does (same parameters, state-dict keys; FP8's linear_fn kept).
-            for module in model.modules():
-                if type(module) is nn.Linear:
-                    module.__class__ = wgrad.SplitWgradLinear
+            # modules are replaced by ones whose GEMM does (same Parameter objects, state-dict keys; FP8's kept).
+            wgrad.split_wgrad_linears(model)
         keep_stages(model, split, self.stage_ids)
         self.model = model
         self.loss = StageLoss(mtp_loss_weight, num_mtp)

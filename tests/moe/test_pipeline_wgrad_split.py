@@ -27,9 +27,7 @@ COUNTS = [5, 0, 19, 8]
 
 def _linear_module(dtype):
     torch.manual_seed(0)
-    module = nn.Linear(64, 48, bias=True, dtype=dtype)
-    module.__class__ = wgrad.SplitWgradLinear
-    return module
+    return wgrad.SplitWgradLinear.from_linear(nn.Linear(64, 48, bias=True, dtype=dtype))
 
 
 def _cases():
@@ -164,6 +162,27 @@ def test_accumulates_over_micro_batches_like_autograd():
     torch.testing.assert_close(m.bias.grad, ref.bias.grad, rtol=0, atol=0)
 
 
+def test_split_wgrad_linears_keeps_parameters_and_names():
+    """The pipeline's switch (`split_wgrad_linears`) replaces the plain nn.Linear modules by `SplitWgradLinear`s
+    holding the same Parameter objects (an optimizer built before keeps them) under the same state-dict keys, in the
+    same training mode; a Linear with module hooks (which the replacement would lose) is refused."""
+    cfg = DeepseekV3Config.from_toml("examples/deepseek_v3/configs/tiny.toml")
+    torch.manual_seed(0)
+    m = DeepseekV3ForCausalLM(cfg).train(False)
+    params, keys = list(m.named_parameters()), list(m.state_dict())
+    linears = [n for n, mod in m.named_modules() if type(mod) is nn.Linear]
+    assert linears and wgrad.split_wgrad_linears(m) == linears
+    assert all(type(m.get_submodule(n)) is wgrad.SplitWgradLinear for n in linears)
+    assert not any(type(mod) is nn.Linear or mod.training for mod in m.modules())
+    assert list(m.state_dict()) == keys
+    after = list(m.named_parameters())
+    assert [n for n, _ in after] == [n for n, _ in params] and all(p is q for (_, p), (_, q) in zip(after, params))
+    hooked = nn.Sequential(nn.Linear(4, 4))
+    hooked[0].register_forward_hook(lambda *args: None)
+    with pytest.raises(ValueError, match="module hooks"):
+        wgrad.split_wgrad_linears(hooked)
+
+
 def test_whole_model_split_backward_matches_the_fused_one():
     """A DeepSeek-V3 model (attention, dense and MoE layers, shared experts, MTP, head) with its nn.Linear modules
     switched as the pipeline does: the I action computes the small gradients only (norms, router, embedding), the W
@@ -182,9 +201,7 @@ def test_whole_model_split_backward_matches_the_fused_one():
     out = ref(tokens, labels=tokens)
     (out.loss + out.mtp_loss).backward()
     m = model()
-    for module in m.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = wgrad.SplitWgradLinear
+    wgrad.split_wgrad_linears(m)
     with wgrad.split_gemms():
         out = m(tokens, labels=tokens)
         loss = out.loss + out.mtp_loss
@@ -213,9 +230,7 @@ def test_split_backward_benchmark(benchmark, mode):
     for layer in m.moe_layers():
         layer.config = dataclasses.replace(layer.config, overlap_dispatch_backward_with_experts_wgrad=False)
     if mode == "split":
-        for module in m.modules():
-            if type(module) is nn.Linear:
-                module.__class__ = wgrad.SplitWgradLinear
+        wgrad.split_wgrad_linears(m)
     tokens = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(6))
     ran = []
 

@@ -9,6 +9,7 @@ from torch import nn
 from moe.train.config import TrainingConfig
 from moe.train.optim import MasterAdamW
 from moe.train.parallel import Layout, ParallelState
+from tests.train.optim_step import optimizer_step
 from tests.train.state_io import gathered_state, load_state
 
 E = 8  # experts
@@ -55,11 +56,7 @@ def _run(model: Toy, opt: MasterAdamW, ranks: list[int], ep: int, ep_rank: int, 
         model.experts.grad = sum(g["experts_full"][ep_rank * L : (ep_rank + 1) * L] for g in grads).to(
             model.experts.dtype
         )
-        opt.reduce_gradients()
-        norm = opt.global_grad_norm()
-        opt.clip(norm)
-        opt.step(lr=1e-2 * step)
-        norms.append(norm)
+        norms.append(optimizer_step(opt, step))
     return norms
 
 
@@ -80,11 +77,7 @@ def reference(steps: int, clip: float, ep: int, run_dir: str, dtype=torch.float3
             s = r % ep  # the EP rank of r
             full[s * L : (s + 1) * L] += g["experts_full"][s * L : (s + 1) * L]
         model.experts.grad = full.to(dtype)
-        opt.reduce_gradients()
-        norm = opt.global_grad_norm()
-        opt.clip(norm)
-        opt.step(lr=1e-2 * step)
-        norms.append(norm)
+        norms.append(optimizer_step(opt, step))
     state = gathered_state(opt, ParallelState.single(), run_dir)
     return norms, {k: v.detach().clone() for k, v in model.state_dict().items()}, state
 

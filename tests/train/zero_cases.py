@@ -15,6 +15,7 @@ from moe.train.config import TrainingConfig
 from moe.train.optim import MasterAdamW
 from moe.train.parallel import Layout, ParallelState
 from moe.train.zero import CollectiveTimeout, DistributedAdamW, ZeroConfig
+from tests.train.optim_step import optimizer_step
 from tests.train.state_io import gathered_state, load_state, save_state
 
 E = 4  # experts of the fake MoE layer
@@ -75,11 +76,7 @@ def train(model: Net, opt, parallel: ParallelState, steps: int, micro: int, zero
             with ctx:
                 loss = F.mse_loss(model(x).float(), y.float(), reduction="sum") / (world * micro * x.numel())
                 loss.backward()
-        opt.reduce_gradients()
-        norm = opt.global_grad_norm()
-        opt.clip(norm)
-        opt.step(lr=1e-2 * step)
-        norms.append(norm)
+        norms.append(optimizer_step(opt, step))
     return norms
 
 
@@ -201,11 +198,7 @@ def tagged_case(ctx, tp: int, ep: int, steps: int, clip: float, bucket_size: int
         opt.zero_grad()
         g = tagged_grads(par.rank, step, tp, ep, par.tp_rank, par.ep_rank)
         sum((getattr(model, k) * g[k]).sum() for k in g).backward()
-        opt.reduce_gradients()
-        norm = opt.global_grad_norm()
-        opt.clip(norm)
-        opt.step(lr=1e-2 * step)
-        norms.append(norm)
+        norms.append(optimizer_step(opt, step))
     opt.remove_hooks()
     return par.tp_rank, par.ep_rank, norms, _params(model)
 
