@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARIES = ("mtdeepep", "moe")
 FORBIDDEN_ROOTS = {"examples", "tests"}
@@ -195,6 +197,7 @@ print(json.dumps(failures))
 """
 
 
+@pytest.mark.slow  # slow: a fresh interpreter per module
 def test_every_library_module_imports_in_isolation():
     modules = [_module_name(p) for p in _library_files()]
     script = (

@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "memory_rounds.py"
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: 2,000 rounds
 
 
 def test_memory_is_flat_over_rounds_of_varied_sizes(tmp_path):

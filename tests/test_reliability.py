@@ -30,7 +30,7 @@ from mtdeepep.utils.testing import run_processes
 from . import reliability_cases as cases
 from .conformance.topology import Topology
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # slow: kills, timeouts and hundreds of rounds per case
 
 INTRANODE = Topology(2)
 INTERNODE = Topology(2, ranks_per_node=1)  # two nodes of one rank: network stage + collective low-latency transport

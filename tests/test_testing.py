@@ -39,6 +39,7 @@ def _exits_on_rank_1(ctx):
         os._exit(3)
 
 
+@pytest.mark.slow  # slow: pool start and a failing case
 def test_pool_runs_cases_and_reports_the_failing_rank():
     with RankPool(2, timeout_s=30) as pool:
         first = pool.run(_sum_of_ranks, 10)
@@ -50,6 +51,7 @@ def test_pool_runs_cases_and_reports_the_failing_rank():
         assert [r[:2] for r in again] == [(1, 2), (1, 2)] and [r[2] for r in again] == [r[2] for r in first]
 
 
+@pytest.mark.slow  # slow: pool restarts
 def test_a_broken_case_fails_then_the_pool_restarts():
     with RankPool(2, timeout_s=2) as pool:
         for case, message in [(_hangs_on_rank_0, r"timed out after 2 s; no result from ranks \[0\]"),
@@ -67,6 +69,7 @@ def _rank_and_size(rank, world_size, group, extra):
     return rank, world_size, group.size(), extra
 
 
+@pytest.mark.slow  # slow: one-shot spawns
 def test_run_ranks_passes_rank_size_group_and_args():
     assert run_ranks(_rank_and_size, 2, ("x",), timeout_s=60) == [(0, 2, 2, "x"), (1, 2, 2, "x")]
 
@@ -86,6 +89,7 @@ def _hangs(proc):
     time.sleep(60)
 
 
+@pytest.mark.slow  # slow: many one-shot spawns
 def test_run_processes_collects_values_exit_codes_and_failures():
     finished = run_processes(_send_then_die, 2, timeout_s=60)
     assert finished.values == {0: [("before", 0), "done"], 1: [("before", 1)]}

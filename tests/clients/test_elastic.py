@@ -13,7 +13,7 @@ from mtdeepep import compat
 
 from . import client_cases as cases
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: DeepEP V2 clients on 2 ranks
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 
 from . import client_cases as cases
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: megatron-core's DeepEP client on 2 ranks
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,7 @@ def test_case_on_cpu(rank_pools, case, args):
     rank_pools[2].run(run_on_cpu, case, *args)
 
 
+@pytest.mark.slow  # slow: timeout cases at 2 and 4 ranks
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_timeouts_on_cpu(rank_pools, world_size):
     pool = rank_pools[world_size]
@@ -67,6 +68,7 @@ def test_timeouts_on_cpu(rank_pools, world_size):
     assert outcomes == ["timeout [1]", "skipped"] + ["timeout [1]"] * (world_size - 2)
 
 
+@pytest.mark.slow  # slow: a SIGKILLed peer
 def test_killed_peer_on_cpu():
     finished = run_processes(process_cases.killed_peer_on_cpu, 2, (TIMEOUT_S,), timeout_s=120)
     assert finished.exitcodes == [0, -signal.SIGKILL], finished.exitcodes

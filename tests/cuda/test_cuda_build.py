@@ -17,6 +17,8 @@ import mtdeepep
 from mtdeepep import engines
 from mtdeepep.engines import cuda as cuda_executor
 
+pytestmark = pytest.mark.slow  # slow: compiles and loads the CUDA test module
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "check_cuda.sh"
 
@@ -110,6 +112,7 @@ def cuda_module(tmp_path_factory):
     return module
 
 
+@pytest.mark.slow  # slow: builds the CUDA test module
 def test_timeout_word_names_rank_peer_and_phase(cuda_module):
     m = cuda_module
     phase_dispatch_receive = 3

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # slow: two 120-step trainings
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "fp8_convergence.py"
 RUNS = ("fp32", "delayed", "blockwise")

@@ -128,6 +128,7 @@ def _check_mtp_against_transformers(hf, ours, config, ids, labels, last_hidden, 
             assert abs(float(ours_mean) - float(expected)) < LOSS_RTOL * float(expected), depth
 
 
+@pytest.mark.slow  # slow: the hf.py CLI twice
 def test_cli_round_trip_is_lossless_in_bfloat16(tmp_path):
     """save_pretrained (bfloat16) -> `hf.py import` -> `hf.py export`: every tensor transformers wrote comes back
     bitwise, in its dtype (no silent casts); the export adds the MTP layer the import initialised."""

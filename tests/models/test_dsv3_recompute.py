@@ -27,7 +27,7 @@ from moe.train.parallel import Layout, ParallelState
 from tests.models.dsv3_testlib import HF_CASES, tiny_config, tokens
 from tests.ranks import pool_fixture
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # slow: recompute settings on the whole model, TP pools
 
 MTP_WEIGHT = 0.3
 CONFIGS = {

@@ -122,6 +122,7 @@ def test_adaptive_threshold_is_per_forward():
     assert layer.metrics.expert_recompute == "fc1"
 
 
+@pytest.mark.slow  # slow: peak memory in fresh processes
 def test_recompute_lowers_measured_peak_memory():
     """A stack of 4 layers (T=1024, H=256, F=512, top-2 of 8): peak(full) < peak(medium) < peak(light) < peak(none),
     and the adaptive trigger above its threshold (experts' FC1 recomputed) lowers it below no recompute."""

@@ -217,6 +217,7 @@ def test_whole_model_split_backward_matches_the_fused_one():
         torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow  # slow: a benchmark
 @pytest.mark.timeout(900)  # a canary reports time, it must not fail on it (issue 23, item 7: 120 s at load 8)
 @pytest.mark.parametrize("mode", ["fused", "split"])
 def test_split_backward_benchmark(benchmark, mode):

@@ -108,6 +108,7 @@ def _saved_tensor_bytes(model, ids) -> float:
     ("dtype", "settings"),
     [("float32", ("none", "selective", "selective+", "full")), ("bfloat16", ("none", "selective+", "full"))],
 )
+@pytest.mark.slow  # slow: a real forward of the small model per setting
 def test_activation_bytes_against_a_real_forward(dtype, settings):
     """The estimate of what a forward keeps against the real model (tiny config, 4 x 128 tokens): the resident-set
     growth over the forward (every large tensor is its own mapping, so the resident set counts live tensors), and

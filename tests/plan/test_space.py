@@ -22,6 +22,7 @@ from moe.plan.space import (
     divisors,
     enumerate_candidates,
 )
+from moe.train import job_config
 from moe.train.layout_rules import check_model_layout
 from moe.train.parallel import FP8_RECIPES, Layout
 
@@ -60,7 +61,7 @@ def test_accepted_layouts_pass_the_trainer_rules():
     space = enumerate_candidates(TINY, WORK, 8, CPU)
     assert space.accepted
     train_py = load_script("train")
-    assert train_py.check_model_layout is check_model_layout  # the planner's rule is the trainer's own
+    assert job_config.check_model_layout is check_model_layout  # the planner's rule is the trainer's own
     for c in space.accepted:
         layout = Layout(world=c.world, tp=c.tp, pp=c.pp, ep=c.ep, etp=c.etp)  # raises if the folding is broken
         layout.check_experts(TINY.n_routed_experts)
@@ -71,12 +72,14 @@ def test_accepted_layouts_pass_the_trainer_rules():
         if c.pp > 1 and c.runnable:
             check_schedule(c.schedule, c.pp, WORK.micro_batches)
         # train.py's own parser and checks accept the flags the planner prints
-        args = train_py.parse_args(["--config", "c.toml", "--out", "o", *c.train_flags()])
-        assert (args.tp, args.pp, args.ep) == (c.tp, c.pp, c.ep)
+        _, overrides = job_config.parse(train_py.build_parser(), ["--config", "c.toml", "--out", "o", *c.train_flags()])
+        given = {o.path: o.value for o in overrides}
+        sizes = (given.get(("parallel", name), 1) for name in ("tp", "pp", "ep"))
+        assert tuple(sizes) == (c.tp, c.pp, c.ep)
         if c.runnable:
-            assert (args.pp_schedule == c.schedule) or c.pp == 1
-            assert bool(args.use_distributed_optimizer) == c.zero1
-            assert args.fp8 == c.fp8
+            assert (given.get(("parallel", "pp_schedule"), "1f1b") == c.schedule) or c.pp == 1
+            assert bool(given.get(("training", "use_distributed_optimizer"))) == c.zero1
+            assert given.get(("parallel", "fp8"), "none") == c.fp8
 
 
 def test_rejection_reasons():

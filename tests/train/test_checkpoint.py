@@ -128,6 +128,7 @@ def _full_disk(*args, **kwargs):
     raise OSError(28, "No space left on device")
 
 
+@pytest.mark.slow  # slow: 2-rank writes
 def test_two_ranks_share_the_writes_and_one_failing_fails_the_checkpoint(tmp_path):
     result = run_processes(_dp2_then_rank1_fails, 2, (str(tmp_path), _full_disk), timeout_s=120)
     messages = [result.values[r][-1] for r in range(2)]
@@ -159,6 +160,7 @@ def _save_then_die_writing(proc, run_dir: str) -> None:
     raise AssertionError("the fault did not fire")
 
 
+@pytest.mark.slow  # slow: a killed writer
 def test_killed_in_the_middle_of_a_write_leaves_the_previous_checkpoint(tmp_path):
     result = run_processes(_save_then_die_writing, 1, (str(tmp_path),), timeout_s=120)
     assert result.exitcodes == [-signal.SIGKILL]

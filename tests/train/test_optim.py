@@ -13,6 +13,7 @@ from tests.train import optim_cases as cases
 from tests.train.state_io import load_state, save_state
 
 
+@pytest.mark.slow  # slow: 4-rank optimizer runs
 @pytest.mark.parametrize("ep", [1, 2, 4])
 @pytest.mark.parametrize("clip", [0.0, 1.0])
 def test_sharded_update_equals_one_process(rank_pools, tmp_path, ep, clip):
@@ -33,6 +34,7 @@ def test_sharded_update_equals_one_process(rank_pools, tmp_path, ep, clip):
         assert max(ref_norms) > clip  # clipping did act (the norm is that of 4 summed N(0,1) gradients)
 
 
+@pytest.mark.slow  # slow: resharding across layouts
 def test_full_state_loads_into_another_layout(rank_pools, tmp_path):
     _, _, ref_state = cases.reference(2, 1.0, 2, str(tmp_path / "ref"))
     checkpoint = str(tmp_path / "ref" / "checkpoints" / "step_2")

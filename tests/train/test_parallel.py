@@ -71,6 +71,7 @@ def _groups_case(ctx, ep, tp=1, etp=1, pp=1):
     }
 
 
+@pytest.mark.slow  # slow: 4-rank groups
 @pytest.mark.parametrize("ep", [1, 2, 4])
 def test_groups_on_four_ranks(rank_pools, ep):
     results = rank_pools[4].run(_groups_case, ep)

@@ -22,6 +22,8 @@ from mtdeepep.autograd import _THREAD as MTDEEPEP_THREAD
 from mtdeepep.autograd import backward_comm_hook
 from tests.train import pipeline_overlap_cases as cases
 
+pytestmark = pytest.mark.slow  # slow: DualPipeV overlap runs on 2 ranks
+
 # ---------------------------------------------------------------------------------------------------------------
 # The interleaver, in one process (no communication: `in_flight` marks the points)
 

@@ -264,6 +264,7 @@ def _assert_matches_reference(run_dir, ref_dir):
 ONE_PROCESS_FAULTS = '[{"kind": "loss_spike", "step": 3, "rank": 0, "factor": 20.0}, {"kind": "nan_grad", "step": 6}]'
 
 
+@pytest.mark.slow  # slow: two training runs
 def test_one_process_rewind_equals_skipping_from_the_start(tmp_path, corpus_and_cache, reference_one_process):
     path = _config(tmp_path / "c.toml", corpus_and_cache, rewind_snapshot_interval=2)
     _run(["--config", str(path), "--out", str(tmp_path / "run"), "--seed", "7"], 1, ONE_PROCESS_FAULTS)
@@ -310,6 +311,7 @@ def test_unrecoverable_anomaly_stops_with_the_step_and_reason(tmp_path, monkeypa
     assert [r["step"] for r in read_metrics(metrics)] == [1]
 
 
+@pytest.mark.slow  # slow: two-process training run
 def test_two_processes_rewind_and_report_the_slow_rank(tmp_path, corpus_and_cache):
     """EP2 with ZeRO-1 over the two ranks (DeepEP dispatch, sharded AdamW states): a NaN loss on rank 1 at step 3
     and a loss spike on rank 0 at step 6 (snapshots every 2 steps, so step 5 is replayed from ZeRO-1's restored

@@ -168,6 +168,7 @@ def test_tp2_matches_one_process(tp_pools, variant):
     print(variant, "TP2", [(r["loss_rel_err"], r["grad_rel_err"]) for r in results])
 
 
+@pytest.mark.slow  # slow: 4-rank TP x EP
 @pytest.mark.parametrize("tp, ep", [(2, 2), (2, 4), (4, 1)])
 def test_four_ranks_match_one_process(tp_pools, tp, ep):
     # TP 2 x DP 2 folded into EP 2 x expert-DP 2 (EP = the TP pairs) or EP 4 (spanning TP and DP); TP 4 (one head).

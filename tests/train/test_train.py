@@ -42,6 +42,8 @@ from moe.train.trainer import Trainer
 from mtdeepep.utils.testing import run_processes
 from tests.train import train_cases as tc
 
+pytestmark = pytest.mark.slow  # slow: train.py end to end, every layout
+
 train_script = tc.load_script("train")
 evaluate_script = tc.load_script("evaluate")
 

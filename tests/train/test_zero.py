@@ -30,6 +30,7 @@ def _config(**kw) -> TrainingConfig:
     "world, ep, micro, bucket_size",
     [(2, 1, 1, None), (2, 2, 3, 200), (4, 1, 2, 150), (4, 2, 4, 97)],
 )
+@pytest.mark.slow  # slow: 4-rank ZeRO-1 runs
 def test_parameters_equal_plain_master_adamw(rank_pools, tmp_path, world, ep, micro, bucket_size):
     steps, clip = 3, 0.5
     results = rank_pools[world].run(cases.parity_case, ep, steps, micro, clip, bucket_size, str(tmp_path))
