@@ -112,7 +112,6 @@ def cuda_module(tmp_path_factory):
     return module
 
 
-@pytest.mark.slow  # slow: builds the CUDA test module
 def test_timeout_word_names_rank_peer_and_phase(cuda_module):
     m = cuda_module
     phase_dispatch_receive = 3
