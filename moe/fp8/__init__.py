@@ -42,8 +42,9 @@ order. On CUDA `torch._scaled_mm` runs the real FP8 GEMM (per-tensor scales, or 
 Limits: under the delayed recipe a recomputed forward (activation checkpointing: recompute levels, full-layer
 recompute) records its amaxes again and may cast with a newer scale than the original forward, so its values can
 differ by one E4M3 rounding (the block-wise recipe recomputes exactly: its scales come from the tensors). The amax
-histories are not checkpointed (a resumed run scales its first step from the current amaxes). Expert-parallel
-ranks scale their local rows per tensor under the delayed recipe, so EP layouts differ by E4M3 roundings there.
+histories are checkpointed with each rank's state: a resume in the same layout is exact (moe/train/checkpoint/state.py
+says how another layout merges them). Expert-parallel ranks scale their local rows per tensor under the delayed
+recipe, so EP layouts differ by E4M3 roundings there.
 
 torchao (0.18, evaluated for this): its `Float8Linear` runs forward and backward on CPU with `emulate=True`, but it
 only offers dynamic scaling (delayed scaling was removed), per-tensor or row-wise (no 1x128 / 128x128 tiles outside
