@@ -42,7 +42,7 @@ MODES = ("off", "sequential", "overlap")
 def _worker(rank: int, world: int, group, args) -> dict:
     from moe import EPBuffers
     from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-    from moe.pipeline import PipelineRunner, TimelineRecorder, gather_timelines
+    from moe.pipeline import PipelineRunner, TimelineRecorder, gather_timelines, pipeline_moe_options
     from moe.pipeline.overlap import install_overlapped_forward_backward, summarize
     from moe.pipeline.split import split_layers
     from moe.pipeline.timeline import plot_timeline, write_chrome_trace
@@ -58,7 +58,8 @@ def _worker(rank: int, world: int, group, args) -> dict:
     for mode in MODES:
         torch.manual_seed(args.seed)
         model = DeepseekV3ForCausalLM(cfg, ep_group=parallel.ep_group, ep_buffers=ep_buffers,
-                                      aux_loss_group=parallel.token_group)  # fmt: skip
+                                      aux_loss_group=parallel.token_group,
+                                      moe_options=pipeline_moe_options("dualpipev"))  # fmt: skip
         recorders[mode] = TimelineRecorder(parallel.pp_rank, enabled=mode == "overlap")
         runner = PipelineRunner(model, parallel, schedule="dualpipev", split=split_layers(cfg.num_hidden_layers, 4),
                                 micro_batches=args.micro_batches, micro_rows=args.rows, seq_len=args.seq_len,

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from _common import RESULTS_DIR, environment, make_parser, print_table, save_results
 
-from moe.fp8.convert import apply_fp8
+from moe.fp8.convert import apply_fp8, fp8_moe_options
 from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.train.config import DataConfig, TrainingConfig
@@ -49,15 +49,16 @@ def train(run: str, args: argparse.Namespace, workdir: Path) -> dict:
     batches = TokenBatches(tokens.tokens, seq_len=config.seq_len, global_batch=config.global_batch,
                            val_sequences=config.data.val_sequences, seed=args.seed)  # fmt: skip
     torch.manual_seed(args.seed)
-    model = DeepseekV3ForCausalLM(model_cfg)
+    recipe = run if run in ("delayed", "blockwise") else None
+    model = DeepseekV3ForCausalLM(model_cfg, moe_options=fp8_moe_options(recipe))
     if run == "fp32-perturbed":
         gen = torch.Generator().manual_seed(args.seed + 1)
         with torch.no_grad():
             for p in model.parameters():
                 if p.dim() >= 2:
                     p.mul_(1 + PERTURBATION * torch.randn(p.shape, generator=gen))
-    elif run in ("delayed", "blockwise"):
-        apply_fp8(model, run)
+    elif recipe is not None:
+        apply_fp8(model, recipe)
     trainer = Trainer(model, config, ParallelState.single(), batches, workdir / run, seed=args.seed, model_io=None,
                       mtp_loss_weight=model_cfg.mtp_loss_weight,
                       num_mtp=model_cfg.num_nextn_predict_layers)  # fmt: skip

@@ -75,14 +75,14 @@ def _config_path(config: str) -> Path:
 def _build(schedule: str, args):
     """A fresh model from the seed, pruned to this rank's stages of `schedule`, and its runner."""
     from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-    from moe.pipeline import PipelineRunner, TimelineRecorder
+    from moe.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options
     from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, split_layers
     from moe.train.parallel import Layout, ParallelState
 
     cfg = DeepseekV3Config.from_toml(_config_path(args.config))
     parallel = ParallelState.from_process_group(Layout(world=args.pp, pp=args.pp, pp_schedule=schedule))
     torch.manual_seed(args.seed)
-    model = DeepseekV3ForCausalLM(cfg)
+    model = DeepseekV3ForCausalLM(cfg, moe_options=pipeline_moe_options(schedule))
     num_stages = args.pp * SCHEDULE_STAGES_PER_RANK[schedule]
     first = args.decoder_first_pipeline_num_layers if num_stages == args.pp else None
     split = split_layers(cfg.num_hidden_layers, num_stages, first_stage_layers=first)

@@ -121,6 +121,7 @@ def train_rank(proc, argv: list[str], threads: int | None = None) -> None:
     torch.set_num_threads(threads or threads_per_rank(proc.num_processes))
     spec = importlib.util.spec_from_file_location("dsv3_train", TRAIN_PY)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script executes
     spec.loader.exec_module(module)
     sys.argv = ["train.py", *argv]
     code = module.main(argv)

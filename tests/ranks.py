@@ -48,6 +48,12 @@ def pool_settings(*, deadline_s: float | None = None, comm_timeout_s: float | No
     return settings
 
 
+def world_size_params(*sizes: int, quick: int = 2) -> list:
+    """`sizes` as pytest (fixture) parameters, all but `quick` marked slow: on 2 cores a 4-rank pool costs a spawn
+    and oversubscribed cases, so the edit-test loop (`-m 'not slow'`) runs 2 ranks; the whole suite runs them all."""
+    return [pytest.param(n, marks=[] if n == quick else [pytest.mark.slow]) for n in sizes]
+
+
 def pool_fixture(*, world_size: int | None = None, **settings):
     """A module-scoped fixture of rank pools with `settings` (the keywords of `pool_settings`): `fixture[n]` is the
     module's pool of `n` ranks, or the one pool of `world_size` ranks when it is given. Assign it to the fixture's

@@ -36,6 +36,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,15 +46,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from moe import EPBuffers  # noqa: E402
-from moe.fp8.convert import apply_fp8  # noqa: E402
+from moe.fp8.convert import apply_fp8, fp8_moe_options  # noqa: E402
 from moe.io.atomic import write_json  # noqa: E402
 from moe.models.deepseek_v3 import DeepseekV3ForCausalLM  # noqa: E402
 from moe.models.deepseek_v3.model_dir import config_json, read_model_dir, write_model_dir  # noqa: E402
 from moe.models.deepseek_v3.tensor_parallel import parallelize  # noqa: E402
-from moe.pipeline import PipelineRunner, TimelineRecorder  # noqa: E402
+from moe.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options  # noqa: E402
 from moe.train import checkpoint as ckpt  # noqa: E402
 from moe.train import job_config  # noqa: E402
-from moe.train.data import TokenBatches, prepare_tokens  # noqa: E402
+from moe.train.data import TokenBatches, TokenData, prepare_tokens  # noqa: E402
 from moe.train.faults import FaultPlan  # noqa: E402
 from moe.train.metrics import LOSS_PNG, METRICS, loss_table, plot_loss, read_metrics  # noqa: E402
 from moe.train.parallel import Layout, ParallelState, env_local_rank  # noqa: E402
@@ -101,50 +102,72 @@ def check_run_dir(run_dir: Path, resume: bool, init: str | None) -> Path | None:
     return latest
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    try:
-        args, overrides = job_config.parse(parser, argv)
-    except ValueError as exc:
-        parser.error(str(exc))
-    os.umask(0o077)  # checkpoints, metrics and caches: owner only
+@dataclass
+class CheckedJob:
+    """Phase 1's result: everything resolved and checked before any process group exists."""
 
-    # Step 1: everything that can be wrong is checked before any process group exists.
-    try:
-        job = job_config.load_job(args.config, overrides)
-        model_cfg, train_cfg, layout, split = job.model, job.training, job.layout, job.split
-        run_dir = Path(args.out)
-        latest = None if args.prepare_data else check_run_dir(run_dir, args.resume, args.init)
-        if args.init is not None:
-            job_config.check_init_config(args.init, model_cfg)
-        data = prepare_tokens(train_cfg.data, model_cfg.vocab_size, build=env_local_rank() == 0)
-        batches = TokenBatches(data.tokens, seq_len=train_cfg.seq_len, global_batch=train_cfg.global_batch,
-                               val_sequences=train_cfg.data.val_sequences, seed=args.seed)  # fmt: skip
-        faults = FaultPlan.from_env()  # test hook (moe/train/faults.py)
-        if faults is not None and faults.has_delays and not train_cfg.log_straggler:
-            raise ValueError("injected sleep faults act on the phase timer: set [training] log_straggler = true")
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"train.py: error: {exc}", file=sys.stderr)
-        return 2
-    if args.prepare_data:
-        print(f"data ready: {data.directory} ({data.meta['num_tokens']} tokens, {data.meta['num_files']} files)")
-        return 0
-    # A finished run, but only if its final checkpoint is whole: else the resume below falls back to an older one.
-    if latest is not None and ckpt.read_trainer_state(latest)["step"] >= train_cfg.steps \
-            and ckpt.is_complete(latest, verify_checksums=True):  # fmt: skip
-        if env_rank() == 0:
-            print(f"{run_dir}: already trained to step {train_cfg.steps}; nothing to do")
-            _summary(run_dir)
-        return 0
+    job: job_config.Job
+    run_dir: Path
+    latest: Path | None  # the checkpoint to resume from (None: a new run)
+    data: TokenData
+    batches: TokenBatches
+    faults: FaultPlan | None  # test hook (moe/train/faults.py)
 
-    # Step 2: the process groups, then the model (same initial weights for every layout of a seed).
+    def already_trained(self) -> bool:
+        """The run reached its last step, and its final checkpoint is whole (else the resume falls back to an
+        older one and trains the rest)."""
+        return self.latest is not None and ckpt.read_trainer_state(self.latest)["step"] >= self.job.training.steps \
+            and ckpt.is_complete(self.latest, verify_checksums=True)  # fmt: skip
+
+
+@dataclass
+class BuiltRun:
+    """Phase 2's result: the process groups, the model (pruned to this rank's pipeline stages), the trainer."""
+
+    parallel: ParallelState
+    ep_buffers: EPBuffers
+    model: DeepseekV3ForCausalLM
+    pipeline: PipelineRunner | None
+    trainer: Trainer
+
+    def close(self) -> None:
+        self.ep_buffers.destroy()  # after the last backward, which communicates on them
+        self.parallel.destroy()
+
+
+def check(args, overrides) -> CheckedJob:
+    """Phase 1: the config tree, the run directory, the data; ValueError / FileNotFoundError for what is wrong."""
+    job = job_config.load_job(args.config, overrides)
+    model_cfg, train_cfg = job.model, job.training
+    run_dir = Path(args.out)
+    latest = None if args.prepare_data else check_run_dir(run_dir, args.resume, args.init)
+    if args.init is not None:
+        job_config.check_init_config(args.init, model_cfg)
+    data = prepare_tokens(train_cfg.data, model_cfg.vocab_size, build=env_local_rank() == 0)
+    batches = TokenBatches(data.tokens, seq_len=train_cfg.seq_len, global_batch=train_cfg.global_batch,
+                           val_sequences=train_cfg.data.val_sequences, seed=args.seed)  # fmt: skip
+    faults = FaultPlan.from_env()
+    if faults is not None and faults.has_delays and not train_cfg.log_straggler:
+        raise ValueError("injected sleep faults act on the phase timer: set [training] log_straggler = true")
+    return CheckedJob(job, run_dir, latest, data, batches, faults)
+
+
+def build(args, checked: CheckedJob) -> BuiltRun:
+    """Phase 2: the process groups, then the model (same initial weights for every layout of a seed), converted and
+    parallelised, its pipeline stages, and the trainer."""
+    job = checked.job
+    model_cfg, train_cfg, layout, split = job.model, job.training, job.layout, job.split
     parallel = ParallelState.initialize(layout, timeout_s=args.timeout)
     ep_buffers = EPBuffers(timeout_s=args.timeout)
     torch.manual_seed(args.seed)  # the model draws its initialisation seed from it (every tensor, expert by name)
+    # Build-time choices of the MoE layers: FP8 dispatch under an FP8 recipe, no self-deferred expert weight
+    # gradients under a schedule that splits the backward (its W actions take their place).
+    moe_options = fp8_moe_options(layout.fp8) | (pipeline_moe_options(layout.pp_schedule) if split is not None else {})
     model = DeepseekV3ForCausalLM(model_cfg, ep_group=parallel.ep_group, ep_buffers=ep_buffers,
-                                  aux_loss_group=parallel.token_group, dtype=DTYPES[train_cfg.dtype])  # fmt: skip
+                                  aux_loss_group=parallel.token_group, dtype=DTYPES[train_cfg.dtype],
+                                  moe_options=moe_options)  # fmt: skip
     parallelize(model, parallel)  # tensor + sequence parallel over the TP group (slices of the same weights)
-    if layout.fp8 != "none":  # FP8 GEMMs (and FP8 dispatch) under the recipe; weights stay the FP32/BF16 masters
+    if layout.fp8 != "none":  # FP8 GEMMs under the recipe (FP8 dispatch was built in); weights stay the masters
         apply_fp8(model, layout.fp8, tp_group=parallel.tp_group)
     model.set_recompute(job.recompute)
     pipeline = None
@@ -157,67 +180,106 @@ def main(argv: list[str] | None = None) -> int:
                                   num_mtp=model_cfg.num_nextn_predict_layers, recorder=recorder,
                                   overlap_moe_comm=job.parallel.overlap_moe_expert_parallel_comm)  # fmt: skip
 
-    def load_model(path: Path) -> None:
-        state_dict, _ = _read_model(read_model_dir, path)
-        model.load_full_state_dict(state_dict)
-
     def write_config(directory: Path) -> None:
         write_json(directory / "config.json", config_json(model_cfg, DTYPES[train_cfg.dtype]), indent=2)
 
     model_io = ckpt.ModelIO(
         full_state_dict=model.full_state_dict,
         write=lambda path, sd: write_model_dir(path, sd, model_cfg),
-        load=load_model,
+        load=lambda path: load_model(model, path),
         write_config=write_config,
     )
-    run_info = {"title": _title(args, layout)}
-    trainer = Trainer(model, train_cfg, parallel, batches, run_dir, seed=args.seed, model_io=model_io,
-                      mtp_loss_weight=model_cfg.mtp_loss_weight, num_mtp=model_cfg.num_nextn_predict_layers,
-                      extra_checkpoint_files=(data.tokenizer_path,), run_info=run_info,
-                      pipeline=pipeline, faults=faults, checkpoint_timeout_s=args.timeout)  # fmt: skip
+    trainer = Trainer(model, train_cfg, parallel, checked.batches, checked.run_dir, seed=args.seed,
+                          model_io=model_io, mtp_loss_weight=model_cfg.mtp_loss_weight,
+                          num_mtp=model_cfg.num_nextn_predict_layers,
+                          extra_checkpoint_files=(checked.data.tokenizer_path,),
+                          run_info={"title": _title(args, layout)}, pipeline=pipeline, faults=checked.faults,
+                          checkpoint_timeout_s=args.timeout)  # fmt: skip
+    return BuiltRun(parallel, ep_buffers, model, pipeline, trainer)
 
-    # Step 3: the run directory, the starting point, the loop.
-    if parallel.is_main:
+
+def load_model(model: DeepseekV3ForCausalLM, path: Path) -> None:
+    """Load a model directory's (or checkpoint's) full weights into `model` (any layout)."""
+    state_dict, _ = _read_model(read_model_dir, path)
+    model.load_full_state_dict(state_dict)
+
+
+def start(args, checked: CheckedJob, run: BuiltRun) -> int:
+    """Phase 3: the run directory's files, then the starting step (a verified checkpoint, --init's weights, or the
+    seed's). `NoResumableCheckpoint`, on every rank, when no checkpoint verifies whole."""
+    job, run_dir = checked.job, checked.run_dir
+    if run.parallel.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        _write_run_json(run_dir, args, job, data)
+        _write_run_json(run_dir, args, job, checked.data)
         job.save(run_dir)  # the resolved tree: `--config RUN_DIR/config.toml` runs it again
-        shutil.copyfile(data.tokenizer_path, run_dir / "tokenizer.json")
-        np.save(run_dir / "val_tokens.npy", batches.val_tokens().numpy())
+        shutil.copyfile(checked.data.tokenizer_path, run_dir / "tokenizer.json")
+        np.save(run_dir / "val_tokens.npy", checked.batches.val_tokens().numpy())
     start_step = 0
-    if latest is not None:
-        try:
-            latest = trainer.checkpointer.find_resumable()  # rank 0 verifies the checksums; every rank takes its choice
-        except ValueError as exc:  # every rank: the same clean error as before the process groups existed
-            if parallel.is_main:
-                print(f"train.py: error: {exc}", file=sys.stderr)
-            ep_buffers.destroy()
-            parallel.destroy()
-            return 2
-        start_step = trainer.checkpointer.load(latest)
+    if checked.latest is not None:
+        latest = run.trainer.checkpointer.find_resumable()  # rank 0 verifies the checksums; every rank takes its choice
+        start_step = run.trainer.checkpointer.load(latest)
     elif args.init is not None:
-        load_model(Path(args.init))
-    parallel.barrier()
-    if parallel.is_main:
+        load_model(run.model, Path(args.init))
+    run.parallel.barrier()
+    if run.parallel.is_main:
         print(f"resolved config ({run_dir / job_config.CONFIG_TOML}):\n{job.toml()}")
-        print(f"training {Path(args.config).stem} ({_layout_text(layout)}) from step {start_step} to {train_cfg.steps}")
+        print(f"training {Path(args.config).stem} ({_layout_text(job.layout)}) from step {start_step} "
+              f"to {job.training.steps}")  # fmt: skip
+    return start_step
+
+
+def report(checked: CheckedJob, run: BuiltRun, seconds: float) -> None:
+    """Phase 5: the pipeline timeline (if asked for) and the summary of the run."""
+    run_dir = checked.run_dir
+    if run.pipeline is not None and checked.job.parallel.pipeline_timeline:
+        bubble = run.pipeline.write_timeline(run_dir / "pipeline_timeline.json", run_dir / "pipeline_timeline.png")
+        if run.parallel.is_main:
+            print(f"last step's pipeline bubble {100 * bubble.fraction:.1f}% ({run_dir}/pipeline_timeline.*)")
+    if run.parallel.is_main:
+        print(f"trained in {seconds:.1f} s")
+        _summary(run_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """check, build, start, train, report. Exit status: 0 done, 2 bad input (nothing trained), 3 stopped."""
+    parser = build_parser()
+    try:
+        args, overrides = job_config.parse(parser, argv)
+    except ValueError as exc:
+        parser.error(str(exc))
+    os.umask(0o077)  # checkpoints, metrics and caches: owner only
+    try:  # everything that can be wrong is checked before any process group exists
+        checked = check(args, overrides)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"train.py: error: {exc}", file=sys.stderr)
+        return 2
+    if args.prepare_data:
+        data = checked.data
+        print(f"data ready: {data.directory} ({data.meta['num_tokens']} tokens, {data.meta['num_files']} files)")
+        return 0
+    if checked.already_trained():
+        if env_rank() == 0:
+            print(f"{checked.run_dir}: already trained to step {checked.job.training.steps}; nothing to do")
+            _summary(checked.run_dir)
+        return 0
+    run = build(args, checked)
+    try:
+        start_step = start(args, checked, run)
+    except ckpt.NoResumableCheckpoint as exc:  # on every rank alike: the clean error of phase 1, one phase later
+        if run.parallel.is_main:
+            print(f"train.py: error: {exc}", file=sys.stderr)
+        run.close()
+        return 2
     t0 = time.perf_counter()
     try:
-        trainer.fit(start_step)
+        run.trainer.fit(start_step)
     except TrainingStopped as stop:  # every rank stops at the same step (the decision is all-reduced)
-        if parallel.is_main:
+        if run.parallel.is_main:
             print(f"train.py: stopped: {stop}", file=sys.stderr)
-        ep_buffers.destroy()
-        parallel.destroy()
+        run.close()
         return 3
-    if pipeline is not None and job.parallel.pipeline_timeline:
-        report = pipeline.write_timeline(run_dir / "pipeline_timeline.json", run_dir / "pipeline_timeline.png")
-        if parallel.is_main:
-            print(f"last step's pipeline bubble {100 * report.fraction:.1f}% ({run_dir}/pipeline_timeline.*)")
-    if parallel.is_main:
-        print(f"trained in {time.perf_counter() - t0:.1f} s")
-        _summary(run_dir)
-    ep_buffers.destroy()  # after the last backward, which communicates on them
-    parallel.destroy()
+    report(checked, run, time.perf_counter() - t0)
+    run.close()
     return 0
 
 

@@ -11,7 +11,8 @@ grouped.py (the FP8 grouped linear and `Fp8SwiGLUExperts`), state.py (delayed-sc
 Switches. Two different things run in FP8, set by different flags that resolve through `fp8_switches(config)`:
 - the expert GEMMs' recipe. `MoEConfig.fp8` (None or 'e4m3' = the block-wise recipe) makes a MoE layer build
   `Fp8SwiGLUExperts`. The trainer's `--fp8` (`Layout.fp8`: 'none', 'delayed' or 'blockwise') converts the whole
-  model (`apply_fp8`: Linears, dense MLPs, shared and routed experts) and switches on FP8 dispatch below.
+  model (`apply_fp8`: Linears, dense MLPs, shared and routed experts); it builds the model with FP8 dispatch
+  (`fp8_moe_options`), since the converter never rewrites a built layer's config.
 - the dispatch wire format: E4M3 tokens with 1x128 scales between ranks, the GEMMs untouched.
   `MoEConfig.moe_flex_use_fp8` for the 'flex' dispatcher (combine in high precision), `moe_flex_ll_use_fp8` for
   'flex_ll'.

@@ -12,22 +12,22 @@ class already honours it. Eligible, and what they become:
 - every `moe.experts.SwiGLUMLP` (the dense MLP layers and the MoE layers' shared experts; weights `w13 [H, 2F]`,
   `w2 [F, H]`, not Linears) gets `Fp8LinearFn`s in its `linear_fns` GEMM hook (a plain one is replaced by an
   `Fp8SwiGLUMLP`).
-- every `moe.MoELayer`'s routed experts are replaced by `Fp8SwiGLUExperts` under the same recipe, and a 'flex'
-  dispatcher sends FP8 tokens with their 1x128 scales (`moe_flex_use_fp8`), combining in high precision.
+- every `moe.MoELayer`'s routed experts are replaced by `Fp8SwiGLUExperts` under the same recipe.
+The dispatch wire format is not the converter's: it is chosen when the model is built (`MoEConfig.moe_flex_use_fp8`,
+DeepSeek-V3's `moe_options`; `fp8_moe_options(recipe)` gives the trainer's choice), so no config is rewritten
+after the fact. The conversion reports which MoE layers dispatch in FP8 and which in high precision.
 Untouched: embeddings, the output head (`lm_head`, or any Linear sharing the model's `output_weight`), the MoE
 routers (float32 gates, not Linears), norms, rotary tables and the attention core (SDPA).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe.dispatcher.deepep import DeepEPDispatcher
 from moe.experts import SwiGLUMLP
 from moe.fp8.grouped import Fp8SwiGLUExperts
 from moe.fp8.linear import Fp8LinearFn
@@ -35,7 +35,6 @@ from moe.fp8.recipe import BlockwiseScaling, DelayedScaling, Fp8Recipe, fp8_swit
 from moe.layer import MoELayer
 from moe.modules import ModuleReplacements
 from moe.wgrad import SplitWgradLinear
-from mtdeepep.utils.fp8 import FP8_BLOCK
 
 HEAD_NAMES = ("lm_head",)
 
@@ -77,8 +76,8 @@ class Fp8Conversion:
     linears: list[str] = field(default_factory=list)
     mlps: list[str] = field(default_factory=list)
     experts: list[str] = field(default_factory=list)
-    fp8_dispatch: list[str] = field(default_factory=list)
-    high_precision_dispatch: list[str] = field(default_factory=list)  # MoE layers whose dispatcher has no FP8 mode
+    fp8_dispatch: list[str] = field(default_factory=list)  # MoE layers whose config sends FP8 tokens
+    high_precision_dispatch: list[str] = field(default_factory=list)  # the others (model built without FP8 dispatch)
 
 
 def _output_weight(model: nn.Module) -> torch.Tensor | None:
@@ -93,20 +92,15 @@ class Fp8Converter:
         recipe: a `DelayedScaling` / `BlockwiseScaling`, or 'delayed' / 'blockwise' with default settings.
         tp_group: the tensor-parallel group: delayed scaling max-reduces the Linears' amaxes over it (all TP ranks
             use one scale per tensor). Routed experts are not reduced over it.
-        fp8_dispatch: make the MoE layers' 'flex' dispatchers send FP8 tokens (DeepSeek-V3). Layers on other
-            dispatchers keep their high-precision dispatch (listed in the result).
     """
 
-    def __init__(
-        self, recipe: Fp8Recipe | str, *, tp_group: dist.ProcessGroup | None = None, fp8_dispatch: bool = True
-    ) -> None:
+    def __init__(self, recipe: Fp8Recipe | str, *, tp_group: dist.ProcessGroup | None = None) -> None:
         if isinstance(recipe, str):
             recipe = recipe_from_name(recipe)
         if not isinstance(recipe, (DelayedScaling, BlockwiseScaling)):
             raise ValueError(f"recipe must be DelayedScaling, BlockwiseScaling or its name, got {recipe!r}")
         self.recipe = recipe
         self.tp_group = tp_group
-        self.fp8_dispatch = fp8_dispatch
 
     def convert(self, model: nn.Module) -> Fp8Conversion:
         """Convert `model` in place (its submodules are replaced; `model` itself is kept, so it must not be a plain
@@ -140,22 +134,20 @@ class Fp8Converter:
                 fp8_experts = Fp8SwiGLUExperts.from_experts(module.experts, self.recipe)
                 replacements.add(experts_name, module.experts, fp8_experts)
                 out.experts.append(experts_name)
-                if self._switch_dispatch(module):
+                switches = fp8_switches(module.config)
+                if switches.flex_dispatch or switches.flex_ll_dispatch:
                     out.fp8_dispatch.append(name)
                 else:
                     out.high_precision_dispatch.append(name)
         replacements.install(model)
         return out
 
-    def _switch_dispatch(self, layer: nn.Module) -> bool:
-        """Make a MoE layer's 'flex' dispatcher send FP8 tokens (its config says so too); False if it has none."""
-        if not (self.fp8_dispatch and isinstance(layer.dispatcher, DeepEPDispatcher)):
-            return False
-        if layer.config.hidden_size % FP8_BLOCK:
-            raise ValueError(f"FP8 dispatch needs hidden_size % {FP8_BLOCK} == 0, got {layer.config.hidden_size}")
-        layer.config = dataclasses.replace(layer.config, moe_flex_use_fp8=True)
-        layer.dispatcher.use_fp8 = fp8_switches(layer.config).flex_dispatch
-        return True
+
+def fp8_moe_options(recipe: Fp8Recipe | str | None) -> dict[str, bool]:
+    """The `MoEConfig` fields (DeepSeek-V3's `moe_options`) of a model that `apply_fp8` will convert under `recipe`
+    (None or 'none': no conversion): its 'flex' dispatcher sends E4M3 tokens with 1x128 scales, as DeepSeek-V3
+    trains. Chosen when the model is built; `apply_fp8` itself never changes the dispatch."""
+    return {"moe_flex_use_fp8": recipe not in (None, "none")}
 
 
 def apply_fp8(
@@ -163,8 +155,7 @@ def apply_fp8(
     recipe: Fp8Recipe | str,
     *,
     tp_group: dist.ProcessGroup | None = None,
-    fp8_dispatch: bool = True,
 ) -> Fp8Conversion:
     """Convert `model`'s eligible GEMMs to FP8 under `recipe` (in place; see the module docstring and
     `Fp8Converter` for the arguments). Returns an `Fp8Conversion` listing what was converted."""
-    return Fp8Converter(recipe, tp_group=tp_group, fp8_dispatch=fp8_dispatch).convert(model)
+    return Fp8Converter(recipe, tp_group=tp_group).convert(model)

@@ -1,6 +1,6 @@
 """Pipeline parallelism: stages, schedules (1F1B, ZB-H1, DualPipeV) and the per-rank timeline (bubble report)."""
 
-from moe.pipeline.runner import PipelineRunner
+from moe.pipeline.runner import PipelineRunner, pipeline_moe_options
 from moe.pipeline.split import StageSplit, check_schedule, split_layers, stages_of_rank
 from moe.pipeline.stages import DeepseekV3Stage, keep_stages
 from moe.pipeline.timeline import (
@@ -20,6 +20,7 @@ from moe.pipeline.timeline import (
 __all__ = [
     "DeepseekV3Stage",
     "PipelineRunner",
+    "pipeline_moe_options",
     "StageSplit",
     "check_schedule",
     "keep_stages",

@@ -21,7 +21,6 @@ the step, the pipeline rank and its stages named (the p2p waits are bounded by t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -43,6 +42,14 @@ from moe.pipeline.timeline import (
 )
 
 SPLIT_BACKWARD = ("zbh1", "dualpipev")  # schedules whose backward runs as separate I and W actions
+
+
+def pipeline_moe_options(schedule: str) -> dict[str, bool]:
+    """The `MoEConfig` fields (DeepSeek-V3's `moe_options`) of a model to be run under `schedule`. torch's split
+    backward runs each graph twice (I, then W), and the MoE layers' own deferred weight gradients would hand theirs
+    over in the first pass, which keeps input gradients only: the schedule's W action takes their place, so a
+    split-backward schedule needs the model built with them off. Chosen at build; `PipelineRunner` checks it."""
+    return {"overlap_dispatch_backward_with_experts_wgrad": False} if schedule in SPLIT_BACKWARD else {}
 
 
 class TimedStage(PipelineStage):
@@ -136,6 +143,16 @@ class PipelineRunner:
                 f"tie_word_embeddings with {schedule}: the embedding (first stage) and the output head (last stage) "
                 "would sit on different pipeline ranks; untie them or use dualpipev (both on rank 0)"
             )
+        if schedule in SPLIT_BACKWARD:
+            deferring = [
+                i for i, m in enumerate(model.moe_layers()) if m.config.overlap_dispatch_backward_with_experts_wgrad
+            ]
+            if deferring:
+                raise ValueError(
+                    f"{schedule} splits the backward into I and W actions, but MoE layers {deferring} defer their "
+                    "expert weight gradients themselves; build the model with moe_options="
+                    f"pipeline_moe_options({schedule!r}) (overlap_dispatch_backward_with_experts_wgrad=False)"
+                )
         self.schedule_name = schedule
         self.parallel = parallel
         self.pp_group = parallel.pp_group
@@ -148,11 +165,6 @@ class PipelineRunner:
             raise ValueError(f"overlap_moe_comm overlaps DualPipeV's forward-backward chunks; {schedule} has none")
         self.phase_timer: PhaseTimer | None = None
         if schedule in SPLIT_BACKWARD:
-            # torch's split backward runs each graph twice (I, then W): the MoE layers' own deferred weight
-            # gradients hand theirs over in the first pass, which keeps input gradients only. The schedule's W
-            # deferral takes their place.
-            for layer in model.moe_layers():
-                layer.config = dataclasses.replace(layer.config, overlap_dispatch_backward_with_experts_wgrad=False)
             # Every GEMM of a weight defers its weight gradient to the W action (moe.wgrad): plain nn.Linear
             # modules are replaced by ones whose GEMM does (same Parameter objects, state-dict keys; FP8's kept).
             wgrad.split_wgrad_linears(model)

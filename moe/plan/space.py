@@ -50,7 +50,7 @@ REASONS = {
     "tied": "tied embeddings across pipeline ranks need dualpipev (train.py)",
     "train_py": "another train.py rule (check_model_layout)",
     "no_fp8": "the device has no FP8 GEMMs",
-    "fp8_dispatch": "FP8 dispatch needs hidden_size % 128 == 0 (apply_fp8)",
+    "fp8_dispatch": "FP8 dispatch needs hidden_size % 128 == 0 (moe_flex_use_fp8)",
     "memory": "exceeds the device memory",
 }
 

@@ -40,9 +40,14 @@ def applies(case, topology) -> bool:
     return topology.internode is False or case is not cases.collective_transport_equals_shared_memory
 
 
+def _marks(case, topology) -> list:
+    """The overlap measurement takes seconds: internode, it runs in the whole suite, not in `-m 'not slow'`."""
+    return [pytest.mark.slow] if case is cases.overlap_is_real and topology.internode else []
+
+
 @pytest.mark.parametrize(
     "case, topology",
-    [pytest.param(c, t, id=f"{c.__name__}-{t}") for c in CASES for t in NORMAL if applies(c, t)],
+    [pytest.param(c, t, id=f"{c.__name__}-{t}", marks=_marks(c, t)) for c in CASES for t in NORMAL if applies(c, t)],
 )
 def test_case(pool, case, topology):
     pool.run(case, topology)

@@ -12,7 +12,7 @@ import pytest
 from mtdeepep.utils.testing import num_cores
 
 from . import normal_cases as cases
-from .topology import INTERNODE, INTRANODE, NORMAL
+from .topology import INTERNODE, INTRANODE, INTRANODE_2, NORMAL, slow_except
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -69,7 +69,7 @@ def test_node_layout_is_validated(pool, topology):
     pool.run(cases.node_layout_is_validated, topology)
 
 
-@pytest.mark.parametrize("topology", NORMAL, ids=str)
+@pytest.mark.parametrize("topology", slow_except(INTRANODE_2))
 def test_async_finish_overlaps_the_transfer(pool, topology):
     if not topology.internode and topology.world_size > num_cores():
         # Each rank's comm thread needs a core of its own to overlap the caller's work; with more ranks than cores
@@ -79,13 +79,13 @@ def test_async_finish_overlaps_the_transfer(pool, topology):
     pool.run(cases.async_finish_overlaps_the_transfer, topology)
 
 
-@pytest.mark.parametrize("topology", NORMAL, ids=str)
+@pytest.mark.parametrize("topology", slow_except(INTRANODE_2))
 def test_bad_input_on_one_rank_times_out_the_others(pool, topology):
     outcomes = pool.run(cases.bad_input_on_one_rank_times_out_the_others, topology, TIMEOUT_S)
     assert outcomes == cases.bad_input_outcomes(topology)
 
 
-@pytest.mark.parametrize("topology", NORMAL, ids=str)
+@pytest.mark.parametrize("topology", slow_except(INTRANODE_2))
 @pytest.mark.parametrize("async_finish", [False, True], ids=["sync", "async"])
 def test_missing_rank_in_combine_times_out(pool, topology, async_finish):
     outcomes = pool.run(cases.missing_rank_in_combine_times_out, topology, TIMEOUT_S, async_finish)

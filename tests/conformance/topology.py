@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
+
 import mtdeepep as deep_ep
 
 from .placement import CPU, Placement
@@ -69,3 +71,9 @@ INTERNODE_4X1 = Topology(4, ranks_per_node=1)
 INTRANODE = [INTRANODE_2, INTRANODE_4]
 INTERNODE = [INTERNODE_2X2, INTERNODE_4X1]
 NORMAL = INTRANODE + INTERNODE  # normal (high-throughput) mode runs on all of them
+
+
+def slow_except(quick: Topology, topologies: list[Topology] = NORMAL) -> list:
+    """`topologies` as pytest parameters, all but `quick` marked slow: the timeout and overlap measurements cost
+    seconds each, so the edit-test loop (`-m 'not slow'`) runs them on `quick`; the whole suite runs every one."""
+    return [pytest.param(t, id=str(t), marks=[] if t is quick else [pytest.mark.slow]) for t in topologies]

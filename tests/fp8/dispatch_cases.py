@@ -57,7 +57,7 @@ def _run(layer: MoELayer, x: torch.Tensor, g: torch.Tensor):
 
 def _check(rank: int, world: int, group, recipe: str | None) -> list:
     torch.manual_seed(0)
-    cfg = dataclasses.replace(CFG, moe_flex_use_fp8=recipe is None)
+    cfg = dataclasses.replace(CFG, moe_flex_use_fp8=True)  # the wire format is chosen at build, with or without
     ref = MoELayer(cfg)  # one process: the same E4M3 round trip, no communication
     ep = load_ep_from_ref(MoELayer(cfg, ep_group=group), ref)
     if recipe is not None:
@@ -89,5 +89,5 @@ def case_fp8_dispatch(ctx) -> list:
 
 
 def case_apply_fp8(ctx, recipe: str) -> list:
-    """`apply_fp8` switches the dispatch on, with FP8 experts under `recipe` (block-wise: parity holds)."""
+    """FP8 dispatch (built in) with FP8 experts from `apply_fp8` under `recipe` (block-wise: parity holds)."""
     return _check(ctx.rank, ctx.world_size, ep_group(ctx), recipe)

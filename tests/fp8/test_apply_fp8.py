@@ -9,7 +9,7 @@ from torch import nn
 
 from moe.experts import SwiGLUMLP
 from moe.fp8 import Fp8SwiGLUExperts, gemm
-from moe.fp8.convert import Fp8Linear, Fp8SwiGLUMLP, apply_fp8
+from moe.fp8.convert import Fp8Linear, Fp8SwiGLUMLP, apply_fp8, fp8_moe_options
 from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.models.deepseek_v3.norm import RMSNorm
@@ -17,14 +17,14 @@ from moe.router import TopKRouter
 from tests.train.train_cases import TINY
 
 
-def tiny_model(seed: int = 0) -> DeepseekV3ForCausalLM:
+def tiny_model(seed: int = 0, recipe: str | None = None) -> DeepseekV3ForCausalLM:
     torch.manual_seed(seed)
-    return DeepseekV3ForCausalLM(DeepseekV3Config.from_toml(TINY))
+    return DeepseekV3ForCausalLM(DeepseekV3Config.from_toml(TINY), moe_options=fp8_moe_options(recipe))
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
 def test_apply_fp8_switches_the_gemms_and_keeps_everything_else(recipe):
-    model = tiny_model()
+    model = tiny_model(recipe=recipe)
     before = model.state_dict(keep_vars=True)
     kept_types = {n: type(m) for n, m in model.named_modules() if isinstance(m, (nn.Embedding, RMSNorm, TopKRouter))}
     conv = apply_fp8(model, recipe)
@@ -59,6 +59,17 @@ def test_apply_fp8_switches_the_gemms_and_keeps_everything_else(recipe):
         apply_fp8(model, recipe)
 
 
+def test_apply_fp8_leaves_the_dispatch_as_the_model_was_built():
+    """The wire format is a build-time choice (`fp8_moe_options`): the converter reports it and rewrites no config."""
+    model = tiny_model()
+    configs = {n: m.config for n, m in model.named_modules() if m in model.moe_layers()}
+    conv = apply_fp8(model, "blockwise")
+    assert conv.fp8_dispatch == [] and conv.high_precision_dispatch == list(configs)
+    modules = dict(model.named_modules())
+    assert all(modules[n].config is c and not modules[n].dispatcher.use_fp8 for n, c in configs.items())
+    assert fp8_moe_options("none") == {"moe_flex_use_fp8": False}
+
+
 def test_apply_fp8_rejects_unknown_recipe():
     with pytest.raises(ValueError, match="fp8 recipe"):
         apply_fp8(nn.Linear(4, 4), "mxfp8")
@@ -68,7 +79,7 @@ def test_apply_fp8_rejects_unknown_recipe():
 def test_training_step_runs_its_gemms_in_fp8(recipe, monkeypatch):
     """Every FP8 GEMM of the forward has its input- and weight-gradient GEMM in FP8 in the backward; the loss is
     the FP32 model's up to the FP8 error, and FP8 changes it (the GEMMs are not silently FP32)."""
-    model, ref = tiny_model(), tiny_model()
+    model, ref = tiny_model(recipe=recipe), tiny_model()
     apply_fp8(model, recipe)
     calls = []
     real = gemm.scaled_matmul

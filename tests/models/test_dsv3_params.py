@@ -73,6 +73,7 @@ def test_small_configs_count_what_the_model_holds():
         )  # fmt: skip
 
 
+@pytest.mark.slow  # slow: a subprocess importing torch
 def test_cli_prints_the_counts():
     result = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "deepseek_v3" / "params.py"), "--config", str(CONFIG_671B)],

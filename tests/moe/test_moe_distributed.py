@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import pytest
 
+from tests.ranks import world_size_params
+
 from .moe_dist_cases import CASES, run_case
 
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
+@pytest.fixture(scope="module", params=world_size_params(2, 4), ids=lambda n: f"ep{n}")
 def world(request, ep_pools):
     return ep_pools[request.param]
 

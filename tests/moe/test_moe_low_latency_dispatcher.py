@@ -28,6 +28,7 @@ from moe.dispatcher.alltoall import AllToAllDispatcher
 from moe.dispatcher.buffers import default_ep_buffers
 from moe.dispatcher.deepep_ll import DeepEPLowLatencyDispatcher, low_latency_rdma_bytes
 from mtdeepep.utils.fp8 import per_token_cast_back, per_token_cast_to_fp8
+from tests.ranks import world_size_params
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -225,7 +226,7 @@ def fp8_rows_are_the_dequantised_cast(ctx):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
+@pytest.fixture(scope="module", params=world_size_params(2, 4), ids=lambda n: f"{n}ranks")
 def pool(request, rank_pools):
     return rank_pools[request.param]
 

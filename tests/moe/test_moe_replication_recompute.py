@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import pytest
 
+from tests.ranks import world_size_params
+
 from . import replication_recompute_cases as cases
 
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"ep{n}")
+@pytest.fixture(scope="module", params=world_size_params(2, 4), ids=lambda n: f"ep{n}")
 def pool(request, rank_pools):
     return rank_pools[request.param]
 

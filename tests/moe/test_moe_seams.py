@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.ranks import world_size_params
+
 from . import async_combine_cases, checkpoint_cases, ep_buffer_cases, wgrad_overlap_cases
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,7 +36,7 @@ def run_case(ctx, name: str):
     return CASES[name](ctx)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["ep2", "ep4"])
+@pytest.fixture(scope="module", params=world_size_params(2, 4), ids=lambda n: f"ep{n}")
 def world(request, ep_pools):
     return ep_pools[request.param]
 

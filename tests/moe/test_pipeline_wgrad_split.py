@@ -7,8 +7,6 @@ against one process are in tests/train/test_train.py.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from torch import nn
@@ -19,6 +17,7 @@ from moe.fp8 import fp8_grouped_linear
 from moe.fp8.linear import Fp8Caster, fp8_linear
 from moe.fp8.recipe import BlockwiseScaling, DelayedScaling
 from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.pipeline import pipeline_moe_options
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -192,10 +191,7 @@ def test_whole_model_split_backward_matches_the_fused_one():
 
     def model():
         torch.manual_seed(0)
-        m = DeepseekV3ForCausalLM(cfg)
-        for layer in m.moe_layers():  # the pipeline turns the MoE layers' own wgrad overlap off (runner.py)
-            layer.config = dataclasses.replace(layer.config, overlap_dispatch_backward_with_experts_wgrad=False)
-        return m
+        return DeepseekV3ForCausalLM(cfg, moe_options=pipeline_moe_options("zbh1"))  # as the pipeline builds it
 
     ref = model()
     out = ref(tokens, labels=tokens)
@@ -227,9 +223,7 @@ def test_split_backward_benchmark(benchmark, mode):
     pytest.importorskip("pytest_benchmark")
     cfg = DeepseekV3Config.from_toml("examples/deepseek_v3/configs/tiny.toml")
     torch.manual_seed(0)
-    m = DeepseekV3ForCausalLM(cfg)
-    for layer in m.moe_layers():
-        layer.config = dataclasses.replace(layer.config, overlap_dispatch_backward_with_experts_wgrad=False)
+    m = DeepseekV3ForCausalLM(cfg, moe_options=pipeline_moe_options("zbh1"))
     if mode == "split":
         wgrad.split_wgrad_linears(m)
     tokens = torch.randint(0, cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(6))

@@ -10,7 +10,7 @@ import torch
 from moe import EPBuffers
 from moe.interleave import compute_spans
 from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, RecomputeConfig
-from moe.pipeline import PipelineRunner, TimelineRecorder
+from moe.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options
 from moe.pipeline.split import split_layers
 from moe.train.parallel import Layout, ParallelState
 from moe.train.trainer import target_counts
@@ -22,7 +22,8 @@ MICRO_BATCHES, ROWS, SEQ_LEN = 4, 1, 32  # per data-parallel rank
 def _step(parallel, ep_buffers, cfg, recompute, overlap: bool, tokens_BS, counts, seed: int):
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(cfg, ep_group=parallel.ep_group, ep_buffers=ep_buffers,
-                                  aux_loss_group=parallel.token_group)  # fmt: skip
+                                  aux_loss_group=parallel.token_group,
+                                  moe_options=pipeline_moe_options("dualpipev"))  # fmt: skip
     model.set_recompute(recompute)
     recorder = TimelineRecorder(parallel.pp_rank)
     runner = PipelineRunner(model, parallel, schedule="dualpipev", split=split_layers(cfg.num_hidden_layers, 4),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe.pipeline.split import check_schedule, split_layers, stages_of_rank
+from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, check_schedule, split_layers, stages_of_rank
 
 
 def test_even_split_and_placeholders():
@@ -60,3 +60,24 @@ def test_schedule_rules(schedule, pp, micro_batches, message):
 def test_schedule_counts_that_run():
     for schedule, pp, m in [("1f1b", 4, 4), ("zbh1", 4, 8), ("zbh1", 4, 3), ("dualpipev", 2, 4), ("dualpipev", 4, 9)]:
         check_schedule(schedule, pp, m)
+
+
+@pytest.mark.parametrize("schedule", ["zbh1", "dualpipev"])
+def test_a_split_backward_schedule_needs_the_model_built_for_it(schedule):
+    """The MoE layers' self-deferred expert weight gradients are a build-time choice (`pipeline_moe_options`): a
+    split-backward schedule refuses a model built with them on, before it prunes or communicates anything."""
+    from types import SimpleNamespace
+
+    from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+    from moe.pipeline import PipelineRunner, pipeline_moe_options
+
+    cfg = DeepseekV3Config.from_toml("examples/deepseek_v3/configs/tiny.toml")
+    parallel = SimpleNamespace(layout=SimpleNamespace(pp=2), pp_rank=0)
+    split = split_layers(cfg.num_hidden_layers, 2 * SCHEDULE_STAGES_PER_RANK[schedule])
+    kw = dict(schedule=schedule, split=split, micro_batches=4, micro_rows=1, seq_len=8, mtp_loss_weight=0.3, num_mtp=1)
+    model = DeepseekV3ForCausalLM(cfg)
+    with pytest.raises(ValueError, match=r"MoE layers \[0, 1, 2.*\] defer .*pipeline_moe_options"):
+        PipelineRunner(model, parallel, **kw)
+    assert len(model.layers) == cfg.num_hidden_layers  # nothing pruned
+    assert pipeline_moe_options("1f1b") == {}
+    assert pipeline_moe_options(schedule) == {"overlap_dispatch_backward_with_experts_wgrad": False}

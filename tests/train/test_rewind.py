@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe.fp8.convert import apply_fp8
+from moe.fp8.convert import apply_fp8, fp8_moe_options
 from moe.io.shard_files import SECTIONS, read_full_section
 from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from moe.train.checkpoint import ModelIO
@@ -85,7 +85,7 @@ def _trainer(tmp_path, *, zero: bool, dtype: str = "float32", fp8: str | None = 
                                use_distributed_optimizer=zero, ddp_bucket_size=50_000,
                                rewind_snapshot_interval=1)  # fmt: skip
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(cfg, dtype=getattr(torch, dtype))
+    model = DeepseekV3ForCausalLM(cfg, dtype=getattr(torch, dtype), moe_options=fp8_moe_options(fp8))
     if fp8 is not None:
         apply_fp8(model, fp8)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, 4000).astype(np.int64)

@@ -56,6 +56,7 @@ def test_parameters_equal_plain_master_adamw(rank_pools, tmp_path, world, ep, mi
             assert ref_bytes / world <= zero_bytes <= ref_bytes / world * 1.03
 
 
+@pytest.mark.slow  # slow: ZeRO-1 against AdamW over 150 steps
 def test_bf16_parameters_keep_fp32_masters(rank_pools, tmp_path):
     [out, _] = rank_pools[2].run(cases.parity_case, 1, 3, 1, 0.5, 150, str(tmp_path), torch.bfloat16)
     ref_norms, ref_params, ref_state, ref_bytes = out["ref"]
@@ -71,6 +72,7 @@ def test_bf16_parameters_keep_fp32_masters(rank_pools, tmp_path):
     assert ref_bytes / 2 <= zero_bytes <= 0.51 * ref_bytes
 
 
+@pytest.mark.slow  # slow: 4 ranks
 def test_full_state_moves_between_zero1_and_master_adamw(rank_pools, tmp_path):
     results = rank_pools[4].run(cases.state_swap_case, 2, 60, str(tmp_path))
     for state, back, ref_params, params, zero_state, other in results:

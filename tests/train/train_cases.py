@@ -25,6 +25,7 @@ def load_script(name: str):
     """examples/deepseek_v3/<name>.py as a module (the scripts are not a package)."""
     spec = importlib.util.spec_from_file_location(f"dsv3_{name}", ROOT / "examples" / "deepseek_v3" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script executes
     spec.loader.exec_module(module)
     return module
 

@@ -11,7 +11,7 @@ any layout) over one state list.
 The file format itself is moe/io/shard_files.py (model code reads it without importing the trainer).
 """
 
-from moe.train.checkpoint.checkpointer import Checkpointer, ModelIO
+from moe.train.checkpoint.checkpointer import Checkpointer, ModelIO, NoResumableCheckpoint
 from moe.train.checkpoint.run_dir import (
     CHECKPOINTS,
     LATEST,
@@ -32,6 +32,7 @@ from moe.train.checkpoint.state import TrainState
 from moe.train.checkpoint.writer import CheckpointWriteError, SaveStats
 
 __all__ = [
+    "NoResumableCheckpoint",
     "CHECKPOINTS", "LATEST", "TRAINER_STATE", "CheckpointWriteError", "Checkpointer", "ModelIO", "SaveStats",
     "TrainState", "checkpoint_name", "checkpoints_dir", "find_resumable", "is_complete", "latest_checkpoint",
     "list_checkpoints", "no_resumable_reason", "purge", "read_trainer_state", "remove_partials", "set_latest",

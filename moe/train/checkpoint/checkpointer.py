@@ -19,6 +19,10 @@ from moe.train.faults import FaultPlan
 from moe.train.parallel import ParallelState
 
 
+class NoResumableCheckpoint(ValueError):
+    """No checkpoint of the run directory verifies whole (raised on every rank alike)."""
+
+
 @dataclass
 class ModelIO:
     """How the trainer saves and loads the model (the model's own format).
@@ -116,7 +120,7 @@ class Checkpointer:
     def find_resumable(self) -> Path:
         """The checkpoint to resume from (collective): rank 0 takes the newest complete one, the sha256 of every
         file verified (newer incomplete ones skipped with a warning), and every rank takes rank 0's choice.
-        ValueError on every rank when none passes (rank 0's reasons in the message)."""
+        `NoResumableCheckpoint` on every rank when none passes (rank 0's reasons in the message)."""
         box: list = [None, ""]
         if self.parallel.is_main:
             path, skipped = ckpt.find_resumable(self.run_dir, verify_checksums=True)
@@ -124,7 +128,7 @@ class Checkpointer:
         if self.parallel.layout.world > 1:
             dist.broadcast_object_list(box, src=0)
         if box[0] is None:
-            raise ValueError(f"--resume: {box[1]}")
+            raise NoResumableCheckpoint(f"--resume: {box[1]}")
         return Path(box[0])
 
     def load(self, path: Path) -> int:
