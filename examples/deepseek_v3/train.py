@@ -20,6 +20,10 @@ A step whose loss or gradients are NaN/Inf, or whose loss spikes, can be rewound
 skipped ([training] rewind_*, check_for_*; moe/train/rewind.py); a run that cannot continue exits with status 3.
 Slow ranks are reported with `log_straggler` (moe/train/straggler.py).
 
+Every step's MFU (model FLOPs utilisation) is its model FLOPs per token (moe/models/deepseek_v3/flops.py, counted from
+the config) x tokens/s over the peak FLOP/s of one rank (moe/plan/peak.py: the device's spec, or on the CPU a matmul
+measured by rank 0 at start-up) x the ranks; run.json records the figures ("mfu").
+
 Writes into RUN_DIR: run.json (layout and config), metrics.jsonl (one line per optimizer step, and events), loss.png,
 tokenizer.json, val_tokens.npy (held-out sequences for evaluate.py), checkpoints/step_N/ and checkpoints/latest.
 Checkpoints are sharded flash checkpoints (moe/train/checkpoint/: each rank writes its shard in the background); the
@@ -49,9 +53,11 @@ from moe import EPBuffers  # noqa: E402
 from moe.fp8.convert import apply_fp8, fp8_moe_options  # noqa: E402
 from moe.io.atomic import write_json  # noqa: E402
 from moe.models.deepseek_v3 import DeepseekV3ForCausalLM  # noqa: E402
+from moe.models.deepseek_v3.flops import model_flops_per_token  # noqa: E402
 from moe.models.deepseek_v3.model_dir import config_json, read_model_dir, write_model_dir  # noqa: E402
 from moe.models.deepseek_v3.tensor_parallel import parallelize  # noqa: E402
 from moe.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options  # noqa: E402
+from moe.plan.peak import agreed_peak  # noqa: E402
 from moe.train import checkpoint as ckpt  # noqa: E402
 from moe.train import job_config  # noqa: E402
 from moe.train.data import TokenBatches, TokenData, prepare_tokens  # noqa: E402
@@ -129,6 +135,7 @@ class BuiltRun:
     model: DeepseekV3ForCausalLM
     pipeline: PipelineRunner | None
     trainer: Trainer
+    mfu_basis: dict  # run.json's "mfu": the figures every step's MFU is computed from
 
     def close(self) -> None:
         self.ep_buffers.destroy()  # after the last backward, which communicates on them
@@ -183,6 +190,8 @@ def build(args, checked: CheckedJob) -> BuiltRun:
     def write_config(directory: Path) -> None:
         write_json(directory / "config.json", config_json(model_cfg, DTYPES[train_cfg.dtype]), indent=2)
 
+    mfu_basis = _mfu_basis(job, layout, next(model.parameters()).device)
+    peak = mfu_basis["peak_flops_per_rank"]
     model_io = ckpt.ModelIO(
         full_state_dict=model.full_state_dict,
         write=lambda path, sd: write_model_dir(path, sd, model_cfg),
@@ -194,8 +203,33 @@ def build(args, checked: CheckedJob) -> BuiltRun:
                           num_mtp=model_cfg.num_nextn_predict_layers,
                           extra_checkpoint_files=(checked.data.tokenizer_path,),
                           run_info={"title": _title(args, layout)}, pipeline=pipeline, faults=checked.faults,
-                          checkpoint_timeout_s=args.timeout)  # fmt: skip
-    return BuiltRun(parallel, ep_buffers, model, pipeline, trainer)
+                          checkpoint_timeout_s=args.timeout,
+                          model_flops_per_token=mfu_basis["model_flops_per_token"] if peak is not None else None,
+                          peak_flops_per_rank=peak)  # fmt: skip
+    return BuiltRun(parallel, ep_buffers, model, pipeline, trainer, mfu_basis)
+
+
+def _mfu_basis(job: job_config.Job, layout: Layout, device: torch.device) -> dict:
+    """The figures of every step's MFU: the model FLOPs per token (the config's), and one rank's peak FLOP/s (the
+    GEMMs' dtype: the training dtype, or FP8 under a recipe), rank 0's on every rank (collective). Without a peak
+    for the device (an accelerator without a spec) the peak is None and the steps carry no MFU."""
+    rate_dtype = "fp8" if layout.fp8 != "none" else job.training.dtype
+    peak = agreed_peak(device, rate_dtype)
+    flops = model_flops_per_token(job.model, job.training.seq_len)
+    basis = {
+        "model_flops_per_token": flops,
+        "peak_flops_per_rank": peak.flops_per_s if peak is not None else None,
+        "peak_source": peak.source if peak is not None else f"no peak FLOP/s known for {device}",
+        "ranks": layout.world,
+        "formula": "mfu = model_flops_per_token x tokens_per_s / (peak_flops_per_rank x ranks)",
+        "convention": "forward + backward = 3 x forward, matrix products only, causal attention, no recompute "
+        "(moe/models/deepseek_v3/flops.py)",
+    }
+    if device.type == "cpu":  # the peak is one process's: ranks sharing fewer cores cannot all reach it at once
+        cores, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
+        basis["cpu_cores"] = cores
+        basis["max_mfu"] = min(1.0, cores / (layout.world * threads))
+    return basis
 
 
 def load_model(model: DeepseekV3ForCausalLM, path: Path) -> None:
@@ -210,7 +244,7 @@ def start(args, checked: CheckedJob, run: BuiltRun) -> int:
     job, run_dir = checked.job, checked.run_dir
     if run.parallel.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        _write_run_json(run_dir, args, job, checked.data)
+        _write_run_json(run_dir, args, job, checked.data, run.mfu_basis)
         job.save(run_dir)  # the resolved tree: `--config RUN_DIR/config.toml` runs it again
         shutil.copyfile(checked.data.tokenizer_path, run_dir / "tokenizer.json")
         np.save(run_dir / "val_tokens.npy", checked.batches.val_tokens().numpy())
@@ -225,6 +259,11 @@ def start(args, checked: CheckedJob, run: BuiltRun) -> int:
         print(f"resolved config ({run_dir / job_config.CONFIG_TOML}):\n{job.toml()}")
         print(f"training {Path(args.config).stem} ({_layout_text(job.layout)}) from step {start_step} "
               f"to {job.training.steps}")  # fmt: skip
+        basis = run.mfu_basis
+        if basis["peak_flops_per_rank"] is not None:
+            print(f"MFU basis: {basis['model_flops_per_token'] / 1e6:.4g} MFLOP per token (fwd + bwd), peak "
+                  f"{basis['peak_flops_per_rank'] / 1e9:.4g} GFLOP/s per rank ({basis['peak_source']}) x "
+                  f"{basis['ranks']} ranks")  # fmt: skip
     return start_step
 
 
@@ -302,7 +341,7 @@ def _layout_text(layout: Layout) -> str:
     return text + (f", {layout.pp_schedule}" if layout.pp > 1 else "")
 
 
-def _write_run_json(run_dir: Path, args, job: job_config.Job, data) -> None:
+def _write_run_json(run_dir: Path, args, job: job_config.Job, data, mfu_basis: dict) -> None:
     info = {
         "title": _title(args, job.layout),
         "layout": {**job.layout.to_dict(), "dtype": job.training.dtype},
@@ -313,6 +352,7 @@ def _write_run_json(run_dir: Path, args, job: job_config.Job, data) -> None:
         "data": data.meta,
         "torch": torch.__version__,
         "threads_per_rank": torch.get_num_threads(),
+        "mfu": mfu_basis,
     }
     write_json(run_dir / "run.json", info)
 

@@ -9,8 +9,9 @@ Everything here follows this project's model (moe/models/deepseek_v3), not a gen
 - parameters: the fused `qkv_a_proj [Q + C + Dr, H]`, `kv_b_proj [N (Dn + Dv), C]`, SwiGLU `w13 [H, 2F]` + `w2`,
   an FP32 router `[E, H]` per MoE layer, an MTP depth = a decoder layer + `enorm`, `hnorm`, `eh_proj [H, 2H]`,
   `shared_head.norm` (embedding and head shared). `tests/plan` checks the counts against the real model's.
-- FLOPs: 2 per multiply-add; the attention core is causal over S positions (S/2 on average per query) and its
-  value side runs on Dq columns, because the model pads v from Dv to Dq for SDPA's fused kernels.
+- FLOPs: counted once, in moe/models/deepseek_v3/flops.py (2 per multiply-add, causal attention core); the step
+  time prices the core's value side on Dq columns, because the model pads v from Dv to Dq for SDPA's fused
+  kernels, while `model_flops_per_token` (what MFU divides by) counts the model's Dv.
 - activations: the tensors autograd keeps per token of a micro-batch (see `activation_bytes`), checked against the
   measured resident set of a real forward in `tests/plan`.
 """
@@ -18,8 +19,9 @@ Everything here follows this project's model (moe/models/deepseek_v3), not a gen
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from moe.models.deepseek_v3 import flops
 from moe.models.deepseek_v3.attention import fuses_input_projections
 from moe.models.deepseek_v3.config import DeepseekV3Config
 
@@ -78,6 +80,8 @@ class ModelShape:
     tied: bool
     bias: bool
     fused: bool
+    # The config the FLOPs are counted from (flops.py); not part of the shape's identity (equality, hash).
+    config: DeepseekV3Config | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_config(cls, c: DeepseekV3Config) -> ModelShape:
@@ -87,7 +91,7 @@ class ModelShape:
             Q=c.q_lora_rank, C=c.kv_lora_rank, Dn=c.qk_nope_head_dim, Dr=c.qk_rope_head_dim, Dv=c.v_head_dim,
             E=c.n_routed_experts, K=c.num_experts_per_tok, first_dense=c.first_k_dense_replace,
             D=c.num_nextn_predict_layers, tied=c.tie_word_embeddings, bias=c.attention_bias,
-            fused=fuses_input_projections(c),
+            fused=fuses_input_projections(c), config=c,
         )  # fmt: skip
 
     # -- derived sizes
@@ -100,11 +104,6 @@ class ModelShape:
     def q_in(self) -> int:
         """Width of the query input: the q LoRA rank, or the plain q_proj's N * Dq."""
         return self.Q if self.Q is not None else self.N * self.Dq
-
-    @property
-    def v_cols(self) -> int:
-        """Value columns the attention core computes with (v padded to Dq when Dv < Dq)."""
-        return max(self.Dv, self.Dq)
 
     def is_moe(self, layer: int) -> bool:
         """Decoder layer `layer` (MTP depth k is layer L + k - 1) is an MoE layer."""
@@ -162,41 +161,34 @@ class ModelShape:
     def mtp_params(self) -> int:
         return sum(self.layer_params(self.L + k).total + self.mtp_extra_params() for k in range(self.D))
 
-    # -- FLOPs per token, forward
+    # -- FLOPs per token, forward (moe/models/deepseek_v3/flops.py is the one count; these are its planner views)
+
+    def _flops_config(self) -> DeepseekV3Config:
+        if self.config is None:
+            raise ValueError("FLOPs are counted from the model config: build the shape with ModelShape.from_config")
+        return self.config
 
     def attention_flops(self, seq_len: int) -> tuple[float, float]:
-        """`(projection GEMMs, causal core)` forward FLOPs per token of one MLA block."""
-        H, N, C, Dr = self.H, self.N, self.C, self.Dr
-        proj = H * (self.q_in + C + Dr) + C * N * (self.Dn + self.Dv) + N * self.Dv * H
-        if self.Q is not None:
-            proj += self.Q * N * self.Dq
-        context = (seq_len + 1) / 2  # keys a query attends to, on average, under the causal mask
-        core = N * (self.Dq + self.v_cols) * context
-        return 2.0 * proj, 2.0 * core
+        """`(projection GEMMs, causal core)` forward FLOPs per token of one MLA block, the core on the padded value
+        columns the implementation computes (what the step time prices)."""
+        c = self._flops_config()
+        return flops.attention_projection_flops(c), flops.attention_core_flops(c, seq_len, padded_values=True)
 
     def ffn_flops(self, layer: int) -> dict[str, float]:
         """Forward FLOPs per token of layer `layer`'s feed-forward: 'gemm' (model dtype / FP8), 'router' (FP32)."""
-        if not self.is_moe(layer):
-            return {"gemm": 6.0 * self.H * self.F, "router": 0.0}
-        return {"gemm": 6.0 * self.H * (self.K * self.Fm + self.Fs), "router": 2.0 * self.H * self.E}
+        gemm, router = flops.ffn_flops(self._flops_config(), layer)
+        return {"gemm": gemm, "router": router}
 
     def head_flops(self) -> float:
-        return 2.0 * self.H * self.V
+        return flops.head_flops(self._flops_config())
 
     def mtp_extra_flops(self) -> float:
-        return 2.0 * 2 * self.H * self.H
+        return flops.mtp_input_flops(self._flops_config())
 
     def model_flops_per_token(self, seq_len: int) -> float:
-        """Forward + backward FLOPs of one token through the whole model (main + MTP), without recompute: 3x the
-        forward (the backward's input and weight gradients are one forward each; the causal core's backward is
-        counted as 2x its forward too, the convention of MFU figures)."""
-        fwd = self.head_flops() * (1 + self.D)
-        for layer in range(self.L + self.D):
-            proj, core = self.attention_flops(seq_len)
-            ffn = self.ffn_flops(layer)
-            fwd += proj + core + ffn["gemm"] + ffn["router"]
-        fwd += self.D * self.mtp_extra_flops()
-        return 3.0 * fwd
+        """Model FLOPs of one training token (forward + backward, main model and MTP; `flops.model_flops_per_token`:
+        causal core on the model's Dv value columns, no recompute)."""
+        return flops.model_flops_per_token(self._flops_config(), seq_len)
 
     # -- activations
 

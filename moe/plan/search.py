@@ -12,6 +12,7 @@ from moe.plan.memory import MemoryBreakdown, estimate_memory
 from moe.plan.model import RECOMPUTE_CHOICES, ModelShape
 from moe.plan.space import Candidate, Workload, enumerate_candidates
 from moe.plan.timing import TimeBreakdown, estimate_time
+from moe.train.metrics import mfu
 from moe.train.parallel import FP8_RECIPES
 
 
@@ -28,10 +29,10 @@ class Estimate:
 
     def mfu(self, shape: ModelShape, work: Workload, spec: DeviceSpec) -> float:
         """Model FLOPs (3x forward, no recompute) per second over the devices' peak rate of the model dtype."""
-        flops = shape.model_flops_per_token(work.seq_len) * work.global_batch * work.seq_len
         dtype = "fp8" if self.candidate.fp8 != "none" else work.dtype
-        peak = spec.tflops[dtype] * 1e12 * spec.share(self.candidate.world) * self.candidate.world
-        return flops / self.time.step / peak
+        world = self.candidate.world
+        peak_per_rank = spec.tflops[dtype] * 1e12 * spec.share(world)
+        return mfu(shape.model_flops_per_token(work.seq_len), self.tokens_per_s(work), peak_per_rank, world)
 
 
 @dataclass

@@ -4,6 +4,9 @@ PNG.
 A step record has no "kind" key; an event has one, and the step it happened at: "skip" (a step of
 `iterations_to_skip`), "rewind" and "stop" (moe/train/rewind.py), "phase_times" and "slow_rank"
 (moe/train/straggler.py). `read_metrics` returns the step records, `read_events` the events.
+
+A step record's "mfu" (model FLOPs utilisation, `mfu`) is None when the run has no peak rate for its device; the
+progress bar, the log lines, `loss_table` and the plot's title show it when it is there.
 """
 
 from __future__ import annotations
@@ -15,6 +18,19 @@ from typing import Any
 
 METRICS = "metrics.jsonl"
 LOSS_PNG = "loss.png"
+
+
+def mfu(model_flops_per_token: float, tokens_per_s: float, peak_flops_per_rank: float, ranks: int) -> float:
+    """Model FLOPs utilisation: the model FLOPs a second of training does (`model_flops_per_token` x `tokens_per_s`,
+    the whole run's tokens) over the peak FLOP/s of the `ranks` ranks that share the work (`peak_flops_per_rank`:
+    one rank's device, or one process on a CPU; moe/plan/peak.py)."""
+    if not (peak_flops_per_rank > 0 and ranks > 0):
+        raise ValueError(f"need a positive peak and rank count, got {peak_flops_per_rank} x {ranks}")
+    return model_flops_per_token * tokens_per_s / (peak_flops_per_rank * ranks)
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 class MetricsLog:
@@ -79,7 +95,10 @@ class RunReport:
             return
         self.event(record)
         if self.main:
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            postfix = {"loss": f"{record['loss']:.4f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
+            if record.get("mfu") is not None:
+                postfix["mfu"] = _percent(record["mfu"])
+            self.bar.set_postfix(postfix)
             if step % self.log_every == 0 or step == self.total:
                 self.bar.write(_log_line(record))
 
@@ -104,9 +123,10 @@ def _log_line(r: dict[str, Any]) -> str:
     mtp = "" if r["mtp_loss"] is None else f" mtp {r['mtp_loss']:.4f}"
     imb = r["expert_load_max_over_mean"]
     worst = f" load max/mean <= {max(imb.values()):.2f}" if imb else ""
+    mfu_text = "" if r.get("mfu") is None else f" mfu {_percent(r['mfu'])}"
     return (
         f"step {r['step']:>5} loss {r['loss']:.4f}{mtp} lr {r['lr']:.2e} grad_norm {r['grad_norm']:.3f} "
-        f"{r['tokens_per_s']:.0f} tok/s{worst}"
+        f"{r['tokens_per_s']:.0f} tok/s{mfu_text}{worst}"
     )
 
 
@@ -127,8 +147,26 @@ def read_events(path: str | Path, kind: str | None = None) -> list[dict[str, Any
     return [r for r in _read_all(path) if "kind" in r and (kind is None or r["kind"] == kind)]
 
 
+def median_mfu(records: list[dict[str, Any]]) -> float | None:
+    """The median MFU of the step records that carry one (None when none does): the median, because the first step
+    and the checkpoint steps are slower than the rest."""
+    values = sorted(r["mfu"] for r in records if r.get("mfu") is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def plot_title(records: list[dict[str, Any]], title: str = "") -> str:
+    """The loss plot's title: `title` (or "training loss"), and the run's median MFU when the records carry it."""
+    title = title or "training loss"
+    value = median_mfu(records)
+    return title if value is None else f"{title}\nMFU {_percent(value)} (median over {len(records)} steps)"
+
+
 def plot_loss(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path:
-    """Draw the LM loss (and the MTP loss, when present) against the step into `png_path` (matplotlib, Agg)."""
+    """Draw the LM loss (and the MTP loss, when present) against the step into `png_path` (matplotlib, Agg); the
+    title is `plot_title`'s."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -145,7 +183,7 @@ def plot_loss(metrics_path: str | Path, png_path: str | Path, title: str = "") -
         ax.plot(steps, [math.nan if v is None else v for v in mtp], label="MTP loss", color="tab:orange", alpha=0.8)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title(title or "training loss")
+    ax.set_title(plot_title(records, title))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -156,9 +194,11 @@ def plot_loss(metrics_path: str | Path, png_path: str | Path, title: str = "") -
 
 
 def loss_table(records: list[dict[str, Any]], first: int = 5, last: int = 5) -> str:
-    """A small text table of the first and last steps (step, loss, mtp_loss, grad_norm, tokens/s)."""
+    """A small text table of the first and last steps (step, loss, mtp_loss, grad_norm, tokens/s, and MFU when the
+    records carry it), then the median MFU of all the steps."""
     rows = records if len(records) <= first + last else records[:first] + [None] + records[-last:]
-    lines = [f"{'step':>6} {'loss':>8} {'mtp_loss':>9} {'grad_norm':>9} {'tokens/s':>9}"]
+    with_mfu = median_mfu(records) is not None
+    lines = [f"{'step':>6} {'loss':>8} {'mtp_loss':>9} {'grad_norm':>9} {'tokens/s':>9}" + (f" {'mfu':>6}" * with_mfu)]
     for r in rows:
         if r is None:
             lines.append(f"{'...':>6}")
@@ -166,6 +206,8 @@ def loss_table(records: list[dict[str, Any]], first: int = 5, last: int = 5) -> 
         mtp = r.get("mtp_loss")
         lines.append(
             f"{r['step']:>6} {r['loss']:>8.4f} {'-' if mtp is None else f'{mtp:.4f}':>9} "
-            f"{r['grad_norm']:>9.3f} {r['tokens_per_s']:>9.0f}"
+            f"{r['grad_norm']:>9.3f} {r['tokens_per_s']:>9.0f}" + (f" {_percent(r.get('mfu')):>6}" * with_mfu)
         )
+    if with_mfu:
+        lines.append(f"median MFU {_percent(median_mfu(records))} over {len(records)} steps")
     return "\n".join(lines)

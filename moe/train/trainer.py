@@ -53,7 +53,7 @@ from moe.train.checkpoint import Checkpointer, ModelIO, TrainState
 from moe.train.config import TrainingConfig
 from moe.train.data import TokenBatches
 from moe.train.faults import FaultPlan
-from moe.train.metrics import LOSS_PNG, RunReport
+from moe.train.metrics import LOSS_PNG, RunReport, mfu
 from moe.train.optim import MasterAdamW
 from moe.train.parallel import ParallelState, all_reduce_sum
 from moe.train.rewind import AnomalyDetected, RewindGuard, TrainingStopped
@@ -99,6 +99,10 @@ class Trainer:
         faults: test hook: faults to inject (moe/train/faults.py), None for none.
         run_info: keys added to every checkpoint's trainer_state.json ("title": the loss plot's title).
         checkpoint_timeout_s: how long rank 0 waits for the other ranks' shards of one checkpoint.
+        model_flops_per_token: the model's training FLOPs per token of the global batch (forward + backward; the
+            caller counts them from the model's config, e.g. moe/models/deepseek_v3/flops.py), and
+        peak_flops_per_rank: one rank's peak FLOP/s (moe/plan/peak.py, the same figure on every rank): with both,
+            every step record carries its MFU over the layout's ranks (`moe.train.metrics.mfu`), else "mfu" None.
     """
 
     def __init__(
@@ -118,6 +122,8 @@ class Trainer:
         pipeline=None,
         faults: FaultPlan | None = None,
         checkpoint_timeout_s: float = 600.0,
+        model_flops_per_token: float | None = None,
+        peak_flops_per_rank: float | None = None,
     ) -> None:
         self.model = model
         self.pipeline = pipeline
@@ -131,6 +137,13 @@ class Trainer:
         self.mtp_loss_weight = float(mtp_loss_weight)
         self.num_mtp = int(num_mtp)
         self.run_info = run_info or {}
+        if (model_flops_per_token is None) != (peak_flops_per_rank is None):
+            raise ValueError("MFU needs both model_flops_per_token and peak_flops_per_rank (or neither)")
+        for name, value in (("model_flops_per_token", model_flops_per_token),
+                            ("peak_flops_per_rank", peak_flops_per_rank)):  # fmt: skip
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        self.model_flops_per_token, self.peak_flops_per_rank = model_flops_per_token, peak_flops_per_rank
         self.moe_layers = list(model.moe_layers())
         names = {id(m): n for n, m in model.named_modules()}
         self.moe_layer_names = [names[id(m)] for m in self.moe_layers]
@@ -229,18 +242,27 @@ class Trainer:
             dist.all_gather_object(stages, imbalance, group=par.pp_group)
             imbalance = {k: v for part in stages for k, v in part.items()}
         self.state.progress.step = step
+        tokens_per_s = cfg.global_batch * cfg.seq_len / elapsed
         return {
             "step": step,
             "loss": loss,
             "mtp_loss": mtp_loss,
             "lr": lr,
             "grad_norm": grad_norm,
-            "tokens_per_s": cfg.global_batch * cfg.seq_len / elapsed,
+            "tokens_per_s": tokens_per_s,
+            "mfu": self._mfu(tokens_per_s),
             "step_s": elapsed,
             "max_peak_memory_mib": float(per_rank[0]) / 2**20,
             "max_optimizer_state_mib": float(per_rank[1]) / 2**20,
             "expert_load_max_over_mean": imbalance,
         }
+
+    def _mfu(self, tokens_per_s: float) -> float | None:
+        """MFU of a step at `tokens_per_s` (this rank's step time; the main rank's record is the one written) over
+        every rank of the layout."""
+        if self.model_flops_per_token is None:
+            return None
+        return mfu(self.model_flops_per_token, tokens_per_s, self.peak_flops_per_rank, self.parallel.layout.world)
 
     def _micro_batches(self, tokens_BS: torch.Tensor, counts: torch.Tensor, step: int) -> tuple[torch.Tensor, list]:
         """Forward and backward of each micro-batch in turn (no pipeline) of step `step`: `(loss sums [1 + D]

@@ -133,7 +133,7 @@ def test_activation_bytes_against_a_real_forward(dtype, settings):
 
 def test_flops_per_token_671b():
     """6 x the activated parameters (main model and MTP: the GEMMs' forward + backward) plus the causal attention
-    core and the MTP head: DeepSeek-V3 at 4K tokens comes to ~267 GFLOP per token, under 1.25x the GEMMs alone."""
+    core and the MTP head: DeepSeek-V3 at 4K tokens comes to ~261 GFLOP per token, under 1.25x the GEMMs alone."""
     config = DeepseekV3Config.from_toml(CONFIGS / "671b.toml")
     counts = parameter_counts(config)
     gemms = 6 * (counts.activated + counts.mtp_activated)

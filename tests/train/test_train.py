@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 
 from moe.io.shard_files import read_full_section
 from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, read_model_dir
+from moe.models.deepseek_v3.flops import model_flops_per_token
 from moe.train import checkpoint as ckpt
 from moe.train import faults
 from moe.train.checkpoint import ModelIO
@@ -110,6 +111,15 @@ def test_run_outputs(one_process_run):
     assert info["layout"] == {"world": 1, "dp": 1, "tp": 1, "pp": 1, "ep": 1, "etp": 1, "expert_dp": 1,
                               "schedule": "1f1b", "fp8": "none", "dtype": "float32"}  # fmt: skip
     assert info["config"]["model"]["n_routed_experts"] == 8 and info["config"]["training"]["steps"] == 8
+    # MFU: the config's model FLOPs per token and rank 0's measured peak in run.json, each step's MFU from them.
+    basis = info["mfu"]
+    model_cfg = DeepseekV3Config.from_dict(info["config"]["model"], strict=True)
+    assert basis["model_flops_per_token"] == model_flops_per_token(model_cfg, info["config"]["training"]["seq_len"])
+    assert basis["ranks"] == 1 and basis["peak_flops_per_rank"] > 0 and basis["peak_source"].startswith("measured")
+    for r in records:
+        assert 0 < r["mfu"] <= 1
+        assert r["mfu"] == pytest.approx(basis["model_flops_per_token"] * r["tokens_per_s"] /
+                                         basis["peak_flops_per_rank"], rel=1e-12)  # fmt: skip
     # The resolved config tree, saved with the run, is the run's config: every table, every default filled in.
     saved = tomllib.loads((run_dir / "config.toml").read_text())
     assert set(saved) == {"model", "training", "parallel", "recompute"} and saved["training"]["steps"] == 8
