@@ -16,7 +16,11 @@ rank 0 measures on a core they leave alone), so every rank reports the same MFU.
 MFU = model FLOPs per token x tokens/s / (peak per rank x ranks) (moe/train/metrics.py `mfu`): the peak is one rank's
 (one process with its threads, or one device) and every rank of the run shares the work of a step. On a CPU shared
 by more single-threaded ranks than it has cores (scripts/train.sh: 4 ranks on 2 cores) the ranks cannot all run at
-the one-process peak at once, so such a run's MFU is at most cores / ranks (0.5 there).
+the one-process peak at once, so such a run's MFU is at most cores / ranks (0.5 there); train.py records that bound
+in run.json ("max_mfu"). The planner's `Estimate.mfu` divides by what the ranks can share instead (its 'cpu' spec
+gives a rank `DeviceSpec.share` of the machine), so on such a CPU its figure is cores / ranks times larger. The CPU
+peak is one measurement under the load of the moment: on a machine shared with other work it varies from run to run
+(41-57 GFLOP/s on one core here), and the MFU with it.
 """
 
 from __future__ import annotations
