@@ -18,7 +18,7 @@ MFU = model FLOPs per token x tokens/s / (peak per rank x ranks) (moe/train/metr
 by more single-threaded ranks than it has cores (scripts/train.sh: 4 ranks on 2 cores) the ranks cannot all run at
 the one-process peak at once, so such a run's MFU is at most cores / ranks (0.5 there); train.py records that bound
 in run.json ("max_mfu"). The planner's `Estimate.mfu` divides by what the ranks can share instead (its 'cpu' spec
-gives a rank `DeviceSpec.share` of the machine), so on such a CPU its figure is cores / ranks times larger. The CPU
+gives a rank `DeviceSpec.share` of the machine), so on such a CPU its figure is ranks / cores times larger. The CPU
 peak is one measurement under the load of the moment: on a machine shared with other work it varies from run to run
 (41-57 GFLOP/s on one core here), and the MFU with it.
 """
