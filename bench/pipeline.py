@@ -1,13 +1,17 @@
-"""Pipeline schedules side by side: 1F1B, ZB-H1 and DualPipeV on the same model, micro-batches and ranks, in one
-run: step time, measured bubble, the analytic bubble of the DualPipe table from the measured F / B / W times, and
-the peak memory of a step per rank.
+"""Pipeline schedules side by side: 1F1B, ZB-H1, DualPipeV, and 1F1B and ZB-H1 interleaved over 2 virtual stages
+per rank (`1f1b-v2`, `zbh1-v2`: torch's `ScheduleInterleaved1F1B` / `ScheduleInterleavedZeroBubble`, pp * 2 stages
+placed round-robin) on the same model, micro-batches and ranks, in one run: step time, measured bubble, the analytic
+bubble of the DualPipe table from the measured F / B / W times, Megatron's formula for (interleaved) 1F1B, and the
+peak memory of a step per rank.
 
 Setting: a DeepSeek-V3 config (default `tiny`), `--pp` processes (gloo on 127.0.0.1, one per pipeline rank, no data
 or expert parallelism), `--micro-batches` micro-batches of `--rows` sequences of `--seq-len` random tokens per step
 (the same tokens for every schedule). Each schedule gets a fresh model from the same seed, `--warmup` steps, then
 `--steps` timed steps (forward + backward of every micro-batch through `moe.pipeline.PipelineRunner`, gradients
 zeroed before each; no optimizer step: the schedules differ only in the forward/backward). The schedules take turns
-step by step (all three are built first), so a shared machine's load drifts over them alike.
+step by step (all are built first), so a shared machine's load drifts over them alike. A `-vN` schedule splits the
+layers into pp * N stages (tiny's 4 layers at PP2 x 2: one layer a stage; at PP4 x 2 half of the 8 stages are
+empty placeholders, so use bench/configs/pipeline8.toml there).
 
 Measured per step (reported: the median step time, the median bubble over the steps, and the timeline and unit
 times of the median-time step; on 2 shared cores a step's bubble varies by several points, hence the median of many):
@@ -16,7 +20,10 @@ times of the median-time step; on 2 shared cores a step's bubble varies by sever
   common span, all ranks together;
 - analytic bubble (DualPipe's table, per rank): 1F1B (P-1)(F+B), ZB-H1 (P-1)(F+B-2W), DualPipeV (P-1)(F&B+B-3W)
   for its half-size chunks (DualPipe's "(PP/2-1)" with PP = 2P stages), with F, B, W the measured mean action
-  times (B = I + W when the backward is split), as a fraction of (bubble + that rank's measured compute);
+  times (B = I + W when the backward is split), as a fraction of (bubble + that rank's measured compute); the
+  interleaved rows use the same entry over their chunks (V chunks per rank, V m chunk actions of compute);
+- formula: Megatron's (P-1)/(V m) of (interleaved) 1F1B relative to the ideal step, as a share of the step
+  ((P-1)/(V m + P-1)); it assumes equal stages and free communication, and depends on no measured time;
 - peak memory: the largest rank's resident-set high-water mark during the step above its resident set before it
   (`moe.memory.peak_memory_bytes`): activations in flight, gradients and p2p buffers. The gradients are the same
   for every schedule, so the differences between rows are activation memory. Measured in a second set of rank
@@ -34,6 +41,7 @@ operands). `--allocator glibc` keeps glibc's defaults.
     .venv/bin/python bench/pipeline.py                       # PP 2, 8 micro-batches, tiny; ~2 minutes
     .venv/bin/python bench/pipeline.py --pp 4 --micro-batches 8
     .venv/bin/python bench/pipeline.py --config bench/configs/pipeline8.toml   # equal stages for every schedule
+    .venv/bin/python bench/pipeline.py --config bench/configs/pipeline8.toml --pp 4 --schedules 1f1b,1f1b-v2,zbh1-v2
     .venv/bin/python bench/pipeline.py --config bench/configs/pipeline8_wide.toml --warmup 1   # GEMM-bound; ~5 min
 
 On a 2-core CPU with `--pp 2` each rank has one core; more ranks than cores make the ranks take turns and the
@@ -59,7 +67,7 @@ from _common import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEDULES = ("1f1b", "zbh1", "dualpipev")
+SCHEDULES = ("1f1b", "zbh1", "dualpipev", "1f1b-v2", "zbh1-v2")
 # glibc's environment for `--allocator caching`: no block is ever handed back to the system (read when a process
 # starts: the spawned ranks inherit it).
 CACHING_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_TOP_PAD_": str(1 << 28)}
@@ -72,31 +80,42 @@ def _config_path(config: str) -> Path:
     )
 
 
-def _build(schedule: str, args):
-    """A fresh model from the seed, pruned to this rank's stages of `schedule`, and its runner."""
+def schedule_of(name: str) -> tuple[str, int]:
+    """'1f1b' -> ('1f1b', 1); 'zbh1-v2' -> ('zbh1', 2): the torch schedule and its virtual stages per rank."""
+    schedule, _, virtual = name.partition("-v")
+    if schedule not in ("1f1b", "zbh1", "dualpipev") or (virtual and not virtual.isdigit()):
+        raise ValueError(f"unknown schedule {name!r}: 1f1b, zbh1, dualpipev, or 1f1b-vN / zbh1-vN")
+    return schedule, int(virtual or 1)
+
+
+def _build(name: str, args):
+    """A fresh model from the seed, pruned to this rank's stages of schedule `name`, and its runner."""
     from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
     from moe.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options
-    from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, split_layers
+    from moe.pipeline.split import split_layers, stages_per_rank
     from moe.train.parallel import Layout, ParallelState
 
+    schedule, virtual = schedule_of(name)
     cfg = DeepseekV3Config.from_toml(_config_path(args.config))
-    parallel = ParallelState.from_process_group(Layout(world=args.pp, pp=args.pp, pp_schedule=schedule))
+    layout = Layout(world=args.pp, pp=args.pp, pp_schedule=schedule, vpp=virtual)
+    parallel = ParallelState.from_process_group(layout)
     torch.manual_seed(args.seed)
     model = DeepseekV3ForCausalLM(cfg, moe_options=pipeline_moe_options(schedule))
-    num_stages = args.pp * SCHEDULE_STAGES_PER_RANK[schedule]
+    num_stages = args.pp * stages_per_rank(schedule, virtual)
     first = args.decoder_first_pipeline_num_layers if num_stages == args.pp else None
-    split = split_layers(cfg.num_hidden_layers, num_stages, first_stage_layers=first)
+    split = split_layers(cfg.num_hidden_layers, num_stages, first_stage_layers=first, virtual_stages=virtual)
     runner = PipelineRunner(model, parallel, schedule=schedule, split=split, micro_batches=args.micro_batches,
                             micro_rows=args.rows, seq_len=args.seq_len, mtp_loss_weight=cfg.mtp_loss_weight,
-                            num_mtp=cfg.num_nextn_predict_layers,
-                            recorder=TimelineRecorder(parallel.pp_rank))  # fmt: skip
+                            num_mtp=cfg.num_nextn_predict_layers, recorder=TimelineRecorder(parallel.pp_rank),
+                            virtual_stages=virtual)  # fmt: skip
     return cfg, parallel, model, runner
 
 
-def _one_step(group, schedule: str, built, tokens, counts, step: int, args) -> dict:
+def _one_step(group, name: str, built, tokens, counts, step: int, args) -> dict:
     from moe.pipeline import bubble_fraction, gather_timelines
-    from moe.pipeline.timeline import analytic_bubble, analytic_bubble_fraction
+    from moe.pipeline.timeline import analytic_bubble, analytic_bubble_fraction, expected_bubble_fraction
 
+    schedule, virtual = schedule_of(name)
     _, parallel, model, runner = built
     # Gradients zeroed in place, as persistent gradient buffers are (Megatron's main_grad, ZeRO-1's buckets): a fresh
     # .grad per step would put its first-touch allocation into the first micro-batches' backward.
@@ -112,11 +131,12 @@ def _one_step(group, schedule: str, built, tokens, counts, step: int, args) -> d
     w = units["W"] or 0.0
     analytic = [
         analytic_bubble_fraction(schedule, args.pp, args.micro_batches, units["F"], units["B"], w, units["F_and_B"],
-                                 compute=rank.busy)
+                                 compute=rank.busy, virtual_stages=virtual)
         for rank in report.per_rank
     ]  # fmt: skip
+    formula = expected_bubble_fraction(args.pp, args.micro_batches, virtual) if schedule == "1f1b" else None
     return {
-        "step_s": float(measured[0]), "bubble": report.fraction,
+        "step_s": float(measured[0]), "bubble": report.fraction, "formula_bubble": formula,
         "analytic_bubble": statistics.mean(analytic), "units": units, "timelines": timelines,
         "analytic_bubble_s": analytic_bubble(schedule, args.pp, units["F"], units["B"], w, units["F_and_B"]),
     }  # fmt: skip
@@ -167,12 +187,13 @@ def _worker(rank: int, world: int, group, args) -> dict:
     out = {}
     for schedule, records in steps.items():
         median = sorted(records, key=lambda s: s["step_s"])[len(records) // 2]
+        runner = built[schedule][3]
         if built[schedule][1].pp_rank == 0:
             path = args.out_dir / f"pipeline_{schedule}_pp{args.pp}"
-            meta = {"schedule": schedule, "pp": args.pp, "micro_batches": args.micro_batches}
+            meta = {"schedule": schedule, "pp": args.pp, "micro_batches": args.micro_batches,
+                    "virtual_stages": runner.virtual_stages}  # fmt: skip
             write_chrome_trace(path.with_suffix(".json"), median["timelines"], metadata=meta)
-            plot_timeline(path.with_suffix(".png"), median["timelines"],
-                          f"{schedule}, pp {args.pp}, {args.micro_batches} micro-batches ({args.config})")  # fmt: skip
+            plot_timeline(path.with_suffix(".png"), median["timelines"], f"{runner.describe()} ({args.config})")
         median.pop("timelines")
         median["bubble_all_steps"] = [r["bubble"] for r in records]
         median["bubble_of_median_step"] = median["bubble"]
@@ -182,6 +203,8 @@ def _worker(rank: int, world: int, group, args) -> dict:
 
 
 def main() -> None:
+    from moe.pipeline.split import check_schedule
+
     parser = make_parser(__doc__)
     parser.add_argument("--config", default="tiny", help="a name of examples/deepseek_v3/configs/ or a .toml path")
     parser.add_argument("--pp", type=int, default=2)
@@ -189,12 +212,19 @@ def main() -> None:
     parser.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                         help="1F1B / ZB-H1: layers of the first stage (the last also runs the head and MTP); "
                         "DualPipeV's V puts the first and last stage on one rank")  # fmt: skip
-    parser.add_argument("--schedules", default=",".join(SCHEDULES))
+    parser.add_argument("--schedules", default=",".join(SCHEDULES),
+                        help="comma-separated: 1f1b, zbh1, dualpipev, 1f1b-vN, zbh1-vN (N stages a rank)")  # fmt: skip
     parser.add_argument("--allocator", choices=("caching", "glibc"), default="caching",
                         help="the timed ranks' glibc settings (see the docstring)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "pipeline.json")
     args = parser.parse_args()
     args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    for name in args.schedules:  # before any rank starts: a bad name, or micro-batches a schedule cannot run
+        try:
+            schedule, virtual = schedule_of(name)
+            check_schedule(schedule, args.pp, args.micro_batches, virtual)
+        except ValueError as exc:
+            parser.error(f"--schedules {name}: {exc}")
     args.out_dir = args.json.parent
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with environment_variables(CACHING_MALLOC_ENV if args.allocator == "caching" else {}):
@@ -207,7 +237,9 @@ def main() -> None:
         vs = f"{r['bubble'] / base['bubble']:.2f}x" if base and base["bubble"] > 0 else "-"
         rows.append([
             schedule, f"{r['step_s'] * 1e3:.0f}", f"{100 * r['bubble']:.1f}%", vs,
-            f"{100 * r['analytic_bubble']:.1f}%", f"{r['analytic_bubble_s'] * 1e3:.1f}",
+            f"{100 * r['analytic_bubble']:.1f}%",
+            "-" if r["formula_bubble"] is None else f"{100 * r['formula_bubble']:.1f}%",
+            f"{r['analytic_bubble_s'] * 1e3:.1f}",
             f"{r['units']['F'] * 1e3:.1f}", f"{r['units']['B'] * 1e3:.1f}",
             "-" if r["units"]["W"] is None else f"{r['units']['W'] * 1e3:.1f}", f"{r['peak_bytes'] / 2**20:.1f}",
         ])  # fmt: skip
@@ -215,11 +247,11 @@ def main() -> None:
           f"first stage layers {args.decoder_first_pipeline_num_layers or 'even'}, "
           f"allocator {args.allocator}")  # fmt: skip
     print_table(
-        ("schedule", "step ms", "bubble", "vs 1f1b", "analytic", "analytic ms/rank", "F ms", "B ms", "W ms",
-         "peak MiB"),
+        ("schedule", "step ms", "bubble", "vs 1f1b", "analytic", "formula", "analytic ms/rank", "F ms", "B ms",
+         "W ms", "peak MiB"),
         rows,
         "bubble: idle / span over all ranks (median over the steps); analytic: DualPipe's formula from the measured "
-        "F/B/W; "
+        "F/B/W (per chunk); formula: (P-1)/(V m) of (interleaved) 1F1B as a share of the step, (P-1)/(V m + P-1); "
         f"traces and PNGs in {args.out_dir}/pipeline_<schedule>_pp{args.pp}.*",
     )  # fmt: skip
     save_run(args.json, args, results=results)

@@ -54,8 +54,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fp8", nargs="+", choices=FP8_RECIPES, default=list(FP8_RECIPES),
                    help="FP8 recipes to consider (default: all)")  # fmt: skip
     p.add_argument("--max-tp", type=int, default=None, help="largest tensor-parallel size to consider")
-    p.add_argument("--trainer-only", action="store_true",
-                   help="only layouts train.py runs (no interleaved 1F1B)")  # fmt: skip
     p.add_argument("--calibrate", action="store_true",
                    help="with --device-spec cpu: measure GEMM, copy and gloo rates on this machine first")  # fmt: skip
     p.add_argument("--list-devices", action="store_true", help="print the device specs with their sources; exit")
@@ -109,8 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
     shape = ModelShape.from_config(config)
     start = time.perf_counter()
-    result = plan(config, work, args.devices, spec, trainer_only=args.trainer_only, recomputes=tuple(args.recompute),
-                  fp8s=tuple(args.fp8), max_tp=args.max_tp)  # fmt: skip
+    result = plan(config, work, args.devices, spec, recomputes=tuple(args.recompute), fp8s=tuple(args.fp8),
+                  max_tp=args.max_tp)  # fmt: skip
     elapsed = time.perf_counter() - start
 
     model_flops = shape.model_flops_per_token(work.seq_len)

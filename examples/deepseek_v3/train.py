@@ -185,7 +185,8 @@ def build(args, checked: CheckedJob) -> BuiltRun:
                                   micro_rows=train_cfg.global_batch // layout.dp // train_cfg.micro_batches,
                                   mtp_loss_weight=model_cfg.mtp_loss_weight,
                                   num_mtp=model_cfg.num_nextn_predict_layers, recorder=recorder,
-                                  overlap_moe_comm=job.parallel.overlap_moe_expert_parallel_comm)  # fmt: skip
+                                  overlap_moe_comm=job.parallel.overlap_moe_expert_parallel_comm,
+                                  virtual_stages=layout.vpp)  # fmt: skip
 
     def write_config(directory: Path) -> None:
         write_json(directory / "config.json", config_json(model_cfg, DTYPES[train_cfg.dtype]), indent=2)
@@ -273,7 +274,9 @@ def report(checked: CheckedJob, run: BuiltRun, seconds: float) -> None:
     if run.pipeline is not None and checked.job.parallel.pipeline_timeline:
         bubble = run.pipeline.write_timeline(run_dir / "pipeline_timeline.json", run_dir / "pipeline_timeline.png")
         if run.parallel.is_main:
-            print(f"last step's pipeline bubble {100 * bubble.fraction:.1f}% ({run_dir}/pipeline_timeline.*)")
+            expected = run.pipeline.expected_bubble_fraction(bubble)
+            analytic = "" if expected is None else f"analytic {100 * expected:.1f}%; "
+            print(f"last step's pipeline bubble {100 * bubble.fraction:.1f}% ({analytic}{run_dir}/pipeline_timeline.*)")
     if run.parallel.is_main:
         print(f"trained in {seconds:.1f} s")
         _summary(run_dir)
@@ -338,7 +341,8 @@ def _title(args, layout: Layout) -> str:
 
 def _layout_text(layout: Layout) -> str:
     text = f"world {layout.world}: dp {layout.dp} x tp {layout.tp} x pp {layout.pp}, ep {layout.ep}"
-    return text + (f", {layout.pp_schedule}" if layout.pp > 1 else "")
+    virtual = f" x {layout.vpp} virtual stages per rank" if layout.vpp > 1 else ""
+    return text + (f", {layout.pp_schedule}{virtual}" if layout.pp > 1 else "")
 
 
 def _write_run_json(run_dir: Path, args, job: job_config.Job, data, mfu_basis: dict) -> None:

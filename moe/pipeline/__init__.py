@@ -1,7 +1,8 @@
-"""Pipeline parallelism: stages, schedules (1F1B, ZB-H1, DualPipeV) and the per-rank timeline (bubble report)."""
+"""Pipeline parallelism: stages, schedules (1F1B, ZB-H1, DualPipeV; 1F1B and ZB-H1 interleaved over virtual stages)
+and the per-rank timeline (bubble report)."""
 
 from moe.pipeline.runner import PipelineRunner, pipeline_moe_options
-from moe.pipeline.split import StageSplit, check_schedule, split_layers, stages_of_rank
+from moe.pipeline.split import StageSplit, check_schedule, split_layers, stages_of_rank, stages_per_rank
 from moe.pipeline.stages import DeepseekV3Stage, keep_stages
 from moe.pipeline.timeline import (
     KINDS,
@@ -12,7 +13,9 @@ from moe.pipeline.timeline import (
     analytic_bubble,
     analytic_bubble_fraction,
     bubble_fraction,
+    expected_bubble_fraction,
     gather_timelines,
+    interleaved_bubble_ratio,
     plot_timeline,
     write_chrome_trace,
 )
@@ -26,6 +29,7 @@ __all__ = [
     "keep_stages",
     "split_layers",
     "stages_of_rank",
+    "stages_per_rank",
     "KINDS",
     "BubbleReport",
     "RankBubble",
@@ -34,6 +38,8 @@ __all__ = [
     "analytic_bubble",
     "analytic_bubble_fraction",
     "bubble_fraction",
+    "expected_bubble_fraction",
+    "interleaved_bubble_ratio",
     "gather_timelines",
     "plot_timeline",
     "write_chrome_trace",

@@ -12,6 +12,10 @@ section "Pipeline I / W split"; the zero-bubble paper's and DualPipe's WeightGra
     dualpipev  `ScheduleDualPipeV` (two stages per rank in a V, overlapped forward+backward chunks); the MoE
                layers' communication overlap inside those chunks is ours (moe/pipeline/overlap.py)
 
+With V > 1 virtual stages per rank (Megatron's `--num-virtual-stages-per-pipeline-rank`; rank r holds stages r,
+r + pp, ..., split.py), 1f1b runs `ScheduleInterleaved1F1B` and zbh1 `ScheduleInterleavedZeroBubble` over the V
+stages (torch's ZB1P interleaved; the same I / W split).
+
 Our code around them: the stage modules (stages.py), the loss share of every micro-batch (its global-batch scale,
 so the schedules' own gradient scaling is off), the loss sums and expert loads brought to every pipeline rank, the
 timeline of every action (timeline.py), and the errors: a rank that fails or a peer that never arrives raises with
@@ -25,17 +29,25 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleInterleavedZeroBubble
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
 
 from moe import wgrad
 from moe.phase_timer import PhaseTimer, phase
 from moe.pipeline.overlap import install_overlapped_forward_backward
-from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, StageSplit, check_schedule, stages_of_rank
+from moe.pipeline.split import StageSplit, check_schedule, stages_of_rank, stages_per_rank
 from moe.pipeline.stages import DeepseekV3Stage, StageLoss, keep_stages
 from moe.pipeline.timeline import (
     BubbleReport,
     TimelineRecorder,
+    analytic_bubble_fraction,
     bubble_fraction,
+    expected_bubble_fraction,
     gather_timelines,
     plot_timeline,
     write_chrome_trace,
@@ -108,7 +120,8 @@ class PipelineRunner:
             seed, so each keeps the same weights the one-process model has; then the other stages' layers go).
         parallel: the run's `ParallelState` (its `pp_group` and `pp_rank`).
         schedule: '1f1b', 'zbh1' or 'dualpipev'.
-        split: decoder layers per stage (`split_layers`), `pp` stages (`2 * pp` for DualPipeV).
+        split: decoder layers per stage (`split_layers`), `pp` stages (`2 * pp` for DualPipeV, `V * pp` with
+            virtual stages).
         micro_batches: micro-batches per step on each data-parallel rank.
         micro_rows, seq_len: the shape `[micro_rows, seq_len]` of a micro-batch of token ids.
         mtp_loss_weight, num_mtp: as the trainer's.
@@ -116,6 +129,7 @@ class PipelineRunner:
         overlap_moe_comm: DualPipeV only: inside each overlapped forward-backward action, one micro-batch's MoE
             dispatch / combine runs while the other micro-batch computes (moe/pipeline/overlap.py; Megatron's
             `overlap_moe_expert_parallel_comm`). Same losses and gradients bit for bit. `self.overlap` holds it.
+        virtual_stages: V, the stages this rank holds round-robin under 1f1b / zbh1 (interleaved; 1: one stage).
     """
 
     def __init__(
@@ -132,12 +146,16 @@ class PipelineRunner:
         num_mtp: int,
         recorder: TimelineRecorder | None = None,
         overlap_moe_comm: bool = False,
+        virtual_stages: int = 1,
     ) -> None:
         pp, pp_rank = parallel.layout.pp, parallel.pp_rank
-        check_schedule(schedule, pp, micro_batches)
-        num_stages = pp * SCHEDULE_STAGES_PER_RANK[schedule]
+        check_schedule(schedule, pp, micro_batches, virtual_stages)
+        num_stages = pp * stages_per_rank(schedule, virtual_stages)
         if split.num_stages != num_stages:
-            raise ValueError(f"the split has {split.num_stages} stages, {schedule} over pp={pp} runs {num_stages}")
+            where = f" with {virtual_stages} virtual stages per rank" if virtual_stages > 1 else ""
+            raise ValueError(
+                f"the split has {split.num_stages} stages, {schedule} over pp={pp}{where} runs {num_stages}"
+            )
         if model.lm_head is None and schedule != "dualpipev":
             raise ValueError(
                 f"tie_word_embeddings with {schedule}: the embedding (first stage) and the output head (last stage) "
@@ -157,7 +175,8 @@ class PipelineRunner:
         self.parallel = parallel
         self.pp_group = parallel.pp_group
         self.micro_batches = micro_batches
-        self.stage_ids = stages_of_rank(schedule, pp, pp_rank)
+        self.virtual_stages = virtual_stages
+        self.stage_ids = stages_of_rank(schedule, pp, pp_rank, virtual_stages)
         self.num_stages = num_stages
         self.recorder = recorder
         self.overlap = None
@@ -182,9 +201,11 @@ class PipelineRunner:
             stage.recorder = recorder
             self.stages.append(stage)
         kw = dict(n_microbatches=micro_batches, loss_fn=_identity_loss, scale_grads=False)
-        if schedule == "1f1b":
+        if schedule == "1f1b" and virtual_stages > 1:
+            self.schedule = ScheduleInterleaved1F1B(self.stages, **kw)
+        elif schedule == "1f1b":
             self.schedule = Schedule1F1B(self.stages[0], **kw)
-        elif schedule == "zbh1":
+        elif schedule == "zbh1":  # torch's ZB1P: ZB-H1 with one stage per rank, interleaved with more
             self.schedule = ScheduleInterleavedZeroBubble(self.stages, **kw)
         else:
             self.schedule = ScheduleDualPipeV(self.stages, **kw)
@@ -266,9 +287,37 @@ class PipelineRunner:
         timelines = gather_timelines(self.recorder, self.pp_group)
         report = bubble_fraction(timelines)
         if self.parallel.pp_rank == 0:
-            meta = {"schedule": self.schedule_name, "pp": self.parallel.layout.pp, "micro_batches": self.micro_batches}
+            meta = {"schedule": self.schedule_name, "pp": self.parallel.layout.pp, "micro_batches": self.micro_batches,
+                    "virtual_stages": self.virtual_stages,
+                    "expected_bubble_fraction": self.expected_bubble_fraction(report)}  # fmt: skip
             write_chrome_trace(trace_path, timelines, metadata=meta)
             if png_path is not None:
-                title = f"{self.schedule_name}, pp {self.parallel.layout.pp}, {self.micro_batches} micro-batches"
-                plot_timeline(png_path, timelines, title)
+                plot_timeline(png_path, timelines, self.describe())
         return report
+
+    def describe(self) -> str:
+        """E.g. '1f1b, pp 2, 2 virtual stages per rank, 4 micro-batches'."""
+        virtual = f", {self.virtual_stages} virtual stages per rank" if self.virtual_stages > 1 else ""
+        return f"{self.schedule_name}, pp {self.parallel.layout.pp}{virtual}, {self.micro_batches} micro-batches"
+
+    def expected_bubble_fraction(self, report: BubbleReport) -> float | None:
+        """The analytic bubble share of the step to put beside `report.fraction` (the measured one).
+
+        1F1B (interleaved or not): Megatron's `(pp-1)/(V m)` relative, i.e. `(pp-1)/(V m + pp-1)` of the step
+        (`timeline.expected_bubble_fraction`, independent of the action times). ZB-H1 and DualPipeV: DualPipe's
+        table from the measured mean F / B / W times, over each rank's measured compute, averaged over the ranks
+        (`timeline.analytic_bubble_fraction`, with the V chunks of an interleaved ZB-H1); None where the timeline
+        holds no backward slot of its own to derive B from (DualPipeV's backwards may all run inside F&B slots)."""
+        pp = self.parallel.layout.pp
+        if self.schedule_name == "1f1b":
+            return expected_bubble_fraction(pp, self.micro_batches, self.virtual_stages)
+        if not {"B", "I"} & set(report.mean_by_kind):
+            return None
+        units = report.unit_times()
+        shares = [
+            analytic_bubble_fraction(self.schedule_name, pp, self.micro_batches, units["F"], units["B"],
+                                     min(units["W"] or 0.0, units["B"]), units["F_and_B"], compute=rank.busy,
+                                     virtual_stages=self.virtual_stages)
+            for rank in report.per_rank
+        ]  # fmt: skip
+        return sum(shares) / len(shares)

@@ -4,11 +4,17 @@ Stages are numbered in model order `0 .. S-1`. 1F1B and ZB-H1 run one stage per 
 r); DualPipeV runs two (`S = 2P`) in a V: rank r holds stages r and 2P-1-r, so rank 0 holds both the first stage
 (the embedding) and the last (norm, output head, MTP and the losses).
 
+Virtual pipeline stages (Megatron's `--num-virtual-stages-per-pipeline-rank V`, interleaved 1F1B and interleaved
+zero bubble): `S = V * P` stages placed round-robin, rank r holds stages r, r + P, ..., r + (V-1)P. The embedding is
+on stage 0 (rank 0), the head, MTP and losses on stage S-1 (rank P-1).
+
 A split is either even, or given Megatron-core's way: `decoder_first_pipeline_num_layers` and / or
-`decoder_last_pipeline_num_layers` for the outer stages and the rest shared evenly by the others. When the layers do
-not divide evenly and no outer sizes are given, empty placeholder slots pad them to the next multiple of S (as
-DeepSeek-V3 pads 61 layers to 64 for its 16 DualPipe stages); the placeholders go to the last stages, which also
-run the head and the MTP modules. A placeholder runs nothing.
+`decoder_last_pipeline_num_layers` for the outer stages and the rest shared evenly by the others. With V virtual
+stages these count the layers of the first / last pipeline RANK, shared evenly by its V stages (Megatron-core's
+`num_layers_in_first/last_pipeline_stage` under a virtual pipeline): each must divide by V, and so must the layers
+of every other rank. When the layers do not divide evenly and no outer sizes are given, empty placeholder slots pad
+them to the next multiple of S (as DeepSeek-V3 pads 61 layers to 64 for its 16 DualPipe stages); the placeholders
+go to the last stages, which also run the head and the MTP modules. A placeholder runs nothing.
 """
 
 from __future__ import annotations
@@ -52,14 +58,21 @@ def split_layers(
     *,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    virtual_stages: int = 1,
 ) -> StageSplit:
     """The split of `num_layers` decoder layers over `num_stages` stages (see the module docstring).
 
+    virtual_stages: V, the stages each pipeline rank holds round-robin (`num_stages = V * pp`); with V > 1 the
+    outer sizes count a rank's layers (Megatron-core's rule), spread evenly over its V stages.
+
     ValueError naming the rule when the outer sizes do not fit (negative remainder, or a remainder the middle
-    stages cannot share evenly).
+    stages cannot share evenly, or with V > 1 a rank's layers that its V stages cannot share evenly).
     """
     if num_stages < 1 or num_layers < 1:
         raise ValueError(f"need at least one layer and one stage, got {num_layers} layers, {num_stages} stages")
+    _check_virtual_stages(virtual_stages)
+    if num_stages % virtual_stages:
+        raise ValueError(f"{num_stages} stages do not place round-robin over ranks of {virtual_stages} stages each")
     given = {
         "decoder_first_pipeline_num_layers": first_stage_layers,
         "decoder_last_pipeline_num_layers": last_stage_layers,
@@ -74,6 +87,8 @@ def split_layers(
         return StageSplit(tuple(tuple(slots[s * per_stage : (s + 1) * per_stage]) for s in range(num_stages)))
     if num_stages == 1:
         raise ValueError("decoder_first/last_pipeline_num_layers need more than one pipeline stage")
+    if virtual_stages > 1:
+        return _split_virtual(num_layers, num_stages // virtual_stages, virtual_stages, given)
     outer = [n for n in (first_stage_layers, last_stage_layers) if n is not None]
     middle_stages = num_stages - len(outer)
     rest = num_layers - sum(outer)
@@ -95,27 +110,97 @@ def split_layers(
     return StageSplit(tuple(slots))
 
 
-def stages_of_rank(schedule: str, pp: int, pp_rank: int) -> list[int]:
-    """The stage indices pipeline rank `pp_rank` holds under `schedule`, in the order its schedule lists them."""
+def _split_virtual(num_layers: int, pp: int, v: int, given: dict[str, int | None]) -> StageSplit:
+    """Megatron-core's uneven split under a virtual pipeline: the first / last RANK's layers as given, the rest
+    shared evenly by the other ranks, and each rank's layers shared evenly by its v stages (r, r + pp, ...)."""
+    first, last = given.values()
+    outer = [n for n in (first, last) if n is not None]
+    middle_ranks = pp - len(outer)
+    rest = num_layers - sum(outer)
+    sizes_text = ", ".join(f"{k}={n}" for k, n in given.items() if n is not None)
+    if rest < 0 or (middle_ranks == 0 and rest != 0) or (middle_ranks > 0 and rest % middle_ranks):
+        raise ValueError(
+            f"pipeline split: {sizes_text} leave {rest} of the {num_layers} decoder layers for {middle_ranks} other "
+            f"pipeline rank(s) of {pp}; the rest must divide evenly over them"
+        )
+    per_rank = [rest // middle_ranks if middle_ranks else 0] * pp
+    if first is not None:
+        per_rank[0] = first
+    if last is not None:
+        per_rank[-1] = last
+    uneven = {r: n for r, n in enumerate(per_rank) if n % v}
+    if uneven:
+        raise ValueError(
+            f"pipeline split with {v} virtual stages per pipeline rank ({sizes_text}): the decoder layers of each "
+            f"rank are shared evenly by its {v} stages, but "
+            + ", ".join(f"rank {r} holds {n}" for r, n in uneven.items())
+            + f" (Megatron-core: the first / last rank's count and every other rank's must divide by {v})"
+        )
+    slots, start = [], 0
+    for stage in range(pp * v):
+        size = per_rank[stage % pp] // v
+        slots.append(tuple(range(start, start + size)))
+        start += size
+    return StageSplit(tuple(slots))
+
+
+def _check_virtual_stages(virtual_stages: int) -> None:
+    if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"num_virtual_stages_per_pipeline_rank must be an int >= 1, got {virtual_stages!r}")
+
+
+def stages_per_rank(schedule: str, virtual_stages: int = 1) -> int:
+    """Stages (model chunks) each pipeline rank holds: 2 for DualPipeV's V, `virtual_stages` for 1F1B / ZB-H1.
+
+    ValueError for an unknown schedule, and for DualPipeV with virtual stages (its V already places two stages on
+    each rank; the interleaved placement and the V cannot both hold)."""
     if schedule not in SCHEDULE_STAGES_PER_RANK:
         raise ValueError(f"pipeline schedule must be one of {tuple(SCHEDULE_STAGES_PER_RANK)}, got {schedule!r}")
-    if SCHEDULE_STAGES_PER_RANK[schedule] == 1:
-        return [pp_rank]
-    return [pp_rank, 2 * pp - 1 - pp_rank]
+    _check_virtual_stages(virtual_stages)
+    if schedule == "dualpipev":
+        if virtual_stages > 1:
+            raise ValueError(
+                f"num_virtual_stages_per_pipeline_rank={virtual_stages} with dualpipev: DualPipeV already holds 2 "
+                "stages per rank in a V (rank r: stages r and 2pp-1-r); virtual stages are for 1f1b (interleaved "
+                "1F1B) and zbh1 (interleaved zero bubble)"
+            )
+        return 2
+    return virtual_stages
 
 
-def check_schedule(schedule: str, pp: int, micro_batches: int) -> None:
+def stages_of_rank(schedule: str, pp: int, pp_rank: int, virtual_stages: int = 1) -> list[int]:
+    """The stage indices pipeline rank `pp_rank` holds under `schedule`, in the order its schedule lists them:
+    `[r]`; DualPipeV `[r, 2pp-1-r]`; with V virtual stages `[r, r + pp, ..., r + (V-1)pp]` (round-robin)."""
+    count = stages_per_rank(schedule, virtual_stages)
+    if schedule == "dualpipev":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(count)]
+
+
+def check_schedule(schedule: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> None:
     """The micro-batch counts each schedule can run (ValueError naming the rule), checked before any communication.
 
     - 1F1B: at least `pp` micro-batches (torch's `Schedule1F1B`: the warm-up fills every stage).
     - ZB-H1 (torch's `ScheduleInterleavedZeroBubble` with one stage per rank) runs the micro-batches in rounds of
       `pp`: a multiple of `pp`, or fewer than `pp` (one round).
     - DualPipeV: at least `2 * pp` micro-batches (one per stage of the V; DeepSeek's DualPipeV needs as many).
+    - Virtual stages (V > 1, 1F1B or ZB-H1 interleaved): a multiple of `pp`. Megatron-core's rule with its default
+      `microbatch_group_size_per_vp_stage = pp`: the group must fit in the micro-batches (pp <= m) and the last
+      group must not be shorter than pp (m % pp == 0, else dependency bubbles). torch's interleaved schedules
+      accept more (m a multiple of max(1, m // pp) rounds); Megatron's rule implies theirs.
     """
-    if schedule not in SCHEDULE_STAGES_PER_RANK:
-        raise ValueError(f"pipeline schedule must be one of {tuple(SCHEDULE_STAGES_PER_RANK)}, got {schedule!r}")
+    stages_per_rank(schedule, virtual_stages)  # the schedule's name, and V with it
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    if virtual_stages > 1:
+        if pp < 2:
+            raise ValueError(f"{virtual_stages} virtual stages per pipeline rank need pp > 1, got pp={pp}")
+        if micro_batches % pp:
+            raise ValueError(
+                f"{virtual_stages} virtual stages per pipeline rank (interleaved {schedule}) run micro-batches in "
+                f"groups of pp={pp}: micro_batches={micro_batches} must be a multiple of {pp} (Megatron-core's rule)"
+            )
+        return
     if schedule == "1f1b" and micro_batches < pp:
         raise ValueError(f"1F1B needs at least pp = {pp} micro-batches (one per stage in flight), got {micro_batches}")
     if schedule == "zbh1" and micro_batches >= pp and micro_batches % pp:

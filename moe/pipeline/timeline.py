@@ -14,7 +14,8 @@ A *slot* is one piece of work of one pipeline rank between two clock readings:
 Flow: each rank wraps its work in `recorder.slot(kind, stage, microbatch)`; after the step,
 `gather_timelines(recorder, group)` brings every rank's slots to every rank on one time axis;
 `bubble_fraction(timelines)` measures idle time; `analytic_bubble` gives the DualPipe table's bubbles for
-comparison; `write_chrome_trace` (Perfetto / chrome://tracing) and `plot_timeline` (PNG) draw it.
+comparison, `expected_bubble_fraction` Megatron's `(pp-1)/(V m)` of (interleaved) 1F1B with V virtual stages;
+`write_chrome_trace` (Perfetto / chrome://tracing) and `plot_timeline` (PNG) draw it.
 
 Times are seconds (float) of `time.perf_counter`, which on Linux reads CLOCK_MONOTONIC: one clock for every
 process of a machine, so the slots of ranks on one machine line up exactly once gathered.
@@ -34,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
+
+from moe.pipeline.split import stages_per_rank
 
 COMPUTE_KINDS = ("F", "B", "I", "W", "F&B")
 KINDS = (*COMPUTE_KINDS, "comm")
@@ -443,11 +446,25 @@ def analytic_bubble(schedule: str, pp: int, F: float, B: float, W: float = 0.0, 
     return (stages // 2 - 1) * (f_and_b + B - 3 * W)
 
 
-def stages_per_rank(schedule: str) -> int:
-    """Model chunks each rank holds: 2 for DualPipeV's V placement, 1 otherwise."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; expected one of {', '.join(map(repr, SCHEDULES))}")
-    return 2 if schedule == "dualpipev" else 1
+def interleaved_bubble_ratio(pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """Megatron's analytic bubble of (interleaved) 1F1B relative to the ideal step: `(pp - 1) / (V * m)` (Narayanan
+    et al. 2021, eq. 2; V = 1 is plain 1F1B's `(pp - 1) / m`). Independent of the F / B times: the bubble is
+    `(pp - 1)(F + B)` of ONE chunk, the compute `V m (F + B)`.
+
+    As a share of the step (what `bubble_fraction` measures: idle / span) it is `r / (1 + r)`; see
+    `expected_bubble_fraction`."""
+    if not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"pp (pipeline ranks) must be a positive int, got {pp!r}")
+    if not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+    return (pp - 1) / (stages_per_rank("1f1b", virtual_stages) * num_microbatches)
+
+
+def expected_bubble_fraction(pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """`interleaved_bubble_ratio` as a share of the step, `(pp - 1) / (V m + pp - 1)`: comparable with a measured
+    `BubbleReport.fraction` of 1F1B (equal stages, no communication time, as the formula assumes)."""
+    ratio = interleaved_bubble_ratio(pp, num_microbatches, virtual_stages)
+    return ratio / (1 + ratio)
 
 
 def analytic_bubble_fraction(
@@ -459,19 +476,23 @@ def analytic_bubble_fraction(
     W: float = 0.0,
     F_and_B: float | None = None,
     compute: float | None = None,
+    virtual_stages: int = 1,
 ) -> float:
     """The analytic bubble as a share of the step: bubble / (bubble + per-rank compute).
 
     compute: one rank's compute time of the step; default `stages_per_rank * num_microbatches * (F + B)` (every
     micro-batch's forward and full backward through each of the rank's chunks, overlap not counted). Pass the
-    measured `RankBubble.busy` to compare with a measured fraction on the same footing. Other arguments as in
-    `analytic_bubble`.
+    measured `RankBubble.busy` to compare with a measured fraction on the same footing. virtual_stages: V chunks per
+    rank under interleaved 1F1B / ZB-H1: the bubble stays the table's `(P-1)(F+B)` (resp. `(P-1)(F+B-2W)`) of ONE
+    chunk while the compute is V m (F+B), so 1F1B's share is Megatron's `(P-1)/(V m)` relative (the ZB row is the
+    same table entry over chunk times, an estimate: torch's interleaved ZB1P is not in DualPipe's table). Other
+    arguments as in `analytic_bubble`.
     """
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
     bubble = analytic_bubble(schedule, pp, F, B, W, F_and_B)
     if compute is None:
-        compute = stages_per_rank(schedule) * num_microbatches * (F + B)
+        compute = stages_per_rank(schedule, virtual_stages) * num_microbatches * (F + B)
     elif not (math.isfinite(compute) and compute >= 0):
         raise ValueError(f"compute must be a finite time >= 0, got {compute!r}")
     total = bubble + compute

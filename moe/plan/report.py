@@ -36,7 +36,7 @@ def ranked_table(result: PlanResult, top: int, shape: ModelShape, work: Workload
     rows = []
     for i, e in enumerate(result.ranked[:top], start=1):
         m, t = e.memory, e.time
-        name = e.candidate.name() + ("" if e.candidate.runnable else " *")
+        name = e.candidate.name()
         rows.append([
             str(i), name, _g(m.total), _g(m.weights), _g(m.grads), _g(m.optimizer), _g(m.activations),
             f"{m.inflight:g}", _g(m.transient), _g(m.comm_buffers + m.runtime + m.allocator), _s(t.step),
@@ -54,8 +54,7 @@ def legend() -> str:
         "step s: seconds per optimizer step on the bottleneck rank = compute (forward + backward, incl. recomp) + "
         "exposed communication (tp: sequence-parallel collectives, ep: dispatch + combine, pp: p2p, dp: gradient "
         "reduction / ZeRO-1 all-gather) + opt (AdamW) + bubble (DualPipe table's bubble of the schedule).\n"
-        "MFU: model FLOPs (6 x activated parameters + attention, no recompute) per second over the devices' peak. "
-        "* = modelled only: train.py cannot run it (interleaved 1F1B)."
+        "MFU: model FLOPs (6 x activated parameters + attention, no recompute) per second over the devices' peak."
     )
 
 

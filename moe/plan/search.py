@@ -58,15 +58,13 @@ def plan(
     devices: int,
     spec: DeviceSpec,
     *,
-    trainer_only: bool = False,
     recomputes: tuple[str, ...] = tuple(RECOMPUTE_CHOICES),
     fp8s: tuple[str, ...] = FP8_RECIPES,
     max_tp: int | None = None,
 ) -> PlanResult:
     """Every layout of `devices` devices for `config` and `work`, ranked (see the module docstring)."""
     shape = ModelShape.from_config(config)
-    space = enumerate_candidates(config, work, devices, spec, trainer_only=trainer_only, recomputes=recomputes,
-                                 fp8s=fp8s, max_tp=max_tp)  # fmt: skip
+    space = enumerate_candidates(config, work, devices, spec, recomputes=recomputes, fp8s=fp8s, max_tp=max_tp)
     ranked = []
     capacity = spec.memory_capacity_bytes(devices)
     for cand in space.accepted:

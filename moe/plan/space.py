@@ -13,9 +13,9 @@ the trainer would refuse, calling the functions train.py calls:
 Rejected choices are counted per reason; a rule decided for a partial choice (e.g. a TP size) counts every complete
 choice it covers, so the counts add up to the whole space.
 
-Interleaved 1F1B (Megatron's virtual pipeline, `vpp` chunks per rank) is not in train.py: such candidates are
-estimated ("modelled only") unless `trainer_only` drops them; Megatron's rule for it (micro-batches a multiple of
-pp) applies.
+Interleaved 1F1B (Megatron's virtual pipeline, `vpp` chunks per rank) is train.py's `--pp-schedule 1f1b
+--num-virtual-stages-per-pipeline-rank vpp`; `check_schedule` holds it to Megatron's rule (micro-batches a multiple
+of pp).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from moe.plan.model import DTYPE_BYTES, RECOMPUTE_CHOICES
 from moe.train.layout_rules import check_model_layout
 from moe.train.parallel import FP8_RECIPES, PP_SCHEDULES, Layout
 
-# (schedule, chunks per rank) for pp > 1; 'interleaved' is Megatron's virtual pipeline (not in train.py).
+# (schedule, chunks per rank) for pp > 1; 'interleaved' is Megatron's virtual pipeline (train.py: 1f1b with vpp).
 PIPELINE_SCHEDULES: tuple[tuple[str, int], ...] = (
     ("1f1b", 1), ("zbh1", 1), ("dualpipev", 2), ("interleaved", 2), ("interleaved", 4),
 )  # fmt: skip
@@ -45,8 +45,6 @@ REASONS = {
     "tp_shapes": "heads / vocabulary / dense FFN not divisible by tp (check_tensor_parallel)",
     "etp": "etp > 1: expert tensor parallelism is refused by train.py",
     "schedule": "micro-batches do not fit the pipeline schedule (moe.pipeline.split.check_schedule)",
-    "vpp": "interleaved 1F1B: micro-batches not a multiple of pp (Megatron's rule; modelled only)",
-    "trainer_only": "interleaved 1F1B is not in train.py (--trainer-only)",
     "tied": "tied embeddings across pipeline ranks need dualpipev (train.py)",
     "train_py": "another train.py rule (check_model_layout)",
     "no_fp8": "the device has no FP8 GEMMs",
@@ -105,8 +103,8 @@ class Candidate:
 
     @property
     def runnable(self) -> bool:
-        """Whether train.py runs it (interleaved 1F1B is modelled only)."""
-        return self.schedule != "interleaved" and self.etp == 1
+        """Whether train.py runs it (every accepted candidate: etp > 1 is rejected)."""
+        return self.etp == 1
 
     def micro_rows(self, work: Workload) -> int:
         """Sequences per micro-batch on a data-parallel rank; ValueError when the batch does not split evenly."""
@@ -138,6 +136,8 @@ class Candidate:
         flags = ["--tp", str(self.tp), "--pp", str(self.pp), "--ep", str(self.ep)]
         if self.pp > 1:
             flags += ["--pp-schedule", self.schedule if self.schedule != "interleaved" else "1f1b"]
+            if self.schedule == "interleaved":
+                flags += ["--num-virtual-stages-per-pipeline-rank", str(self.vpp)]
         rc = RECOMPUTE_CHOICES[self.recompute]
         if rc:
             flags += ["--recompute-granularity", rc["granularity"]]
@@ -184,7 +184,6 @@ def enumerate_candidates(
     world: int,
     spec: DeviceSpec,
     *,
-    trainer_only: bool = False,
     recomputes: tuple[str, ...] = tuple(RECOMPUTE_CHOICES),
     fp8s: tuple[str, ...] = FP8_RECIPES,
     max_tp: int | None = None,
@@ -223,9 +222,9 @@ def enumerate_candidates(
             for schedule, vpp in schedules:
                 per_schedule = n_rc * n_fp8 * len(zeros)
                 label = example + (f" {schedule}" + (f"-v{vpp}" if schedule == "interleaved" else "") if pp > 1 else "")
-                reason = _schedule_reason(config, work, pp, schedule, trainer_only)
+                reason = _schedule_reason(config, work, pp, schedule, vpp)
                 if reason is None:
-                    reason = _train_py_reason(config, stub, world, tp, pp, ep, schedule)
+                    reason = _train_py_reason(config, stub, world, tp, pp, ep, schedule, vpp)
                 if reason is not None:
                     space.reject(reason, per_schedule, label)
                     continue
@@ -265,31 +264,28 @@ def _layout_reason(config: DeepseekV3Config, work: Workload, layout: Layout, che
     return None
 
 
-def _schedule_reason(
-    config: DeepseekV3Config, work: Workload, pp: int, schedule: str, trainer_only: bool
-) -> str | None:
+def _schedule_reason(config: DeepseekV3Config, work: Workload, pp: int, schedule: str, vpp: int) -> str | None:
     if pp == 1:
         return None
-    if schedule == "interleaved":
-        if trainer_only:
-            return "trainer_only"
-        if work.micro_batches % pp:
-            return "vpp"
-    else:
-        try:
+    try:
+        if schedule == "interleaved":
+            check_schedule("1f1b", pp, work.micro_batches, vpp)
+        else:
             check_schedule(schedule, pp, work.micro_batches)
-        except ValueError:
-            return "schedule"
+    except ValueError:
+        return "schedule"
     if config.tie_word_embeddings and schedule != "dualpipev":
         return "tied"
     return None
 
 
-def _train_py_reason(config, stub, world, tp, pp, ep, schedule) -> str | None:
+def _train_py_reason(config, stub, world, tp, pp, ep, schedule, vpp) -> str | None:
     """train.py's `check_model_layout` on the layout (etp 1): whatever it still refuses."""
     try:
         sched = schedule if schedule in PP_SCHEDULES else "1f1b"
-        layout = Layout(world=world, tp=tp, pp=pp, ep=ep, pp_schedule=sched)
+        layout = Layout(
+            world=world, tp=tp, pp=pp, ep=ep, pp_schedule=sched, vpp=vpp if schedule == "interleaved" else 1
+        )
         check_model_layout(config, stub, layout)
     except ValueError:
         return "train_py"

@@ -28,7 +28,7 @@ from moe.io.atomic import write_bytes
 from moe.models.deepseek_v3 import DeepseekV3Config, RecomputeConfig
 from moe.models.deepseek_v3.config import EXTENSION_FIELDS
 from moe.models.deepseek_v3.model_dir import read_config
-from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, StageSplit, check_schedule, split_layers
+from moe.pipeline.split import StageSplit, check_schedule, split_layers, stages_per_rank
 from moe.train.config import TrainingConfig
 from moe.train.config_tree import ConfigTree, Section, dataclass_schema, overrides_from_namespace, split_overrides
 from moe.train.layout_rules import check_model_layout
@@ -43,8 +43,12 @@ class ParallelConfig:
 
     tp, pp, ep, etp: tensor-, pipeline-, expert- and expert-tensor-parallel sizes (Megatron's
         `--tensor-model-parallel-size` ...). pp_schedule: '1f1b', 'zbh1' or 'dualpipev'.
+    num_virtual_stages_per_pipeline_rank: V, the pipeline stages each rank holds round-robin (rank r: stages r,
+        r + pp, ...; pp * V stages): 1f1b runs torch's interleaved 1F1B, zbh1 its interleaved zero bubble; 1 (the
+        default) is one stage per rank.
     decoder_first/last_pipeline_num_layers: decoder layers of the first / last pipeline stage (the rest shared
-        evenly). overlap_moe_expert_parallel_comm: DualPipeV's overlapped chunks run one micro-batch's MoE dispatch /
+        evenly); with V > 1, of the first / last pipeline rank, shared by its V stages (Megatron-core's rule).
+        overlap_moe_expert_parallel_comm: DualPipeV's overlapped chunks run one micro-batch's MoE dispatch /
         combine beside the other's compute. pipeline_timeline: record the last step's pipeline actions (Perfetto
         JSON and PNG in the run directory). fp8: the FP8 recipe ('none', 'delayed', 'blockwise').
     """
@@ -54,6 +58,7 @@ class ParallelConfig:
     ep: int = 1
     etp: int = 1
     pp_schedule: str = "1f1b"
+    num_virtual_stages_per_pipeline_rank: int = 1
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
     overlap_moe_expert_parallel_comm: bool = False
@@ -62,7 +67,7 @@ class ParallelConfig:
 
     def layout(self, world: int) -> Layout:
         return Layout(world=world, tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, pp_schedule=self.pp_schedule,
-                      fp8=self.fp8)  # fmt: skip
+                      fp8=self.fp8, vpp=self.num_virtual_stages_per_pipeline_rank)  # fmt: skip
 
 
 @dataclass
@@ -154,6 +159,10 @@ def add_tree_options(p: argparse.ArgumentParser) -> None:
     alias("--pp", "--pipeline-model-parallel-size", dest="parallel.pp", type=int, help="pipeline-parallel ranks")
     alias("--pp-schedule", dest="parallel.pp_schedule", choices=PP_SCHEDULES,
           help="pipeline schedule (dualpipev: 2 stages per rank in a V)")  # fmt: skip
+    alias("--num-virtual-stages-per-pipeline-rank", "--vpp",
+          dest="parallel.num_virtual_stages_per_pipeline_rank", type=int,
+          help="pipeline stages per rank, placed round-robin (default 1): with --pp-schedule 1f1b interleaved 1F1B, "
+          "with zbh1 interleaved zero bubble; micro-batches a multiple of --pp")  # fmt: skip
     alias("--decoder-first-pipeline-num-layers", dest="parallel.decoder_first_pipeline_num_layers", type=int,
           help="decoder layers of the first pipeline stage (the rest shared evenly)")  # fmt: skip
     alias("--decoder-last-pipeline-num-layers", dest="parallel.decoder_last_pipeline_num_layers", type=int,
@@ -209,15 +218,15 @@ def pipeline_split(model_cfg, train_cfg: TrainingConfig, layout: Layout, paralle
         if any(v is not None for v in outer):
             raise ValueError("--decoder-first/last-pipeline-num-layers need --pp > 1")
         return None
-    check_schedule(layout.pp_schedule, layout.pp, train_cfg.micro_batches)
+    check_schedule(layout.pp_schedule, layout.pp, train_cfg.micro_batches, layout.vpp)
     if model_cfg.tie_word_embeddings and layout.pp_schedule != "dualpipev":
         raise ValueError(
             f"tie_word_embeddings with --pp {layout.pp} --pp-schedule {layout.pp_schedule}: the embedding and the "
             "output head would sit on different ranks; untie them or use dualpipev"
         )
-    stages = layout.pp * SCHEDULE_STAGES_PER_RANK[layout.pp_schedule]
+    stages = layout.pp * stages_per_rank(layout.pp_schedule, layout.vpp)
     return split_layers(model_cfg.num_hidden_layers, stages, first_stage_layers=outer[0],
-                        last_stage_layers=outer[1])  # fmt: skip
+                        last_stage_layers=outer[1], virtual_stages=layout.vpp)  # fmt: skip
 
 
 def check_init_config(init: str, model_cfg: DeepseekV3Config) -> None:

@@ -31,7 +31,9 @@ BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda", "mccl": "musa"}
 
 @dataclass(frozen=True)
 class Layout:
-    """How `world` ranks are split: `dp = world / (tp * pp)`, `expert_dp = dp * tp / (ep * etp)`.
+    """How `world` ranks are split: `dp = world / (tp * pp)`, `expert_dp = dp * tp / (ep * etp)`. `vpp`: the
+    virtual pipeline stages each pipeline rank holds (Megatron's `--num-virtual-stages-per-pipeline-rank`; 1: one
+    stage per rank, or DualPipeV's two), for 1f1b (interleaved 1F1B) and zbh1 (interleaved zero bubble).
 
     Construction raises one ValueError listing the sizes and every rule the split breaks.
     """
@@ -43,9 +45,10 @@ class Layout:
     etp: int = 1
     pp_schedule: str = "1f1b"
     fp8: str = "none"
+    vpp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("world", "tp", "pp", "ep", "etp"):
+        for name in ("world", "tp", "pp", "ep", "etp", "vpp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -54,6 +57,14 @@ class Layout:
         if self.fp8 not in FP8_RECIPES:
             raise ValueError(f"fp8 must be one of {FP8_RECIPES}, got {self.fp8!r}")
         broken = []
+        if self.vpp > 1 and self.pp == 1:
+            broken.append(f"vpp {self.vpp} (--num-virtual-stages-per-pipeline-rank) needs pp > 1")
+        if self.vpp > 1 and self.pp_schedule == "dualpipev":
+            broken.append(
+                f"vpp {self.vpp} (--num-virtual-stages-per-pipeline-rank) with dualpipev: DualPipeV already holds "
+                "2 stages per rank in a V; virtual stages are for 1f1b (interleaved 1F1B) and zbh1 (interleaved zero "
+                "bubble)"
+            )
         if self.world % (self.tp * self.pp):
             broken.append(f"world must be divisible by tp * pp = {self.tp * self.pp}")
         else:
@@ -64,7 +75,9 @@ class Layout:
                     f"expert layers refold the dp x tp ranks of a pipeline stage as edp x ep x etp)"
                 )
         if broken:
-            sizes = f"world {self.world}, tp {self.tp}, pp {self.pp}, ep {self.ep}, etp {self.etp}"
+            sizes = f"world {self.world}, tp {self.tp}, pp {self.pp}, ep {self.ep}, etp {self.etp}" + (
+                f", vpp {self.vpp}" if self.vpp > 1 else ""
+            )
             raise ValueError(f"invalid parallel layout ({sizes}): " + "; ".join(broken))
 
     @property
@@ -93,9 +106,13 @@ class Layout:
             raise ValueError(f"n_routed_experts={num_experts} is not divisible by --ep {self.ep}")
 
     def to_dict(self) -> dict[str, object]:
-        """The resolved layout for run.json: world, dp, tp, pp, ep, etp, expert_dp, schedule, fp8."""
+        """The resolved layout for run.json and the checkpoint manifests: world, dp, tp, pp, ep, etp, expert_dp,
+        schedule, fp8, and vpp where it is above 1 (a layout of one stage per rank reads as it did before virtual
+        stages existed, so its checkpoints still resume as the same layout)."""
         d = asdict(self)
         schedule = d.pop("pp_schedule")
+        if d["vpp"] == 1:
+            del d["vpp"]
         return {**d, "dp": self.dp, "expert_dp": self.expert_dp, "schedule": schedule}
 
 

@@ -69,15 +69,18 @@ def test_accepted_layouts_pass_the_trainer_rules():
         check_tensor_parallel(TINY, c.tp)
         assert c.etp == 1
         assert c.micro_rows(WORK) >= 1
-        if c.pp > 1 and c.runnable:
-            check_schedule(c.schedule, c.pp, WORK.micro_batches)
+        if c.pp > 1:
+            interleaved = c.schedule == "interleaved"
+            check_schedule("1f1b" if interleaved else c.schedule, c.pp, WORK.micro_batches, c.vpp if interleaved else 1)
         # train.py's own parser and checks accept the flags the planner prints
         _, overrides = job_config.parse(train_py.build_parser(), ["--config", "c.toml", "--out", "o", *c.train_flags()])
         given = {o.path: o.value for o in overrides}
         sizes = (given.get(("parallel", name), 1) for name in ("tp", "pp", "ep"))
         assert tuple(sizes) == (c.tp, c.pp, c.ep)
         if c.runnable:
-            assert (given.get(("parallel", "pp_schedule"), "1f1b") == c.schedule) or c.pp == 1
+            schedule = given.get(("parallel", "pp_schedule"), "1f1b")
+            vpp = given.get(("parallel", "num_virtual_stages_per_pipeline_rank"), 1)
+            assert c.pp == 1 or (schedule, vpp) == ((c.schedule, 1) if c.schedule != "interleaved" else ("1f1b", c.vpp))
             assert bool(given.get(("training", "use_distributed_optimizer"))) == c.zero1
             assert given.get(("parallel", "fp8"), "none") == c.fp8
 
@@ -115,13 +118,23 @@ def test_fp8_on_a_device_without_fp8_and_memory_limits():
     assert not none.ranked and none.rejected["memory"] > 0
 
 
-def test_trainer_only_drops_interleaved():
-    free = plan(TINY, WORK, 4, CPU)
-    strict = plan(TINY, WORK, 4, CPU, trainer_only=True)
-    assert any(not e.candidate.runnable for e in free.ranked)
-    assert all(e.candidate.runnable for e in strict.ranked)
-    assert strict.rejected["trainer_only"] > 0
-    assert strict.total == free.total
+def test_interleaved_layouts_are_train_py_runs():
+    """Interleaved 1F1B is train.py's 1f1b with virtual stages: its candidates are ranked, their flags give the
+    same layout in train.py's config tree, and Megatron's micro-batch rule (a multiple of pp) rejects the others."""
+    result = plan(TINY, WORK, 4, CPU)
+    interleaved = [e.candidate for e in result.ranked if e.candidate.schedule == "interleaved"]
+    assert interleaved and all(c.runnable for c in interleaved)
+    for c in {(c.pp, c.vpp): c for c in interleaved}.values():
+        job = job_config.load_job(
+            CONFIGS / "tiny.toml",
+            job_config.parse(load_script("train").build_parser(), ["--config", "c", "--out", "o", *c.train_flags()])[1],
+            world=c.world,
+        )
+        assert (job.layout.pp, job.layout.vpp, job.layout.pp_schedule) == (c.pp, c.vpp, "1f1b")
+        assert job.split.num_stages == c.stages
+    odd = plan(TINY, Workload(30, 6, 128, "float32"), 4, CPU)  # 6 micro-batches: not a multiple of pp 4
+    pp4 = {e.candidate.schedule for e in odd.ranked if e.candidate.pp == 4}
+    assert "1f1b" in pp4 and "interleaved" not in pp4
 
 
 def test_candidate_rejects_a_batch_that_does_not_split():

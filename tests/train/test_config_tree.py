@@ -184,8 +184,36 @@ def test_the_file_alone_gives_what_train_py_read_before():
         (["--parallel.pp", "4", "--parallel.pp_schedule", "dualpipev"], r"DualPipeV needs at least 2 \* pp = 8"),
         (["--recompute.granularity", "full"], "needs recompute_method"),
         (["--training.betas", "[0.9]"], "betas must be two numbers"),
+        # Virtual pipeline stages (--num-virtual-stages-per-pipeline-rank): each rule before any process group.
+        (["--num-virtual-stages-per-pipeline-rank", "2"], r"vpp 2 \(--num-virtual-stages-per-pipeline-rank\) needs pp"),
+        (["--pp", "2", "--pp-schedule", "dualpipev", "--vpp", "2"], "DualPipeV already holds 2 stages per rank in a V"),
+        (["--pp", "4", "--vpp", "2", "--micro-batches", "2"], "micro_batches=2 must be a multiple of 4"),
+        (["--pp", "4", "--vpp", "2", "--pp-schedule", "zbh1", "--micro-batches", "2"], "interleaved zbh1"),
+        (["--pp", "2", "--vpp", "2", "--decoder-first-pipeline-num-layers", "1"], "rank 0 holds 1, rank 1 holds 3"),
+        (["--parallel.num_virtual_stages_per_pipeline_rank", "0"], "vpp must be a positive int, got 0"),
     ],
 )
 def test_bad_trees_fail_with_the_rule(argv, match):
     with pytest.raises(ValueError, match=match):
         _job(argv)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--num-virtual-stages-per-pipeline-rank", "2"],
+        ["--vpp", "2"],
+        ["--parallel.num_virtual_stages_per_pipeline_rank", "2"],
+    ],
+)
+def test_virtual_stages_set_the_layout_and_the_split(argv):
+    # tiny's 4 layers at pp 2 x V 2 (world 4: dp 2): 4 stages of one layer, rank 0 holds stages 0 and 2.
+    job = _job(["--pp", "2", *argv])
+    assert job.layout.vpp == 2 and job.parallel.num_virtual_stages_per_pipeline_rank == 2
+    assert job.split.slots == ((0,), (1,), (2,), (3,))
+    assert job.layout.to_dict()["vpp"] == 2 and "vpp" not in Layout(world=4, pp=2).to_dict()
+    assert job.tables["parallel"]["num_virtual_stages_per_pipeline_rank"] == 2
+    # Megatron-core's first-rank count under V: 2 layers for rank 0's stages 0 and 2.
+    uneven = _job(["--pp", "2", *argv, "--decoder-first-pipeline-num-layers", "2"])
+    assert uneven.split.slots == ((0,), (1,), (2,), (3,))
+    assert _job(["--pp", "2"]).layout.vpp == 1 and _job(["--pp", "2"]).split.slots == ((0, 1), (2, 3))

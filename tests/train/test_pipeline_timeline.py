@@ -18,6 +18,8 @@ from moe.pipeline.timeline import (
     analytic_bubble_fraction,
     bubble_fraction,
     chrome_trace,
+    expected_bubble_fraction,
+    interleaved_bubble_ratio,
     plot_timeline,
     write_chrome_trace,
 )
@@ -126,6 +128,74 @@ def test_zbh1_measured_bubble_equals_analytic(P, m_mult, F, Ig, W):  # Ig: the i
     assert one_f.idle_per_rank[0] - bubble == (P - 1) * 2 * W
     if F == Ig == W:  # the ZB paper's headline: a third of 1F1B's bubble
         assert bubble * 3 == one_f.idle_per_rank[0]
+
+
+def simulate_chunks(orders: list[list[tuple[str, int, int]]], stages: int, cost: dict[str, float]) -> list[list[Slot]]:
+    """`simulate` with several stages per rank: actions `(kind, stage, micro-batch)`; F(s, j) needs F(s-1, j), B(s, j)
+    needs F(s, j) and B(s+1, j), whichever rank holds them."""
+    P = len(orders)
+    end: dict[tuple[str, int, int], float] = {}
+    pos, free = [0] * P, [0.0] * P
+    out: list[list[Slot]] = [[] for _ in range(P)]
+    while any(pos[r] < len(orders[r]) for r in range(P)):
+        progressed = False
+        for r in range(P):
+            while pos[r] < len(orders[r]):
+                kind, s, j = orders[r][pos[r]]
+                if kind == "F":
+                    deps = [("F", s - 1, j)] if s > 0 else []
+                else:
+                    deps = [("F", s, j)] + ([("B", s + 1, j)] if s < stages - 1 else [])
+                if any(d not in end for d in deps):
+                    break
+                start = max([free[r]] + [end[d] for d in deps])
+                free[r] = end[(kind, s, j)] = start + cost[kind]
+                out[r].append(Slot(r, kind, s, j, start, free[r]))
+                pos[r] += 1
+                progressed = True
+        assert progressed, "the orders deadlock"
+    return out
+
+
+def interleaved_1f1b(P: int, V: int, m: int) -> list[list[tuple[str, int, int]]]:
+    """Megatron-core's interleaved 1F1B (m a multiple of P): rank r holds stages r, r + P, ...; its k-th forward runs
+    chunk (k // P) % V on micro-batch (k // PV) P + k % P, its k-th backward the chunks in reverse; 2(P-r-1) +
+    (V-1)P warm-up forwards, then one forward one backward, then the remaining backwards."""
+    orders = []
+    for r in range(P):
+        total = m * V
+        warm = min(2 * (P - r - 1) + (V - 1) * P, total)
+
+        def mb(k):
+            return (k // (P * V)) * P + k % P
+
+        fwd = [("F", ((k // P) % V) * P + r, mb(k)) for k in range(total)]
+        bwd = [("B", (V - 1 - (k // P) % V) * P + r, mb(k)) for k in range(total)]
+        order = fwd[:warm]
+        for i in range(total - warm):
+            order += [fwd[warm + i], bwd[i]]
+        orders.append(order + bwd[total - warm :])
+    return orders
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("V", [1, 2, 3])
+@pytest.mark.parametrize("mult", [1, 3])
+def test_interleaved_1f1b_measured_bubble_equals_megatrons_formula(P, V, mult):
+    m = mult * P
+    F, B = 1.0, 2.0
+    report = bubble_fraction(simulate_chunks(interleaved_1f1b(P, V, m), P * V, {"F": F, "B": B}))
+    # The bubble is (P-1)(F+B) of ONE chunk on every rank, the compute V m (F+B): (P-1)/(V m) relative.
+    assert report.idle_per_rank == [(P - 1) * (F + B)] * P
+    assert interleaved_bubble_ratio(P, m, V) == (P - 1) / (V * m)
+    assert report.fraction == pytest.approx(expected_bubble_fraction(P, m, V), rel=1e-12)
+    assert report.fraction == pytest.approx(analytic_bubble_fraction("1f1b", P, m, F, B, virtual_stages=V), rel=1e-12)
+    assert report.count_by_kind == {"F": P * V * m, "B": P * V * m}
+    if V > 1:  # V chunks cut the bubble V-fold against plain 1F1B on the same layers (chunks V times longer)
+        plain = bubble_fraction(simulate(one_f_one_b(P, m), {"F": V * F, "B": V * B}))
+        assert plain.idle_per_rank[0] == V * report.idle_per_rank[0]
+    with pytest.raises(ValueError, match="DualPipeV already holds 2 stages"):
+        analytic_bubble_fraction("dualpipev", P, m, F, B, virtual_stages=2)
 
 
 def test_analytic_formulas_and_dualpipev_pp_meaning():

@@ -3,7 +3,8 @@
 - EP2 x DP2 (4 processes) reproduces the one-process losses step by step; every layout's sharded checkpoint holds
   the model it exports and the optimizer state of the one-process run.
 - --resume continues bit-exactly (FP32, FP8 delayed scaling, ZeRO-1), skipping a damaged newer checkpoint; a
-  checkpoint of one layout resumes in another (EP2 x DP2 -> 1 process, DP2 ZeRO-1 -> TP2 x EP2).
+  checkpoint of one layout resumes in another (EP2 x DP2 -> 1 process, DP2 ZeRO-1 -> TP2 x EP2, PP2 with one stage
+  per rank <-> PP2 with 2 virtual stages per rank).
 - A rank SIGKILLed in training, and another in the middle of writing its shard, leave the last complete checkpoint,
   from which --resume continues.
 - The router-bias update moves the expert load towards balance.
@@ -211,6 +212,21 @@ LAYOUTS = {
         False,
     ),
     "pp4_zbh1": (["--pp", "4", "--pp-schedule", "zbh1", "--micro-batches", "4"], 4, (4, 1, 1, 1, 1), False),
+    # Virtual pipeline stages (--num-virtual-stages-per-pipeline-rank 2): tiny's 4 layers as 4 stages of one layer,
+    # rank 0 holding stages 0 (embedding) and 2, rank 1 stages 1 and 3 (head, MTP): torch's interleaved 1F1B and
+    # interleaved zero bubble over 2 micro-batches (a multiple of pp).
+    "pp2_1f1b_v2": (
+        ["--pp", "2", "--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-timeline"],
+        2,
+        (2, 1, 1, 1, 1),
+        False,
+    ),
+    "pp2_zbh1_v2": (
+        ["--pp", "2", "--pp-schedule", "zbh1", "--vpp", "2", "--pipeline-timeline"],
+        2,
+        (2, 1, 1, 1, 1),
+        False,
+    ),  # fmt: skip
     # 8 stages for 4 layers: stages 4-7 are placeholders; rank 0 holds stage 0 (embedding) and 7 (head, MTP).
     "pp4_dualpipev": (["--pp", "4", "--pp-schedule", "dualpipev", "--micro-batches", "8"], 4, (4, 1, 1, 1, 1), False),
 }
@@ -239,6 +255,8 @@ def test_layout_matches_one_process(config, one_process_run, layout_run, layout)
     info = json.loads((run_dir / "run.json").read_text())
     lay = info["layout"]
     assert (lay["world"], lay["dp"], lay["tp"], lay["ep"], lay["expert_dp"]) == expected
+    virtual = 2 if {"--vpp", "--num-virtual-stages-per-pipeline-rank"} & set(flags) else 1
+    assert lay.get("vpp", 1) == virtual  # run.json (and the checkpoints' manifests) name V only where it is > 1
     assert info["config"]["training"]["use_distributed_optimizer"] is zero
     ref, got = _records(one_process_run), _records(run_dir)
     assert len(got) == len(ref) == 8
@@ -263,13 +281,19 @@ def test_layout_matches_one_process(config, one_process_run, layout_run, layout)
         assert {e["pid"] for e in fb} == {0, 1}
         comm = [e for e in slots if e["args"]["kind"] == "comm"]
         assert any(f["ts"] <= c["ts"] and c["ts"] + c["dur"] <= f["ts"] + f["dur"] for f in fb for c in comm)
-    elif "--pipeline-timeline" in flags:  # the last step's timeline: every micro-batch's F, I and W on both ranks
+    elif "--pipeline-timeline" in flags:  # the last step's timeline: every micro-batch's F, I and W (B) on both ranks
         trace = json.loads((run_dir / "pipeline_timeline.json").read_text())
         slots = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
-        for kind in ("F", "I", "W"):
+        for kind in ("F", "I", "W") if "zbh1" in flags else ("F", "B"):
             assert {(e["pid"], e["args"]["microbatch"]) for e in slots if e["args"]["kind"] == kind} >= {
                 (r, m) for r in (0, 1) for m in range(2)
             }, kind  # the first stage's I: the backward to its input, the weight-gradient GEMMs queued for W
+        stages = {(e["pid"], e["args"]["stage"]) for e in slots if e["args"]["kind"] == "F"}
+        assert stages == ({(0, 0), (1, 1), (0, 2), (1, 3)} if virtual == 2 else {(0, 0), (1, 1)})
+        meta = trace["otherData"]
+        assert meta["virtual_stages"] == virtual and 0 < meta["expected_bubble_fraction"] < 1
+        if "--pp-schedule" not in flags:  # 1F1B: Megatron's (pp-1)/(V m) relative, (pp-1)/(V m + pp-1) of the step
+            assert meta["expected_bubble_fraction"] == pytest.approx(1 / (virtual * 2 + 1), rel=1e-12)
         assert 0 < trace["otherData"]["bubble"]["bubble_fraction"] < 1
         assert (run_dir / "pipeline_timeline.png").stat().st_size > 1000
     # Final weights (every expert, gathered): 8 steps of up to lr 3e-3 each; measured 2e-6 apart at most.
@@ -329,6 +353,23 @@ def test_checkpoint_resumes_in_another_layout(tmp_path, config, one_process_run,
     for a, b in zip(_records(one_process_run)[4:], _records(run_dir)[4:]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     assert json.loads((run_dir / "checkpoints" / "step_8" / "manifest.json").read_text())["world"] == 1
+
+
+@pytest.mark.parametrize(
+    "saved, resumed", [("pp2_1f1b", ["--vpp", "2"]), ("pp2_1f1b_v2", [])], ids=["v1_to_v2", "v2_to_v1"]
+)
+def test_checkpoint_resumes_across_virtual_stages(tmp_path, config, one_process_run, layout_run, saved, resumed):
+    # PP2 with one stage per rank (rank 0: layers 0-1) <-> PP2 with 2 virtual stages (rank 0: layers 0 and 2): the
+    # ranks hold other layers, so the step-4 checkpoint is resharded (the manifests' layouts differ in vpp).
+    run_dir = tmp_path / "revirtual"
+    shutil.copytree(layout_run(saved), run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_8")
+    _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", "--pp", "2", *resumed, "--resume"], nproc=2)
+    for a, b in zip(_records(one_process_run)[4:], _records(run_dir)[4:], strict=True):
+        assert b["step"] == a["step"] and b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    step4 = json.loads((run_dir / "checkpoints" / "step_4" / "manifest.json").read_text())["layout"]
+    step8 = json.loads((run_dir / "checkpoints" / "step_8" / "manifest.json").read_text())["layout"]
+    assert (step4.get("vpp", 1), step8.get("vpp", 1)) == ((1, 2) if resumed else (2, 1))
 
 
 def test_kills_leave_the_last_complete_checkpoint(tmp_path, config, layout_run):
@@ -504,6 +545,15 @@ def test_bias_update_balances_the_expert_load(tmp_path, corpus_and_cache):
         ({}, {}, {}, ["--etp", "2"], 4, "--etp 2: expert tensor parallelism is not in the MoE layer yet"),
         ({}, {}, {}, ["--pp", "2", "--pp-schedule", "dualpipev"], 2, "DualPipeV needs at least 2 \\* pp = 4 micro"),
         ({}, {}, {}, ["--pp", "2", "--overlap-moe-expert-parallel-comm"], 2, "overlaps DualPipeV's forward-backward"),
+        ({}, {}, {}, ["--pp", "2", "--pp-schedule", "dualpipev", "--vpp", "2"], 2, "DualPipeV already holds 2 stages"),
+        (
+            {},
+            {"global_batch": 12, "micro_batches": 3},
+            {},
+            ["--pp", "2", "--vpp", "2"],
+            2,
+            "micro_batches=3 must be a m",
+        ),
         (
             {},
             {"global_batch": 12, "micro_batches": 6},
