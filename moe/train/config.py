@@ -16,6 +16,7 @@ clip_grad = 1.0          # global gradient-norm clip; 0 = off
 dtype = "float32"        # parameters and activations: float32 or bfloat16 (FP32 master weights and Adam states)
 checkpoint_every = 100   # steps; the last step is always saved; 0 = only the last
 log_every = 10           # steps between console log lines (metrics.jsonl gets every step)
+compile = false          # torch.compile (inductor) of every layer's attention (moe/models/deepseek_v3/compile.py)
 # Anomalies and rewind (moe/train/rewind.py): a step whose loss or gradient norm is NaN/Inf, or whose loss is a
 # spike, makes no update; the state is restored from the last in-memory snapshot, the step's batch is skipped.
 check_for_nan_in_loss_and_grad = true
@@ -109,6 +110,9 @@ class TrainingConfig:
     dtype: str = "float32"
     checkpoint_every: int = 0
     log_every: int = 10
+    # torch.compile of the model's static-shape parts (moe/models/deepseek_v3/compile.py); opt-in: the first step
+    # pays the compilation.
+    compile: bool = False
     # Megatron's names: ZeRO-1 (optimizer states and FP32 masters sharded over the data-parallel ranks), its
     # gradient bucket size in elements (None: Megatron's default max(40M, 1M * dp)) and the overlap of the bucket
     # reductions with the backward.
@@ -159,7 +163,7 @@ class TrainingConfig:
             raise ValueError(f"[training] weight_decay must be >= 0, got {self.weight_decay!r}")
         if not self.clip_grad >= 0:
             raise ValueError(f"[training] clip_grad must be >= 0 (0 = off), got {self.clip_grad!r}")
-        for name in ("use_distributed_optimizer", "overlap_grad_reduce"):
+        for name in ("use_distributed_optimizer", "overlap_grad_reduce", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"[training] {name} must be true or false, got {getattr(self, name)!r}")
         if self.ddp_bucket_size is not None:

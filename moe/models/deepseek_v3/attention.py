@@ -1,4 +1,5 @@
-"""Multi-head Latent Attention (DeepSeek-V2/V3), causal, through `F.scaled_dot_product_attention`.
+"""Multi-head Latent Attention (DeepSeek-V2/V3), causal: explicit GEMMs and softmax for short float32 CPU sequences,
+`F.scaled_dot_product_attention` otherwise (see "The attention core" below).
 
 Legend: B batch, S positions, H hidden, N heads, Dn / Dr / Dv the per-head no-rope key, rope key and value dims,
 Dq = Dn + Dr, Q `q_lora_rank`, C `kv_lora_rank`.
@@ -16,6 +17,17 @@ does both. Only when `q_lora_rank` is None and `attention_bias` is set (transfor
 `kv_a_proj_with_mqa` has one) are they kept apart as `q_proj` and `kv_a_proj_with_mqa`. The other names are
 transformers': `q_a_layernorm`, `q_b_proj`, `kv_a_layernorm`, `kv_b_proj` (rows per head: Dn key rows then Dv value
 rows), `o_proj`.
+
+The attention core: MLA's value heads are narrower than its query/key heads (Dv < Dq: 128 vs 192 in DeepSeek-V3).
+SDPA's fused CPU (flash) kernel wants one head dim for q, k and v, so v is zero-padded to Dq there (the padded
+output columns are sliced off and get zero gradients): it then does 2 * Dq / (Dq + Dv) times the value work, and
+the padding, the slicing and the kernel's zero-filled gradient buffers cost copies. For short sequences the
+explicit form, `softmax(q k^T * scale + causal mask) v` as two batched GEMMs over unpadded v, is cheaper on CPU
+(measured, tiny config, 8 x 128 tokens, one thread, forward + backward of the core: see `explicit_core`), but it
+keeps the probabilities `[B, N, S, S]` for backward. The rule (`explicit_core`): explicit where those probabilities
+(N * S floats per token) are no larger than the q, k and padded v the flash path keeps (3 * N * Dq), i.e.
+S <= 3 * Dq, on CPU and in float32 (in BF16 the explicit scores would be rounded to BF16 before the softmax,
+which the flash kernel keeps in float32); SDPA everywhere else (GPUs, long sequences, BF16).
 """
 
 from __future__ import annotations
@@ -29,6 +41,18 @@ from moe.models.deepseek_v3.norm import RMSNorm
 from moe.models.deepseek_v3.recompute import RecomputeScope, discard_outputs, recompute_region
 from moe.models.deepseek_v3.rope import apply_rope, softmax_scale
 from moe.parallel.mappings import SequenceShards, gather_from_sequence_parallel
+
+
+def explicit_core(seq_len: int, qk_head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the attention core of `seq_len` positions runs as explicit GEMMs + softmax rather than SDPA (the
+    rule of the module docstring: CPU, float32, and the kept probabilities no larger than flash's q, k, v)."""
+    return device.type == "cpu" and dtype == torch.float32 and seq_len <= 3 * qk_head_dim
+
+
+def causal_bias(seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`[S, S]` additive causal mask: 0 on and below the diagonal, -inf above (S * S elements, built per call: a few
+    microseconds next to the `[B * N, S, S]` scores)."""
+    return torch.full((seq_len, seq_len), float("-inf"), dtype=dtype, device=device).triu(1)
 
 
 def fuses_input_projections(config: DeepseekV3Config) -> bool:
@@ -116,31 +140,39 @@ class MultiHeadLatentAttention(nn.Module):
         return self.o_proj(out_BSD) if shards is None else self.o_proj(out_BSD, shards)
 
     def _up_proj(self, q_in, c_BSC, k_rope, cos_SP, sin_SP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`(q, k, v)` `[B, S, N, Dq]` each from the normed latents (the query input `[B, S, Q]`, or the plain q_proj
-        output `[B, S, N*Dq]`; `c [B, S, C]`; the rope key `[B, S, Dr]`); v zero-padded from Dv to Dq columns."""
-        B = q_in.size(0)
+        """`(q, k, v)` `[B, N, S, D]` each (contiguous, heads before positions, as the attention core reads them) from
+        the normed latents (the query input `[B, S, Q]`, or the plain q_proj output `[B, S, N*Dq]`; `c [B, S, C]`;
+        the rope key `[B, S, Dr]`). q and k have D = Dq; v has Dv, zero-padded to Dq for the SDPA core."""
+        B, S = q_in.shape[:2]
         N, Dn, Dr, Dv = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim
-        S = q_in.size(1)
         q = self.q_b_proj(q_in) if self.q_b_proj is not None else q_in
         q_nope, q_rope = q.view(B, S, N, Dn + Dr).split([Dn, Dr], dim=-1)
         k_nope, v_BSNV = self.kv_b_proj(c_BSC).view(B, S, N, Dn + Dv).split([Dn, Dv], dim=-1)
 
         q_rope = apply_rope(q_rope, cos_SP, sin_SP, self.rope_interleave)
         k_rope = apply_rope(k_rope.reshape(B, S, 1, Dr), cos_SP, sin_SP, self.rope_interleave)
-        q_BSNQ = torch.cat((q_nope, q_rope), dim=-1)
-        k_BSNQ = torch.cat((k_nope, k_rope.expand(B, S, N, Dr)), dim=-1)
+        # The concatenations copy anyway: they write the heads-first layout the batched GEMMs want.
+        q_BNSQ = torch.cat((q_nope.transpose(1, 2), q_rope.transpose(1, 2)), dim=-1)
+        k_BNSQ = torch.cat((k_nope.transpose(1, 2), k_rope.transpose(1, 2).expand(B, N, S, Dr)), dim=-1)
+        v_BNSV = v_BSNV.transpose(1, 2)
+        if explicit_core(S, Dn + Dr, q_BNSQ.dtype, q_BNSQ.device):
+            return q_BNSQ, k_BNSQ, v_BNSV.contiguous()
+        # SDPA's fused kernels want one head dim (see the module docstring): zero columns appended to v.
+        return q_BNSQ, k_BNSQ, F.pad(v_BNSV, (0, Dn + Dr - Dv)) if Dv < Dn + Dr else v_BNSV.contiguous()
 
-        # SDPA's fused (flash) kernels want one head dim for q, k and v; with Dv < Dq it would fall back to the
-        # unfused "math" path, which materialises the float32 [B, N, S, S] scores and probabilities and keeps them
-        # for backward. Zero columns appended to v give output columns that are sliced off (and zero gradients).
-        if Dv < Dn + Dr:
-            v_BSNV = F.pad(v_BSNV, (0, Dn + Dr - Dv))
-        return q_BSNQ, k_BSNQ, v_BSNV
-
-    def _core_attention(self, q_BSNQ, k_BSNQ, v_BSNQ) -> torch.Tensor:
-        """Causal `softmax(q k^T * scale) v` over `[B, S, N, Dq]` inputs; `[B, S, N*Dv]` (the padding sliced off)."""
-        B, S, N, _ = q_BSNQ.shape
-        out_BNSV = F.scaled_dot_product_attention(
-            q_BSNQ.transpose(1, 2), k_BSNQ.transpose(1, 2), v_BSNQ.transpose(1, 2), is_causal=True, scale=self.scale
-        )
-        return out_BNSV[..., : self.v_dim].transpose(1, 2).reshape(B, S, N * self.v_dim)
+    def _core_attention(self, q_BNSQ, k_BNSQ, v_BNSD) -> torch.Tensor:
+        """Causal `softmax(q k^T * scale) v` over `[B, N, S, D]` inputs (`_up_proj`'s); `[B, S, N*Dv]`."""
+        B, N, S, Dq = q_BNSQ.shape
+        Dv = self.v_dim
+        if explicit_core(S, Dq, q_BNSQ.dtype, q_BNSQ.device):
+            # One GEMM applies the scale and adds the mask (baddbmm: bias + scale * q k^T); k^T is a view.
+            scores_ZSS = torch.baddbmm(
+                causal_bias(S, q_BNSQ.dtype, q_BNSQ.device),
+                q_BNSQ.view(B * N, S, Dq),
+                k_BNSQ.view(B * N, S, Dq).transpose(1, 2),
+                alpha=self.scale,
+            )
+            out_ZSV = torch.bmm(torch.softmax(scores_ZSS, dim=-1), v_BNSD.view(B * N, S, Dv))
+            return out_ZSV.view(B, N, S, Dv).transpose(1, 2).reshape(B, S, N * Dv)
+        out_BNSD = F.scaled_dot_product_attention(q_BNSQ, k_BNSQ, v_BNSD, is_causal=True, scale=self.scale)
+        return out_BNSD[..., :Dv].transpose(1, 2).reshape(B, S, N * Dv)
