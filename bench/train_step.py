@@ -5,12 +5,13 @@ memory side by side; then our expert-parallel scaling.
 The trainer's step (first table): `Trainer.train_step` as `examples/deepseek_v3/train.py` builds it for one process
 with the config tree's defaults (`examples/deepseek_v3/configs/tiny.toml`, MTP off since transformers has none; its
 [training]: 32 x 128 tokens in 4 micro-batches, FP32, AdamW with the warm-up + cosine schedule, clipping at 1.0,
-the expert-bias update; a speed flag only with `--trainer-set`, e.g. `training.compile=true`) against a plain loop
-around transformers' model holding the same initial weights: the same micro-batches (each mean loss divided by their
-number), `clip_grad_norm_`, torch's AdamW with the same settings and schedule. Both sides train on the same 32 random
-sequences (`fixed_batches`), one intra-op thread (train.sh's setting per rank), in one process, step by step in
-turns. Printed: both step times, the ratio, the first step's parity (loss and gradient norm), and each side's top
-operators by self CPU time over one more step (torch.profiler `key_averages`).
+the expert-bias update; speed flags only with `--trainer-set`, e.g. `training.attention_backend=auto` or
+`training.compile=true`) against a plain loop around transformers' model holding the same initial weights: the
+same micro-batches (each mean loss divided by their number), `clip_grad_norm_`, torch's AdamW with the same
+settings and schedule. Both sides train on the same 32 random sequences (`fixed_batches`), one intra-op thread
+(train.sh's setting per rank), in one process, step by step in turns. Printed: both step times (wall clock, and
+the thread's CPU time, steadier on a shared machine), the ratio, the first step's parity (loss and gradient norm),
+and each side's top operators by self CPU time over one more step (torch.profiler `key_averages`).
 
 The model comparison (second table), setting: `examples/deepseek_v3/configs/small.toml` (hidden 512, 4 layers of
 which 3 MoE with 16 routed experts of 256, top-4 in 2 of 4 groups, one shared expert, MLA with q LoRA 384 / kv LoRA
@@ -20,8 +21,8 @@ FP32), backward, global-norm clipping at 1.0, AdamW (torch's fused kernel, lr 1e
 decay 0.1 on matrices) and, for our model, the aux-loss-free expert-bias update (`moe.update_expert_bias`, part of a
 DeepSeek-V3 step; transformers has none).
 Both models run their defaults: transformers 'sdpa' attention and 'grouped_mm' experts, ours
-its attention core (explicit GEMMs + softmax where short float32 sequences make that cheaper, else
-`scaled_dot_product_attention`) and grouped-GEMM experts behind the 'flex' dispatcher (no communication on one rank).
+`scaled_dot_product_attention` (attention backend 'sdpa') and grouped-GEMM experts behind the 'flex' dispatcher
+(no communication on one rank).
 
 Variants (rows of the second table), all in one process with every core's intra-op threads:
 - transformers and ours in FP32, without MTP on both (transformers does not model multi-token prediction, so the
@@ -383,6 +384,7 @@ def build_trainer(job: job_config.Job, batches: TokenBatches, run_dir: Path, hf_
     if job.layout.fp8 != "none":
         apply_fp8(model, job.layout.fp8)
     model.set_recompute(job.recompute)
+    model.set_attention_backend(job.training.attention_backend)
     if job.training.compile:
         compile_model(model)
     return Trainer(model, job.training, ParallelState.single(), batches, run_dir, seed=0, model_io=None,
@@ -455,14 +457,19 @@ def trainer_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, bench: Tra
             cpu[name].append(time.thread_time() - start)
             return result
 
-        first = {name: {k: float(v) for k, v in call(name).items() if k in ("loss", "grad_norm")} for name in sides}
+        first, first_seconds = {}, {}
+        for name in sides:  # the first step also builds what is built once (with `compile`, the compilation)
+            start = time.perf_counter()
+            first[name] = {k: float(v) for k, v in call(name).items() if k in ("loss", "grad_norm")}
+            first_seconds[name] = time.perf_counter() - start
         timed = time_variants({name: functools.partial(call, name) for name in sides}, bench.iters, bench.warmup, group)
         # The thread's CPU time of the same timed steps: on a shared machine, the wall clock also counts the time the
         # thread waited for a core; the CPU time does not (both sides run one thread).
         cpu_samples = {name: values[-bench.iters :] for name, values in cpu.items()}
         cpu_seconds = {name: statistics.median(values) for name, values in cpu_samples.items()}
         costs = {name: top_costs(functools.partial(call, name), bench.top) for name in sides}
-    return {**timed, "cpu_seconds": cpu_seconds, "cpu_samples": cpu_samples, "first_step": first, "top_costs": costs,
+    return {**timed, "cpu_seconds": cpu_seconds, "cpu_samples": cpu_samples, "first_step": first,
+            "first_step_seconds": first_seconds, "top_costs": costs,
             "config": job.tables,
             "transformers_impl": {"attn": hf.config._attn_implementation,
                                   "experts": hf.config._experts_implementation}}  # fmt: skip
@@ -495,6 +502,9 @@ def print_trainer(bench: TrainerBench, result: dict[str, Any]) -> dict[str, Any]
     print_table(("side", "step ms", "tokens/s", "samples ms", "CPU ms"), rows,
                 f"Speedup (transformers' step time / the trainer's): {ratio:.2f}x wall clock, {cpu_ratio:.2f}x CPU "
                 "time (goal 1.3x, 1.5x stretch).",
+                f"First step (builds caches; with compile, compiles): transformers "
+                f"{result['first_step_seconds']['transformers']:.1f} s, trainer "
+                f"{result['first_step_seconds']['trainer']:.1f} s.",
                 f"First step, relative difference: loss {parity['loss']:.1e}, grad norm {parity['grad_norm']:.1e} "
                 f"(bound {TRAINER_PARITY_RTOL:.0e}).")  # fmt: skip
     for name in ("transformers", "trainer"):

@@ -171,6 +171,7 @@ def build(args, checked: CheckedJob) -> BuiltRun:
     if layout.fp8 != "none":  # FP8 GEMMs under the recipe (FP8 dispatch was built in); weights stay the masters
         apply_fp8(model, layout.fp8, tp_group=parallel.tp_group)
     model.set_recompute(job.recompute)
+    model.set_attention_backend(train_cfg.attention_backend)
     if train_cfg.compile:  # opt-in: the attention modules compile at the first step (moe/models/deepseek_v3/compile.py)
         compile_model(model)
     pipeline = None

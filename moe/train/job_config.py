@@ -26,6 +26,7 @@ import tomli_w
 
 from moe.io.atomic import write_bytes
 from moe.models.deepseek_v3 import DeepseekV3Config, RecomputeConfig
+from moe.models.deepseek_v3.attention import ATTENTION_BACKENDS
 from moe.models.deepseek_v3.config import EXTENSION_FIELDS
 from moe.models.deepseek_v3.model_dir import read_config
 from moe.pipeline.split import SCHEDULE_STAGES_PER_RANK, StageSplit, check_schedule, split_layers
@@ -144,6 +145,8 @@ def add_tree_options(p: argparse.ArgumentParser) -> None:
           "(default: [training] use_distributed_optimizer)")  # fmt: skip
     alias("--ddp-bucket-size", dest="training.ddp_bucket_size", type=int,
           help="gradient bucket size in elements (ZeRO-1)")  # fmt: skip
+    alias("--attention-backend", dest="training.attention_backend", choices=ATTENTION_BACKENDS,
+          help="MLA's attention core: sdpa (default), unfused, auto (moe/models/deepseek_v3/attention.py)")  # fmt: skip
     alias("--compile", dest="training.compile", action="store_const", const=True,
           help="torch.compile (inductor) every layer's attention (default: [training] compile; the first step "
           "compiles)")  # fmt: skip

@@ -1,5 +1,5 @@
-"""Multi-head Latent Attention (DeepSeek-V2/V3), causal: explicit GEMMs and softmax for short float32 CPU sequences,
-`F.scaled_dot_product_attention` otherwise (see "The attention core" below).
+"""Multi-head Latent Attention (DeepSeek-V2/V3), causal; its core through `F.scaled_dot_product_attention` or as
+explicit GEMMs and softmax (`attention_backend`, see "The attention core" below).
 
 Legend: B batch, S positions, H hidden, N heads, Dn / Dr / Dv the per-head no-rope key, rope key and value dims,
 Dq = Dn + Dr, Q `q_lora_rank`, C `kv_lora_rank`.
@@ -18,16 +18,22 @@ does both. Only when `q_lora_rank` is None and `attention_bias` is set (transfor
 transformers': `q_a_layernorm`, `q_b_proj`, `kv_a_layernorm`, `kv_b_proj` (rows per head: Dn key rows then Dv value
 rows), `o_proj`.
 
-The attention core: MLA's value heads are narrower than its query/key heads (Dv < Dq: 128 vs 192 in DeepSeek-V3).
-SDPA's fused CPU (flash) kernel wants one head dim for q, k and v, so v is zero-padded to Dq there (the padded
-output columns are sliced off and get zero gradients): it then does 2 * Dq / (Dq + Dv) times the value work, and
-the padding, the slicing and the kernel's zero-filled gradient buffers cost copies. For short sequences the
-explicit form, `softmax(q k^T * scale + causal mask) v` as two batched GEMMs over unpadded v, is cheaper on CPU
-(measured, tiny config, 8 x 128 tokens, one thread, forward + backward of the core: see `explicit_core`), but it
-keeps the probabilities `[B, N, S, S]` for backward. The rule (`explicit_core`): explicit where those probabilities
-(N * S floats per token) are no larger than the q, k and padded v the flash path keeps (3 * N * Dq), i.e.
-S <= 3 * Dq, on CPU and in float32 (in BF16 the explicit scores would be rounded to BF16 before the softmax,
-which the flash kernel keeps in float32); SDPA everywhere else (GPUs, long sequences, BF16).
+The attention core (`attention_backend`, Megatron's `--attention-backend` names; `[training] attention_backend`):
+- 'sdpa' (default): `F.scaled_dot_product_attention`. MLA's value heads are narrower than its query/key heads
+  (Dv < Dq: 128 vs 192 in DeepSeek-V3) and SDPA's fused kernels (the CPU flash kernel among them) want one head dim,
+  so v is zero-padded to Dq (the padded output columns are sliced off and get zero gradients): 2 * Dq / (Dq + Dv)
+  times the value work, plus the padding, the slicing and the kernel's zero-filled gradient buffers.
+- 'unfused': `softmax(q k^T * scale + causal mask) v` as two batched GEMMs over the unpadded v. It keeps the
+  probabilities `[B, N, S, S]` for backward (flash keeps only q, k, v, the output and the row maxima).
+- 'auto': 'unfused' where it is cheaper and small, 'sdpa' elsewhere (`unfused_core`): on CPU, in float32, for
+  S <= 3 * Dq, i.e. where the kept probabilities (N * S floats per token) are no larger than the q, k and padded v
+  the flash path keeps (3 * N * Dq). Measured (one thread, forward + backward of the core, 1024 tokens, N = 4,
+  Dq = 128, Dv = 64): unfused 0.7-1.0x flash's time from S = 128 to 1024 (the noisy 2-core machine of this project).
+  Not on GPUs (SDPA's fused kernels) nor in BF16 (the explicit scores would be rounded to BF16 before the softmax,
+  which the flash kernel keeps in float32).
+The two are the same function up to float32 rounding (~1e-7 relative), but the rounding moves MoE routing
+decisions that sit on a tie, so a training run's losses leave the 'sdpa' run's after a few steps (tiny: within
+2e-4 relative for 7 steps, then up to 5e-3 as the routes part); hence 'sdpa' stays the default.
 """
 
 from __future__ import annotations
@@ -42,11 +48,15 @@ from moe.models.deepseek_v3.recompute import RecomputeScope, discard_outputs, re
 from moe.models.deepseek_v3.rope import apply_rope, softmax_scale
 from moe.parallel.mappings import SequenceShards, gather_from_sequence_parallel
 
+ATTENTION_BACKENDS = ("sdpa", "unfused", "auto")
 
-def explicit_core(seq_len: int, qk_head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the attention core of `seq_len` positions runs as explicit GEMMs + softmax rather than SDPA (the
-    rule of the module docstring: CPU, float32, and the kept probabilities no larger than flash's q, k, v)."""
-    return device.type == "cpu" and dtype == torch.float32 and seq_len <= 3 * qk_head_dim
+
+def unfused_core(backend: str, seq_len: int, qk_head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the attention core of `seq_len` positions runs as explicit GEMMs + softmax under `backend` (see the
+    module docstring: 'auto' on CPU, in float32, with the kept probabilities no larger than flash's q, k, v)."""
+    if backend == "auto":
+        return device.type == "cpu" and dtype == torch.float32 and seq_len <= 3 * qk_head_dim
+    return backend == "unfused"
 
 
 def causal_bias(seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -64,6 +74,7 @@ class MultiHeadLatentAttention(nn.Module):
     def __init__(self, config: DeepseekV3Config, *, dtype: torch.dtype = torch.float32, device=None) -> None:
         super().__init__()
         c = config
+        self.attention_backend = "sdpa"  # one of ATTENTION_BACKENDS (`DeepseekV3ForCausalLM.set_attention_backend`)
         self.num_heads = c.num_attention_heads  # this rank's heads: `head_start` on (tensor_parallel.py)
         self.head_start = 0
         self.nope_dim, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
@@ -139,32 +150,41 @@ class MultiHeadLatentAttention(nn.Module):
             out_BSD = self._core_attention(q_BSNQ, k_BSNQ, v_BSNQ)
         return self.o_proj(out_BSD) if shards is None else self.o_proj(out_BSD, shards)
 
+    def _unfused(self, seq_len: int, x: torch.Tensor) -> bool:
+        return unfused_core(self.attention_backend, seq_len, self.nope_dim + self.rope_dim, x.dtype, x.device)
+
     def _up_proj(self, q_in, c_BSC, k_rope, cos_SP, sin_SP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`(q, k, v)` `[B, N, S, D]` each (contiguous, heads before positions, as the attention core reads them) from
-        the normed latents (the query input `[B, S, Q]`, or the plain q_proj output `[B, S, N*Dq]`; `c [B, S, C]`;
-        the rope key `[B, S, Dr]`). q and k have D = Dq; v has Dv, zero-padded to Dq for the SDPA core."""
-        B, S = q_in.shape[:2]
+        """`(q, k, v)` `[B, N, S, D]` each from the normed latents (the query input `[B, S, Q]`, or the plain q_proj
+        output `[B, S, N*Dq]`; `c [B, S, C]`; the rope key `[B, S, Dr]`): q and k with D = Dq; v with Dv (unfused
+        core), or zero-padded to Dq (SDPA). Unfused: contiguous, heads before positions (the layout of its batched
+        GEMMs). SDPA: transposed views of positions-first tensors (SDPA reads the strides)."""
+        B = q_in.size(0)
         N, Dn, Dr, Dv = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim
+        S = q_in.size(1)
         q = self.q_b_proj(q_in) if self.q_b_proj is not None else q_in
         q_nope, q_rope = q.view(B, S, N, Dn + Dr).split([Dn, Dr], dim=-1)
         k_nope, v_BSNV = self.kv_b_proj(c_BSC).view(B, S, N, Dn + Dv).split([Dn, Dv], dim=-1)
 
         q_rope = apply_rope(q_rope, cos_SP, sin_SP, self.rope_interleave)
         k_rope = apply_rope(k_rope.reshape(B, S, 1, Dr), cos_SP, sin_SP, self.rope_interleave)
-        # The concatenations copy anyway: they write the heads-first layout the batched GEMMs want.
-        q_BNSQ = torch.cat((q_nope.transpose(1, 2), q_rope.transpose(1, 2)), dim=-1)
-        k_BNSQ = torch.cat((k_nope.transpose(1, 2), k_rope.transpose(1, 2).expand(B, N, S, Dr)), dim=-1)
-        v_BNSV = v_BSNV.transpose(1, 2)
-        if explicit_core(S, Dn + Dr, q_BNSQ.dtype, q_BNSQ.device):
-            return q_BNSQ, k_BNSQ, v_BNSV.contiguous()
-        # SDPA's fused kernels want one head dim (see the module docstring): zero columns appended to v.
-        return q_BNSQ, k_BNSQ, F.pad(v_BNSV, (0, Dn + Dr - Dv)) if Dv < Dn + Dr else v_BNSV.contiguous()
+        if self._unfused(S, q):
+            # The concatenations copy anyway: they write the heads-first layout of the batched GEMMs.
+            q_BNSQ = torch.cat((q_nope.transpose(1, 2), q_rope.transpose(1, 2)), dim=-1)
+            k_BNSQ = torch.cat((k_nope.transpose(1, 2), k_rope.transpose(1, 2).expand(B, N, S, Dr)), dim=-1)
+            return q_BNSQ, k_BNSQ, v_BSNV.transpose(1, 2).contiguous()
+        q_BSNQ = torch.cat((q_nope, q_rope), dim=-1)
+        k_BSNQ = torch.cat((k_nope, k_rope.expand(B, S, N, Dr)), dim=-1)
+        # SDPA's fused (flash) kernels want one head dim for q, k and v: zero columns appended to v (see the module
+        # docstring).
+        if Dv < Dn + Dr:
+            v_BSNV = F.pad(v_BSNV, (0, Dn + Dr - Dv))
+        return q_BSNQ.transpose(1, 2), k_BSNQ.transpose(1, 2), v_BSNV.transpose(1, 2)
 
     def _core_attention(self, q_BNSQ, k_BNSQ, v_BNSD) -> torch.Tensor:
-        """Causal `softmax(q k^T * scale) v` over `[B, N, S, D]` inputs (`_up_proj`'s); `[B, S, N*Dv]`."""
+        """Causal `softmax(q k^T * scale) v` over `_up_proj`'s `[B, N, S, D]` tensors; `[B, S, N*Dv]`."""
         B, N, S, Dq = q_BNSQ.shape
         Dv = self.v_dim
-        if explicit_core(S, Dq, q_BNSQ.dtype, q_BNSQ.device):
+        if self._unfused(S, q_BNSQ):
             # One GEMM applies the scale and adds the mask (baddbmm: bias + scale * q k^T); k^T is a view.
             scores_ZSS = torch.baddbmm(
                 causal_bias(S, q_BNSQ.dtype, q_BNSQ.device),

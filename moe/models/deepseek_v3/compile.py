@@ -3,7 +3,7 @@
 What is compiled: every decoder layer's (and MTP depth's) Multi-head Latent Attention module, with inductor and
 static shapes. Its work per micro-batch has one shape for the whole run (the sequence length and micro-batch size
 are fixed), so it compiles once, on the first step; inductor fuses its element-wise chains (the RMSNorms, the RoPE
-rotations and the q / k concatenation, the mask and softmax of the explicit core) into a few C++ loops around the
+rotations and the q / k concatenation, the mask and softmax of the unfused core) into a few C++ loops around the
 GEMMs it leaves to the BLAS library.
 
 What is not: the MoE layers. Their routed experts see a different number of rows per expert every step (a

@@ -80,25 +80,12 @@ class RotaryEmbedding(torch.nn.Module):
 
 def apply_rope(x: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """Rotate `x [B, S, N, D]` by position. Pair `j` is `(x[2j], x[2j+1])` when `interleaved` (DeepSeek's layout),
-    `(x[j], x[j + D/2])` otherwise.
-
-    The rotated pairs come back in a layout that depends only on `interleaved` and the dtype, so queries and keys
-    (same dtype) go through the same permutation and their dot products are those of the input layout:
-    - interleaved float32 / float64: interleaved, as one complex multiplication `(x[2j] + i x[2j+1]) * (cos + i sin)`
-      over a complex view of the pairs (one kernel forward and one backward, where the real form below takes two
-      strided slices, four multiplications, an addition, a subtraction and a concatenation, and their backwards);
-    - otherwise (BF16 has no complex dtype; the half layout has no adjacent pairs): `[first elements | second
-      elements]` (the half layout), from the real form.
-    """
-    cos, sin = cos_SP[:, None, :], sin_SP[:, None, :]
-    if interleaved and x.dtype in (torch.float32, torch.float64):
-        pairs = x.unflatten(-1, (-1, 2))
-        if pairs.stride(-1) != 1 or pairs.storage_offset() % 2 or any(stride % 2 for stride in pairs.stride()[:-2]):
-            pairs = pairs.contiguous()  # a complex view needs every pair aligned to two elements
-        rotated = torch.view_as_complex(pairs) * torch.complex(cos.to(x.dtype), sin.to(x.dtype))
-        return torch.view_as_real(rotated).flatten(-2)
+    `(x[j], x[j + D/2])` otherwise. Returns the rotated pairs as `[first elements | second elements]` (the half
+    layout): queries and keys go through the same permutation, so their dot products are those of the input
+    layout."""
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:
         x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos_SP[:, None, :], sin_SP[:, None, :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
