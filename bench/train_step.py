@@ -1,16 +1,30 @@
-"""Training step of DeepSeek-V3 (forward + backward + AdamW step): our `moe.models.deepseek_v3` model against
-transformers' `DeepseekV3ForCausalLM`, tokens/s and peak memory side by side; then our expert-parallel scaling.
+"""Training step of DeepSeek-V3 (forward + backward + AdamW step): the trainer's step against a plain loop around
+transformers' `DeepseekV3ForCausalLM`; our `moe.models.deepseek_v3` model against transformers', tokens/s and peak
+memory side by side; then our expert-parallel scaling.
 
-Setting: `examples/deepseek_v3/configs/small.toml` (hidden 512, 4 layers of which 3 MoE with 16 routed experts of
-256, top-4 in 2 of 4 groups, one shared expert, MLA with q LoRA 384 / kv LoRA 256, YaRN, vocabulary 4096), a batch
-of 4 x 256 random token ids from a seeded generator (labels = the ids; every model shifts them itself). One step:
-gradients set to None, forward with labels (mean next-token cross entropy, FP32), backward, global-norm clipping at
-1.0, AdamW (torch's fused kernel, lr 1e-4, betas (0.9, 0.95), weight decay 0.1 on matrices) and, for our model, the
-aux-loss-free expert-bias update (`moe.update_expert_bias`, part of a DeepSeek-V3 step; transformers has none).
+The trainer's step (first table): `Trainer.train_step` as `examples/deepseek_v3/train.py` builds it for one process
+with the config tree's defaults (`examples/deepseek_v3/configs/tiny.toml`, MTP off since transformers has none; its
+[training]: 32 x 128 tokens in 4 micro-batches, FP32, AdamW with the warm-up + cosine schedule, clipping at 1.0,
+the expert-bias update; speed flags only with `--trainer-set`, e.g. `training.attention_backend=auto` or
+`training.compile=true`) against a plain loop around transformers' model holding the same initial weights: the
+same micro-batches (each mean loss divided by their number), `clip_grad_norm_`, torch's AdamW with the same
+settings and schedule. Both sides train on the same 32 random sequences (`fixed_batches`), one intra-op thread
+(train.sh's setting per rank), in one process, step by step in turns. Printed: both step times (wall clock, and
+the thread's CPU time, steadier on a shared machine), the ratio, the first step's parity (loss and gradient norm),
+and each side's top operators by self CPU time over one more step (torch.profiler `key_averages`).
+
+The model comparison (second table), setting: `examples/deepseek_v3/configs/small.toml` (hidden 512, 4 layers of
+which 3 MoE with 16 routed experts of 256, top-4 in 2 of 4 groups, one shared expert, MLA with q LoRA 384 / kv LoRA
+256, YaRN, vocabulary 4096), a batch of 4 x 256 random token ids from a seeded generator (labels = the ids; every
+model shifts them itself). One step: gradients set to None, forward with labels (mean next-token cross entropy,
+FP32), backward, global-norm clipping at 1.0, AdamW (torch's fused kernel, lr 1e-4, betas (0.9, 0.95), weight
+decay 0.1 on matrices) and, for our model, the aux-loss-free expert-bias update (`moe.update_expert_bias`, part of a
+DeepSeek-V3 step; transformers has none).
 Both models run their defaults: transformers 'sdpa' attention and 'grouped_mm' experts, ours
-`scaled_dot_product_attention` and grouped-GEMM experts behind the 'flex' dispatcher (no communication on one rank).
+`scaled_dot_product_attention` (attention backend 'sdpa') and grouped-GEMM experts behind the 'flex' dispatcher
+(no communication on one rank).
 
-Variants (rows of the first table), all in one process with every core's intra-op threads:
+Variants (rows of the second table), all in one process with every core's intra-op threads:
 - transformers and ours in FP32, without MTP on both (transformers does not model multi-token prediction, so the
   compared models have `num_nextn_predict_layers = 0`), with identical weights: transformers' randomly initialised
   weights imported into ours (`moe.models.deepseek_v3.hf.from_hf_state_dict`);
@@ -39,7 +53,7 @@ while the expert GEMMs change shape as the routing moves (oneDNN keeps state per
 cache among it): measured +400 MiB for transformers' BF16 model, and none with the learning rate at 0. Both
 models pay it; FP32 GEMMs (MKL) keep nothing per shape.
 
-Expert-parallel scaling (second table): our model (MTP off) under `run_ranks` with R = 1, 2, 4 processes (gloo on
+Expert-parallel scaling (third table): our model (MTP off) under `run_ranks` with R = 1, 2, 4 processes (gloo on
 127.0.0.1, `max(1, cores // R)` threads each): the experts sharded over the R ranks through the 'flex' (mtdeepep)
 dispatcher, everything else data parallel (each rank its own 4 x 256 batch, loss divided by R, the replicated
 gradients summed over the ranks in FP32 in one all-reduce, the global norm over all ranks, the expert-bias update
@@ -49,8 +63,10 @@ Check: rank 0's first loss (its batch is EP 1's) is the same at every R.
 
 Run (about 6 minutes on a 2-core machine):
 
-    .venv/bin/python bench/train_step.py                   # both tables + bench/results/train_step.json
-    .venv/bin/python bench/train_step.py --iters 3 --ep 1,2 --precisions bf16 --skip-memory
+    .venv/bin/python bench/train_step.py                   # every table + bench/results/train_step.json
+    .venv/bin/python bench/train_step.py --iters 3 --ep 1,2 --precisions bf16 --skip-memory --skip-trainer
+    .venv/bin/python bench/train_step.py --trainer-only    # the trainer's step only (about a minute)
+    .venv/bin/python bench/train_step.py --trainer-only --trainer-set training.compile=true
 
 Legend: B sequences, S tokens per sequence, R ranks.
 """
@@ -59,12 +75,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from _common import (
@@ -86,11 +105,20 @@ from _common import (
 )
 
 from moe import update_expert_bias
+from moe.fp8.convert import apply_fp8, fp8_moe_options
 from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.models.deepseek_v3.compile import compile_model
 from moe.models.deepseek_v3.hf import from_hf_state_dict
+from moe.train import job_config
+from moe.train.config_tree import split_overrides
+from moe.train.data import TokenBatches
+from moe.train.parallel import ParallelState
+from moe.train.schedule import lr_at
+from moe.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TRAINING_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # [training] dtype
 MAX_GRAD_NORM = 1.0
 
 # Parity of a pair (relative difference of the first-step loss and of the pre-clipping gradient norm).
@@ -307,6 +335,185 @@ def build_models(cfg: BenchConfig) -> dict[Variant, torch.nn.Module]:
             model.load_full_state_dict(state_mtp if variant.mtp else state)
         models[variant] = model
     return models
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The trainer's step against a plain transformers loop (the first table)
+
+TRAINER_CONFIG = "examples/deepseek_v3/configs/tiny.toml"
+# transformers models no multi-token prediction: both sides train the main head only.
+TRAINER_OVERRIDES = ("--model.num_nextn_predict_layers", "0")
+# Parity of the first step (loss and pre-clipping gradient norm; FP32, the same maths in another order, see
+# PARITY_RTOL): measured ~1e-7 on the loss.
+TRAINER_PARITY_RTOL = 1e-4
+
+
+@dataclass(frozen=True)
+class TrainerBench:
+    """The trainer-vs-transformers comparison: `config` with `TRAINER_OVERRIDES` and `overrides` (`--section.key
+    value` pairs, e.g. a speed flag), `iters` timed steps per side after `warmup`, `top` profiler rows per side."""
+
+    config: str = TRAINER_CONFIG
+    overrides: tuple[str, ...] = ()
+    iters: int = 6
+    warmup: int = 1
+    top: int = 8
+    seed: int = 0
+
+
+def trainer_job(bench: TrainerBench) -> job_config.Job:
+    """The validated config tree of train.py for `bench` (one process)."""
+    _, overrides = split_overrides([*TRAINER_OVERRIDES, *bench.overrides])
+    return job_config.load_job(REPO / bench.config, overrides, world=1)
+
+
+def fixed_batches(job: job_config.Job, seed: int) -> TokenBatches:
+    """Random tokens for exactly one global batch (plus one held-out window): every step trains the same
+    `global_batch` sequences (each step an epoch, so in another order)."""
+    t = job.training
+    tokens = np.random.default_rng(seed).integers(0, job.model.vocab_size, (t.global_batch + 1) * t.seq_len)
+    return TokenBatches(tokens, seq_len=t.seq_len, global_batch=t.global_batch, val_sequences=1, seed=seed)
+
+
+def build_trainer(job: job_config.Job, batches: TokenBatches, run_dir: Path, hf_state: dict) -> Trainer:
+    """The model and `Trainer` as train.py builds them for one process (its dtype, FP8 recipe, recompute and
+    [training] settings), holding transformers' initial weights."""
+    model = DeepseekV3ForCausalLM(job.model, dtype=TRAINING_DTYPES[job.training.dtype],
+                                  moe_options=fp8_moe_options(job.layout.fp8))  # fmt: skip
+    model.load_full_state_dict(from_hf_state_dict(hf_state, job.model, log=lambda message: None))
+    if job.layout.fp8 != "none":
+        apply_fp8(model, job.layout.fp8)
+    model.set_recompute(job.recompute)
+    model.set_attention_backend(job.training.attention_backend)
+    if job.training.compile:
+        compile_model(model)
+    return Trainer(model, job.training, ParallelState.single(), batches, run_dir, seed=0, model_io=None,
+                   mtp_loss_weight=job.model.mtp_loss_weight, num_mtp=job.model.num_nextn_predict_layers)  # fmt: skip
+
+
+@dataclass
+class HFLoop:
+    """A plain training loop around transformers' model: per step the same micro-batches, each loss (a mean over
+    its micro-batch) divided by their number and back-propagated, `clip_grad_norm_`, torch's AdamW (its defaults,
+    with the trainer's hyperparameters, decay on matrices and learning-rate schedule)."""
+
+    model: torch.nn.Module
+    training: Any  # TrainingConfig
+    batches: TokenBatches
+
+    def __post_init__(self) -> None:
+        t = self.training
+        params = list(self.model.parameters())
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+        self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        t = self.training
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros(())
+        for mb in self.batches.global_batch_tokens(step).chunk(t.micro_batches):
+            loss = self.model(input_ids=mb, labels=mb).loss / t.micro_batches
+            loss.backward()
+            total += loss.detach()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.clip_grad)
+        lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, total_steps=t.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        return {"loss": float(total), "grad_norm": float(norm)}
+
+
+def top_costs(fn: Callable[[], Any], rows: int) -> list[dict[str, Any]]:
+    """One call of `fn` under torch.profiler: the `rows` operators of the largest self CPU time."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    return [{"op": e.key, "self_ms": e.self_cpu_time_total / 1e3, "share": e.self_cpu_time_total / total,
+             "calls": e.count} for e in events[:rows]]  # fmt: skip
+
+
+def trainer_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, bench: TrainerBench) -> dict[str, Any]:
+    """Both sides in this process on one intra-op thread (train.sh's per-rank setting): the parity step, then the
+    steps in turns, then one profiled step each."""
+    import tempfile
+
+    torch.set_num_threads(1)
+    job = trainer_job(bench)
+    batches = fixed_batches(job, bench.seed)
+    hf = hf_model(job.model, TRAINING_DTYPES[job.training.dtype], bench.seed)
+    with tempfile.TemporaryDirectory(prefix="train_step-") as run_dir:
+        trainer = build_trainer(job, batches, Path(run_dir), dict(hf.state_dict()))
+        loop = HFLoop(hf, job.training, batches)
+        steps = {"trainer": 0, "transformers": 0}
+        sides = {"trainer": trainer.train_step, "transformers": loop.train_step}
+        cpu: dict[str, list[float]] = {name: [] for name in sides}
+
+        def call(name: str):
+            steps[name] += 1
+            start = time.thread_time()
+            result = sides[name](steps[name])
+            cpu[name].append(time.thread_time() - start)
+            return result
+
+        first, first_seconds = {}, {}
+        for name in sides:  # the first step also builds what is built once (with `compile`, the compilation)
+            start = time.perf_counter()
+            first[name] = {k: float(v) for k, v in call(name).items() if k in ("loss", "grad_norm")}
+            first_seconds[name] = time.perf_counter() - start
+        timed = time_variants({name: functools.partial(call, name) for name in sides}, bench.iters, bench.warmup, group)
+        # The thread's CPU time of the same timed steps: on a shared machine, the wall clock also counts the time the
+        # thread waited for a core; the CPU time does not (both sides run one thread).
+        cpu_samples = {name: values[-bench.iters :] for name, values in cpu.items()}
+        cpu_seconds = {name: statistics.median(values) for name, values in cpu_samples.items()}
+        costs = {name: top_costs(functools.partial(call, name), bench.top) for name in sides}
+    return {**timed, "cpu_seconds": cpu_seconds, "cpu_samples": cpu_samples, "first_step": first,
+            "first_step_seconds": first_seconds, "top_costs": costs,
+            "config": job.tables,
+            "transformers_impl": {"attn": hf.config._attn_implementation,
+                                  "experts": hf.config._experts_implementation}}  # fmt: skip
+
+
+def samples_text(seconds: list[float]) -> str:
+    return " ".join(f"{s * 1e3:.0f}" for s in seconds)
+
+
+def print_trainer(bench: TrainerBench, result: dict[str, Any]) -> dict[str, Any]:
+    """The table of both sides, the ratio, the parity and the top costs; returns the summary for the JSON."""
+    seconds, first = result["seconds"], result["first_step"]
+    t = result["config"]["training"]
+    tokens = t["global_batch"] * t["seq_len"]
+    ratio = seconds["transformers"] / seconds["trainer"]
+    cpu = result["cpu_seconds"]
+    cpu_ratio = cpu["transformers"] / cpu["trainer"]
+    parity = {k: relative(first["trainer"][k], first["transformers"][k]) for k in ("loss", "grad_norm")}
+    flags = " ".join(bench.overrides) or "none (train.py's defaults)"
+    print(f"The trainer's step vs a transformers loop: {bench.config} without MTP, {t['global_batch']} x "
+          f"{t['seq_len']} tokens in {t['micro_batches']} micro-batches, {t['dtype']}, one process, 1 thread; "
+          f"speed flags: {flags}; transformers attention '{result['transformers_impl']['attn']}', experts "
+          f"'{result['transformers_impl']['experts']}'; median of {bench.iters} steps after {bench.warmup} "
+          "warm-up(s), in turns")  # fmt: skip
+    rows = [
+        [name, f"{seconds[name] * 1e3:.0f}", f"{tokens / seconds[name]:.0f}", samples_text(result["samples"][name]),
+         f"{cpu[name] * 1e3:.0f}"]
+        for name in ("transformers", "trainer")
+    ]  # fmt: skip
+    print_table(("side", "step ms", "tokens/s", "samples ms", "CPU ms"), rows,
+                f"Speedup (transformers' step time / the trainer's): {ratio:.2f}x wall clock, {cpu_ratio:.2f}x CPU "
+                "time (goal 1.3x, 1.5x stretch).",
+                f"First step (builds caches; with compile, compiles): transformers "
+                f"{result['first_step_seconds']['transformers']:.1f} s, trainer "
+                f"{result['first_step_seconds']['trainer']:.1f} s.",
+                f"First step, relative difference: loss {parity['loss']:.1e}, grad norm {parity['grad_norm']:.1e} "
+                f"(bound {TRAINER_PARITY_RTOL:.0e}).")  # fmt: skip
+    for name in ("transformers", "trainer"):
+        costs = result["top_costs"][name]
+        print(f"Top {len(costs)} operators of one {name} step by self CPU time:")
+        table = [[c["op"], f"{c['self_ms']:.1f}", f"{100 * c['share']:.1f}%", str(c["calls"])] for c in costs]
+        print_table(("op", "self ms", "share", "calls"), table)
+    summary = {"speedup": ratio, "speedup_cpu_time": cpu_ratio, "parity": parity, "overrides": list(bench.overrides)}
+    return {**summary, **result}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -552,6 +759,16 @@ def parse_args() -> argparse.Namespace:
             help="comma-separated subset of fp32,bf16 (default: fp32,bf16)",
         )
     add_config_arguments(parser, defaults, ("iters", "warmup", "memory_steps", "seed"), helps)
+    parser.add_argument("--trainer-only", action="store_true", help="only the trainer-vs-transformers table")
+    parser.add_argument("--skip-trainer", action="store_true", help="no trainer-vs-transformers table")
+    parser.add_argument("--trainer-iters", type=int, default=TrainerBench.iters, help="timed steps per side")
+    parser.add_argument(
+        "--trainer-set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a config override of the trainer's side (repeatable), e.g. training.compile=true",
+    )
     parser.add_argument("--ep", default="1,2,4", help="comma-separated expert-parallel sizes (default: 1,2,4)")
     parser.add_argument("--skip-ep", action="store_true", help="no expert-parallel table")
     parser.add_argument("--skip-memory", action="store_true", help="no peak-memory processes")
@@ -560,10 +777,37 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def trainer_overrides(settings: list[str]) -> tuple[str, ...]:
+    """['training.compile=true'] -> ('--training.compile', 'true')."""
+    out: list[str] = []
+    for setting in settings:
+        key, eq, value = setting.partition("=")
+        if not eq or "." not in key:
+            raise SystemExit(f"--trainer-set {setting!r}: expected SECTION.KEY=VALUE")
+        out += [f"--{key}", value]
+    return tuple(out)
+
+
+def check_trainer_parity(summary: dict[str, Any]) -> None:
+    if max(summary["parity"].values()) > TRAINER_PARITY_RTOL:
+        raise SystemExit(f"trainer parity check failed: {summary['parity']}")
+
+
 def main() -> None:
     args = parse_args()
     cfg = config_from_args(BenchConfig, args)
     wall = {}
+    trainer_summary = None
+    if not args.skip_trainer:
+        bench = TrainerBench(overrides=trainer_overrides(args.trainer_set), iters=args.trainer_iters, seed=cfg.seed)
+        start = time.perf_counter()
+        (result,) = run_ranks(trainer_rank, 1, (bench,), timeout_s=args.timeout)
+        wall["trainer"] = time.perf_counter() - start
+        trainer_summary = print_trainer(bench, result)
+        if args.trainer_only:
+            save_results(args.json, {"trainer": trainer_summary, "wall_seconds": wall, "environment": environment()})
+            check_trainer_parity(trainer_summary)
+            return
     start = time.perf_counter()
     (single,) = run_ranks(single_process_rank, 1, (cfg,), timeout_s=args.timeout)
     wall["single_process"] = time.perf_counter() - start
@@ -601,8 +845,11 @@ def main() -> None:
             "memory": memory,
             "memory_env": MEMORY_ENV,
             "ep_rows": ep_results,
+            "trainer": trainer_summary,
         },
     )
+    if trainer_summary is not None:
+        check_trainer_parity(trainer_summary)
     failed = [p for p, c in checks.items() if max(c.values()) > PARITY_RTOL[p]]
     if failed:
         raise SystemExit(f"parity check failed for {failed}: {checks}")

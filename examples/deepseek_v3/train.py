@@ -53,6 +53,7 @@ from moe import EPBuffers  # noqa: E402
 from moe.fp8.convert import apply_fp8, fp8_moe_options  # noqa: E402
 from moe.io.atomic import write_json  # noqa: E402
 from moe.models.deepseek_v3 import DeepseekV3ForCausalLM  # noqa: E402
+from moe.models.deepseek_v3.compile import compile_model  # noqa: E402
 from moe.models.deepseek_v3.flops import model_flops_per_token  # noqa: E402
 from moe.models.deepseek_v3.model_dir import config_json, read_model_dir, write_model_dir  # noqa: E402
 from moe.models.deepseek_v3.tensor_parallel import parallelize  # noqa: E402
@@ -177,6 +178,9 @@ def build(args, checked: CheckedJob) -> BuiltRun:
     if layout.fp8 != "none":  # FP8 GEMMs under the recipe (FP8 dispatch was built in); weights stay the masters
         apply_fp8(model, layout.fp8, tp_group=parallel.tp_group)
     model.set_recompute(job.recompute)
+    model.set_attention_backend(train_cfg.attention_backend)
+    if train_cfg.compile:  # opt-in: the attention modules compile at the first step (moe/models/deepseek_v3/compile.py)
+        compile_model(model)
     pipeline = None
     if split is not None:  # prunes the model to this rank's stages: before the optimizer exists
         recorder = TimelineRecorder(parallel.pp_rank, enabled=job.parallel.pipeline_timeline)

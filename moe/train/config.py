@@ -16,6 +16,8 @@ clip_grad = 1.0          # global gradient-norm clip; 0 = off
 dtype = "float32"        # parameters and activations: float32 or bfloat16 (FP32 master weights and Adam states)
 checkpoint_every = 100   # steps; the last step is always saved; 0 = only the last
 log_every = 10           # steps between console log lines (metrics.jsonl gets every step)
+attention_backend = "sdpa"  # MLA's core: sdpa, unfused or auto (moe/models/deepseek_v3/attention.py)
+compile = false          # torch.compile (inductor) of every layer's attention (moe/models/deepseek_v3/compile.py)
 # Anomalies and rewind (moe/train/rewind.py): a step whose loss or gradient norm is NaN/Inf, or whose loss is a
 # spike, makes no update; the state is restored from the last in-memory snapshot, the step's batch is skipped.
 check_for_nan_in_loss_and_grad = true
@@ -51,6 +53,8 @@ from pathlib import Path
 from typing import Any
 
 import tomllib
+
+from moe.models.deepseek_v3.attention import ATTENTION_BACKENDS
 
 DTYPES = ("float32", "bfloat16")
 TOKENIZERS = ("bpe", "bytes")
@@ -109,6 +113,13 @@ class TrainingConfig:
     dtype: str = "float32"
     checkpoint_every: int = 0
     log_every: int = 10
+    # MLA's attention core (Megatron's --attention-backend names; moe/models/deepseek_v3/attention.py): 'sdpa'
+    # (default), 'unfused' (explicit GEMMs + softmax over the unpadded values) or 'auto' (unfused where it is the
+    # cheaper on CPU: short float32 sequences). Not bit-identical to 'sdpa', so it is opt-in.
+    attention_backend: str = "sdpa"
+    # torch.compile of the model's static-shape parts (moe/models/deepseek_v3/compile.py); opt-in: the first step
+    # pays the compilation.
+    compile: bool = False
     # Megatron's names: ZeRO-1 (optimizer states and FP32 masters sharded over the data-parallel ranks), its
     # gradient bucket size in elements (None: Megatron's default max(40M, 1M * dp)) and the overlap of the bucket
     # reductions with the backward.
@@ -159,11 +170,14 @@ class TrainingConfig:
             raise ValueError(f"[training] weight_decay must be >= 0, got {self.weight_decay!r}")
         if not self.clip_grad >= 0:
             raise ValueError(f"[training] clip_grad must be >= 0 (0 = off), got {self.clip_grad!r}")
-        for name in ("use_distributed_optimizer", "overlap_grad_reduce"):
+        for name in ("use_distributed_optimizer", "overlap_grad_reduce", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"[training] {name} must be true or false, got {getattr(self, name)!r}")
         if self.ddp_bucket_size is not None:
             _positive_int("ddp_bucket_size", self.ddp_bucket_size)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"[training] attention_backend must be one of {ATTENTION_BACKENDS}, got "
+                             f"{self.attention_backend!r}")  # fmt: skip
         if self.dtype not in DTYPES:
             raise ValueError(f"[training] dtype must be one of {DTYPES}, got {self.dtype!r}")
         self._check_anomaly_settings()

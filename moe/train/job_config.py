@@ -26,6 +26,7 @@ import tomli_w
 
 from moe.io.atomic import write_bytes
 from moe.models.deepseek_v3 import DeepseekV3Config, RecomputeConfig
+from moe.models.deepseek_v3.attention import ATTENTION_BACKENDS
 from moe.models.deepseek_v3.config import EXTENSION_FIELDS
 from moe.models.deepseek_v3.model_dir import read_config
 from moe.pipeline.split import StageSplit, check_schedule, split_layers, stages_per_rank
@@ -149,6 +150,11 @@ def add_tree_options(p: argparse.ArgumentParser) -> None:
           "(default: [training] use_distributed_optimizer)")  # fmt: skip
     alias("--ddp-bucket-size", dest="training.ddp_bucket_size", type=int,
           help="gradient bucket size in elements (ZeRO-1)")  # fmt: skip
+    alias("--attention-backend", dest="training.attention_backend", choices=ATTENTION_BACKENDS,
+          help="MLA's attention core: sdpa (default), unfused, auto (moe/models/deepseek_v3/attention.py)")  # fmt: skip
+    alias("--compile", dest="training.compile", action="store_const", const=True,
+          help="torch.compile (inductor) every layer's attention (default: [training] compile; the first step "
+          "compiles)")  # fmt: skip
     alias("--data-cache", dest="training.data.cache_dir", help="token cache directory (default: [training.data])")
     alias("--ep", "--expert-model-parallel-size", dest="parallel.ep", type=int,
           help="expert-parallel ranks (divides the world size)")  # fmt: skip
@@ -200,6 +206,11 @@ def load_job(config: str | Path, overrides, world: int | None = None) -> Job:
     model, training, parallel, recompute = built["model"], built["training"], built["parallel"], built["recompute"]
     layout = parallel.layout(env_world_size() if world is None else world)
     check_model_layout(model, training, layout)
+    if training.compile and layout.tp > 1:
+        raise ValueError(
+            "[training] compile with --tp > 1: the sequence-parallel collectives inside the attention are not "
+            "compiled (moe/models/deepseek_v3/compile.py); use one or the other"
+        )
     split = pipeline_split(model, training, layout, parallel)
     recompute.full_chunks(model.num_hidden_layers)  # recompute_num_layers fits the model
     return Job(model, training, parallel, recompute, layout, split, TREE.resolved(built))

@@ -83,9 +83,12 @@ def _assert_identical(expected, actual, what: str) -> None:
 # -- (a) results unchanged ---------------------------------------------------------------------------------------
 
 
+# Both attention cores: the selective regions ('mla_up_proj', 'core_attn') rebuild either form's q, k, v.
+@pytest.mark.parametrize("backend", ["sdpa", "unfused"])
 @pytest.mark.parametrize("variant", sorted(CONFIGS))
-def test_every_setting_is_bit_identical(variant):
+def test_every_setting_is_bit_identical(variant, backend):
     model = _build(variant)
+    model.set_attention_backend(backend)
     ids, labels = tokens(model.config, batch=2, seq=16, seed=5)
     expected = _step(model, ids, labels)
     assert len(expected[0]) == 3 and all(g.abs().max() > 0 for g in expected[2].values())

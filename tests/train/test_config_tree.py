@@ -169,6 +169,12 @@ def test_every_section_takes_overrides_and_the_saved_tree_runs_again(tmp_path):
     assert again.model == job.model and again.training == job.training and again.recompute == job.recompute
 
 
+@pytest.mark.parametrize("argv", [["--compile"], ["--training.compile", "true"]])
+def test_compile_is_opt_in(argv):
+    assert not _job([], world=1).training.compile
+    assert _job(argv, world=1).training.compile
+
+
 def test_the_file_alone_gives_what_train_py_read_before():
     """No override: the model and training configs equal those the file's own readers give."""
     job = _job([], world=1)
@@ -191,6 +197,8 @@ def test_the_file_alone_gives_what_train_py_read_before():
         (["--pp", "4", "--vpp", "2", "--pp-schedule", "zbh1", "--micro-batches", "2"], "interleaved zbh1"),
         (["--pp", "2", "--vpp", "2", "--decoder-first-pipeline-num-layers", "1"], "rank 0 holds 1, rank 1 holds 3"),
         (["--parallel.num_virtual_stages_per_pipeline_rank", "0"], "vpp must be a positive int, got 0"),
+        (["--compile", "--tp", "2"], r"compile with --tp > 1"),
+        (["--training.compile", "yes"], "compile must be true or false"),
     ],
 )
 def test_bad_trees_fail_with_the_rule(argv, match):

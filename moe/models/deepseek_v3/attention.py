@@ -1,4 +1,5 @@
-"""Multi-head Latent Attention (DeepSeek-V2/V3), causal, through `F.scaled_dot_product_attention`.
+"""Multi-head Latent Attention (DeepSeek-V2/V3), causal; its core through `F.scaled_dot_product_attention` or as
+explicit GEMMs and softmax (`attention_backend`, see "The attention core" below).
 
 Legend: B batch, S positions, H hidden, N heads, Dn / Dr / Dv the per-head no-rope key, rope key and value dims,
 Dq = Dn + Dr, Q `q_lora_rank`, C `kv_lora_rank`.
@@ -16,6 +17,23 @@ does both. Only when `q_lora_rank` is None and `attention_bias` is set (transfor
 `kv_a_proj_with_mqa` has one) are they kept apart as `q_proj` and `kv_a_proj_with_mqa`. The other names are
 transformers': `q_a_layernorm`, `q_b_proj`, `kv_a_layernorm`, `kv_b_proj` (rows per head: Dn key rows then Dv value
 rows), `o_proj`.
+
+The attention core (`attention_backend`, Megatron's `--attention-backend` names; `[training] attention_backend`):
+- 'sdpa' (default): `F.scaled_dot_product_attention`. MLA's value heads are narrower than its query/key heads
+  (Dv < Dq: 128 vs 192 in DeepSeek-V3) and SDPA's fused kernels (the CPU flash kernel among them) want one head dim,
+  so v is zero-padded to Dq (the padded output columns are sliced off and get zero gradients): 2 * Dq / (Dq + Dv)
+  times the value work, plus the padding, the slicing and the kernel's zero-filled gradient buffers.
+- 'unfused': `softmax(q k^T * scale + causal mask) v` as two batched GEMMs over the unpadded v. It keeps the
+  probabilities `[B, N, S, S]` for backward (flash keeps only q, k, v, the output and the row maxima).
+- 'auto': 'unfused' where it is cheaper and small, 'sdpa' elsewhere (`unfused_core`): on CPU, in float32, for
+  S <= 3 * Dq, i.e. where the kept probabilities (N * S floats per token) are no larger than the q, k and padded v
+  the flash path keeps (3 * N * Dq). Measured (one thread, forward + backward of the core, 1024 tokens, N = 4,
+  Dq = 128, Dv = 64): unfused 0.7-1.0x flash's time from S = 128 to 1024 (the noisy 2-core machine of this project).
+  Not on GPUs (SDPA's fused kernels) nor in BF16 (the explicit scores would be rounded to BF16 before the softmax,
+  which the flash kernel keeps in float32).
+The two are the same function up to float32 rounding (~1e-7 relative), but the rounding moves MoE routing
+decisions that sit on a tie, so a training run's losses leave the 'sdpa' run's after a few steps (tiny: within
+2e-4 relative for 7 steps, then up to 5e-3 as the routes part); hence 'sdpa' stays the default.
 """
 
 from __future__ import annotations
@@ -30,6 +48,22 @@ from moe.models.deepseek_v3.recompute import RecomputeScope, discard_outputs, re
 from moe.models.deepseek_v3.rope import apply_rope, softmax_scale
 from moe.parallel.mappings import SequenceShards, gather_from_sequence_parallel
 
+ATTENTION_BACKENDS = ("sdpa", "unfused", "auto")
+
+
+def unfused_core(backend: str, seq_len: int, qk_head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the attention core of `seq_len` positions runs as explicit GEMMs + softmax under `backend` (see the
+    module docstring: 'auto' on CPU, in float32, with the kept probabilities no larger than flash's q, k, v)."""
+    if backend == "auto":
+        return device.type == "cpu" and dtype == torch.float32 and seq_len <= 3 * qk_head_dim
+    return backend == "unfused"
+
+
+def causal_bias(seq_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`[S, S]` additive causal mask: 0 on and below the diagonal, -inf above (S * S elements, built per call: a few
+    microseconds next to the `[B * N, S, S]` scores)."""
+    return torch.full((seq_len, seq_len), float("-inf"), dtype=dtype, device=device).triu(1)
+
 
 def fuses_input_projections(config: DeepseekV3Config) -> bool:
     """Whether the query input and kv latent projections are one `qkv_a_proj` (see the module docstring)."""
@@ -40,6 +74,7 @@ class MultiHeadLatentAttention(nn.Module):
     def __init__(self, config: DeepseekV3Config, *, dtype: torch.dtype = torch.float32, device=None) -> None:
         super().__init__()
         c = config
+        self.attention_backend = "sdpa"  # one of ATTENTION_BACKENDS (`DeepseekV3ForCausalLM.set_attention_backend`)
         self.num_heads = c.num_attention_heads  # this rank's heads: `head_start` on (tensor_parallel.py)
         self.head_start = 0
         self.nope_dim, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
@@ -115,9 +150,14 @@ class MultiHeadLatentAttention(nn.Module):
             out_BSD = self._core_attention(q_BSNQ, k_BSNQ, v_BSNQ)
         return self.o_proj(out_BSD) if shards is None else self.o_proj(out_BSD, shards)
 
+    def _unfused(self, seq_len: int, x: torch.Tensor) -> bool:
+        return unfused_core(self.attention_backend, seq_len, self.nope_dim + self.rope_dim, x.dtype, x.device)
+
     def _up_proj(self, q_in, c_BSC, k_rope, cos_SP, sin_SP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`(q, k, v)` `[B, S, N, Dq]` each from the normed latents (the query input `[B, S, Q]`, or the plain q_proj
-        output `[B, S, N*Dq]`; `c [B, S, C]`; the rope key `[B, S, Dr]`); v zero-padded from Dv to Dq columns."""
+        """`(q, k, v)` `[B, N, S, D]` each from the normed latents (the query input `[B, S, Q]`, or the plain q_proj
+        output `[B, S, N*Dq]`; `c [B, S, C]`; the rope key `[B, S, Dr]`): q and k with D = Dq; v with Dv (unfused
+        core), or zero-padded to Dq (SDPA). Unfused: contiguous, heads before positions (the layout of its batched
+        GEMMs). SDPA: transposed views of positions-first tensors (SDPA reads the strides)."""
         B = q_in.size(0)
         N, Dn, Dr, Dv = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim
         S = q_in.size(1)
@@ -127,20 +167,32 @@ class MultiHeadLatentAttention(nn.Module):
 
         q_rope = apply_rope(q_rope, cos_SP, sin_SP, self.rope_interleave)
         k_rope = apply_rope(k_rope.reshape(B, S, 1, Dr), cos_SP, sin_SP, self.rope_interleave)
+        if self._unfused(S, q):
+            # The concatenations copy anyway: they write the heads-first layout of the batched GEMMs.
+            q_BNSQ = torch.cat((q_nope.transpose(1, 2), q_rope.transpose(1, 2)), dim=-1)
+            k_BNSQ = torch.cat((k_nope.transpose(1, 2), k_rope.transpose(1, 2).expand(B, N, S, Dr)), dim=-1)
+            return q_BNSQ, k_BNSQ, v_BSNV.transpose(1, 2).contiguous()
         q_BSNQ = torch.cat((q_nope, q_rope), dim=-1)
         k_BSNQ = torch.cat((k_nope, k_rope.expand(B, S, N, Dr)), dim=-1)
-
-        # SDPA's fused (flash) kernels want one head dim for q, k and v; with Dv < Dq it would fall back to the
-        # unfused "math" path, which materialises the float32 [B, N, S, S] scores and probabilities and keeps them
-        # for backward. Zero columns appended to v give output columns that are sliced off (and zero gradients).
+        # SDPA's fused (flash) kernels want one head dim for q, k and v: zero columns appended to v (see the module
+        # docstring).
         if Dv < Dn + Dr:
             v_BSNV = F.pad(v_BSNV, (0, Dn + Dr - Dv))
-        return q_BSNQ, k_BSNQ, v_BSNV
+        return q_BSNQ.transpose(1, 2), k_BSNQ.transpose(1, 2), v_BSNV.transpose(1, 2)
 
-    def _core_attention(self, q_BSNQ, k_BSNQ, v_BSNQ) -> torch.Tensor:
-        """Causal `softmax(q k^T * scale) v` over `[B, S, N, Dq]` inputs; `[B, S, N*Dv]` (the padding sliced off)."""
-        B, S, N, _ = q_BSNQ.shape
-        out_BNSV = F.scaled_dot_product_attention(
-            q_BSNQ.transpose(1, 2), k_BSNQ.transpose(1, 2), v_BSNQ.transpose(1, 2), is_causal=True, scale=self.scale
-        )
-        return out_BNSV[..., : self.v_dim].transpose(1, 2).reshape(B, S, N * self.v_dim)
+    def _core_attention(self, q_BNSQ, k_BNSQ, v_BNSD) -> torch.Tensor:
+        """Causal `softmax(q k^T * scale) v` over `_up_proj`'s `[B, N, S, D]` tensors; `[B, S, N*Dv]`."""
+        B, N, S, Dq = q_BNSQ.shape
+        Dv = self.v_dim
+        if self._unfused(S, q_BNSQ):
+            # One GEMM applies the scale and adds the mask (baddbmm: bias + scale * q k^T); k^T is a view.
+            scores_ZSS = torch.baddbmm(
+                causal_bias(S, q_BNSQ.dtype, q_BNSQ.device),
+                q_BNSQ.view(B * N, S, Dq),
+                k_BNSQ.view(B * N, S, Dq).transpose(1, 2),
+                alpha=self.scale,
+            )
+            out_ZSV = torch.bmm(torch.softmax(scores_ZSS, dim=-1), v_BNSD.view(B * N, S, Dv))
+            return out_ZSV.view(B, N, S, Dv).transpose(1, 2).reshape(B, S, N * Dv)
+        out_BNSD = F.scaled_dot_product_attention(q_BNSQ, k_BNSQ, v_BNSD, is_causal=True, scale=self.scale)
+        return out_BNSD[..., :Dv].transpose(1, 2).reshape(B, S, N * Dv)

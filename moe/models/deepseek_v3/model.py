@@ -33,6 +33,7 @@ from moe.balancing import AuxLossScale, group_size
 from moe.dispatcher import EPBuffers
 from moe.layer import MoELayer
 from moe.models.deepseek_v3 import state
+from moe.models.deepseek_v3.attention import ATTENTION_BACKENDS, MultiHeadLatentAttention
 from moe.models.deepseek_v3.block import DecoderLayer
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.models.deepseek_v3.init import draw_seed, init_weights
@@ -190,6 +191,14 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.init_weights(seed)
         self.recompute = RecomputeConfig()
         self.set_recompute(recompute)
+
+    def set_attention_backend(self, backend: str) -> None:
+        """The attention core of every MLA module (attention.py): 'sdpa' (default), 'unfused' or 'auto'."""
+        if backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+        for module in self.modules():
+            if isinstance(module, MultiHeadLatentAttention):
+                module.attention_backend = backend
 
     def set_recompute(self, recompute: RecomputeConfig | None) -> None:
         """Apply `recompute` (None: no recompute beyond the MoE layers' configured levels) to every layer: the
