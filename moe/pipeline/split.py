@@ -89,20 +89,35 @@ def split_layers(
         raise ValueError("decoder_first/last_pipeline_num_layers need more than one pipeline stage")
     if virtual_stages > 1:
         return _split_virtual(num_layers, num_stages // virtual_stages, virtual_stages, given)
-    outer = [n for n in (first_stage_layers, last_stage_layers) if n is not None]
-    middle_stages = num_stages - len(outer)
+    return _consecutive(_outer_sizes(num_layers, num_stages, given, "stage(s)"))
+
+
+def _outer_sizes(num_layers: int, parts: int, given: dict[str, int | None], unit: str) -> list[int]:
+    """Layers per part (stage, or rank under a virtual pipeline): the first / last part's as `given` (their
+    counts, in that order, None for not given), the rest shared evenly by the other parts; ValueError otherwise."""
+    first, last = given.values()
+    outer = [n for n in (first, last) if n is not None]
+    middle = parts - len(outer)
     rest = num_layers - sum(outer)
-    sizes_text = ", ".join(f"{k}={v}" for k, v in given.items() if v is not None)
-    if rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages > 0 and rest % middle_stages):
+    if rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and rest % middle):
         raise ValueError(
-            f"pipeline split: {sizes_text} leave {rest} of the {num_layers} decoder layers for {middle_stages} other "
-            f"stage(s) of {num_stages}; the rest must divide evenly over them"
+            f"pipeline split: {_sizes_text(given)} leave {rest} of the {num_layers} decoder layers for {middle} other "
+            f"{unit} of {parts}; the rest must divide evenly over them"
         )
-    sizes = [rest // middle_stages if middle_stages else 0] * num_stages
-    if first_stage_layers is not None:
-        sizes[0] = first_stage_layers
-    if last_stage_layers is not None:
-        sizes[-1] = last_stage_layers
+    sizes = [rest // middle if middle else 0] * parts
+    if first is not None:
+        sizes[0] = first
+    if last is not None:
+        sizes[-1] = last
+    return sizes
+
+
+def _sizes_text(given: dict[str, int | None]) -> str:
+    return ", ".join(f"{k}={n}" for k, n in given.items() if n is not None)
+
+
+def _consecutive(sizes: list[int]) -> StageSplit:
+    """Stages holding consecutive decoder layers, `sizes[s]` of them in stage s."""
     slots, start = [], 0
     for size in sizes:
         slots.append(tuple(range(start, start + size)))
@@ -113,35 +128,16 @@ def split_layers(
 def _split_virtual(num_layers: int, pp: int, v: int, given: dict[str, int | None]) -> StageSplit:
     """Megatron-core's uneven split under a virtual pipeline: the first / last RANK's layers as given, the rest
     shared evenly by the other ranks, and each rank's layers shared evenly by its v stages (r, r + pp, ...)."""
-    first, last = given.values()
-    outer = [n for n in (first, last) if n is not None]
-    middle_ranks = pp - len(outer)
-    rest = num_layers - sum(outer)
-    sizes_text = ", ".join(f"{k}={n}" for k, n in given.items() if n is not None)
-    if rest < 0 or (middle_ranks == 0 and rest != 0) or (middle_ranks > 0 and rest % middle_ranks):
-        raise ValueError(
-            f"pipeline split: {sizes_text} leave {rest} of the {num_layers} decoder layers for {middle_ranks} other "
-            f"pipeline rank(s) of {pp}; the rest must divide evenly over them"
-        )
-    per_rank = [rest // middle_ranks if middle_ranks else 0] * pp
-    if first is not None:
-        per_rank[0] = first
-    if last is not None:
-        per_rank[-1] = last
+    per_rank = _outer_sizes(num_layers, pp, given, "pipeline rank(s)")
     uneven = {r: n for r, n in enumerate(per_rank) if n % v}
     if uneven:
         raise ValueError(
-            f"pipeline split with {v} virtual stages per pipeline rank ({sizes_text}): the decoder layers of each "
-            f"rank are shared evenly by its {v} stages, but "
+            f"pipeline split with {v} virtual stages per pipeline rank ({_sizes_text(given)}): the decoder layers of "
+            f"each rank are shared evenly by its {v} stages, but "
             + ", ".join(f"rank {r} holds {n}" for r, n in uneven.items())
             + f" (Megatron-core: the first / last rank's count and every other rank's must divide by {v})"
         )
-    slots, start = [], 0
-    for stage in range(pp * v):
-        size = per_rank[stage % pp] // v
-        slots.append(tuple(range(start, start + size)))
-        start += size
-    return StageSplit(tuple(slots))
+    return _consecutive([per_rank[stage % pp] // v for stage in range(pp * v)])
 
 
 def _check_virtual_stages(virtual_stages: int) -> None:
