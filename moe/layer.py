@@ -6,6 +6,8 @@ L local experts, N rows received by this rank's experts.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -15,9 +17,12 @@ from moe.balancing import AuxLossScale, GlobalAuxLossTracker, MoEMetrics, attach
 from moe.capacity import apply_capacity, expert_capacity, pad_rows, plan_padding, unpad_rows
 from moe.config import MoEConfig
 from moe.dispatcher import DispatchResult, EPBuffers, TokenDispatcher, build_dispatcher
+from moe.dispatcher.comm import group_rank, group_size
+from moe.dispatcher.etp import ExpertTensorParallelDispatcher
 from moe.experts import SwiGLUExperts, SwiGLUMLP
 from moe.fp8 import Fp8SwiGLUExperts, fp8_switches
 from moe.interleave import in_flight
+from moe.parallel.sharding import TPShard, tag_sharded
 from moe.phase_timer import PhaseTimer, mark_backward, phase
 from moe.recompute import checkpointed
 from moe.replication import HotExpertReplicas
@@ -25,15 +30,26 @@ from moe.router import RouterOutput, TopKRouter
 
 
 class MoELayer(nn.Module):
-    """Mixture-of-Experts feed-forward layer with expert parallelism over `ep_group`.
+    """Mixture-of-Experts feed-forward layer with expert parallelism over `ep_group`, and optionally expert tensor
+    parallelism over `etp_group`.
 
-    With R ranks in `ep_group`, this rank holds the experts `[rank*L, (rank+1)*L)`, L = E / R; the router and the
-    shared expert are replicated (their gradients must be summed over the ranks that see different tokens, as
-    for any data-parallel parameter). `ep_group=None` runs everything in this process.
+    With R ranks in `ep_group` (and no ETP), this rank holds the experts `[rank*L, (rank+1)*L)`, L = E / R; the
+    router and the shared expert are replicated (their gradients must be summed over the ranks that see different
+    tokens, as for any data-parallel parameter). `ep_group=None` runs everything in this process.
+
+    With `etp_group` of P > 1 ranks, `ep_group` is the folded EP x ETP group (ETP fastest: `etp_group` is P
+    consecutive ranks of it): R / P EP ranks, rank `i*P + j` holding shard j of the experts `[i*L, (i+1)*L)`,
+    L = E * P / R: the gate and up projections' j-th FFN columns, the down projection's j-th rows
+    (`w13 [L, H, 2F/P]` = `[gate_j | up_j]`, `w2 [L, F/P, H]`, tagged with their `TPShard` for the checkpoints).
+    Tokens go to every shard of their experts and the combine sums the partial outputs
+    (`moe/dispatcher/etp.py`).
 
     Args:
         config: the layer's settings.
-        ep_group: expert-parallel process group (None = single process).
+        ep_group: the process group the tokens are dispatched over: expert parallel, or with `etp_group` the
+            folded EP x ETP group (None = single process).
+        etp_group: expert tensor-parallel group, P consecutive ranks of `ep_group` (None or one rank: whole
+            experts).
         aux_loss_scale: shared `AuxLossScale` (see `balancing.attach_aux_loss`); a private one if None.
         aux_loss_group: group over which 'global_aux_loss' sums the routed counts: every rank whose router sees
             different tokens of the global batch (data, tensor and context parallel; Megatron's tp_dp_cp group).
@@ -61,9 +77,13 @@ class MoELayer(nn.Module):
         device: torch.device | str | None = None,
         ep_buffers: EPBuffers | None = None,
         dispatcher: TokenDispatcher | None = None,
+        etp_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        self.etp_size = etp = group_size(etp_group)
+        if etp > 1:
+            _check_expert_tensor_parallel(config, etp, ep_group)
         self.aux_loss_group = aux_loss_group
         self.tp_cp_group = tp_cp_group
         # Counts of 'global_aux_loss' over the micro-batches of the global batch (reset per optimizer step).
@@ -74,8 +94,22 @@ class MoELayer(nn.Module):
         )
         self.aux_loss_scale = aux_loss_scale if aux_loss_scale is not None else AuxLossScale()
         self.router = TopKRouter(config).to(device)
-        if dispatcher is None:
+        if dispatcher is None and etp > 1:
+            # The inner dispatcher routes over the folded group's virtual experts (E * etp of them).
+            inner = build_dispatcher(
+                dataclasses.replace(config, num_moe_experts=config.num_moe_experts * etp), ep_group, ep_buffers
+            )
+            dispatcher = ExpertTensorParallelDispatcher(inner, num_experts=config.num_moe_experts, etp=etp)
+            if dispatcher.etp_rank != group_rank(etp_group):
+                raise ValueError(
+                    f"etp_group must be consecutive ranks of ep_group (ETP fastest): rank {group_rank(ep_group)} of "
+                    f"ep_group is rank {group_rank(etp_group)} of etp_group, expected {dispatcher.etp_rank}"
+                )
+        elif dispatcher is None:
             dispatcher = build_dispatcher(config, ep_group, ep_buffers)
+        elif getattr(dispatcher, "etp_size", 1) != etp:
+            raise ValueError(f"the ready dispatcher splits experts over {getattr(dispatcher, 'etp_size', 1)} ranks, "
+                             f"etp_group over {etp}")  # fmt: skip
         elif ep_buffers is not None:
             raise ValueError("give MoELayer ep_buffers or a ready dispatcher, not both (the dispatcher has its buffer)")
         elif dispatcher.num_experts != config.num_moe_experts or (
@@ -83,14 +117,16 @@ class MoELayer(nn.Module):
         ):
             raise ValueError("the dispatcher must serve config.num_moe_experts experts over ep_group")
         self.dispatcher = dispatcher
-        self.ep_size = self.dispatcher.ep_size
+        self.ep_size = self.dispatcher.ep_size  # ranks the experts are divided over (without their ETP shards)
+        self.etp_rank = getattr(self.dispatcher, "etp_rank", 0)
+        self.dispatch_group_size = group_size(self.dispatcher.ep_group)  # ep * etp: the ranks tokens travel between
         self.num_local_experts = self.dispatcher.num_local_experts
         self.local_expert_start = self.dispatcher.local_expert_start
         if config.moe_padded_batch_gemm:
             impl = "padded"
         else:
             impl = "grouped" if config.moe_grouped_gemm else "loop"
-        experts_args = (self.num_local_experts, config.hidden_size, config.moe_ffn_hidden_size)
+        experts_args = (self.num_local_experts, config.hidden_size, config.moe_ffn_hidden_size // etp)
         experts_kwargs = dict(
             impl=impl,
             padded_factor=config.moe_padded_batch_gemm_factor,
@@ -104,6 +140,9 @@ class MoELayer(nn.Module):
             self.experts = SwiGLUExperts(*experts_args, **experts_kwargs)
         else:
             self.experts = Fp8SwiGLUExperts(*experts_args, recipe=fp8_recipe, **experts_kwargs)
+        if etp > 1:  # [gate_j | up_j] columns of w13, rows j of w2 (the dense SwiGLU's TP geometry, per expert)
+            tag_sharded(self.experts.w13, TPShard(dim=2, chunks=2, rank=self.etp_rank, size=etp))
+            tag_sharded(self.experts.w2, TPShard(dim=1, chunks=1, rank=self.etp_rank, size=etp))
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SwiGLUMLP(
@@ -174,7 +213,8 @@ class MoELayer(nn.Module):
         shared_TH = None
         if self.shared_experts is not None and cfg.moe_shared_expert_overlap and self.dispatcher.supports_async:
             shared_TH = self._shared(x_TH)
-        with phase(timer, "dispatch"), in_flight("dispatch", self.dispatcher.supports_async and self.ep_size > 1):
+        communicates = self.dispatch_group_size > 1
+        with phase(timer, "dispatch"), in_flight("dispatch", self.dispatcher.supports_async and communicates):
             dispatched = self.dispatcher.dispatch_end(pending)
 
         # Step 3: local experts (recomputing their activations in backward if the level or the row count says so;
@@ -194,7 +234,7 @@ class MoELayer(nn.Module):
         hot_out_TH = None
         if hot_TK is not None:
             hot_out_TH = self.replicas(self.experts, x_TH, probs_TK, topk_idx_TK, hot_TK, expert_recompute)
-        with phase(timer, "combine"), in_flight("combine", self.dispatcher.supports_async_combine and self.ep_size > 1):
+        with phase(timer, "combine"), in_flight("combine", self.dispatcher.supports_async_combine and communicates):
             out_TH = self.dispatcher.combine_end(combining)
         if marked:
             out_TH = mark_backward(out_TH, timer, "combine", enter=True)
@@ -249,10 +289,10 @@ class MoELayer(nn.Module):
         # Every local expert gets exactly min(capacity, tokens) rows from each source rank (zero rows as padding):
         # an expert never keeps more than the tokens a rank has, so padding beyond them would only add zero rows
         # (Megatron pads its routing map to the same count).
-        length = min(capacity, num_tokens) * self.ep_size
+        length = min(capacity, num_tokens) * self.dispatch_group_size
         if max(counts, default=0) > length:
             raise RuntimeError(
-                f"an expert received {max(counts)} rows > min(capacity, tokens) * ep_size = {length}; padding to "
+                f"an expert received {max(counts)} rows > min(capacity, tokens) * source ranks = {length}; padding to "
                 "capacity needs the same number of tokens on every expert-parallel rank"
             )
         plan = plan_padding(counts, length, device=dispatched.expert_input_NH.device)
@@ -288,3 +328,16 @@ class MoELayer(nn.Module):
             tp_cp_size = balancing.group_size(self.tp_cp_group)
             losses["z_loss"] = cfg.moe_z_loss_coeff / tp_cp_size * balancing.z_loss(route.logits_TE)
         return losses
+
+
+def _check_expert_tensor_parallel(config: MoEConfig, etp: int, ep_group: dist.ProcessGroup | None) -> None:
+    """What splitting every expert over `etp` ranks asks of the layer (ValueError naming each broken rule)."""
+    broken = []
+    if config.moe_ffn_hidden_size % etp:
+        broken.append(f"moe_ffn_hidden_size={config.moe_ffn_hidden_size} is not divisible by etp {etp}")
+    if group_size(ep_group) % etp:
+        broken.append(f"the dispatch group ({group_size(ep_group)} ranks) does not fold into ep x etp {etp}")
+    if config.moe_hot_expert_replication:
+        broken.append("moe_hot_expert_replication copies whole experts (not their ETP shards)")
+    if broken:
+        raise ValueError(f"expert tensor parallelism over {etp} ranks: " + "; ".join(broken))

@@ -171,7 +171,10 @@ def build(args, checked: CheckedJob) -> BuiltRun:
     # Build-time choices of the MoE layers: FP8 dispatch under an FP8 recipe, no self-deferred expert weight
     # gradients under a schedule that splits the backward (its W actions take their place).
     moe_options = fp8_moe_options(layout.fp8) | (pipeline_moe_options(layout.pp_schedule) if split is not None else {})
-    model = DeepseekV3ForCausalLM(model_cfg, ep_group=parallel.ep_group, ep_buffers=ep_buffers,
+    # The MoE layers dispatch over the folded EP x ETP group (the EP group when etp is 1), each expert's FFN split
+    # over the ETP ranks.
+    model = DeepseekV3ForCausalLM(model_cfg, ep_group=parallel.expert_model_group, etp_group=parallel.etp_group,
+                                  ep_buffers=ep_buffers,
                                   aux_loss_group=parallel.token_group, dtype=DTYPES[train_cfg.dtype],
                                   moe_options=moe_options)  # fmt: skip
     parallelize(model, parallel)  # tensor + sequence parallel over the TP group (slices of the same weights)

@@ -95,11 +95,11 @@ class FBRecord:
 def sequential_reason(stage_modules) -> str | None:
     """Why this rank runs its F&B actions sequentially (see the module docstring), or None to interleave them."""
     layers = [layer for module in stage_modules for layer in module.moe_layers]
-    communicating = [layer for layer in layers if layer.ep_size > 1]
+    communicating = [layer for layer in layers if layer.dispatch_group_size > 1]
     if not communicating:
         return "no expert-parallel communication in this rank's stages"
     for layer in communicating:
-        if not isinstance(layer.dispatcher, DeepEPDispatcher):
+        if not isinstance(getattr(layer.dispatcher, "inner", layer.dispatcher), DeepEPDispatcher):  # ETP wraps one
             return f"MoE dispatcher {type(layer.dispatcher).__name__}: only 'flex' (DeepEPDispatcher) is interleaved"
         if layer.config.moe_input_jitter_eps:
             return "moe_input_jitter_eps draws from the global random generator"
@@ -124,7 +124,9 @@ class OverlappedForwardBackward:
         self.reason = sequential_reason(stage_modules) if interleave else "interleave=False"
         self.interleave = self.reason is None
         self.interleaver = Interleaver(("F", "B"))
-        self.communicates = {m.stage: any(layer.ep_size > 1 for layer in m.moe_layers) for m in stage_modules}
+        self.communicates = {
+            m.stage: any(layer.dispatch_group_size > 1 for layer in m.moe_layers) for m in stage_modules
+        }
         self.records: list[FBRecord] = []
 
     def start_step(self) -> None:

@@ -18,8 +18,18 @@ def check_model_layout(model_cfg: DeepseekV3Config, train_cfg: TrainingConfig, l
     """What the layout and the batch ask of the model config (ValueError, before any process group). The routing
     settings themselves (e.g. a top-k larger than the experts of the allowed groups) are checked by
     `DeepseekV3Config`."""
-    if layout.etp != 1:
-        raise ValueError(f"--etp {layout.etp}: expert tensor parallelism is not in the MoE layer yet")
+    if model_cfg.moe_intermediate_size % layout.etp:
+        raise ValueError(
+            f"--etp {layout.etp}: moe_intermediate_size={model_cfg.moe_intermediate_size} (each routed expert's FFN, "
+            f"split over the expert tensor-parallel ranks) is not divisible by {layout.etp}"
+        )
+    ffn_shard = model_cfg.moe_intermediate_size // layout.etp
+    if layout.etp > 1 and layout.fp8 == "blockwise" and ffn_shard % 128:
+        raise ValueError(
+            f"--etp {layout.etp} with --fp8 blockwise: each expert's FFN shard ({ffn_shard} = moe_intermediate_size "
+            f"{model_cfg.moe_intermediate_size} / {layout.etp}) is the down projection's reduction dimension, which "
+            "the 1x128 / 128x128 tiles need as a multiple of 128"
+        )
     layout.check_experts(model_cfg.n_routed_experts)
     layout.check_batch(train_cfg.global_batch, train_cfg.micro_batches)
     check_tensor_parallel(model_cfg, layout.tp)

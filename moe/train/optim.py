@@ -126,7 +126,7 @@ class MasterAdamW:
             kind = 2 if q.expert else int(getattr(q.param, "tensor_parallel_dim", None) is not None)
             sq[kind] += torch.linalg.vector_norm(q.master.grad, dtype=torch.float32).double() ** 2
         all_reduce_sum(sq[1:2], self.parallel.tp_group)
-        all_reduce_sum(sq[2:], self.parallel.ep_group)
+        all_reduce_sum(sq[2:], self.parallel.expert_model_group)  # one copy of every expert (its ETP shards too)
         all_reduce_sum(sq, self.parallel.pp_group)  # each pipeline rank holds other layers
         return math.sqrt(float(sq.sum()))
 

@@ -185,6 +185,7 @@ class ParallelState:
             "etp": _group(expert_mesh, "etp"),
             "edp": _group(expert_mesh, "edp"),
             "dp_tp": _stage_group(layout),
+            "ep_etp": _expert_model_group(layout, _group(expert_mesh, "ep")),
         }
         return state
 
@@ -217,6 +218,14 @@ class ParallelState:
     def etp_group(self) -> dist.ProcessGroup | None:
         """Ranks that split each local expert along its FFN dimension."""
         return self._groups.get("etp")
+
+    @property
+    def expert_model_group(self) -> dist.ProcessGroup | None:
+        """The ep x etp ranks that hold one copy of every expert between them (ETP fastest: rank `i * etp + j` of
+        it holds shard j of the experts of EP rank i). The MoE layers dispatch their tokens over it (Megatron's
+        expert-tensor-and-model-parallel group, the flex dispatcher's `tp_ep_group`); with etp 1 it is the EP
+        group itself."""
+        return self._groups.get("ep_etp")
 
     @property
     def expert_dp_group(self) -> dist.ProcessGroup | None:
@@ -283,6 +292,21 @@ def _stage_group(layout: Layout) -> dist.ProcessGroup | None:
     for stage in range(layout.pp):
         group = dist.new_group(list(range(stage * stage_size, (stage + 1) * stage_size)))
         if dist.get_rank() // stage_size == stage:
+            mine = group
+    return mine
+
+
+def _expert_model_group(layout: Layout, ep_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The folded ep x etp group of this rank: `ep * etp` consecutive ranks (ETP, then EP, are the expert mesh's
+    fastest dimensions). The EP group itself when etp is 1; `new_group` is collective: every rank creates every
+    block's group."""
+    size = layout.ep * layout.etp
+    if layout.etp == 1 or size == 1:
+        return ep_group
+    mine = None
+    for start in range(0, layout.world, size):
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= dist.get_rank() < start + size:
             mine = group
     return mine
 

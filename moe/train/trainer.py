@@ -148,8 +148,10 @@ class Trainer:
         names = {id(m): n for n, m in model.named_modules()}
         self.moe_layer_names = [names[id(m)] for m in self.moe_layers]
         expert_params = [p for layer in self.moe_layers for p in layer.experts.parameters()]
-        if parallel.layout.ep > 1 and any(layer.ep_size != parallel.layout.ep for layer in self.moe_layers):
-            raise ValueError(f"the model's MoE layers are not sharded over --ep {parallel.layout.ep}")
+        lay = parallel.layout
+        sharded = lay.ep * lay.etp > 1
+        if sharded and any((layer.ep_size, layer.etp_size) != (lay.ep, lay.etp) for layer in self.moe_layers):
+            raise ValueError(f"the model's MoE layers are not sharded over --ep {lay.ep} --etp {lay.etp}")
         if config.use_distributed_optimizer:  # built before any backward: it installs the gradient hooks
             zero = ZeroConfig(bucket_size=config.ddp_bucket_size, overlap_grad_reduce=config.overlap_grad_reduce)
             self.optimizer = DistributedAdamW(model, expert_params, config, parallel, zero)

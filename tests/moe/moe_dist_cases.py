@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from moe import MoEConfig, MoELayer, update_expert_bias
+from moe.parallel.sharding import tp_shard_of
 
 from .moe_testlib import SIGMOID_V3, SMALL_LAYER, assert_close, ep_group, moe_config
 
@@ -38,8 +39,9 @@ def case(name: str):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def build_pair(cfg: MoEConfig, group, seed: int = 0, skew: bool = False) -> tuple[MoELayer, MoELayer]:
-    """Reference (EP 1) and expert-parallel layers holding the same weights on every rank."""
+def build_pair(cfg: MoEConfig, group, seed: int = 0, skew: bool = False, etp_group=None) -> tuple[MoELayer, MoELayer]:
+    """Reference (EP 1) and expert-parallel layers holding the same weights on every rank (with `etp_group`, the
+    expert-parallel layer splits each expert over it: `group` is then the folded EP x ETP group)."""
     torch.manual_seed(seed)
     ref = MoELayer(dataclasses.replace(cfg, moe_token_dispatcher_type="alltoall"))
     with torch.no_grad():
@@ -50,16 +52,22 @@ def build_pair(cfg: MoEConfig, group, seed: int = 0, skew: bool = False) -> tupl
             ref.router.weight[:2] = 0.0
             ref.router.weight[0, 0] = ref.router.weight[1, 1] = 1.0
     torch.manual_seed(seed + 1)
-    ep = load_ep_from_ref(MoELayer(cfg, ep_group=group), ref)
+    ep = load_ep_from_ref(MoELayer(cfg, ep_group=group, etp_group=etp_group), ref)
     return ref, ep
 
 
+def local_experts(ep: MoELayer, full: torch.Tensor, name: str) -> torch.Tensor:
+    """This rank's part of an `[E, ...]` expert tensor `full` of parameter `name` (its experts, its ETP shard)."""
+    part = full[ep.local_expert_start : ep.local_expert_start + ep.num_local_experts]
+    shard = tp_shard_of(getattr(ep.experts, name))
+    return part if shard is None else shard.shard(part)
+
+
 def load_ep_from_ref(ep: MoELayer, ref: MoELayer) -> MoELayer:
-    start, stop = ep.local_expert_start, ep.local_expert_start + ep.num_local_experts
     with torch.no_grad():
         ep.router.load_state_dict(ref.router.state_dict())
-        ep.experts.w13.copy_(ref.experts.w13[start:stop])
-        ep.experts.w2.copy_(ref.experts.w2[start:stop])
+        ep.experts.w13.copy_(local_experts(ep, ref.experts.w13, "w13"))
+        ep.experts.w2.copy_(local_experts(ep, ref.experts.w2, "w2"))
         if ref.shared_experts is not None:
             ep.shared_experts.load_state_dict(ref.shared_experts.state_dict())
     return ep
@@ -104,8 +112,14 @@ def compare_with_ep1(
     seq: tuple[int, int] | None = None,
     skew: bool = False,
     bias_update: bool = False,
+    etp: int = 1,
 ) -> None:
-    ref, ep = build_pair(cfg, group, skew=skew)
+    etp_group = None
+    if etp > 1:  # consecutive ranks of `group` (ETP fastest); new_group is collective: every rank makes every one
+        for start in range(0, world, etp):
+            made = dist.new_group(list(range(start, start + etp)))
+            etp_group = made if start <= rank < start + etp else etp_group
+    ref, ep = build_pair(cfg, group, skew=skew, etp_group=etp_group)
     chunks = make_inputs(world, sizes, seq, skew=skew)
 
     ref_results = [forward_backward(ref, x, g) for x, g in chunks]  # one reference forward per rank's chunk
@@ -130,10 +144,11 @@ def compare_with_ep1(
     ref_out, ref_x_grad, ref_losses = ref_results[rank]
     assert_close(out, ref_out, msg="output")
     assert_close(x_grad, ref_x_grad, msg="input grad")
-    start, stop = ep.local_expert_start, ep.local_expert_start + ep.num_local_experts
+    start = ep.local_expert_start
     assert ep.experts.w13.grad is not None and ep.experts.w2.grad is not None, "expert grads must exist"
-    assert_close(ep.experts.w13.grad, ref.experts.w13.grad[start:stop], msg="w13 grad")
-    assert_close(ep.experts.w2.grad, ref.experts.w2.grad[start:stop], msg="w2 grad")
+    assert (ep.etp_size, ep.ep_size * ep.etp_size) == (etp, world)
+    assert_close(ep.experts.w13.grad, local_experts(ep, ref.experts.w13.grad, "w13"), msg="w13 grad")
+    assert_close(ep.experts.w2.grad, local_experts(ep, ref.experts.w2.grad, "w2"), msg="w2 grad")
     for name, grad in replicated_grads(ref).items():
         assert_close(summed[name], grad, msg=f"{name} grad summed over ranks")
     assert set(losses) == set(ref_losses)
@@ -192,6 +207,28 @@ for _disp in ("alltoall", "allgather", "flex"):
             moe_aux_loss_coeff=0.01,
         ),
     )
+
+# Expert tensor parallelism: every expert split over 2 ranks (EP 1 x ETP 2 on 2 ranks, EP 2 x ETP 2 on 4), the
+# tokens dispatched over the folded group to both shards of their experts, the partial outputs summed by the combine.
+for _disp in ("alltoall", "flex"):
+    _p = {"alltoall": "a2a", "flex": "flex"}[_disp]
+    compare_case(
+        f"{_p}_etp2_sigmoid_v3_shared_bias_update",
+        _cfg(moe_token_dispatcher_type=_disp, moe_shared_expert_intermediate_size=24, **SIGMOID_V3),
+        seq=(2, 6),
+        bias_update=True,
+        etp=2,
+    )
+    compare_case(
+        f"{_p}_etp2_capacity_uneven", _cfg(moe_token_dispatcher_type=_disp, moe_expert_capacity_factor=0.75),
+        sizes=[5, 12, 1, 9], etp=2,
+    )  # fmt: skip
+compare_case(
+    "a2a_etp2_capacity_position_pad_to_capacity",
+    _cfg(moe_expert_capacity_factor=1.0, moe_token_drop_policy="position", moe_pad_expert_input_to_capacity=True),
+    etp=2,
+)
+compare_case("flex_etp2_skewed_idle_ranks", _cfg(moe_token_dispatcher_type="flex"), skew=True, etp=2)
 
 compare_case(
     "a2a_capacity_position_pad_to_capacity",

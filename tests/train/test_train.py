@@ -227,6 +227,17 @@ LAYOUTS = {
         (2, 1, 1, 1, 1),
         False,
     ),  # fmt: skip
+    # Expert tensor parallelism (moe/dispatcher/etp.py): every routed expert's FFN split over 2 ranks, the tokens
+    # dispatched over the folded EP x ETP group; alone (the 2 data-parallel ranks fold into ETP 2), with EP 2 and
+    # ZeRO-1 (4 ranks, one copy of the experts), with TP 2 (ETP spans the TP pair, sequence parallel).
+    "etp2": (["--etp", "2"], 2, (2, 2, 1, 1, 1), False),
+    "ep2_etp2_zero1": (
+        ["--ep", "2", "--etp", "2", "--use-distributed-optimizer", "--ddp-bucket-size", "20000"],
+        4,
+        (4, 4, 1, 2, 1),
+        True,
+    ),
+    "tp2_etp2": (["--tp", "2", "--etp", "2"], 2, (2, 1, 2, 1, 1), False),
     # 8 stages for 4 layers: stages 4-7 are placeholders; rank 0 holds stage 0 (embedding) and 7 (head, MTP).
     "pp4_dualpipev": (["--pp", "4", "--pp-schedule", "dualpipev", "--micro-batches", "8"], 4, (4, 1, 1, 1, 1), False),
 }
@@ -255,6 +266,7 @@ def test_layout_matches_one_process(config, one_process_run, layout_run, layout)
     info = json.loads((run_dir / "run.json").read_text())
     lay = info["layout"]
     assert (lay["world"], lay["dp"], lay["tp"], lay["ep"], lay["expert_dp"]) == expected
+    assert lay["etp"] == (2 if "--etp" in flags else 1)
     virtual = 2 if {"--vpp", "--num-virtual-stages-per-pipeline-rank"} & set(flags) else 1
     assert lay.get("vpp", 1) == virtual  # run.json (and the checkpoints' manifests) name V only where it is > 1
     assert info["config"]["training"]["use_distributed_optimizer"] is zero
@@ -370,6 +382,27 @@ def test_checkpoint_resumes_across_virtual_stages(tmp_path, config, one_process_
     step4 = json.loads((run_dir / "checkpoints" / "step_4" / "manifest.json").read_text())["layout"]
     step8 = json.loads((run_dir / "checkpoints" / "step_8" / "manifest.json").read_text())["layout"]
     assert (step4.get("vpp", 1), step8.get("vpp", 1)) == ((1, 2) if resumed else (2, 1))
+
+
+@pytest.mark.parametrize(
+    "saved, resumed, nproc",
+    [("ep2_etp2_zero1", [], 1), ("ep2_dp2", ["--ep", "2", "--etp", "2"], 4), ("tp2_etp2", ["--etp", "2"], 2)],
+    ids=["etp2_to_one", "ep2_to_ep2_etp2", "tp2_etp2_to_dp2_etp2"],
+)
+def test_checkpoint_resumes_across_expert_tensor_parallelism(tmp_path, config, one_process_run, layout_run, saved,
+                                                             resumed, nproc):  # fmt: skip
+    # The step-4 checkpoint's experts are ETP shards (or whole) and are resharded into whole experts (or shards,
+    # of another fold: TP pair -> data-parallel pair): the continued losses follow the one-process run.
+    run_dir = tmp_path / "re_etp"
+    shutil.copytree(layout_run(saved), run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_8")
+    _run(["--config", str(config), "--out", str(run_dir), "--seed", "7", *resumed, "--resume"], nproc=nproc)
+    for a, b in zip(_records(one_process_run)[4:], _records(run_dir)[4:], strict=True):
+        assert b["step"] == a["step"] and b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    step4 = json.loads((run_dir / "checkpoints" / "step_4" / "manifest.json").read_text())["layout"]
+    step8 = json.loads((run_dir / "checkpoints" / "step_8" / "manifest.json").read_text())["layout"]
+    assert (step4["etp"], step8["etp"]) == (("--etp" in LAYOUTS[saved][0]) + 1, ("--etp" in resumed) + 1)
+    assert (step4["world"], step8["world"]) == (LAYOUTS[saved][1], nproc)
 
 
 def test_kills_leave_the_last_complete_checkpoint(tmp_path, config, layout_run):
@@ -542,7 +575,9 @@ def test_bias_update_balances_the_expert_load(tmp_path, corpus_and_cache):
         ({"num_experts_per_tok": 5}, {}, {}, [], 1, "num_experts_per_tok=5 exceeds the 4 experts"),
         ({}, {}, {"corpus": "/nonexistent/corpus"}, [], 4, "directory /nonexistent/corpus does not exist"),
         ({"num_attention_heads": 3, "num_key_value_heads": 3}, {}, {}, ["--tp", "2"], 4, "divisible by 2: num_attent"),
-        ({}, {}, {}, ["--etp", "2"], 4, "--etp 2: expert tensor parallelism is not in the MoE layer yet"),
+        ({"moe_intermediate_size": 126}, {}, {}, ["--etp", "4"], 4, "moe_intermediate_size=126 .* not divisible by 4"),
+        ({}, {}, {}, ["--etp", "2", "--fp8", "blockwise"], 4, "FFN shard \\(64 = moe_intermediate_size 128 / 2\\)"),
+        ({}, {}, {}, ["--ep", "4", "--etp", "2"], 4, "ep \\* etp = 8 must divide dp \\* tp = 4"),
         ({}, {}, {}, ["--pp", "2", "--pp-schedule", "dualpipev"], 2, "DualPipeV needs at least 2 \\* pp = 4 micro"),
         ({}, {}, {}, ["--pp", "2", "--overlap-moe-expert-parallel-comm"], 2, "overlaps DualPipeV's forward-backward"),
         ({}, {}, {}, ["--pp", "2", "--pp-schedule", "dualpipev", "--vpp", "2"], 2, "DualPipeV already holds 2 stages"),

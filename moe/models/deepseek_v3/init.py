@@ -21,7 +21,7 @@ from torch import nn
 from moe.experts import SwiGLUExperts, SwiGLUMLP
 from moe.layer import MoELayer
 from moe.models.deepseek_v3.norm import RMSNorm
-from moe.parallel.sharding import tp_shard_of
+from moe.parallel.sharding import TPShard, tp_shard_of
 from moe.router import TopKRouter
 
 
@@ -36,9 +36,10 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 
 @torch.no_grad()
-def _normal_(param: torch.Tensor, std: float, seed: int, name: str) -> None:
-    # A tensor-parallel shard draws the whole tensor and keeps its slice: the same values at any TP size.
-    shard = tp_shard_of(param)
+def _normal_(param: torch.Tensor, std: float, seed: int, name: str, shard: TPShard | None = None) -> None:
+    # A tensor-parallel shard draws the whole tensor and keeps its slice: the same values at any TP size. `shard`:
+    # the geometry of a view that does not carry the tag (one expert of an ETP-sharded expert tensor).
+    shard = shard if shard is not None else tp_shard_of(param)
     shape = param.shape if shard is None else shard.full_shape(param.shape)
     values = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=_generator(seed, name))
     param.copy_(values if shard is None else shard.shard(values))
@@ -85,5 +86,9 @@ def _init_experts(layer: MoELayer, seed: int, std: float, name: str) -> None:
         param = getattr(experts, pname)
         if param.is_meta:
             continue
+        # Under expert tensor parallelism each expert is drawn whole and this rank keeps its shard (same weights at
+        # any etp); the tensor's shard dims count the expert dim, one expert's do not.
+        shard = tp_shard_of(param)
+        one = None if shard is None else TPShard(shard.dim - 1, shard.chunks, shard.rank, shard.size)
         for local in range(layer.num_local_experts):
-            _normal_(param[local], std, seed, f"{name}{pname}.{layer.local_expert_start + local}")
+            _normal_(param[local], std, seed, f"{name}{pname}.{layer.local_expert_start + local}", one)

@@ -14,7 +14,9 @@ transformers' names are `model.` + these for the main model (fused / transposed 
 
 Expert parallelism: with an `ep_group` of R > 1 ranks every MoE layer keeps experts `[r*E/R, (r+1)*E/R)` and moves
 tokens with the 'flex' (mtdeepep) dispatcher; everything else is replicated (its gradients must be summed over the
-ranks, as data-parallel gradients are). Each rank runs its own sequences.
+ranks, as data-parallel gradients are). Each rank runs its own sequences. With an `etp_group` of P > 1 ranks,
+`ep_group` is the folded EP x ETP group and each of those experts is split over P ranks along its FFN dimension
+(moe/layer.py, moe/dispatcher/etp.py).
 """
 
 from __future__ import annotations
@@ -106,7 +108,10 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     Args:
         config: the model settings.
-        ep_group: expert-parallel group (None or one rank: every expert here, no communication).
+        ep_group: the group the MoE layers dispatch over: expert parallel, or with `etp_group` the folded EP x ETP
+            group (`ParallelState.expert_model_group`); None or one rank: every expert here, no communication.
+        etp_group: expert tensor-parallel group (consecutive ranks of `ep_group`): every routed expert's FFN split
+            over its ranks (moe/layer.py); None or one rank: whole experts.
         ep_buffers: the `moe.EPBuffers` whose mtdeepep buffer the MoE layers share (None: the group's default).
         aux_loss_group: MoELayer's group for 'global_aux_loss' counts (unused by DeepSeek-V3's own losses).
         dtype: parameter dtype (the router weight and the expert bias stay float32).
@@ -126,6 +131,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         config: DeepseekV3Config,
         *,
         ep_group: dist.ProcessGroup | None = None,
+        etp_group: dist.ProcessGroup | None = None,
         ep_buffers: EPBuffers | None = None,
         aux_loss_group: dist.ProcessGroup | None = None,
         dtype: torch.dtype = torch.float32,
@@ -141,16 +147,18 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.pipeline_stages: list[int] | None = None  # set by moe.pipeline.keep_stages: the stages this rank holds
         self.tp_group: dist.ProcessGroup | None = None  # set by tensor_parallel.parallelize (tp > 1)
         self.ep_group = ep_group if group_size(ep_group) > 1 else None
-        if self.ep_group is not None and config.n_routed_experts % group_size(ep_group):
+        self.etp_group = etp_group if group_size(etp_group) > 1 else None
+        ep_size = group_size(ep_group) // group_size(etp_group)
+        if self.ep_group is not None and config.n_routed_experts % ep_size:
             raise ValueError(
-                f"n_routed_experts={config.n_routed_experts} is not divisible by the expert-parallel size "
-                f"{group_size(ep_group)}"
+                f"n_routed_experts={config.n_routed_experts} is not divisible by the expert-parallel size {ep_size}"
             )
         self.aux_loss_scale = AuxLossScale()
         moe_cfg = moe_config(config, moe_options)
         moe_kwargs = dict(
             config=moe_cfg,
             ep_group=self.ep_group,
+            etp_group=self.etp_group,
             ep_buffers=ep_buffers if self.ep_group is not None else None,
             aux_loss_group=aux_loss_group,
             aux_loss_scale=self.aux_loss_scale,
@@ -240,7 +248,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Every weight whole, with global expert indices (state.py). Collective over the EP and TP groups: call it
         on every rank; every rank gets the whole dict. A pipeline rank's pruned model gives its stages' part (the
         trainer merges the parts)."""
-        return state.full_state_dict(self, self.ep_group, self.tp_group)
+        return state.full_state_dict(self, self.tp_group)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a `full_state_dict` (from any layout); this rank keeps its experts and its TP shards. No

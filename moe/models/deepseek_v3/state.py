@@ -2,7 +2,8 @@
 
 The full state dict is the model's `state_dict()` with:
 - routed expert weights (`*.mlp.experts.w13` `[E, H, 2F]`, `*.mlp.experts.w2` `[E, F, H]`) holding every expert,
-  in global expert order (gathered over the EP group: rank r holds experts `[r*L, (r+1)*L)`);
+  in global expert order (gathered over the EP group: rank r holds experts `[r*L, (r+1)*L)`; with expert tensor
+  parallelism over the folded EP x ETP group, the ETP shards of each expert joined along F);
 - tensor-parallel shards (parameters tagged `tensor_parallel_shard`, see moe/parallel/sharding.py: the vocabulary
   rows of the embedding and head, MLA's up projections by heads and `o_proj` by input columns, the dense MLP's FFN
   columns) gathered whole over the TP group;
@@ -35,31 +36,40 @@ def _expert_tensors(model: nn.Module) -> dict[str, tuple[MoELayer, torch.Tensor]
     return found
 
 
-def full_state_dict(
-    model: nn.Module, ep_group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup | None = None
-) -> dict[str, torch.Tensor]:
-    """The full state dict (see the module docstring). Collective over `ep_group` and `tp_group` when they have more
-    than one rank: every rank must call it, and every rank gets the whole dict. Replicated tensors are detached
+def full_state_dict(model: nn.Module, tp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """The full state dict (see the module docstring). Collective over the MoE layers' dispatch group (EP, or the
+    folded EP x ETP group) and `tp_group` when they have more than one rank: every rank must call it, and every
+    rank gets the whole dict. Replicated tensors are detached
     views of the parameters (clone them to keep a snapshot while training goes on); gathered weights are new
     tensors."""
     experts = _expert_tensors(model)
-    ep_size = group_size(ep_group)
     out = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
         if key.endswith(TRANSIENT_SUFFIXES):
             continue
         shard = tp_shard_of(tensor)
-        if shard is not None and shard.size > 1:
+        if key in experts and group_size(experts[key][0].dispatcher.ep_group) > 1:
+            out[key] = _gather_experts(experts[key][0], tensor)
+        elif shard is not None and shard.size > 1:
             out[key] = gather_shards(tensor, shard, tp_group)
-        elif key in experts and ep_size > 1:
-            # Gathered as bytes: any dtype crosses any backend (gloo has no float8, for instance).
-            local = tensor.detach().contiguous().view(torch.uint8)
-            parts = [torch.empty_like(local) for _ in range(ep_size)]
-            dist.all_gather(parts, local, group=ep_group)
-            out[key] = torch.cat(parts).view(tensor.dtype)
         else:
             out[key] = tensor.detach()
     return out
+
+
+def _gather_experts(layer: MoELayer, local: torch.Tensor) -> torch.Tensor:
+    """Every expert of `local` (this rank's experts, or with ETP their shards), gathered over the layer's dispatch
+    group: rank `i * etp + j` holds shard j of EP rank i's experts. Gathered as bytes: any dtype crosses any
+    backend (gloo has no float8, for instance)."""
+    group = layer.dispatcher.ep_group
+    raw = local.detach().contiguous().view(torch.uint8)
+    parts = [torch.empty_like(raw) for _ in range(group_size(group))]
+    dist.all_gather(parts, raw, group=group)
+    parts = [p.view(local.dtype).view(local.shape) for p in parts]
+    shard = tp_shard_of(local)
+    if shard is not None and shard.size > 1:  # the ETP shards of each EP rank's experts, made whole
+        parts = [shard.unshard(parts[i : i + shard.size]) for i in range(0, len(parts), shard.size)]
+    return torch.cat(parts)
 
 
 def full_state_dict_shapes(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
