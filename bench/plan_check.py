@@ -72,6 +72,9 @@ ROWS: dict[str, tuple[int, list[str], dict]] = {
     "pp2-1f1b": (2, ["--pp", "2", "--pp-schedule", "1f1b"], {"pp": 2, "schedule": "1f1b"}),
     "pp2-dualpipev": (2, ["--pp", "2", "--pp-schedule", "dualpipev"], {"pp": 2, "schedule": "dualpipev", "vpp": 2}),
     "ep2-dp4-zero1": (4, ["--ep", "2", "--use-distributed-optimizer"], {"ep": 2, "zero1": True}),
+    # Expert tensor parallelism (issue 25): each expert's FFN over 2 ranks, the dispatch over the ep x etp ranks.
+    "etp2": (2, ["--etp", "2"], {"etp": 2}),
+    "ep2-etp2": (4, ["--ep", "2", "--etp", "2"], {"ep": 2, "etp": 2}),
 }
 DEFAULT_ROWS = "1,1-full,dp2,dp2-zero1,ep2,tp2,pp2-1f1b,pp2-dualpipev"
 

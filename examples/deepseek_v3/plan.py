@@ -6,14 +6,15 @@
         --device-spec cpu --calibrate
     python examples/deepseek_v3/plan.py --list-devices
 
-Enumerates every TP / PP / EP / DP split of --devices (with ETP, the pipeline schedule 1F1B / ZB-H1 / DualPipeV /
-interleaved 1F1B with its virtual stages, the recompute setting, the FP8 recipe and ZeRO-1), drops what train.py
-would refuse (the trainer's own rules: moe/plan/space.py), estimates every remaining layout's peak memory and step
-time analytically (moe/plan/memory.py, moe/plan/timing.py) on the --device-spec (h100, h200, mtt-s4000, mtt-s5000,
-cpu, or a JSON file of DeviceSpec fields; --list-devices prints every figure with its source), drops what does not
-fit in memory, and prints the K fastest with their breakdown, the train.py command of the best layout train.py
-runs, and how many choices each rule rejected. The batch (global_batch, micro_batches, seq_len) and dtype come
-from the config's [training] table unless given.
+Enumerates every TP / PP / EP / DP split of --devices (with expert tensor parallelism, ETP: each routed expert's
+FFN split over etp ranks, the dispatch over the folded ep x etp group; the pipeline schedule 1F1B / ZB-H1 /
+DualPipeV / interleaved 1F1B with its virtual stages, the recompute setting, the FP8 recipe and ZeRO-1), drops what
+train.py would refuse (the trainer's own rules: moe/plan/space.py), estimates every remaining layout's peak memory
+and step time analytically (moe/plan/memory.py, moe/plan/timing.py) on the --device-spec (h100, h200, mtt-s4000,
+mtt-s5000, cpu, or a JSON file of DeviceSpec fields; --list-devices prints every figure with its source), drops
+what does not fit in memory, and prints the K fastest with their breakdown (an etp column when one of them uses
+ETP), the train.py command of the best layout, and how many choices each rule rejected. The batch (global_batch,
+micro_batches, seq_len) and dtype come from the config's [training] table unless given.
 
 Exit status: 0, 1 when no layout fits, 2 for bad arguments (unknown spec, bad config, ...).
 """
@@ -125,17 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"top {min(args.top, len(result.ranked))} (fastest first):")
         print(report.ranked_table(result, args.top, shape, work, spec))
         print("\n" + report.legend())
-        runnable = next((i for i, e in enumerate(result.ranked, start=1) if e.candidate.runnable), None)
-        if runnable is not None:
-            best = result.ranked[runnable - 1]
-            print(f"\nthe best train.py runs (#{runnable}):\n  " + report.flags_line(best, args.config))
+        print("\nthe best layout's train.py command (#1):\n  " + report.flags_line(result.ranked[0], args.config))
     else:
         print("no layout fits: see the rejections (more devices, fewer sequences per micro-batch, recompute)")
     print("\nrejected:")
     print(report.rejection_table(result))
     if args.json is not None:
         rows = [
-            {"layout": e.candidate.name(), "flags": e.candidate.train_flags(), "runnable": e.candidate.runnable,
+            {"layout": e.candidate.name(), "flags": e.candidate.train_flags(), "etp": e.candidate.etp,
              "memory_gib": e.memory.gib(), "time_s": e.time.as_dict()}
             for e in result.ranked[: args.top]
         ]  # fmt: skip

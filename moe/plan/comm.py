@@ -3,7 +3,9 @@
 Rank order is the trainer's (moe/train/parallel.py): the dense mesh is `(pp, dp, tp)` with TP fastest and the expert
 mesh `(pp, edp, ep, etp)` over the same ranks, so
 - a TP group is `tp` consecutive ranks;
-- an EP group is `ep` ranks `etp` apart inside a block of `ep * etp` consecutive ranks;
+- an EP group is `ep` ranks `etp` apart inside a block of `ep * etp` consecutive ranks, and the dispatch and
+  combine run over that whole block (the folded EP x ETP group, as Megatron's flex dispatcher does: a token for
+  expert e goes to each of the `etp` consecutive ranks holding a shard of e);
 - a DP group is `dp` ranks `tp` apart (a block of `dp * tp`), an EDP group spans the block of `dp * tp` too;
 - the next pipeline stage is `dp * tp` ranks away.
 Nodes hold `devices_per_node` consecutive ranks, so a group stays inside a node when its block fits in one.
@@ -54,27 +56,47 @@ def expected_distinct(groups: int, num_experts: int, topk: int) -> float:
     return groups * (1.0 - miss)
 
 
+def dispatch_destinations(ep: int, etp: int, num_experts: int, topk: int) -> tuple[float, float]:
+    """`(destinations, off_rank)`: the expected distinct ranks one token is sent to by a dispatch over the folded
+    group of `ep * etp` ranks, and how many of them are not its own rank.
+
+    Its `topk` experts fall on `expected_distinct(ep, ...)` EP indices; each EP index is `etp` ranks, one shard
+    each, and every shard gets the row (deduplicated per rank, not per expert). A given rank of the group holds a
+    shard of one EP index, which the token picks with probability `distinct / ep`: that is the row that stays."""
+    distinct = expected_distinct(ep, num_experts, topk)
+    destinations = distinct * etp
+    return destinations, destinations - distinct / ep
+
+
 def all_to_all_time(
     tokens: float, row_bytes: float, ep: int, etp: int, num_experts: int, topk: int, spec: DeviceSpec
 ) -> float:
-    """Seconds of one dispatch (or combine) of `tokens` local tokens of `row_bytes` each over an EP group of `ep`.
+    """Seconds of one dispatch (or combine) of `tokens` local tokens of `row_bytes` each over the folded EP x ETP
+    group of `ep * etp` consecutive ranks (`dispatch_destinations`: each token reaches the `etp` shards of each of
+    its experts' ranks).
 
-    DeepEP sends a token once per destination rank (not per expert). Inside a node the rows leave through the
-    intra-node link; with an EP group larger than a node, a token crosses the NIC once per other destination node
-    (DeepEP forwards inside the node), and the slower of the two paths bounds the time.
+    DeepEP sends a token once per destination rank (not per expert). When the group fits in a node the rows leave
+    through the intra-node link; with a group larger than a node, a token crosses the NIC once per other
+    destination node and is forwarded inside it to that node's destination ranks (at least the `etp` shards of
+    one expert, at most the node), and the slower of the two paths bounds the time.
     """
-    if ep <= 1 or tokens <= 0:
+    group = ep * etp
+    if group <= 1 or tokens <= 0:
         return 0.0
-    ranks = expected_distinct(ep, num_experts, topk)
-    off_rank = ranks * (ep - 1) / ep
+    _, off_rank = dispatch_destinations(ep, etp, num_experts, topk)
     node = spec.devices_per_node
-    ranks_per_node = max(1, node // etp)
-    if ep * etp <= node:
+    if group <= node:
         bw = spec.link_bytes_per_s(True, expert_parallel=True)
         return tokens * off_rank * row_bytes / bw + spec.comm_latency_us * 1e-6
-    nodes = math.ceil(ep / ranks_per_node)
-    other_nodes = expected_distinct(nodes, num_experts, topk) * (nodes - 1) / nodes
-    local_peers = min(off_rank, ranks * (ranks_per_node - 1) / ep + other_nodes)  # intra-node hops incl. forwarding
+    distinct = expected_distinct(ep, num_experts, topk)
+    nodes = math.ceil(group / node)
+    span = math.ceil(etp / node)  # nodes one EP index's shards occupy
+    if span == 1:  # a node holds node // etp EP indices with all their shards
+        other_nodes = expected_distinct(nodes, num_experts, topk) * (nodes - 1) / nodes
+    else:  # every chosen EP index is its own `span` nodes; the token's own node is one of them w.p. distinct / ep
+        other_nodes = distinct * span - distinct / ep
+    own_node_peers = distinct * (node - 1) / ep  # each other rank of the node is a destination w.p. distinct / ep
+    local_peers = min(off_rank, own_node_peers + other_nodes * min(etp, node))  # intra-node hops incl. forwarding
     inter = tokens * other_nodes * row_bytes / spec.link_bytes_per_s(False)
     intra = tokens * local_peers * row_bytes / spec.link_bytes_per_s(True, expert_parallel=True)
     return max(inter, intra) + 2 * spec.comm_latency_us * 1e-6

@@ -11,8 +11,13 @@ the dp ranks and the expert state over the edp ranks. Without ZeRO-1 the gradien
 group's gradients into one FP32 buffer after the backward (a transient of their size).
 
 Activations: `ModelShape.stage_activation_bytes` per token of a micro-batch, times the micro-batch's tokens, times
-the micro-batches each chunk holds at the schedule's peak (`moe.plan.stages.inflight`). FP8 recipes also keep an
-FP8 copy of every GEMM weight per micro-batch in flight (the autograd context holds it for the backward).
+the micro-batches each chunk holds at the schedule's peak (`moe.plan.stages.inflight`). Under expert tensor
+parallelism a rank keeps etp x the expert rows (each 1/etp of the FFN wide): `ModelShape.activation_bytes`. FP8
+recipes also keep an FP8 copy of every GEMM weight per micro-batch in flight (the autograd context holds it for the
+backward).
+
+Expert parameters, gradients and optimizer state: 1/(ep * etp) of every MoE layer's routed experts per rank (each
+rank holds E/ep experts' shards of Fm/etp columns), reduced and ZeRO-sharded over edp = dp * tp / (ep * etp).
 
 Transients at the backward's peak: one layer's activation gradients (the largest layer of the rank) and, on the
 rank with the head, the FP32 logits gradient (twice: the softmax's and the cross entropy's). After the backward
@@ -20,7 +25,8 @@ rank with the head, the FP32 logits gradient (twice: the softmax's and the cross
 gradients, or ZeRO-1's parameter all-gathers (the shard copies, plus `DeviceSpec.all_gather_extra` of the gathered
 bytes that gloo allocates inside the collective). The process baseline
 (`DeviceSpec.runtime_gib`) and the allocator's share (`allocator_overhead` of the dynamic memory) complete it; the
-mtdeepep buffer (`moe.dispatcher.deepep.nvl_bytes_hint`) counts with EP > 1.
+mtdeepep buffer (`moe.dispatcher.deepep.nvl_bytes_hint` over the ep * etp ranks of the dispatch) counts when that
+group is more than one rank.
 """
 
 from __future__ import annotations
@@ -116,24 +122,28 @@ def rank_params(shape: ModelShape, chunks: list[Chunk], cand: Candidate) -> Loca
     return total
 
 
-def _chunk_activation(shape: ModelShape, chunk: Chunk, dtype: str, tp: int, recompute: str, fp8: str) -> float:
-    return _activation_of(shape, chunk.signature(shape.first_dense), dtype, tp, recompute, fp8)
+def _chunk_activation(shape: ModelShape, chunk: Chunk, dtype: str, cand: Candidate) -> float:
+    return _activation_of(shape, chunk.signature(shape.first_dense), dtype, cand.tp, cand.recompute, cand.fp8,
+                          cand.etp)  # fmt: skip
 
 
 @functools.cache
-def _activation_of(shape: ModelShape, signature: tuple, dtype: str, tp: int, recompute: str, fp8: str) -> float:
+def _activation_of(
+    shape: ModelShape, signature: tuple, dtype: str, tp: int, recompute: str, fp8: str, etp: int
+) -> float:
     n_dense, n_moe, first, last = signature
     layers = [0] * n_dense + [shape.L] * n_moe
     return shape.stage_activation_bytes(layers, first=first, last=last, dtype=dtype, tp=tp, recompute=recompute,
-                                        fp8=fp8)  # fmt: skip
+                                        fp8=fp8, etp=etp)  # fmt: skip
 
 
 @functools.cache
-def ep_buffer_bytes(hidden: int, ep: int) -> float:
-    """The mtdeepep normal-mode buffer the 'flex' dispatcher asks for (0 without EP)."""
-    if ep <= 1:
+def ep_buffer_bytes(hidden: int, group: int) -> float:
+    """The mtdeepep normal-mode buffer the 'flex' dispatcher asks for over a dispatch group of `group` ranks (the
+    folded EP x ETP group, ep * etp; 0 for one rank)."""
+    if group <= 1:
         return 0.0
-    return float(nvl_bytes_hint(hidden, ep))
+    return float(nvl_bytes_hint(hidden, group))
 
 
 def estimate_memory(cand: Candidate, shape: ModelShape, work: Workload, spec: DeviceSpec) -> MemoryBreakdown:
@@ -153,15 +163,13 @@ def estimate_memory(cand: Candidate, shape: ModelShape, work: Workload, spec: De
             grads = (p.dense + p.experts) * (b + FP32 * low) + p.router * FP32
             optimizer = (p.dense + p.experts) * (8 + 4 * low) + p.router * 8
         counts = inflight(cand, r, work.micro_batches)
-        per_chunk = [
-            _chunk_activation(shape, c, work.dtype, cand.tp, cand.recompute, cand.fp8) * tokens for c in chunks
-        ]
+        per_chunk = [_chunk_activation(shape, c, work.dtype, cand) * tokens for c in chunks]
         activations = sum(n * a for n, a in zip(counts, per_chunk))
         if cand.fp8 != "none":
             activations += sum(counts) / len(counts) * p.linear * 1.0
         kinds = {shape.is_moe(i) for c in chunks for i in c.layers}
-        layer_peak = max((shape.activation_bytes(shape.L if moe else 0, dtype=work.dtype, tp=cand.tp, recompute="none")
-                          for moe in kinds), default=0.0)  # fmt: skip
+        layer_peak = max((shape.activation_bytes(shape.L if moe else 0, dtype=work.dtype, tp=cand.tp, recompute="none",
+                                                 etp=cand.etp) for moe in kinds), default=0.0)  # fmt: skip
         transient = layer_peak * tokens
         if any(c.last for c in chunks):
             transient += 2 * tokens * shape.V / cand.tp * FP32
@@ -179,7 +187,7 @@ def estimate_memory(cand: Candidate, shape: ModelShape, work: Workload, spec: De
             optimizer=optimizer,
             activations=activations,
             transient=transient,
-            comm_buffers=ep_buffer_bytes(shape.H, cand.ep),
+            comm_buffers=ep_buffer_bytes(shape.H, cand.ep * cand.etp),
             runtime=spec.runtime_gib * GIB,
             allocator=spec.allocator_overhead * dynamic,
             pp_rank=r,

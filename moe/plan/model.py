@@ -3,7 +3,8 @@
 Legend: V vocabulary, H hidden, F dense FFN, Fm expert FFN, Fs shared-expert FFN (`n_shared_experts * Fm`), L
 decoder layers, N heads, Q `q_lora_rank` (None: a plain q_proj), C `kv_lora_rank`, Dn / Dr / Dv the per-head
 no-rope key, rope key and value dims, Dq = Dn + Dr, E routed experts, K experts per token, D MTP depths, S sequence
-length, b bytes per element of the model dtype, tp the tensor-parallel size.
+length, b bytes per element of the model dtype, tp the tensor-parallel size, etp the expert tensor-parallel size
+(each routed expert's FFN split over etp ranks: Fm / etp columns each).
 
 Everything here follows this project's model (moe/models/deepseek_v3), not a generic transformer:
 - parameters: the fused `qkv_a_proj [Q + C + Dr, H]`, `kv_b_proj [N (Dn + Dv), C]`, SwiGLU `w13 [H, 2F]` + `w2`,
@@ -11,7 +12,9 @@ Everything here follows this project's model (moe/models/deepseek_v3), not a gen
   `shared_head.norm` (embedding and head shared). `tests/plan` checks the counts against the real model's.
 - FLOPs: counted once, in moe/models/deepseek_v3/flops.py (2 per multiply-add, causal attention core); the step
   time prices the core's value side on Dq columns, because the model pads v from Dv to Dq for SDPA's fused
-  kernels, while `model_flops_per_token` (what MFU divides by) counts the model's Dv.
+  kernels, while `model_flops_per_token` (what MFU divides by) counts the model's Dv. The routed experts' share
+  on one rank is priced from the rows its expert shards receive (`expert_rows`, `expert_row_flops`): etp times
+  the rows at 1/etp of the FLOPs each, the same FLOPs per rank as without ETP.
 - activations: the tensors autograd keeps per token of a micro-batch (see `activation_bytes`), checked against the
   measured resident set of a real forward in `tests/plan`.
 """
@@ -179,6 +182,16 @@ class ModelShape:
         gemm, router = flops.ffn_flops(self._flops_config(), layer)
         return {"gemm": gemm, "router": router}
 
+    def expert_rows(self, etp: int = 1) -> int:
+        """Rows the routed experts compute per routed token: K experts, each split over `etp` ranks that all receive
+        the token (Megatron's flex dispatcher over the folded EP x ETP group)."""
+        return self.K * etp
+
+    def expert_row_flops(self, etp: int = 1) -> float:
+        """Forward FLOPs of one row through one expert shard of `Fm / etp` columns: gate/up `[H, 2 Fm / etp]`
+        (column parallel) and down `[Fm / etp, H]` (row parallel, a partial output the combine sums)."""
+        return 6.0 * self.H * self.Fm / etp
+
     def head_flops(self) -> float:
         return flops.head_flops(self._flops_config())
 
@@ -192,7 +205,9 @@ class ModelShape:
 
     # -- activations
 
-    def activation_bytes(self, layer: int, *, dtype: str, tp: int, recompute: str, fp8: str = "none") -> float:
+    def activation_bytes(
+        self, layer: int, *, dtype: str, tp: int, recompute: str, fp8: str = "none", etp: int = 1
+    ) -> float:
         """Bytes autograd keeps per token of a micro-batch (its B*S tokens, whole sequences) for decoder layer
         `layer` on one rank, until the layer's backward.
 
@@ -209,18 +224,23 @@ class ModelShape:
             dense    fc1 output 2F, SiLU F, product F ('moe_act': the last two rebuilt); under TP the gathered
                      input H (whole seq)
             router   FP32 logits / scores / selection, ~4E*4 bytes ('moe_act' recomputes the router)
-            experts  K rows of: input H, fc1 2Fm, SiLU Fm, product Fm ('moe_act': the last two rebuilt), output H
+            experts  K rows of: input H, fc1 2Fm, SiLU Fm, product Fm ('moe_act': the last two rebuilt), output H;
+                     under expert tensor parallelism (`etp` > 1) each of the K rows reaches the etp ranks holding a
+                     shard of its expert: K * etp rows of input H, fc1 2Fm/etp, SiLU and product Fm/etp, partial
+                     output H (`expert_rows`), so the H-wide parts grow etp-fold and the Fm-wide parts stay
             shared   fc1 2Fs, SiLU Fs, product Fs
         'full' recompute keeps only the layer's input (H*b/tp). FP8 ('blockwise' keeps the high-precision GEMM
         inputs plus their FP8 copies, 1 byte each; 'delayed' keeps only the FP8 copies) changes the GEMM inputs.
         """
-        return self._activation_bytes(self.is_moe(layer), dtype, tp, recompute, fp8)
+        return self._activation_bytes(self.is_moe(layer), dtype, tp, recompute, fp8, etp)
 
     @functools.cache  # noqa: B019
-    def _activation_bytes(self, moe: bool, dtype: str, tp: int, recompute: str, fp8: str) -> float:
+    def _activation_bytes(self, moe: bool, dtype: str, tp: int, recompute: str, fp8: str, etp: int) -> float:
         b = DTYPE_BYTES[dtype]
         if recompute not in RECOMPUTE_CHOICES:
             raise ValueError(f"recompute must be one of {tuple(RECOMPUTE_CHOICES)}, got {recompute!r}")
+        if isinstance(etp, bool) or not isinstance(etp, int) or etp < 1 or self.Fm % etp:
+            raise ValueError(f"etp must be a positive divisor of moe_intermediate_size={self.Fm}, got {etp!r}")
         H, N, C, Dr, Dq = self.H, self.N, self.C, self.Dr, self.Dq
         if recompute == "full":
             return H * b / tp
@@ -254,10 +274,11 @@ class ModelShape:
             K, Fm, Fs = self.K, self.Fm, self.Fs
             router = 0 if "moe_act" in modules else 4 * self.E * FP32 + (H * FP32 if b != FP32 else 0)
             act = 0 if "moe_act" in modules else 2 * Fm * b
-            experts = K * (H * b + 2 * Fm * b + act + H * b)
+            rows = self.expert_rows(etp)  # K * etp rows of Fm / etp columns each
+            experts = rows * (H * b + H * b) + K * (2 * Fm * b + act)
             shared = 4 * Fs * b
             ffn = (router + experts + shared) / tp
-            gemm_inputs = (K * (H + Fm) + H + Fs) / tp
+            gemm_inputs = (rows * H + K * Fm + H + Fs) / tp
         gemm_inputs += (self.q_in + C + Dr) / tp + (N * self.Dv) / tp + H / tp  # MLA's GEMM inputs
         if fp8 == "blockwise":
             gemm_in_extra = gemm_inputs * 1.0
@@ -285,18 +306,28 @@ class ModelShape:
         return norm_bytes + self.H * b / tp + gathered + self.V * FP32 / tp + logits
 
     def stage_activation_bytes(
-        self, layers: list[int], *, first: bool, last: bool, dtype: str, tp: int, recompute: str, fp8: str = "none"
+        self,
+        layers: list[int],
+        *,
+        first: bool,
+        last: bool,
+        dtype: str,
+        tp: int,
+        recompute: str,
+        fp8: str = "none",
+        etp: int = 1,
     ) -> float:
         """Per token of a micro-batch: what one micro-batch keeps on a stage holding decoder `layers`, with the
         MTP depths and heads when `last` (the embedding keeps nothing but indices). 'full' recompute checkpoints
         every MTP depth too (train.py's 'uniform' method)."""
-        total = sum(self.activation_bytes(i, dtype=dtype, tp=tp, recompute=recompute, fp8=fp8) for i in layers)
+        kw = dict(dtype=dtype, tp=tp, recompute=recompute, fp8=fp8, etp=etp)
+        total = sum(self.activation_bytes(i, **kw) for i in layers)
         if last:
             total += self.head_activation_bytes(dtype=dtype, tp=tp, kept_logits=True)
             for k in range(self.D):
                 full = recompute == "full"  # a checkpointed depth keeps its inputs: slices of tensors kept anyway
                 if not full:
-                    total += self.activation_bytes(self.L + k, dtype=dtype, tp=tp, recompute=recompute, fp8=fp8)
+                    total += self.activation_bytes(self.L + k, **kw)
                     total += self.mtp_extra_activation_bytes(dtype=dtype, tp=tp)
                 total += self.head_activation_bytes(dtype=dtype, tp=tp, kept_logits=False, norm=not full)
         return total

@@ -30,18 +30,23 @@ def _s(x: float) -> str:
 
 
 def ranked_table(result: PlanResult, top: int, shape: ModelShape, work: Workload, spec: DeviceSpec) -> str:
-    """The `top` fastest layouts: memory (GiB, the worst rank) and time (seconds per step, the bottleneck rank)."""
-    headers = ["#", "layout", "mem", "wts", "grads", "optim", "act", "(mb)", "trans", "other", "step s", "compute",
-               "recomp", "tp", "ep", "pp", "dp", "opt", "bubble", "tok/s", "MFU"]  # fmt: skip
+    """The `top` fastest layouts: memory (GiB, the worst rank) and time (seconds per step, the bottleneck rank).
+    An 'etp' column (the expert tensor-parallel size) follows the layout when a shown layout has etp > 1."""
+    shown = result.ranked[:top]
+    with_etp = any(e.candidate.etp > 1 for e in shown)
+    headers = ["#", "layout", *(["etp"] if with_etp else []), "mem", "wts", "grads", "optim", "act", "(mb)", "trans",
+               "other", "step s", "compute", "recomp", "tp", "ep", "pp", "dp", "opt", "bubble", "tok/s",
+               "MFU"]  # fmt: skip
     rows = []
-    for i, e in enumerate(result.ranked[:top], start=1):
+    for i, e in enumerate(shown, start=1):
         m, t = e.memory, e.time
         name = e.candidate.name()
         rows.append([
-            str(i), name, _g(m.total), _g(m.weights), _g(m.grads), _g(m.optimizer), _g(m.activations),
-            f"{m.inflight:g}", _g(m.transient), _g(m.comm_buffers + m.runtime + m.allocator), _s(t.step),
-            _s(t.compute), _s(t.recompute), _s(t.tp_comm), _s(t.ep_comm), _s(t.pp_comm), _s(t.dp_comm),
-            _s(t.optimizer), _s(t.bubble), f"{e.tokens_per_s(work):.4g}", f"{100 * e.mfu(shape, work, spec):.1f}%",
+            str(i), name, *([str(e.candidate.etp)] if with_etp else []), _g(m.total), _g(m.weights), _g(m.grads),
+            _g(m.optimizer), _g(m.activations), f"{m.inflight:g}", _g(m.transient),
+            _g(m.comm_buffers + m.runtime + m.allocator), _s(t.step), _s(t.compute), _s(t.recompute), _s(t.tp_comm),
+            _s(t.ep_comm), _s(t.pp_comm), _s(t.dp_comm), _s(t.optimizer), _s(t.bubble),
+            f"{e.tokens_per_s(work):.4g}", f"{100 * e.mfu(shape, work, spec):.1f}%",
         ])  # fmt: skip
     return table(headers, rows, "rl" + "r" * (len(headers) - 2))
 
@@ -52,7 +57,8 @@ def legend() -> str:
         "ZeRO-1) + act (activations of the micro-batch chunks in flight, (mb) of them) + trans (backward working set "
         "or gradient-reduction buffer) + other (mtdeepep buffer, process runtime, allocator share).\n"
         "step s: seconds per optimizer step on the bottleneck rank = compute (forward + backward, incl. recomp) + "
-        "exposed communication (tp: sequence-parallel collectives, ep: dispatch + combine, pp: p2p, dp: gradient "
+        "exposed communication (tp: sequence-parallel collectives, ep: dispatch + combine over the ep x etp ranks, "
+        "pp: p2p, dp: gradient "
         "reduction / ZeRO-1 all-gather) + opt (AdamW) + bubble (DualPipe table's bubble of the schedule).\n"
         "MFU: model FLOPs (6 x activated parameters + attention, no recompute) per second over the devices' peak."
     )

@@ -7,9 +7,12 @@ the trainer would refuse, calling the functions train.py calls:
   `Layout.check_batch` (global batch = dp x micro-batches x rows);
 - `moe.models.deepseek_v3.tensor_parallel.check_tensor_parallel` (heads, vocabulary, dense FFN divisible by tp);
 - `moe.pipeline.split.check_schedule` (micro-batch counts per schedule) and `split_layers`;
-- `moe.train.layout_rules.check_model_layout`, train.py's own (etp > 1 refused, sequence long enough for sequence
-  parallelism, ...), run last
-  as a catch-all, and `apply_fp8`'s rule (FP8 dispatch needs hidden % 128 == 0).
+- `moe.train.layout_rules.check_model_layout`, train.py's own (sequence long enough for sequence parallelism, ...),
+  run last as a catch-all, and `apply_fp8`'s rule (FP8 dispatch needs hidden % 128 == 0);
+- expert tensor parallelism (`--etp`, Megatron's expert_tensor_parallel_size; train.py runs it with the 'flex' and
+  'alltoall' dispatchers, the planner prices 'flex'): etp splits each routed expert's FFN (gate/up by columns,
+  down by rows), so it must divide moe_intermediate_size, and under an FP8 recipe every shard must be a whole
+  number of 128-wide scaling tiles (1x128 activations, 128x128 weights): (moe_intermediate_size / etp) % 128 == 0.
 Rejected choices are counted per reason; a rule decided for a partial choice (e.g. a TP size) counts every complete
 choice it covers, so the counts add up to the whole space.
 
@@ -43,7 +46,8 @@ REASONS = {
     "experts": "n_routed_experts not divisible by ep (Layout.check_experts)",
     "batch": "global_batch not divisible by dp * micro_batches (Layout.check_batch)",
     "tp_shapes": "heads / vocabulary / dense FFN not divisible by tp (check_tensor_parallel)",
-    "etp": "etp > 1: expert tensor parallelism is refused by train.py",
+    "etp_ffn": "etp does not divide moe_intermediate_size (the expert FFN splits evenly over the ETP ranks)",
+    "etp_fp8": "FP8 with etp > 1 needs (moe_intermediate_size / etp) % 128 == 0 (whole 128-wide tiles per shard)",
     "schedule": "micro-batches do not fit the pipeline schedule (moe.pipeline.split.check_schedule)",
     "tied": "tied embeddings across pipeline ranks need dualpipev (train.py)",
     "train_py": "another train.py rule (check_model_layout)",
@@ -101,11 +105,6 @@ class Candidate:
         """Pipeline stages (model chunks) in all: pp * vpp."""
         return self.pp * self.vpp
 
-    @property
-    def runnable(self) -> bool:
-        """Whether train.py runs it (every accepted candidate: etp > 1 is rejected)."""
-        return self.etp == 1
-
     def micro_rows(self, work: Workload) -> int:
         """Sequences per micro-batch on a data-parallel rank; ValueError when the batch does not split evenly."""
         rows, rest = divmod(work.global_batch, self.dp * work.micro_batches)
@@ -134,6 +133,8 @@ class Candidate:
     def train_flags(self) -> list[str]:
         """train.py's flags for this layout (the world size comes from torchrun)."""
         flags = ["--tp", str(self.tp), "--pp", str(self.pp), "--ep", str(self.ep)]
+        if self.etp > 1:
+            flags += ["--etp", str(self.etp)]
         if self.pp > 1:
             flags += ["--pp-schedule", self.schedule if self.schedule != "interleaved" else "1f1b"]
             if self.schedule == "interleaved":
@@ -235,6 +236,9 @@ def enumerate_candidates(
                     if fp8 != "none" and config.hidden_size % 128:
                         space.reject("fp8_dispatch", 1, label + f" fp8 {fp8}")
                         continue
+                    if fp8 != "none" and not fp8_shards_whole_tiles(config, etp):
+                        space.reject("etp_fp8", 1, label + f" fp8 {fp8}")
+                        continue
                     space.accepted.append(Candidate(world, tp, pp, ep, etp, schedule, vpp, recompute, fp8, zero1))
     return space
 
@@ -259,9 +263,16 @@ def _layout_reason(config: DeepseekV3Config, work: Workload, layout: Layout, che
         check_tp(config, layout.tp)
     except ValueError:
         return "tp_shapes"
-    if layout.etp != 1:
-        return "etp"
+    if config.moe_intermediate_size % layout.etp:
+        return "etp_ffn"
     return None
+
+
+def fp8_shards_whole_tiles(config: DeepseekV3Config, etp: int) -> bool:
+    """Whether an FP8 recipe can run expert shards of `moe_intermediate_size / etp` columns: without ETP the FFN is
+    not split (whatever its width, as before); split, each shard must hold whole 128-wide scaling tiles, since the
+    1x128 activation and 128x128 weight blocks of `moe.fp8` cannot be cut between two ranks."""
+    return etp == 1 or (config.moe_intermediate_size // etp) % 128 == 0
 
 
 def _schedule_reason(config: DeepseekV3Config, work: Workload, pp: int, schedule: str, vpp: int) -> str | None:
@@ -280,7 +291,9 @@ def _schedule_reason(config: DeepseekV3Config, work: Workload, pp: int, schedule
 
 
 def _train_py_reason(config, stub, world, tp, pp, ep, schedule, vpp) -> str | None:
-    """train.py's `check_model_layout` on the layout (etp 1): whatever it still refuses."""
+    """train.py's `check_model_layout` on the layout: whatever it still refuses. It is asked with etp 1: the
+    expert tensor-parallel rules are this module's (`_layout_reason`, `fp8_shards_whole_tiles`), and nothing else
+    the catch-all checks depends on etp."""
     try:
         sched = schedule if schedule in PP_SCHEDULES else "1f1b"
         layout = Layout(

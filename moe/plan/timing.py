@@ -8,7 +8,11 @@ work, sequence-parallel parts included):
        the causal attention core at `ATTENTION_EFFICIENCY` of the GEMM rate, element-wise traffic
        (`ELEMENTWISE_PASSES_FWD` x the activation bytes through memory), plus the exposed TP collectives (sequence
        parallel all-gathers / reduce-scatters) and EP dispatch + combine (FP8 rows under an FP8 recipe, FP32
-       combine as the 'flex' dispatcher does).
+       combine as the 'flex' dispatcher does) over the folded EP x ETP group. Under expert tensor parallelism
+       (etp > 1) a rank's expert shards receive etp x the rows at 1/etp of the FFN width each
+       (`expert_gemm_flops`), every token goes to the etp shards of each of its experts' ranks (up to etp x the
+       dispatch and combine rows, `moe.plan.comm.dispatch_destinations`), and the combine's sum adds the etp
+       partial down-projections: no all-reduce.
     B  backward: 2x the GEMMs (input and weight gradients), 2.5x the attention core, `ELEMENTWISE_PASSES_BWD` x
        the activation bytes, the mirrored TP / EP communication, plus the recompute (selective: the core attention;
        selective+: also the MLA up projections, norms and SwiGLU; full: the whole forward, communication included).
@@ -23,7 +27,8 @@ Step on the bottleneck pipeline rank: `m x sum over its chunks of (F + B)` + the
 (P-1)(F&B+B-3W) with F&B = F+B, no overlap) with the mean chunk times of the other ranks (what the bottleneck
 waits for while the pipeline fills and drains); interleaved 1F1B: (P-1)(F+B) of such a chunk.
 Then the gradient reduction (MasterAdamW: all-reduces after the backward; ZeRO-1: bucketed reduce-scatters
-overlapped with the last micro-batch's backward when there is no pipeline, then the parameter all-gather) and the
+overlapped with the last micro-batch's backward when there is no pipeline, then the parameter all-gather; the
+expert gradients, 1/(ep * etp) of the experts per rank, over the edp = dp * tp / (ep * etp) ranks) and the
 optimizer (memory bound).
 """
 
@@ -114,10 +119,12 @@ def chunk_times(chunk: Chunk, cand: Candidate, shape: ModelShape, work: Workload
         proj, c = shape.attention_flops(work.seq_len)
         ffn = shape.ffn_flops(i)
         linear += proj + ffn["gemm"]
+        if shape.is_moe(i):  # the model's count has K whole experts per token; price this rank's shards instead
+            linear += expert_gemm_flops(cand, shape) - shape.K * shape.expert_row_flops()
         core += c
         router += ffn["router"]
         up += 2.0 * ((shape.Q or 0) * shape.N * shape.Dq + shape.C * shape.N * (shape.Dn + shape.Dv))
-        act_bytes += shape.activation_bytes(i, dtype=work.dtype, tp=1, recompute="none")
+        act_bytes += shape.activation_bytes(i, dtype=work.dtype, tp=1, recompute="none", etp=cand.etp)
     if chunk.last:
         head = shape.head_flops() * (1 + shape.D)
         linear += shape.D * shape.mtp_extra_flops()
@@ -152,6 +159,17 @@ def chunk_times(chunk: Chunk, cand: Candidate, shape: ModelShape, work: Workload
     return ChunkTimes(fwd, bwd, recompute, gemm_fwd, tp_fwd, tp_bwd, ep_fwd, ep_bwd)
 
 
+def expert_gemm_flops(cand: Candidate, shape: ModelShape) -> float:
+    """Forward FLOPs of one rank's routed expert shards in one MoE layer, per token the rank routes.
+
+    The folded EP x ETP group of `ep * etp` ranks routes `K` experts per token, and each (token, expert) pair is
+    computed by the `etp` ranks holding a shard of the expert, so a rank receives `K * etp` rows per routed token
+    (balanced routing) of `6 H Fm / etp` FLOPs each (`ModelShape.expert_rows`, `expert_row_flops`): ETP does not
+    change a rank's expert FLOPs, it narrows its GEMMs (priced at the same rate) and multiplies its rows, which the
+    dispatch / combine volume (`moe.plan.comm.all_to_all_time`) and the kept activations pay for."""
+    return shape.expert_rows(cand.etp) * shape.expert_row_flops(cand.etp)
+
+
 def _tp_comm(chunk: Chunk, layers: list[int], cand: Candidate, shape: ModelShape, tokens: int, b: int, spec) -> float:
     """Forward TP (sequence-parallel) collectives of one micro-batch through a chunk; the backward mirrors them."""
     if cand.tp == 1:
@@ -176,8 +194,9 @@ def _tp_comm(chunk: Chunk, layers: list[int], cand: Candidate, shape: ModelShape
 
 
 def _ep_comm(layers: list[int], cand: Candidate, shape: ModelShape, tokens: int, b: int, spec) -> tuple[float, float]:
-    """`(forward, backward)` seconds of the dispatches and combines of one micro-batch through a chunk's MoE layers."""
-    if cand.ep == 1:
+    """`(forward, backward)` seconds of the dispatches and combines of one micro-batch through a chunk's MoE layers,
+    over the folded EP x ETP group (none when it is one rank)."""
+    if cand.ep * cand.etp == 1:
         return 0.0, 0.0
     moe_layers = sum(shape.is_moe(i) for i in layers)
     local = tokens / cand.tp  # under sequence parallelism every TP rank routes its own positions

@@ -45,7 +45,9 @@ def test_top_k_table_and_rejections(plan_main, capsys, tmp_path):
     assert code == 0
     rows = _ranked_rows(text)
     assert [r.split()[0] for r in rows] == ["1", "2", "3"]
-    assert "rejected:" in text and "etp > 1" in text and "--config" in text.split("the best train.py runs")[1]
+    assert "rejected:" in text and "etp > 1" in text and "--config" in text.split("the best layout's train.py")[1]
+    header = next(line for line in text.splitlines() if line.startswith("#  layout"))
+    assert "etp" not in header.split()  # the column shows only when a shown layout has etp > 1 (tests/plan/test_etp.py)
     saved = json.loads(out_json.read_text())
     steps = [r["time_s"]["step"] for r in saved["ranked"]]
     assert len(steps) == 3 and steps == sorted(steps)  # fastest first
