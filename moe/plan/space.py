@@ -11,8 +11,9 @@ the trainer would refuse, calling the functions train.py calls:
   run last as a catch-all, and `apply_fp8`'s rule (FP8 dispatch needs hidden % 128 == 0);
 - expert tensor parallelism (`--etp`, Megatron's expert_tensor_parallel_size; train.py runs it with the 'flex' and
   'alltoall' dispatchers, the planner prices 'flex'): etp splits each routed expert's FFN (gate/up by columns,
-  down by rows), so it must divide moe_intermediate_size, and under an FP8 recipe every shard must be a whole
-  number of 128-wide scaling tiles (1x128 activations, 128x128 weights): (moe_intermediate_size / etp) % 128 == 0.
+  down by rows): `moe.train.layout_rules.check_expert_tensor_parallel`, train.py's rule: etp divides
+  moe_intermediate_size, and under block-wise FP8 every shard is a whole number of 128-wide scaling tiles (1x128
+  activations, 128x128 weights): (moe_intermediate_size / etp) % 128 == 0.
 Rejected choices are counted per reason; a rule decided for a partial choice (e.g. a TP size) counts every complete
 choice it covers, so the counts add up to the whole space.
 
@@ -32,7 +33,7 @@ from moe.models.deepseek_v3.tensor_parallel import check_tensor_parallel
 from moe.pipeline.split import check_schedule
 from moe.plan.devices import DeviceSpec
 from moe.plan.model import DTYPE_BYTES, RECOMPUTE_CHOICES
-from moe.train.layout_rules import check_model_layout
+from moe.train.layout_rules import check_expert_tensor_parallel, check_model_layout
 from moe.train.parallel import FP8_RECIPES, PP_SCHEDULES, Layout
 
 # (schedule, chunks per rank) for pp > 1; 'interleaved' is Megatron's virtual pipeline (train.py: 1f1b with vpp).
@@ -47,7 +48,7 @@ REASONS = {
     "batch": "global_batch not divisible by dp * micro_batches (Layout.check_batch)",
     "tp_shapes": "heads / vocabulary / dense FFN not divisible by tp (check_tensor_parallel)",
     "etp_ffn": "etp does not divide moe_intermediate_size (the expert FFN splits evenly over the ETP ranks)",
-    "etp_fp8": "FP8 with etp > 1 needs (moe_intermediate_size / etp) % 128 == 0 (whole 128-wide tiles per shard)",
+    "etp_fp8": "blockwise FP8 with etp > 1 needs (moe_intermediate_size / etp) % 128 == 0 (whole tiles per shard)",
     "schedule": "micro-batches do not fit the pipeline schedule (moe.pipeline.split.check_schedule)",
     "tied": "tied embeddings across pipeline ranks need dualpipev (train.py)",
     "train_py": "another train.py rule (check_model_layout)",
@@ -236,7 +237,7 @@ def enumerate_candidates(
                     if fp8 != "none" and config.hidden_size % 128:
                         space.reject("fp8_dispatch", 1, label + f" fp8 {fp8}")
                         continue
-                    if fp8 != "none" and not fp8_shards_whole_tiles(config, etp):
+                    if not fp8_shards_whole_tiles(config, etp, fp8):
                         space.reject("etp_fp8", 1, label + f" fp8 {fp8}")
                         continue
                     space.accepted.append(Candidate(world, tp, pp, ep, etp, schedule, vpp, recompute, fp8, zero1))
@@ -263,16 +264,21 @@ def _layout_reason(config: DeepseekV3Config, work: Workload, layout: Layout, che
         check_tp(config, layout.tp)
     except ValueError:
         return "tp_shapes"
-    if config.moe_intermediate_size % layout.etp:
+    try:
+        check_expert_tensor_parallel(config, layout.etp, "none")
+    except ValueError:
         return "etp_ffn"
     return None
 
 
-def fp8_shards_whole_tiles(config: DeepseekV3Config, etp: int) -> bool:
-    """Whether an FP8 recipe can run expert shards of `moe_intermediate_size / etp` columns: without ETP the FFN is
-    not split (whatever its width, as before); split, each shard must hold whole 128-wide scaling tiles, since the
-    1x128 activation and 128x128 weight blocks of `moe.fp8` cannot be cut between two ranks."""
-    return etp == 1 or (config.moe_intermediate_size // etp) % 128 == 0
+def fp8_shards_whole_tiles(config: DeepseekV3Config, etp: int, fp8: str) -> bool:
+    """Whether the FP8 recipe `fp8` can run expert shards of `moe_intermediate_size / etp` columns: train.py's
+    `check_expert_tensor_parallel` (block-wise scaling needs whole 128-wide tiles in each shard)."""
+    try:
+        check_expert_tensor_parallel(config, etp, fp8)
+    except ValueError:
+        return False
+    return True
 
 
 def _schedule_reason(config: DeepseekV3Config, work: Workload, pp: int, schedule: str, vpp: int) -> str | None:
@@ -291,9 +297,10 @@ def _schedule_reason(config: DeepseekV3Config, work: Workload, pp: int, schedule
 
 
 def _train_py_reason(config, stub, world, tp, pp, ep, schedule, vpp) -> str | None:
-    """train.py's `check_model_layout` on the layout: whatever it still refuses. It is asked with etp 1: the
-    expert tensor-parallel rules are this module's (`_layout_reason`, `fp8_shards_whole_tiles`), and nothing else
-    the catch-all checks depends on etp."""
+    """train.py's `check_model_layout` on the layout: whatever it still refuses. It is asked with etp 1: its expert
+    tensor-parallel rule (`check_expert_tensor_parallel`) is asked separately (`_layout_reason`,
+    `fp8_shards_whole_tiles`) to count its rejections under their own names, and nothing else it checks depends on
+    etp."""
     try:
         sched = schedule if schedule in PP_SCHEDULES else "1f1b"
         layout = Layout(

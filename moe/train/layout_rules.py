@@ -18,18 +18,7 @@ def check_model_layout(model_cfg: DeepseekV3Config, train_cfg: TrainingConfig, l
     """What the layout and the batch ask of the model config (ValueError, before any process group). The routing
     settings themselves (e.g. a top-k larger than the experts of the allowed groups) are checked by
     `DeepseekV3Config`."""
-    if model_cfg.moe_intermediate_size % layout.etp:
-        raise ValueError(
-            f"--etp {layout.etp}: moe_intermediate_size={model_cfg.moe_intermediate_size} (each routed expert's FFN, "
-            f"split over the expert tensor-parallel ranks) is not divisible by {layout.etp}"
-        )
-    ffn_shard = model_cfg.moe_intermediate_size // layout.etp
-    if layout.etp > 1 and layout.fp8 == "blockwise" and ffn_shard % 128:
-        raise ValueError(
-            f"--etp {layout.etp} with --fp8 blockwise: each expert's FFN shard ({ffn_shard} = moe_intermediate_size "
-            f"{model_cfg.moe_intermediate_size} / {layout.etp}) is the down projection's reduction dimension, which "
-            "the 1x128 / 128x128 tiles need as a multiple of 128"
-        )
+    check_expert_tensor_parallel(model_cfg, layout.etp, layout.fp8)
     layout.check_experts(model_cfg.n_routed_experts)
     layout.check_batch(train_cfg.global_batch, train_cfg.micro_batches)
     check_tensor_parallel(model_cfg, layout.tp)
@@ -45,4 +34,22 @@ def check_model_layout(model_cfg: DeepseekV3Config, train_cfg: TrainingConfig, l
     if train_cfg.seq_len < 2 + model_cfg.num_nextn_predict_layers:
         raise ValueError(
             f"seq_len={train_cfg.seq_len} leaves no target for MTP depth {model_cfg.num_nextn_predict_layers}"
+        )
+
+
+def check_expert_tensor_parallel(model_cfg: DeepseekV3Config, etp: int, fp8: str) -> None:
+    """What splitting every routed expert's FFN over `etp` ranks asks of the model under the FP8 recipe `fp8`
+    (ValueError): whole shards, and with block-wise scaling whole 128-wide tiles in each shard (the shard is the down
+    projection's reduction dimension; per-tensor scaling has no tiles)."""
+    if model_cfg.moe_intermediate_size % etp:
+        raise ValueError(
+            f"--etp {etp}: moe_intermediate_size={model_cfg.moe_intermediate_size} (each routed expert's FFN, split "
+            f"over the expert tensor-parallel ranks) is not divisible by {etp}"
+        )
+    shard = model_cfg.moe_intermediate_size // etp
+    if etp > 1 and fp8 == "blockwise" and shard % 128:
+        raise ValueError(
+            f"--etp {etp} with --fp8 blockwise: each expert's FFN shard ({shard} = moe_intermediate_size "
+            f"{model_cfg.moe_intermediate_size} / {etp}) is the down projection's reduction dimension, which the "
+            "1x128 / 128x128 tiles need as a multiple of 128"
         )

@@ -28,15 +28,16 @@ WORK16 = Workload(global_batch=64, micro_batches=4, seq_len=128, dtype="bfloat16
 
 
 def test_etp_rules():
-    """etp must divide moe_intermediate_size (128: etp 3 of 6 ranks cannot), and under FP8 every shard must hold
-    whole 128-wide tiles (128 / 2 = 64 cannot; 256 / 2 = 128 can). Without ETP nothing changes for FP8."""
+    """etp must divide moe_intermediate_size (128: etp 3 of 6 ranks cannot), and under block-wise FP8 every shard
+    must hold whole 128-wide tiles (128 / 2 = 64 cannot; 256 / 2 = 128 can; per-tensor scaling has no tiles).
+    Without ETP nothing changes for FP8."""
     work = Workload(global_batch=48, micro_batches=4, seq_len=128, dtype="bfloat16")
     space = enumerate_candidates(TINY, work, 6, H100)
     assert space.rejected["etp_ffn"] > 0 and "etp3" in space.examples["etp_ffn"]
     assert not any(c.etp in (3, 6) for c in space.accepted)
     assert space.rejected["etp_fp8"] > 0 and "etp2" in space.examples["etp_fp8"]
     etp2 = [c for c in space.accepted if c.etp == 2]
-    assert etp2 and {c.fp8 for c in etp2} == {"none"}
+    assert etp2 and {c.fp8 for c in etp2} == {"none", "delayed"}
     assert {c.fp8 for c in space.accepted if c.etp == 1} == {"none", "delayed", "blockwise"}
 
     wide = enumerate_candidates(dataclasses.replace(TINY, moe_intermediate_size=256), work, 6, H100)

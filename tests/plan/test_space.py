@@ -23,7 +23,7 @@ from moe.plan.space import (
     enumerate_candidates,
 )
 from moe.train import job_config
-from moe.train.layout_rules import check_model_layout
+from moe.train.layout_rules import check_expert_tensor_parallel, check_model_layout
 from moe.train.parallel import FP8_RECIPES, Layout
 
 from ..train.train_cases import load_script
@@ -67,8 +67,7 @@ def test_accepted_layouts_pass_the_trainer_rules():
         layout.check_experts(TINY.n_routed_experts)
         layout.check_batch(WORK.global_batch, WORK.micro_batches)
         check_tensor_parallel(TINY, c.tp)
-        assert TINY.moe_intermediate_size % c.etp == 0  # each ETP rank a whole share of the expert FFN
-        assert c.fp8 == "none" or c.etp == 1 or (TINY.moe_intermediate_size // c.etp) % 128 == 0
+        check_expert_tensor_parallel(TINY, c.etp, c.fp8)  # whole FFN shares, whole FP8 tiles (train.py's rule)
         assert c.micro_rows(WORK) >= 1
         if c.pp > 1:
             interleaved = c.schedule == "interleaved"
