@@ -18,13 +18,17 @@ stages (torch's ZB1P interleaved; the same I / W split).
 
 Our code around them: the stage modules (stages.py), the loss share of every micro-batch (its global-batch scale,
 so the schedules' own gradient scaling is off), the loss sums and expert loads brought to every pipeline rank, the
-timeline of every action (timeline.py), and the errors: a rank that fails or a peer that never arrives raises with
-the step, the pipeline rank and its stages named (the p2p waits are bounded by the process group's timeout).
+timeline of every action (timeline.py), the report of each stage's last weight-gradient action (ZeRO-1 starts
+reducing that stage's gradients then: `set_weight_grads_done`), and the errors: a rank that fails or a peer that
+never arrives raises with the step, the pipeline rank and its stages named (the p2p waits are bounded by the process
+group's timeout).
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -70,10 +74,17 @@ class TimedStage(PipelineStage):
     `PipelineRunner.step`).
 
     With `split_weight_grads` (zero-bubble schedules) its GEMMs queue their weight gradients during the backward
-    (I) and the W action runs the queue: `moe.wgrad.take_weight_grads` is torch's `dw_builder`."""
+    (I) and the W action runs the queue: `moe.wgrad.take_weight_grads` is torch's `dw_builder`.
+
+    `weight_grads_done(stage_index)`, when set, is called once per step right after the action that completes the
+    stage's last micro-batch's weight gradients: the one torch's schedules flag `last_backward` (they count the B
+    and W actions of each stage; a B, or a W after its I, completes one micro-batch). It runs after the action's
+    queued weight-gradient GEMMs (those left in `collecting_weight_grads` included), so every gradient of the stage
+    is final then."""
 
     recorder: TimelineRecorder | None = None
     phase_timer: PhaseTimer | None = None
+    weight_grads_done: Callable[[int], None] | None = None
 
     def __init__(self, *args, split_weight_grads: bool = False, **kwargs):
         super().__init__(*args, dw_builder=wgrad.take_weight_grads if split_weight_grads else None, **kwargs)
@@ -86,17 +97,25 @@ class TimedStage(PipelineStage):
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         with self._slot("B" if full_backward else "I", bwd_chunk_id), phase(self.phase_timer, "backward"):
             if not self.split_weight_grads:
-                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-            # split_gemms: a recompute inside this backward builds its GEMMs split too.
-            with self._split_gemms(), wgrad.collecting_weight_grads():
-                return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+                super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+            else:  # split_gemms: a recompute inside this backward builds its GEMMs split too.
+                with self._split_gemms(), wgrad.collecting_weight_grads():
+                    super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        if full_backward and last_backward:  # an I action leaves the weight gradients to its W
+            self._weight_grads_done()
 
     def _split_gemms(self):
         return wgrad.split_gemms() if self.split_weight_grads else contextlib.nullcontext()
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         with self._slot("W", bwd_chunk_id), phase(self.phase_timer, "backward"):
-            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        if last_backward:
+            self._weight_grads_done()
+
+    def _weight_grads_done(self) -> None:
+        if self.weight_grads_done is not None:
+            self.weight_grads_done(self.stage_index)
 
     def _slot(self, kind: str, microbatch: int):
         if self.recorder is None:
@@ -183,6 +202,9 @@ class PipelineRunner:
         if overlap_moe_comm and schedule != "dualpipev":
             raise ValueError(f"overlap_moe_comm overlaps DualPipeV's forward-backward chunks; {schedule} has none")
         self.phase_timer: PhaseTimer | None = None
+        self._weight_grads_done: Callable[[int], None] | None = None
+        self.stages_done: list[int] = []  # the stages that reported their last weight-gradient action, this step
+        self.schedule_span: tuple[float, float] | None = None  # perf_counter() around the last step's schedule
         if schedule in SPLIT_BACKWARD:
             # Every GEMM of a weight defers its weight gradient to the W action (moe.wgrad): plain nn.Linear
             # modules are replaced by ones whose GEMM does (same Parameter objects, state-dict keys; FP8's kept).
@@ -199,6 +221,7 @@ class PipelineRunner:
             stage = TimedStage(module, module.stage, num_stages, device, input_args=inputs, output_args=outputs,
                                group=self.pp_group, split_weight_grads=schedule in SPLIT_BACKWARD)  # fmt: skip
             stage.recorder = recorder
+            stage.weight_grads_done = self._stage_weight_grads_done
             self.stages.append(stage)
         kw = dict(n_microbatches=micro_batches, loss_fn=_identity_loss, scale_grads=False)
         if schedule == "1f1b" and virtual_stages > 1:
@@ -235,6 +258,25 @@ class PipelineRunner:
         for stage in self.stages:
             stage.phase_timer = timer
 
+    def set_weight_grads_done(self, callback: Callable[[int], None] | None) -> None:
+        """Call `callback(stage index)` as soon as a stage of this rank has completed its last micro-batch's weight
+        gradients in a step (see `TimedStage`; ZeRO-1's `stage_grads_done`), while the schedule goes on. Every
+        stage reports once per step, in the schedule's order (the same on every rank holding the same stages).
+        None: no call."""
+        self._weight_grads_done = callback
+
+    def _stage_weight_grads_done(self, stage: int) -> None:
+        if stage in self.stages_done:
+            raise RuntimeError(f"stage {stage} reported its last weight-gradient action twice in one step")
+        self.stages_done.append(stage)
+        if self._weight_grads_done is not None:
+            self._weight_grads_done(stage)
+
+    def stage_parameters(self) -> dict[int, list[nn.Parameter]]:
+        """`{stage index: its parameters}` for this rank's stages (a parameter shared by two stages, a tied
+        embedding, is listed under both)."""
+        return {module.stage: list(module.parameters()) for module in self.modules}
+
     @property
     def holds_first(self) -> bool:
         return 0 in self.stage_ids
@@ -253,6 +295,7 @@ class PipelineRunner:
         """
         self.loss.counts = counts
         self.loss.sums = []
+        self.stages_done = []
         for module in self.modules:
             module.reset_step()
         if self.recorder is not None:
@@ -262,13 +305,18 @@ class PipelineRunner:
         args = (tokens_BS,) if self.holds_first else ()
         target = tokens_BS if self.holds_last else None
         try:
+            start = time.perf_counter()
             with phase(self.phase_timer, "p2p"):
                 self.schedule.step(*args, target=target, tokens=tokens_BS)
+            self.schedule_span = (start, time.perf_counter())
         except Exception as exc:
             raise RuntimeError(
                 f"step {step}: pipeline rank {self.parallel.pp_rank} (stages {self.stage_ids} of {self.num_stages}, "
                 f"schedule {self.schedule_name}) failed: {exc}"
             ) from exc
+        if sorted(self.stages_done) != sorted(self.stage_ids):  # a schedule that never flagged a stage's last action
+            raise RuntimeError(f"step {step}: pipeline rank {self.parallel.pp_rank}: only stages {self.stages_done} "
+                               f"of {self.stage_ids} reported their last weight-gradient action")  # fmt: skip
         sums = torch.zeros(1 + self.loss.num_mtp, dtype=torch.float64)
         if self.holds_last:
             if len(self.loss.sums) != self.micro_batches:

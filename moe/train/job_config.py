@@ -150,6 +150,10 @@ def add_tree_options(p: argparse.ArgumentParser) -> None:
           "(default: [training] use_distributed_optimizer)")  # fmt: skip
     alias("--ddp-bucket-size", dest="training.ddp_bucket_size", type=int,
           help="gradient bucket size in elements (ZeRO-1)")  # fmt: skip
+    alias("--overlap-grad-reduce", dest="training.overlap_grad_reduce", action="store_const", const=True,
+          help="ZeRO-1: start each gradient bucket's reduction as soon as it is complete, in the backward or, under a "
+          "pipeline, once its stage's last weight-gradient action ran (default: [training] overlap_grad_reduce, true; "
+          "--training.overlap_grad_reduce false reduces every bucket after the backward)")  # fmt: skip
     alias("--attention-backend", dest="training.attention_backend", choices=ATTENTION_BACKENDS,
           help="MLA's attention core: sdpa (default), unfused, auto (moe/models/deepseek_v3/attention.py)")  # fmt: skip
     alias("--compile", dest="training.compile", action="store_const", const=True,

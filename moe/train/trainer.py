@@ -154,7 +154,12 @@ class Trainer:
             raise ValueError(f"the model's MoE layers are not sharded over --ep {lay.ep} --etp {lay.etp}")
         if config.use_distributed_optimizer:  # built before any backward: it installs the gradient hooks
             zero = ZeroConfig(bucket_size=config.ddp_bucket_size, overlap_grad_reduce=config.overlap_grad_reduce)
-            self.optimizer = DistributedAdamW(model, expert_params, config, parallel, zero)
+            # Under a pipeline the buckets follow the stages, and each stage's buckets start reducing once the
+            # schedule has run its last weight-gradient action (with overlap_grad_reduce).
+            stage_params = pipeline.stage_parameters() if pipeline is not None else None
+            self.optimizer = DistributedAdamW(model, expert_params, config, parallel, zero, stage_params=stage_params)
+            if pipeline is not None:
+                pipeline.set_weight_grads_done(self.optimizer.stage_grads_done)
         else:
             self.optimizer = MasterAdamW(model, expert_params, config, parallel)
         self.local_rows = config.global_batch // parallel.layout.dp
@@ -206,7 +211,9 @@ class Trainer:
 
         num_experts = [layer.config.num_moe_experts for layer in self.moe_layers]
         if self.pipeline is not None:
-            # The schedule interleaves the micro-batches' backwards: ZeRO-1 reduces every bucket after the step.
+            # The schedule interleaves the micro-batches' backwards, so the hooks cannot tell a stage's last gradient:
+            # no_sync() for the whole schedule. ZeRO-1 launches a stage's buckets when the schedule reports the
+            # stage's last weight-gradient action (`stage_grads_done`), reduce_gradients the rest.
             with self.optimizer.accumulation_context(0, 2):
                 sums, load_of = self.pipeline.step(tokens_BS, counts, step)
             loads = [load_of[id(layer)] for layer in self.moe_layers]

@@ -22,6 +22,16 @@ launched asynchronously while the backward goes on. Buckets launch in one fixed 
 waits for its predecessors), so the collectives of the two groups never cross on any rank. `finish_grad_sync()`
 launches whatever did not complete (e.g. a parameter that received no gradient counts as zero) and waits.
 
+Under a pipeline (`stage_params`: each pipeline stage's parameters) a bucket holds the parameters of one stage
+only (a parameter shared by stages, a tied embedding, goes with the others of the same stages), and the trainer runs
+the whole schedule under `no_sync()`: the schedule interleaves the micro-batches' backwards, so a hook cannot tell a
+stage's last gradient. Instead the schedule reports when a stage's last micro-batch's weight gradients are complete
+(its last B action, or its last W action under a split backward) and `stage_grads_done(stage)` launches that
+stage's buckets then, in bucket order, while the other stages still compute (Megatron's overlap of the data-parallel
+reduction with the pipeline's cool-down). The ranks of one reduction group hold the same stages and run the same
+schedule, so they launch in the same order. Gradients the W actions add to `param.grad` by hand join their buckets
+just before the launch (`_absorb_unhooked_grads`); one arriving after its bucket was launched is an error.
+
 Collectives per backend: NCCL/MCCL use `reduce_scatter_tensor` (in place: the output is this rank's shard of the
 bucket) and `all_gather_into_tensor`. torch 2.13's gloo accepts both reduce-scatter forms but implements them on top
 of all-reduce (`reduce_scatter_tensor`: clone the input, all-reduce it, copy the shard out; the list form: one
@@ -43,7 +53,7 @@ import contextlib
 import hashlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -67,7 +77,8 @@ MEGATRON_MIN_BUCKET = 40_000_000  # Megatron's default bucket size: max(40M, 1M 
 class ZeroConfig:
     """bucket_size: elements per gradient bucket (a bucket closes once it holds at least this many); None =
     Megatron's default `max(40_000_000, 1_000_000 * dp)`. overlap_grad_reduce: launch each bucket's reduce-scatter
-    from the backward (False: all of them in `finish_grad_sync`). timeout_s: the deadline of every wait."""
+    from the backward, under a pipeline as soon as its stage's gradients are final (False: all of them in
+    `finish_grad_sync`). timeout_s: the deadline of every wait."""
 
     bucket_size: int | None = None
     overlap_grad_reduce: bool = True
@@ -95,6 +106,7 @@ class _Entry:
     expert: bool
     tp_replicated: bool  # no tensor_parallel_dim: counted in the norm on tp rank 0 only
     sp_grad: bool  # gradient summed over the TP group as well
+    stages: tuple[int, ...] = ()  # the pipeline stages whose backward produces its gradient (none: no pipeline)
     bucket: int = -1
     offset: int = 0
 
@@ -127,6 +139,7 @@ class _Bucket:
     numel: int  # padded to a multiple of group_size
     grad: torch.Tensor  # [numel] FP32
     params: torch.Tensor  # [numel] model dtype; the entries' parameters are views into it
+    stages: tuple[int, ...] = ()  # its entries' pipeline stages (every entry has the same)
     segments: list[_Segment] = field(default_factory=list)
     exp_avg: torch.Tensor | None = None  # [shard] FP32
     exp_avg_sq: torch.Tensor | None = None
@@ -159,9 +172,13 @@ class DistributedAdamW:
         config: lr, betas, eps, weight_decay, clip_grad.
         parallel: the groups (dp, tp, ep, expert_dp).
         zero: bucket size, overlap, timeout.
+        stage_params: under a pipeline, `{stage index: that stage's parameters}` for the stages this rank holds:
+            buckets then never mix stages, and `stage_grads_done(stage)` launches a stage's buckets (module
+            docstring). None: no pipeline.
 
     Events for measurements: `events` lists `(name, bucket index or -1, perf_counter time)` of the current step:
-    "launch" per bucket, "grad_sync_start"/"grad_sync_end" around `finish_grad_sync`'s waits.
+    "launch" per bucket, "stage_done" per pipeline stage (with the stage's index), "grad_sync_start" /
+    "grad_sync_end" around `finish_grad_sync`'s waits.
     """
 
     def __init__(
@@ -171,6 +188,7 @@ class DistributedAdamW:
         config: TrainingConfig,
         parallel: ParallelState,
         zero: ZeroConfig | None = None,
+        stage_params: Mapping[int, Iterable[nn.Parameter]] | None = None,
     ) -> None:
         self.config = config
         self.parallel = parallel
@@ -180,7 +198,8 @@ class DistributedAdamW:
         self._reduced = False
         self.steps = 0
         self.events: list[tuple[str, int, float]] = []
-        self.buckets = self._build_buckets(model, {id(p) for p in expert_params})
+        self._stages_done: set[int] = set()
+        self.buckets = self._build_buckets(model, {id(p) for p in expert_params}, _stages_of(stage_params))
         self._next_launch = 0
         self._check_same_layout()
         self._build_shards()
@@ -194,10 +213,11 @@ class DistributedAdamW:
 
     # -- construction
 
-    def _build_buckets(self, model: nn.Module, expert_ids: set[int]) -> list[_Bucket]:
+    def _build_buckets(self, model: nn.Module, expert_ids: set[int],
+                       stages_of: dict[int, tuple[int, ...]]) -> list[_Bucket]:  # fmt: skip
         par = self.parallel
-        entries: dict[tuple[str, torch.dtype], list[_Entry]] = {}
-        first_seen: dict[tuple[str, torch.dtype], list[int]] = {}
+        entries: dict[tuple[str, torch.dtype, tuple[int, ...]], list[_Entry]] = {}
+        first_seen: dict[tuple[str, torch.dtype, tuple[int, ...]], list[int]] = {}
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         for position, (name, p) in enumerate(reversed(trainable)):  # the order the backward produces gradients
             expert = bool(getattr(p, "expert_parallel", False)) or id(p) in expert_ids
@@ -211,19 +231,21 @@ class DistributedAdamW:
                 raise ValueError(f"{name}: ZeRO-1 needs contiguous parameters (it views them into flat buffers)")
             if p.is_floating_point() is False:
                 raise ValueError(f"{name}: only floating-point parameters can be trained, got {p.dtype}")
-            key = ("expert" if expert else "dense", p.dtype)
-            entries.setdefault(key, []).append(_Entry(name, p, expert, tp_dim is None and not expert, sp_grad))
+            stages = stages_of.get(id(p), ())
+            key = ("expert" if expert else "dense", p.dtype, stages)  # a bucket never mixes pipeline stages
+            entries.setdefault(key, []).append(_Entry(name, p, expert, tp_dim is None and not expert, sp_grad, stages))
             first_seen.setdefault(key, []).append(position)
 
         # Buckets of every buffer, then one global order: by the backward position of each bucket's first
         # parameter, so that the launch order approximates the order buckets complete.
         pending: list[tuple[int, str, torch.dtype, list[_Entry]]] = []
-        for (kind, dtype), es in entries.items():
+        for key, es in entries.items():
+            kind, dtype, _ = key
             group = par.expert_dp_group if kind == "expert" else par.dp_group
             size = 1 if group is None else dist.get_world_size(group)
             limit = self.zero.bucket_size or max(MEGATRON_MIN_BUCKET, 1_000_000 * size)
             current: list[_Entry] = []
-            positions = first_seen[(kind, dtype)]
+            positions = first_seen[key]
             start_pos = positions[0]
             count = 0
             for e, pos in zip(es, positions):
@@ -255,7 +277,7 @@ class DistributedAdamW:
                     view.copy_(e.param)
                     e.param.data = view
             grad = torch.zeros(numel, dtype=torch.float32, device=params.device)
-            buckets.append(_Bucket(index, kind, group, size, rank, dtype, es, numel, grad, params))
+            buckets.append(_Bucket(index, kind, group, size, rank, dtype, es, numel, grad, params, es[0].stages))
         return buckets
 
     def _build_shards(self) -> None:
@@ -294,7 +316,7 @@ class DistributedAdamW:
         have built the same buckets; a mismatch would pair unrelated elements in the collectives."""
         for kind, groups in (("dense", (self.parallel.dp_group, self.parallel.tp_group)),
                              ("expert", (self.parallel.expert_dp_group,))):  # fmt: skip
-            sig = repr([(e.name, tuple(e.param.shape), str(e.param.dtype), e.bucket, e.offset, e.sp_grad)
+            sig = repr([(e.name, tuple(e.param.shape), str(e.param.dtype), e.bucket, e.offset, e.sp_grad, e.stages)
                         for b in self.buckets if b.kind == kind for e in b.entries])  # fmt: skip
             value = int.from_bytes(hashlib.sha256(sig.encode()).digest()[:7], "little")
             for group in groups:
@@ -322,6 +344,7 @@ class DistributedAdamW:
             for e in b.entries:
                 e.param.grad = None
         self._next_launch = 0
+        self._stages_done.clear()
         self._reduced = False
         self.events = []
 
@@ -367,6 +390,23 @@ class DistributedAdamW:
             if len(b.ready) != len(b.entries):
                 return
             self._launch(b)
+            self._next_launch += 1
+
+    @torch.no_grad()
+    def stage_grads_done(self, stage: int) -> None:
+        """Pipeline stage `stage`'s gradients are final for this step (its last micro-batch's B or W action ran):
+        with `overlap_grad_reduce`, launch now, in bucket order, every bucket whose stages are all done (see the
+        module docstring). Called by the schedule, which runs under `no_sync()`."""
+        if self._sync:
+            raise RuntimeError("ZeRO-1: stage_grads_done() is for a pipeline schedule run under no_sync()")
+        self.events.append(("stage_done", stage, time.perf_counter()))
+        self._stages_done.add(stage)
+        if not self.zero.overlap_grad_reduce:
+            return
+        ready = [b for b in self.buckets if not b.launched and b.stages and self._stages_done.issuperset(b.stages)]
+        self._absorb_unhooked_grads(ready)
+        for b in ready:
+            self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
         self.events.append(("launch", b.index, time.perf_counter()))
@@ -376,7 +416,6 @@ class DistributedAdamW:
             else:
                 b.work = _reduce_scatter(b.shard(b.grad), b.grad, b.group)
         b.launched = True
-        self._next_launch = b.index + 1
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
@@ -384,9 +423,10 @@ class DistributedAdamW:
         sequence-parallel gradients over the TP group. After it each rank's bucket shards hold the reduced
         gradient."""
         self.events.append(("grad_sync_start", -1, time.perf_counter()))
-        self._absorb_unhooked_grads()
-        for b in self.buckets[self._next_launch :]:
-            self._launch(b)
+        self._absorb_unhooked_grads(self.buckets)
+        for b in self.buckets:
+            if not b.launched:  # the hooks launch a prefix of the buckets, a pipeline's stages any subset: in order
+                self._launch(b)
         for b in self.buckets:
             if b.work is not None:
                 work, b.work = b.work, None
@@ -403,11 +443,12 @@ class DistributedAdamW:
         self.events.append(("grad_sync_end", -1, time.perf_counter()))
 
     @torch.no_grad()
-    def _absorb_unhooked_grads(self) -> None:
-        """Gradients that reached `param.grad` without autograd's accumulation (so without the hook): torch's
-        pipeline schedules add the weight-gradient (W) actions' results by hand. They join their buckets here; a
-        bucket already launched must not receive any (RuntimeError, as in the hook)."""
-        for b in self.buckets:
+    def _absorb_unhooked_grads(self, buckets: list[_Bucket]) -> None:
+        """Gradients of `buckets`' parameters that reached `param.grad` without autograd's accumulation (so without
+        the hook): torch's pipeline schedules and `moe.wgrad` add the weight-gradient (W) actions' results by hand.
+        They join their buckets here; a bucket already launched must not receive any (RuntimeError, as in the
+        hook)."""
+        for b in buckets:
             for e in b.entries:
                 grad = e.param.grad
                 if grad is None:
@@ -541,3 +582,12 @@ def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.Proce
 def _all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup):
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, input, group=group, async_op=True)
+
+
+def _stages_of(stage_params: Mapping[int, Iterable[nn.Parameter]] | None) -> dict[int, tuple[int, ...]]:
+    """`{id(parameter): the sorted stages holding it}` of `stage_params` (see `DistributedAdamW`)."""
+    stages: dict[int, set[int]] = {}
+    for stage, params in (stage_params or {}).items():
+        for p in params:
+            stages.setdefault(id(p), set()).add(int(stage))
+    return {key: tuple(sorted(value)) for key, value in stages.items()}

@@ -1,5 +1,6 @@
 """ZeRO-1 (moe/train/zero.py): the same parameters, norms and state as MasterAdamW, sharded state, the contract's
-tags, overlap of the bucket reductions with the backward, and deadlines."""
+tags, overlap of the bucket reductions with the backward (and under a pipeline with the schedule: each stage's
+buckets after its last weight-gradient action, bit for bit the same training), and deadlines."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from moe.train.optim import MasterAdamW
 from moe.train.parallel import ParallelState
 from moe.train.zero import DistributedAdamW, ZeroConfig
 from tests.train import zero_cases as cases
+from tests.train import zero_pipeline_cases as zcases
 from tests.train.state_io import load_state, save_state
 
 # Both optimizers sum the same FP32 gradients with gloo, but over differently cut buffers, so with more than 2 ranks
@@ -135,6 +137,58 @@ def test_reduce_scatters_start_during_the_backward(rank_pools):
     for rank_steps in off:
         for s in rank_steps:
             assert all(t >= s["backward_end"] for _, t in s["launches"])
+
+
+# schedule, virtual stages per rank, micro-batches: 1F1B (a stage's last B), ZB-H1 (its last W), and rank 0
+# holding stages 0 and 2 under interleaved 1F1B, stages 0 and 3 under DualPipeV (F&B actions).
+PIPELINES = [("1f1b", 1, 2), ("zbh1", 1, 2), ("1f1b", 2, 2), ("dualpipev", 1, 4)]
+
+
+@pytest.mark.slow  # slow: 4 ranks train tiny's model twice per schedule
+@pytest.mark.parametrize("schedule, vpp, micro", PIPELINES, ids=[f"{s}_v{v}" for s, v, _ in PIPELINES])
+def test_pipeline_stages_reduce_during_the_schedule(rank_pools, tmp_path, schedule, vpp, micro):
+    """PP2 x DP2: each stage's buckets are launched inside the schedule, right after the stage's last
+    weight-gradient action, with the same losses, norms and weights bit for bit as reducing after the schedule."""
+    steps = 2
+    results = rank_pools[4].run(zcases.overlap_on_off_case, schedule, vpp, micro, steps, str(tmp_path))
+    assert [(r["pp_rank"], r["dp_rank"]) for r in results] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r in results:
+        off, on = r["off"], r["on"]
+        # The reduction is the same sum over the same buckets, only earlier: everything is bitwise equal.
+        assert on["records"] == off["records"], (on["records"], off["records"])
+        assert on["params"].keys() == off["params"].keys()
+        for name, value in off["params"].items():
+            assert torch.equal(on["params"][name], value), name
+        # Buckets follow the stages: each holds parameters of one stage only (tiny ties no embedding).
+        assert on["buckets"] == off["buckets"]
+        stage_of = {n: s for s, names in on["stage_params"].items() for n in names}
+        stages = sorted(on["stage_params"])
+        assert stages == sorted(on["stage_ids"]) and len(stages) == (1 if schedule != "dualpipev" and vpp == 1 else 2)
+        for _, bucket_stages, _, names in on["buckets"]:
+            assert len(bucket_stages) == 1 and {stage_of[n] for n in names} == set(bucket_stages), names
+        assert {b[1][0] for b in on["buckets"]} == set(stages) and len(on["buckets"]) > 2 * len(stages)
+        for run, overlap in ((off, False), (on, True)):
+            for t in run["timing"]:
+                launches = dict(t["launches"])  # bucket index -> seconds after the schedule's end
+                done = dict(t["stages_done"])  # stage -> seconds after the schedule's end
+                assert sorted(launches) == [b[0] for b in run["buckets"]]  # every bucket once
+                assert sorted(done) == stages and all(v < 0 for v in done.values())  # reported inside the schedule
+                if not overlap:
+                    assert all(v >= 0 for v in launches.values())  # reduced after the schedule
+                    continue
+                # Each bucket went out inside the schedule, once its stage was done: its launch lies between its
+                # stage's report and the next report (or the schedule's end).
+                reports = sorted(done.values())
+                for index, bucket_stages, _, _ in run["buckets"]:
+                    at = done[bucket_stages[0]]
+                    later = [v for v in reports if v > at]
+                    assert at <= launches[index] < (later[0] if later else 0.0), (index, at, launches[index])
+    # With two stages on a rank, the first stage's buckets went out while the other stage still computed.
+    if len(results[0]["on"]["stage_params"]) == 2:
+        for r in results:
+            for t in r["on"]["timing"]:
+                first, second = sorted(v for _, v in t["stages_done"])
+                assert any(first <= v < second for _, v in t["launches"])
 
 
 def test_a_rank_that_never_arrives_fails_naming_the_phase(rank_pools):
