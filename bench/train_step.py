@@ -13,6 +13,27 @@ settings and schedule. Both sides train on the same 32 random sequences (`fixed_
 the thread's CPU time, steadier on a shared machine), the ratio, the first step's parity (loss and gradient norm),
 and each side's top operators by self CPU time over one more step (torch.profiler `key_averages`).
 
+The same at R processes (`--trainer-only --ranks R`, under the one launcher: gloo on 127.0.0.1, one intra-op
+thread per rank as scripts/train.sh sets it): each rank builds the trainer of world R with `--ep R` (train.sh's
+layout: the experts over the R ranks, everything else data parallel; another layout with `--trainer-set
+parallel.ep=...`) and transformers' model (the same initial weights) in torch's `DistributedDataParallel` over the
+same group, with torch's defaults. Each rank takes its rows of the same global batch (the trainer's split, global
+32 x 128 tokens, 4 micro-batches per rank on both sides; `no_sync` on all but the last, whose backward all-reduces
+the averaged gradients), `clip_grad_norm_`, AdamW as above. The sides alternate step by step with a barrier before
+each; printed are each side's slowest rank's median, every rank's, tokens/s of all ranks, the process CPU time
+(gloo's threads included; it also counts a waiting rank's spinning and yielding in mtdeepep's rendezvous), and rank
+0's top operators (the other ranks run the profiled step unprofiled). With R single-thread ranks on fewer cores
+the ranks take turns, and every rendezvous (mtdeepep's dispatch and combine, 4 per MoE layer and micro-batch; DDP's
+one all-reduce per bucket) waits for a descheduled peer: the times are noisy and favour fewer rendezvous.
+
+First-step loss on both sides: the trainer reports the cross entropy summed over every next-token target of the
+global batch (float64 sums over micro-batches and ranks) over their count; the loop the mean of its micro-batches'
+means (each `F.cross_entropy` over its rows x 127 targets), averaged over the ranks. Every micro-batch has the same
+number of targets here (no padding, no ignored labels), so the two are the same quantity; they would differ with
+uneven micro-batches, where a mean of means weights tokens unequally. The trainer's loss excludes MTP (off here) and
+the sequence-wise auxiliary loss (`seq_aux_loss_coeff` 0 in tiny); the trainer also updates the router biases after
+the step (transformers has no such update), which does not touch the first step's loss.
+
 The model comparison (second table), setting: `examples/deepseek_v3/configs/small.toml` (hidden 512, 4 layers of
 which 3 MoE with 16 routed experts of 256, top-4 in 2 of 4 groups, one shared expert, MLA with q LoRA 384 / kv LoRA
 256, YaRN, vocabulary 4096), a batch of 4 x 256 random token ids from a seeded generator (labels = the ids; every
@@ -67,6 +88,7 @@ Run (about 6 minutes on a 2-core machine):
     .venv/bin/python bench/train_step.py --iters 3 --ep 1,2 --precisions bf16 --skip-memory --skip-trainer
     .venv/bin/python bench/train_step.py --trainer-only    # the trainer's step only (about a minute)
     .venv/bin/python bench/train_step.py --trainer-only --trainer-set training.compile=true
+    .venv/bin/python bench/train_step.py --trainer-only --ranks 4   # EP 4 vs DDP, 4 processes (about a minute)
 
 Legend: B sequences, S tokens per sequence, R ranks.
 """
@@ -74,8 +96,10 @@ Legend: B sequences, S tokens per sequence, R ranks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -103,12 +127,14 @@ from _common import (
     threads_per_rank,
     time_variants,
 )
+from torch.nn.parallel import DistributedDataParallel
 
-from moe import update_expert_bias
+from moe import EPBuffers, update_expert_bias
 from moe.fp8.convert import apply_fp8, fp8_moe_options
 from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from moe.models.deepseek_v3.compile import compile_model
 from moe.models.deepseek_v3.hf import from_hf_state_dict
+from moe.models.deepseek_v3.tensor_parallel import parallelize
 from moe.train import job_config
 from moe.train.config_tree import split_overrides
 from moe.train.data import TokenBatches
@@ -348,10 +374,16 @@ TRAINER_OVERRIDES = ("--model.num_nextn_predict_layers", "0")
 TRAINER_PARITY_RTOL = 1e-4
 
 
+# Bound on every collective wait of the multi-process comparison (train.py's --timeout).
+TRAINER_TIMEOUT_S = 300.0
+
+
 @dataclass(frozen=True)
 class TrainerBench:
     """The trainer-vs-transformers comparison: `config` with `TRAINER_OVERRIDES` and `overrides` (`--section.key
-    value` pairs, e.g. a speed flag), `iters` timed steps per side after `warmup`, `top` profiler rows per side."""
+    value` pairs, e.g. a speed flag), `iters` timed steps per side after `warmup`, `top` profiler rows per side.
+    `ranks` > 1: that many processes, the trainer with `--ep ranks` (scripts/train.sh's layout; an override may
+    change it) against transformers' model under `DistributedDataParallel`."""
 
     config: str = TRAINER_CONFIG
     overrides: tuple[str, ...] = ()
@@ -359,12 +391,15 @@ class TrainerBench:
     warmup: int = 1
     top: int = 8
     seed: int = 0
+    ranks: int = 1
 
 
 def trainer_job(bench: TrainerBench) -> job_config.Job:
-    """The validated config tree of train.py for `bench` (one process)."""
-    _, overrides = split_overrides([*TRAINER_OVERRIDES, *bench.overrides])
-    return job_config.load_job(REPO / bench.config, overrides, world=1)
+    """The validated config tree of train.py for `bench` (`bench.ranks` processes, expert parallel over all of
+    them as scripts/train.sh runs it, unless an override says otherwise)."""
+    layout = ("--parallel.ep", str(bench.ranks)) if bench.ranks > 1 else ()
+    _, overrides = split_overrides([*TRAINER_OVERRIDES, *layout, *bench.overrides])
+    return job_config.load_job(REPO / bench.config, overrides, world=bench.ranks)
 
 
 def fixed_batches(job: job_config.Job, seed: int) -> TokenBatches:
@@ -375,19 +410,24 @@ def fixed_batches(job: job_config.Job, seed: int) -> TokenBatches:
     return TokenBatches(tokens, seq_len=t.seq_len, global_batch=t.global_batch, val_sequences=1, seed=seed)
 
 
-def build_trainer(job: job_config.Job, batches: TokenBatches, run_dir: Path, hf_state: dict) -> Trainer:
-    """The model and `Trainer` as train.py builds them for one process (its dtype, FP8 recipe, recompute and
-    [training] settings), holding transformers' initial weights."""
-    model = DeepseekV3ForCausalLM(job.model, dtype=TRAINING_DTYPES[job.training.dtype],
+def build_trainer(job: job_config.Job, batches: TokenBatches, run_dir: Path, hf_state: dict,
+                  parallel: ParallelState | None = None, ep_buffers: EPBuffers | None = None) -> Trainer:  # fmt: skip
+    """The model and `Trainer` as train.py builds them (its dtype, FP8 recipe, recompute and [training] settings;
+    with `parallel`, its process groups: experts over the EP group, tensor parallel over the TP group), holding
+    transformers' initial weights (each rank keeps its experts). One process without `parallel`."""
+    parallel = parallel if parallel is not None else ParallelState.single()
+    model = DeepseekV3ForCausalLM(job.model, ep_group=parallel.ep_group, ep_buffers=ep_buffers,
+                                  aux_loss_group=parallel.token_group, dtype=TRAINING_DTYPES[job.training.dtype],
                                   moe_options=fp8_moe_options(job.layout.fp8))  # fmt: skip
+    parallelize(model, parallel)  # a no-op at tp 1
     model.load_full_state_dict(from_hf_state_dict(hf_state, job.model, log=lambda message: None))
     if job.layout.fp8 != "none":
-        apply_fp8(model, job.layout.fp8)
+        apply_fp8(model, job.layout.fp8, tp_group=parallel.tp_group)
     model.set_recompute(job.recompute)
     model.set_attention_backend(job.training.attention_backend)
     if job.training.compile:
         compile_model(model)
-    return Trainer(model, job.training, ParallelState.single(), batches, run_dir, seed=0, model_io=None,
+    return Trainer(model, job.training, parallel, batches, run_dir, seed=0, model_io=None,
                    mtp_loss_weight=job.model.mtp_loss_weight, num_mtp=job.model.num_nextn_predict_layers)  # fmt: skip
 
 
@@ -395,11 +435,18 @@ def build_trainer(job: job_config.Job, batches: TokenBatches, run_dir: Path, hf_
 class HFLoop:
     """A plain training loop around transformers' model: per step the same micro-batches, each loss (a mean over
     its micro-batch) divided by their number and back-propagated, `clip_grad_norm_`, torch's AdamW (its defaults,
-    with the trainer's hyperparameters, decay on matrices and learning-rate schedule)."""
+    with the trainer's hyperparameters, decay on matrices and learning-rate schedule).
+
+    Data parallel: `model` wrapped in `DistributedDataParallel`, this rank (`dp_rank` of `dp`) takes its rows of
+    the global batch (the trainer's split) and its micro-batches; DDP averages the gradients over the ranks in the
+    last micro-batch's backward (`no_sync` before it), so they are the global batch's. The returned loss is this
+    rank's (its micro-batches' mean); the global one is the mean over the ranks."""
 
     model: torch.nn.Module
     training: Any  # TrainingConfig
     batches: TokenBatches
+    dp_rank: int = 0
+    dp: int = 1
 
     def __post_init__(self) -> None:
         t = self.training
@@ -412,9 +459,12 @@ class HFLoop:
         t = self.training
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros(())
-        for mb in self.batches.global_batch_tokens(step).chunk(t.micro_batches):
-            loss = self.model(input_ids=mb, labels=mb).loss / t.micro_batches
-            loss.backward()
+        ddp = isinstance(self.model, DistributedDataParallel)
+        for index, mb in enumerate(self.batches.local_batch(step, self.dp_rank, self.dp).chunk(t.micro_batches)):
+            last = index == t.micro_batches - 1
+            with self.model.no_sync() if ddp and not last else contextlib.nullcontext():
+                loss = self.model(input_ids=mb, labels=mb).loss / t.micro_batches
+                loss.backward()
             total += loss.detach()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.clip_grad)
         lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, total_steps=t.steps)
@@ -436,43 +486,90 @@ def top_costs(fn: Callable[[], Any], rows: int) -> list[dict[str, Any]]:
 
 def trainer_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, bench: TrainerBench) -> dict[str, Any]:
     """Both sides in this process on one intra-op thread (train.sh's per-rank setting): the parity step, then the
-    steps in turns, then one profiled step each."""
+    steps in turns (a barrier before each), then one profiled step each (profiled on rank 0; the other ranks run
+    it unprofiled, as its collectives need them).
+
+    One process: the trainer against transformers' model. `num_ranks` > 1: the trainer of that world (its layout
+    from `trainer_job`) against transformers' model in `DistributedDataParallel` over the same gloo group, each
+    rank its rows of the same global batch."""
     import tempfile
 
     torch.set_num_threads(1)
     job = trainer_job(bench)
     batches = fixed_batches(job, bench.seed)
-    hf = hf_model(job.model, TRAINING_DTYPES[job.training.dtype], bench.seed)
+    hf = hf_model(job.model, TRAINING_DTYPES[job.training.dtype], bench.seed)  # the same weights on every rank
+    parallel, ep_buffers = ParallelState.single(), None
+    if num_ranks > 1:
+        parallel = ParallelState.from_process_group(job.layout)
+        ep_buffers = EPBuffers(timeout_s=TRAINER_TIMEOUT_S)
+    # One process: the thread's CPU time. Several: the process's (gloo runs the collectives on its own threads,
+    # DDP's gradient all-reduce among them), which also counts the time a waiting rank spends yielding its core.
+    clock = time.thread_time if num_ranks == 1 else time.process_time
     with tempfile.TemporaryDirectory(prefix="train_step-") as run_dir:
-        trainer = build_trainer(job, batches, Path(run_dir), dict(hf.state_dict()))
-        loop = HFLoop(hf, job.training, batches)
+        trainer = build_trainer(job, batches, Path(run_dir), dict(hf.state_dict()), parallel, ep_buffers)
+        if num_ranks > 1:
+            # torch's defaults: 25 MiB buckets, the buffers broadcast from rank 0 at every forward.
+            hf = DistributedDataParallel(hf, process_group=group)
+        loop = HFLoop(hf, job.training, batches, dp_rank=rank, dp=num_ranks)
         steps = {"trainer": 0, "transformers": 0}
         sides = {"trainer": trainer.train_step, "transformers": loop.train_step}
         cpu: dict[str, list[float]] = {name: [] for name in sides}
 
         def call(name: str):
             steps[name] += 1
-            start = time.thread_time()
+            start = clock()
             result = sides[name](steps[name])
-            cpu[name].append(time.thread_time() - start)
+            cpu[name].append(clock() - start)
             return result
 
         first, first_seconds = {}, {}
         for name in sides:  # the first step also builds what is built once (with `compile`, the compilation)
+            dist.barrier(group=group)
             start = time.perf_counter()
             first[name] = {k: float(v) for k, v in call(name).items() if k in ("loss", "grad_norm")}
             first_seconds[name] = time.perf_counter() - start
+        if num_ranks > 1:  # the trainer's loss is the global batch's; the loop's this rank's: their mean over ranks
+            loss = torch.tensor(first["transformers"]["loss"], dtype=torch.float64)
+            dist.all_reduce(loss, group=group)
+            first["transformers"]["loss"] = float(loss) / num_ranks
         timed = time_variants({name: functools.partial(call, name) for name in sides}, bench.iters, bench.warmup, group)
-        # The thread's CPU time of the same timed steps: on a shared machine, the wall clock also counts the time the
-        # thread waited for a core; the CPU time does not (both sides run one thread).
+        # The CPU time of the same timed steps: on a shared machine, the wall clock also counts the time spent
+        # waiting for a core; the CPU time does not.
         cpu_samples = {name: values[-bench.iters :] for name, values in cpu.items()}
         cpu_seconds = {name: statistics.median(values) for name, values in cpu_samples.items()}
-        costs = {name: top_costs(functools.partial(call, name), bench.top) for name in sides}
+        costs = {}
+        for name in sides if bench.top > 0 else ():
+            dist.barrier(group=group)
+            if rank == 0:
+                costs[name] = top_costs(functools.partial(call, name), bench.top)
+            else:
+                call(name)
+        dist.barrier(group=group)
+    if ep_buffers is not None:
+        ep_buffers.destroy()  # after the last backward, which communicates on them
     return {**timed, "cpu_seconds": cpu_seconds, "cpu_samples": cpu_samples, "first_step": first,
-            "first_step_seconds": first_seconds, "top_costs": costs,
+            "first_step_seconds": first_seconds, "top_costs": costs, "layout": job.layout.to_dict(),
             "config": job.tables,
-            "transformers_impl": {"attn": hf.config._attn_implementation,
-                                  "experts": hf.config._experts_implementation}}  # fmt: skip
+            "transformers_impl": {"attn": hf_config(hf)._attn_implementation,
+                                  "experts": hf_config(hf)._experts_implementation}}  # fmt: skip
+
+
+def hf_config(model: torch.nn.Module):
+    """transformers' config of `model`, bare or under DDP."""
+    return (model.module if isinstance(model, DistributedDataParallel) else model).config
+
+
+def slowest_of(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's result with each side's step time, samples and CPU time taken from that side's slowest rank
+    (largest median); every rank's median besides (`per_rank_seconds`, `slowest_rank`)."""
+    out = dict(per_rank[0])
+    names = list(out["seconds"])
+    slowest = {name: slowest_rank([r["seconds"][name] for r in per_rank]) for name in names}
+    for key in ("seconds", "samples", "cpu_seconds", "cpu_samples"):
+        out[key] = {name: per_rank[slowest[name]][key][name] for name in names}
+    out["per_rank_seconds"] = {name: [r["seconds"][name] for r in per_rank] for name in names}
+    out["slowest_rank"] = slowest
+    return out
 
 
 def samples_text(seconds: list[float]) -> str:
@@ -480,7 +577,8 @@ def samples_text(seconds: list[float]) -> str:
 
 
 def print_trainer(bench: TrainerBench, result: dict[str, Any]) -> dict[str, Any]:
-    """The table of both sides, the ratio, the parity and the top costs; returns the summary for the JSON."""
+    """The table of both sides, the ratio, the parity and the top costs (`slowest_of`'s result: with several ranks,
+    each side's slowest rank's times, rank 0's operators); returns the summary for the JSON."""
     seconds, first = result["seconds"], result["first_step"]
     t = result["config"]["training"]
     tokens = t["global_batch"] * t["seq_len"]
@@ -489,30 +587,47 @@ def print_trainer(bench: TrainerBench, result: dict[str, Any]) -> dict[str, Any]
     cpu_ratio = cpu["transformers"] / cpu["trainer"]
     parity = {k: relative(first["trainer"][k], first["transformers"][k]) for k in ("loss", "grad_norm")}
     flags = " ".join(bench.overrides) or "none (train.py's defaults)"
+    if bench.ranks == 1:
+        setting, median_of, cpu_head = "one process, 1 thread", "median", "CPU ms"
+    else:
+        lay = result["layout"]
+        setting = (f"{bench.ranks} processes (gloo, 1 thread each, {num_cores()} cores): the trainer with the "
+                   f"experts over ep {lay['ep']}, the rest data parallel over dp "
+                   f"{lay['world'] // (lay['tp'] * lay['pp'])} (tp {lay['tp']}, pp {lay['pp']}); transformers under "
+                   f"DistributedDataParallel, {t['global_batch'] // bench.ranks} sequences per rank")  # fmt: skip
+        median_of, cpu_head = "slowest rank's median", "process CPU ms"
     print(f"The trainer's step vs a transformers loop: {bench.config} without MTP, {t['global_batch']} x "
-          f"{t['seq_len']} tokens in {t['micro_batches']} micro-batches, {t['dtype']}, one process, 1 thread; "
+          f"{t['seq_len']} tokens in {t['micro_batches']} micro-batches per rank, {t['dtype']}, {setting}; "
           f"speed flags: {flags}; transformers attention '{result['transformers_impl']['attn']}', experts "
-          f"'{result['transformers_impl']['experts']}'; median of {bench.iters} steps after {bench.warmup} "
-          "warm-up(s), in turns")  # fmt: skip
+          f"'{result['transformers_impl']['experts']}'; {median_of} of {bench.iters} steps after {bench.warmup} "
+          f"warm-up(s), in turns; load average at start {result['load_average']}")  # fmt: skip
     rows = [
         [name, f"{seconds[name] * 1e3:.0f}", f"{tokens / seconds[name]:.0f}", samples_text(result["samples"][name]),
          f"{cpu[name] * 1e3:.0f}"]
         for name in ("transformers", "trainer")
     ]  # fmt: skip
-    print_table(("side", "step ms", "tokens/s", "samples ms", "CPU ms"), rows,
-                f"Speedup (transformers' step time / the trainer's): {ratio:.2f}x wall clock, {cpu_ratio:.2f}x CPU "
-                "time (goal 1.3x, 1.5x stretch).",
-                f"First step (builds caches; with compile, compiles): transformers "
-                f"{result['first_step_seconds']['transformers']:.1f} s, trainer "
-                f"{result['first_step_seconds']['trainer']:.1f} s.",
-                f"First step, relative difference: loss {parity['loss']:.1e}, grad norm {parity['grad_norm']:.1e} "
-                f"(bound {TRAINER_PARITY_RTOL:.0e}).")  # fmt: skip
-    for name in ("transformers", "trainer"):
+    notes = [f"Speedup (transformers' step time / the trainer's): {ratio:.2f}x wall clock, {cpu_ratio:.2f}x CPU "
+             "time (goal 1.3x, 1.5x stretch).",
+             f"First step (builds caches; with compile, compiles): transformers "
+             f"{result['first_step_seconds']['transformers']:.1f} s, trainer "
+             f"{result['first_step_seconds']['trainer']:.1f} s.",
+             f"First step's loss: transformers {first['transformers']['loss']:.6f}, trainer "
+             f"{first['trainer']['loss']:.6f}; relative difference: loss {parity['loss']:.1e}, grad norm "
+             f"{parity['grad_norm']:.1e} (bound {TRAINER_PARITY_RTOL:.0e})."]  # fmt: skip
+    if bench.ranks > 1:
+        notes.append("Every rank's median ms: " + "; ".join(
+            f"{name} {samples_text(result['per_rank_seconds'][name])} (slowest: rank {result['slowest_rank'][name]})"
+            for name in ("transformers", "trainer")))  # fmt: skip
+        notes.append(f"{bench.ranks} single-thread ranks on {num_cores()} cores take turns: the times are noisy.")
+    print_table(("side", "step ms", "tokens/s", "samples ms", cpu_head), rows, *notes)
+    for name in ("transformers", "trainer") if result["top_costs"] else ():
         costs = result["top_costs"][name]
-        print(f"Top {len(costs)} operators of one {name} step by self CPU time:")
+        where = "" if bench.ranks == 1 else " on rank 0"
+        print(f"Top {len(costs)} operators of one {name} step{where} by self CPU time:")
         table = [[c["op"], f"{c['self_ms']:.1f}", f"{100 * c['share']:.1f}%", str(c["calls"])] for c in costs]
         print_table(("op", "self ms", "share", "calls"), table)
-    summary = {"speedup": ratio, "speedup_cpu_time": cpu_ratio, "parity": parity, "overrides": list(bench.overrides)}
+    summary = {"speedup": ratio, "speedup_cpu_time": cpu_ratio, "parity": parity, "overrides": list(bench.overrides),
+               "ranks": bench.ranks}  # fmt: skip
     return {**summary, **result}
 
 
@@ -762,6 +877,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--trainer-only", action="store_true", help="only the trainer-vs-transformers table")
     parser.add_argument("--skip-trainer", action="store_true", help="no trainer-vs-transformers table")
     parser.add_argument("--trainer-iters", type=int, default=TrainerBench.iters, help="timed steps per side")
+    parser.add_argument("--trainer-warmup", type=int, default=TrainerBench.warmup,
+                        help="untimed steps per side after the parity step")  # fmt: skip
+    parser.add_argument("--trainer-top", type=int, default=TrainerBench.top,
+                        help="profiler rows per side (0: no profiled step)")  # fmt: skip
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=TrainerBench.ranks,
+        help="processes of the trainer-vs-transformers table (with --trainer-only): > 1 runs the trainer with --ep "
+        "RANKS (scripts/train.sh's layout) against transformers under DistributedDataParallel",
+    )
     parser.add_argument(
         "--trainer-set",
         action="append",
@@ -773,7 +899,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-ep", action="store_true", help="no expert-parallel table")
     parser.add_argument("--skip-memory", action="store_true", help="no peak-memory processes")
     parser.add_argument("--timeout", type=float, default=900, help="seconds allowed per launch")
-    parser.add_argument("--json", type=Path, default=RESULTS_DIR / "train_step.json")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="results file (default: bench/results/train_step.json, train_step_ranksR.json with "
+                        "--ranks R)")  # fmt: skip
     return parser.parse_args()
 
 
@@ -796,16 +924,28 @@ def check_trainer_parity(summary: dict[str, Any]) -> None:
 def main() -> None:
     args = parse_args()
     cfg = config_from_args(BenchConfig, args)
+    if args.ranks > 1 and not args.trainer_only:
+        raise SystemExit("train_step.py: --ranks applies to the trainer-vs-transformers table: add --trainer-only")
+    name = f"train_step_ranks{args.ranks}.json" if args.ranks > 1 else "train_step.json"
+    json_path = args.json or RESULTS_DIR / name
     wall = {}
     trainer_summary = None
     if not args.skip_trainer:
-        bench = TrainerBench(overrides=trainer_overrides(args.trainer_set), iters=args.trainer_iters, seed=cfg.seed)
+        bench = TrainerBench(overrides=trainer_overrides(args.trainer_set), iters=args.trainer_iters,
+                             warmup=args.trainer_warmup, top=args.trainer_top, seed=cfg.seed,
+                             ranks=args.ranks)  # fmt: skip
+        try:  # the layout and the batch split are checked before any process starts
+            trainer_job(bench)
+        except ValueError as exc:
+            raise SystemExit(f"train_step.py: --ranks {bench.ranks}: {exc}") from None
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())  # 1, 5, 15 minutes
+        print(f"load average at start: {load} ({num_cores()} cores)")
         start = time.perf_counter()
-        (result,) = run_ranks(trainer_rank, 1, (bench,), timeout_s=args.timeout)
+        per_rank = run_ranks(trainer_rank, bench.ranks, (bench,), timeout_s=args.timeout, threads=1)
         wall["trainer"] = time.perf_counter() - start
-        trainer_summary = print_trainer(bench, result)
+        trainer_summary = print_trainer(bench, {**slowest_of(per_rank), "load_average": load})
         if args.trainer_only:
-            save_results(args.json, {"trainer": trainer_summary, "wall_seconds": wall, "environment": environment()})
+            save_results(json_path, {"trainer": trainer_summary, "wall_seconds": wall, "environment": environment()})
             check_trainer_parity(trainer_summary)
             return
     start = time.perf_counter()
@@ -832,7 +972,7 @@ def main() -> None:
         print_ep(cfg, ep_results, ep_sizes)
 
     save_results(
-        args.json,
+        json_path,
         {
             "config": asdict(cfg),
             "model_config": cfg.model_config(mtp=True).to_dict(),
