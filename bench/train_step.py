@@ -416,7 +416,8 @@ def build_trainer(job: job_config.Job, batches: TokenBatches, run_dir: Path, hf_
     with `parallel`, its process groups: experts over the EP group, tensor parallel over the TP group), holding
     transformers' initial weights (each rank keeps its experts). One process without `parallel`."""
     parallel = parallel if parallel is not None else ParallelState.single()
-    model = DeepseekV3ForCausalLM(job.model, ep_group=parallel.ep_group, ep_buffers=ep_buffers,
+    model = DeepseekV3ForCausalLM(job.model, ep_group=parallel.expert_model_group, etp_group=parallel.etp_group,
+                                  ep_buffers=ep_buffers,
                                   aux_loss_group=parallel.token_group, dtype=TRAINING_DTYPES[job.training.dtype],
                                   moe_options=fp8_moe_options(job.layout.fp8))  # fmt: skip
     parallelize(model, parallel)  # a no-op at tp 1
