@@ -27,11 +27,12 @@ from tests.train import pipeline_timeline_cases as cases
 
 # ---------------------------------------------------------------------------------------------------------------
 # A list scheduler: each rank runs its actions in order, each as soon as the rank is free and its inputs exist.
-# F(r, j) needs F(r-1, j); B or I (r, j) needs the backward of (r+1, j) and F(r, j); W(r, j) needs I(r, j).
-# It gives exact slot times of a schedule with unit costs, independent of the code under test.
+# Actions are `(kind, stage, micro-batch)`: F(s, j) needs F(s-1, j); B or I (s, j) needs F(s, j) and the same backward
+# of (s+1, j); W(s, j) needs I(s, j), whichever rank holds them. It gives exact slot times of a schedule with unit
+# costs, independent of the code under test.
 
 
-def simulate(orders: list[list[tuple[str, int]]], cost: dict[str, float]) -> list[list[Slot]]:
+def simulate_chunks(orders: list[list[tuple[str, int, int]]], stages: int, cost: dict[str, float]) -> list[list[Slot]]:
     P = len(orders)
     end: dict[tuple[str, int, int], float] = {}
     pos, free = [0] * P, [0.0] * P
@@ -40,22 +41,27 @@ def simulate(orders: list[list[tuple[str, int]]], cost: dict[str, float]) -> lis
         progressed = False
         for r in range(P):
             while pos[r] < len(orders[r]):
-                kind, j = orders[r][pos[r]]
+                kind, s, j = orders[r][pos[r]]
                 if kind == "F":
-                    deps = [("F", r - 1, j)] if r > 0 else []
+                    deps = [("F", s - 1, j)] if s > 0 else []
                 elif kind in ("B", "I"):
-                    deps = [("F", r, j)] + ([(kind, r + 1, j)] if r < P - 1 else [])
+                    deps = [("F", s, j)] + ([(kind, s + 1, j)] if s < stages - 1 else [])
                 else:
-                    deps = [("I", r, j)]
+                    deps = [("I", s, j)]
                 if any(d not in end for d in deps):
                     break
                 start = max([free[r]] + [end[d] for d in deps])
-                free[r] = end[(kind, r, j)] = start + cost[kind]
-                out[r].append(Slot(r, kind, r, j, start, free[r]))
+                free[r] = end[(kind, s, j)] = start + cost[kind]
+                out[r].append(Slot(r, kind, s, j, start, free[r]))
                 pos[r] += 1
                 progressed = True
         assert progressed, "the orders deadlock"
     return out
+
+
+def simulate(orders: list[list[tuple[str, int]]], cost: dict[str, float]) -> list[list[Slot]]:
+    """`simulate_chunks` with one stage per rank (rank r holds stage r): actions `(kind, micro-batch)`."""
+    return simulate_chunks([[(kind, r, j) for kind, j in order] for r, order in enumerate(orders)], len(orders), cost)
 
 
 def one_f_one_b(P: int, m: int) -> list[list[tuple[str, int]]]:
@@ -128,33 +134,6 @@ def test_zbh1_measured_bubble_equals_analytic(P, m_mult, F, Ig, W):  # Ig: the i
     assert one_f.idle_per_rank[0] - bubble == (P - 1) * 2 * W
     if F == Ig == W:  # the ZB paper's headline: a third of 1F1B's bubble
         assert bubble * 3 == one_f.idle_per_rank[0]
-
-
-def simulate_chunks(orders: list[list[tuple[str, int, int]]], stages: int, cost: dict[str, float]) -> list[list[Slot]]:
-    """`simulate` with several stages per rank: actions `(kind, stage, micro-batch)`; F(s, j) needs F(s-1, j), B(s, j)
-    needs F(s, j) and B(s+1, j), whichever rank holds them."""
-    P = len(orders)
-    end: dict[tuple[str, int, int], float] = {}
-    pos, free = [0] * P, [0.0] * P
-    out: list[list[Slot]] = [[] for _ in range(P)]
-    while any(pos[r] < len(orders[r]) for r in range(P)):
-        progressed = False
-        for r in range(P):
-            while pos[r] < len(orders[r]):
-                kind, s, j = orders[r][pos[r]]
-                if kind == "F":
-                    deps = [("F", s - 1, j)] if s > 0 else []
-                else:
-                    deps = [("F", s, j)] + ([("B", s + 1, j)] if s < stages - 1 else [])
-                if any(d not in end for d in deps):
-                    break
-                start = max([free[r]] + [end[d] for d in deps])
-                free[r] = end[(kind, s, j)] = start + cost[kind]
-                out[r].append(Slot(r, kind, s, j, start, free[r]))
-                pos[r] += 1
-                progressed = True
-        assert progressed, "the orders deadlock"
-    return out
 
 
 def interleaved_1f1b(P: int, V: int, m: int) -> list[list[tuple[str, int, int]]]:
