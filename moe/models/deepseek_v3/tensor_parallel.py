@@ -78,8 +78,8 @@ def check_tensor_parallel(config: DeepseekV3Config, tp: int) -> None:
 
 
 def parallelize(model: nn.Module, parallel) -> nn.Module:
-    """Turn `model` (a `DeepseekV3ForCausalLM` built with `ep_group=parallel.ep_group`) into its TP + SP form over
-    `parallel.tp_group` in place, and return it. A no-op when tp is 1. See the module docstring."""
+    """Turn `model` (a `DeepseekV3ForCausalLM` built with `ep_group=parallel.expert_model_group`) into its TP + SP
+    form over `parallel.tp_group` in place, and return it. A no-op when tp is 1. See the module docstring."""
     tp = parallel.layout.tp
     if tp == 1:
         return model
