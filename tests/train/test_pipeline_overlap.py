@@ -168,17 +168,27 @@ def _module(*layers):
     return SimpleNamespace(stage=0, moe_layers=list(layers))
 
 
-def _layer(ep_size=2, dispatcher=None, jitter=None):
+def _deepep():
     from moe.dispatcher.deepep import DeepEPDispatcher
 
-    if dispatcher is None:
-        dispatcher = DeepEPDispatcher.__new__(DeepEPDispatcher)  # only its type matters here
-    return SimpleNamespace(ep_size=ep_size, dispatcher=dispatcher, config=SimpleNamespace(moe_input_jitter_eps=jitter))
+    return DeepEPDispatcher.__new__(DeepEPDispatcher)  # only its type matters here
+
+
+def _layer(group_size=2, dispatcher=None, jitter=None):
+    dispatcher = _deepep() if dispatcher is None else dispatcher
+    return SimpleNamespace(dispatch_group_size=group_size, dispatcher=dispatcher,
+                           config=SimpleNamespace(moe_input_jitter_eps=jitter))  # fmt: skip
 
 
 def test_fallback_rules():
+    from moe.dispatcher.etp import ExpertTensorParallelDispatcher
+
     assert sequential_reason([_module(_layer())]) is None
-    assert "no expert-parallel communication" in sequential_reason([_module(_layer(ep_size=1)), _module()])
+    # Expert tensor parallelism wraps the 'flex' dispatcher (its begin / end are the inner one's): interleaved too.
+    etp = ExpertTensorParallelDispatcher.__new__(ExpertTensorParallelDispatcher)
+    etp.inner = _deepep()
+    assert sequential_reason([_module(_layer(dispatcher=etp))]) is None
+    assert "no expert-parallel communication" in sequential_reason([_module(_layer(group_size=1)), _module()])
     assert "only 'flex'" in sequential_reason([_module(_layer(dispatcher=object()))])
     assert "global random generator" in sequential_reason([_module(_layer(), _layer(jitter=0.01))])
 
