@@ -348,6 +348,7 @@ def _title(args, layout: Layout) -> str:
 
 def _layout_text(layout: Layout) -> str:
     text = f"world {layout.world}: dp {layout.dp} x tp {layout.tp} x pp {layout.pp}, ep {layout.ep}"
+    text += f" x etp {layout.etp}" if layout.etp > 1 else ""
     virtual = f" x {layout.vpp} virtual stages per rank" if layout.vpp > 1 else ""
     return text + (f", {layout.pp_schedule}{virtual}" if layout.pp > 1 else "")
 
