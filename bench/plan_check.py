@@ -76,7 +76,7 @@ ROWS: dict[str, tuple[int, list[str], dict]] = {
     "etp2": (2, ["--etp", "2"], {"etp": 2}),
     "ep2-etp2": (4, ["--ep", "2", "--etp", "2"], {"ep": 2, "etp": 2}),
 }
-DEFAULT_ROWS = "1,1-full,dp2,dp2-zero1,ep2,tp2,pp2-1f1b,pp2-dualpipev"
+DEFAULT_ROWS = "1,1-full,dp2,dp2-zero1,ep2,etp2,tp2,pp2-1f1b,pp2-dualpipev"
 
 
 def candidate(name: str) -> Candidate:
