@@ -124,13 +124,7 @@ class MultiHeadLatentAttention(nn.Module):
         with "core_attn" only q, k and v are kept for the attention core.
         """
         Dr = self.rope_dim
-        if self.fused:
-            q_in, c_BSC, k_rope = self.qkv_a_proj(x_BSH).split([self.q_in_dim, self.kv_lora_rank, Dr], dim=-1)
-        else:
-            q_in = self.q_proj(x_BSH)
-            c_BSC, k_rope = self.kv_a_proj_with_mqa(x_BSH).split([self.kv_lora_rank, Dr], dim=-1)
-        q_in = self.q_a_layernorm(q_in) if self.q_b_proj is not None else q_in
-        c_BSC = self.kv_a_layernorm(c_BSC)
+        q_in, c_BSC, k_rope = self.down_proj(x_BSH)
         if shards is not None:
             latent = gather_from_sequence_parallel(torch.cat((q_in, c_BSC, k_rope), dim=-1), shards)
             q_in, c_BSC, k_rope = latent.split([self.q_in_dim, self.kv_lora_rank, Dr], dim=-1)
@@ -149,6 +143,19 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             out_BSD = self._core_attention(q_BSNQ, k_BSNQ, v_BSNQ)
         return self.o_proj(out_BSD) if shards is None else self.o_proj(out_BSD, shards)
+
+    def down_proj(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The replicated down projections of `x [B, S, H]` and their norms: `(query input [B, S, Q]` (normed
+        when `q_b_proj` follows; else the plain q_proj output `[B, S, N*Dq]`), `latent c [B, S, C]` (normed),
+        `rope key [B, S, Dr]` (not rotated)). The training forward and the cached decode (decode.py) share it."""
+        Dr = self.rope_dim
+        if self.fused:
+            q_in, c_BSC, k_rope = self.qkv_a_proj(x_BSH).split([self.q_in_dim, self.kv_lora_rank, Dr], dim=-1)
+        else:
+            q_in = self.q_proj(x_BSH)
+            c_BSC, k_rope = self.kv_a_proj_with_mqa(x_BSH).split([self.kv_lora_rank, Dr], dim=-1)
+        q_in = self.q_a_layernorm(q_in) if self.q_b_proj is not None else q_in
+        return q_in, self.kv_a_layernorm(c_BSC), k_rope
 
     def _unfused(self, seq_len: int, x: torch.Tensor) -> bool:
         return unfused_core(self.attention_backend, seq_len, self.nope_dim + self.rope_dim, x.dtype, x.device)

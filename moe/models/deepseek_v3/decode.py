@@ -132,13 +132,8 @@ def absorbed_attention(
     tables `[B*S, Dr/2]` for the flattened positions. Returns `[B, S, H]` (after `o_proj`)."""
     B, S, _ = x_BSH.shape
     N, Dn, Dr, Dv, C = attn.num_heads, attn.nope_dim, attn.rope_dim, attn.v_dim, attn.kv_lora_rank
-    if attn.fused:
-        q_in, c_BSC, k_rope = attn.qkv_a_proj(x_BSH).split([attn.q_in_dim, C, Dr], dim=-1)
-    else:
-        q_in = attn.q_proj(x_BSH)
-        c_BSC, k_rope = attn.kv_a_proj_with_mqa(x_BSH).split([C, Dr], dim=-1)
-    q = attn.q_b_proj(attn.q_a_layernorm(q_in)) if attn.q_b_proj is not None else q_in
-    c_BSC = attn.kv_a_layernorm(c_BSC)
+    q_in, c_BSC, k_rope = attn.down_proj(x_BSH)
+    q = attn.q_b_proj(q_in) if attn.q_b_proj is not None else q_in
     q_nope, q_rope = q.view(B, S, N, Dn + Dr).split([Dn, Dr], dim=-1)
     # apply_rope broadcasts one table row per position over the batch: flatten (b, s) into its position axis.
     q_rope = apply_rope(q_rope.reshape(1, B * S, N, Dr), cos_ZP, sin_ZP, attn.rope_interleave).view(B, S, N, Dr)
