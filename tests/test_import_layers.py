@@ -44,6 +44,7 @@ ALLOWED = {
     ("moe/train/metrics.py", "matplotlib"): "plots only: matplotlib is optional",
     ("moe/train/metrics.py", "matplotlib.pyplot"): "plots only: matplotlib is optional",
     ("moe/train/data.py", "tokenizers"): "only to train or key a tokenizer: tokenizers is optional",
+    ("moe/models/deepseek_v3/tokenizer.py", "tokenizers"): "only to encode or decode text: tokenizers is optional",
     ("moe/io/shard_files.py", "safetensors"): "only to read a safetensors file of a checkpoint",
     ("moe/train/metrics.py", "tqdm.auto"): "the progress bar only: tqdm is optional",
     ("moe/train/parallel.py", "torch.distributed.device_mesh"): "torch's device meshes, only once a process "

@@ -9,6 +9,8 @@ model.safetensors.index.json above --max-shard-gb. transformers' DeepseekV3ForCa
 import: what transformers' save_pretrained writes, or the official release (legacy rope_scaling, FP8 E4M3 weights with
 128x128 block scales, sharded index). Dtypes are kept; FP8 weights are dequantised to --fp8-dtype (default: the
 checkpoint's own dtype, that of the embedding). Missing MTP weights are initialised freshly (a message says so).
+Both directions carry the end-of-text id (config.json's `eos_token_id`; export falls back on the checkpoint's
+tokenizer.json `<|endoftext|>`, else writes null) and copy `tokenizer.json` when there is one.
 """
 
 from __future__ import annotations

@@ -31,9 +31,10 @@ import numpy as np
 import torch
 
 from moe.io.atomic import fsync_path
+from moe.models.deepseek_v3.tokenizer import END_OF_TEXT
 from moe.train.config import DataConfig
 
-EOS = "<|endoftext|>"
+EOS = END_OF_TEXT  # generation finds it by this name in a checkpoint's tokenizer.json
 FORMAT_VERSION = 1
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 _BYTE_ALPHABET = 256

@@ -187,3 +187,46 @@ def test_bfloat16_is_as_accurate_as_transformers(case):
         truth, got, theirs = hf(input_ids=ids).logits, ours(ids, labels), hf16(input_ids=ids).logits
     assert got.logits.dtype == torch.bfloat16 and torch.isfinite(got.loss)
     assert _sqnr_db(truth, got.logits) > _sqnr_db(truth, theirs) - 3.0
+
+
+def test_eos_token_id_carries_through_import_and_export(tmp_path):
+    """transformers' config.json `eos_token_id` survives `import_hf` into our config.json (tokenizer.json copied
+    along) and `export_hf` writes it back; an export of a checkpoint without one in its config takes its tokenizer's
+    <|endoftext|>, and one with neither writes null (not transformers' default id 1, which would end generation
+    at an arbitrary token)."""
+    import json
+
+    from moe.models.deepseek_v3.tokenizer import END_OF_TEXT, eos_token_id
+
+    def hf_config(path):
+        return json.loads((path / "config.json").read_text())
+
+    tokenizer_json = json.dumps({"added_tokens": [{"id": 3, "content": END_OF_TEXT, "special": True}]})
+    config = tiny_config()
+    hf = hf_model(config, seed=1)
+    hf.config.eos_token_id = 7
+    hf.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text(tokenizer_json)
+    import_hf(tmp_path / "hf", tmp_path / "ckpt", log=lambda m: None)
+    assert hf_config(tmp_path / "ckpt")["eos_token_id"] == 7
+    assert (tmp_path / "ckpt" / "tokenizer.json").read_text() == tokenizer_json
+    assert eos_token_id(tmp_path / "ckpt") == 7  # config.json before the tokenizer's token
+    export_hf(tmp_path / "ckpt", tmp_path / "hf2")
+    assert hf_config(tmp_path / "hf2")["eos_token_id"] == 7
+    assert (tmp_path / "hf2" / "tokenizer.json").read_text() == tokenizer_json
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "hf2").eos_token_id == 7
+
+    # A trainer checkpoint: no eos in config.json, the tokenizer beside the weights.
+    state, _ = read_model_dir(tmp_path / "ckpt")
+    write_model_dir(tmp_path / "trained", state, config, write_extra=lambda d: (d / "tokenizer.json").write_text(
+        tokenizer_json))  # fmt: skip
+    assert "eos_token_id" not in hf_config(tmp_path / "trained")
+    export_hf(tmp_path / "trained", tmp_path / "hf3")
+    assert hf_config(tmp_path / "hf3")["eos_token_id"] == 3
+
+    write_model_dir(tmp_path / "bare", state, config)
+    export_hf(tmp_path / "bare", tmp_path / "hf4")
+    assert hf_config(tmp_path / "hf4")["eos_token_id"] is None
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "hf4").eos_token_id is None
+    import_hf(tmp_path / "hf4", tmp_path / "bare2", log=lambda m: None)
+    assert "eos_token_id" not in hf_config(tmp_path / "bare2")

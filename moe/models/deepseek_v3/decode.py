@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from moe.models.deepseek_v3.attention import MultiHeadLatentAttention
+from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.models.deepseek_v3.kv_cache import MLACache
 from moe.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from moe.models.deepseek_v3.rope import apply_rope
@@ -46,7 +47,11 @@ def check_decodable(model: DeepseekV3ForCausalLM) -> None:
 def check_prompts(model: DeepseekV3ForCausalLM, prompts: Sequence[torch.Tensor | Sequence[int]]) -> list[torch.Tensor]:
     """The prompts as 1-D int64 tensors; ValueError (before any compute) for an empty batch, an empty prompt, a
     prompt longer than `max_position_embeddings` or a token id outside the vocabulary."""
-    cfg = model.config
+    return check_prompt_ids(model.config, prompts)
+
+
+def check_prompt_ids(cfg: DeepseekV3Config, prompts: Sequence[torch.Tensor | Sequence[int]]) -> list[torch.Tensor]:
+    """`check_prompts` against a config alone (before a model is built or its weights are read)."""
     if len(prompts) == 0:
         raise ValueError("no prompts given")
     out = []

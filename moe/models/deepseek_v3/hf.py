@@ -40,6 +40,7 @@ from moe.models.deepseek_v3.model_dir import main_dtype, read_model_dir, write_m
 from moe.models.deepseek_v3.moe_block import moe_config
 from moe.models.deepseek_v3.mtp import MTPModule
 from moe.models.deepseek_v3.state import TRANSIENT_SUFFIXES, full_state_dict_shapes
+from moe.models.deepseek_v3.tokenizer import TOKENIZER_FILE, config_eos_token_id, eos_token_id
 from mtdeepep.utils.fp8 import dequantize_blocks
 
 SAFE_WEIGHTS = "model.safetensors"
@@ -356,9 +357,12 @@ def import_hf(
 ) -> DeepseekV3Config:
     """Hugging Face directory -> our model directory (model_dir.py). Tensors keep their dtype; FP8 weights are
     dequantised to `fp8_dtype` (None: the checkpoint's main dtype, that of the embedding, as DeepSeek's own
-    conversion does), with a message. Returns the config."""
+    conversion does), with a message. config.json's `eos_token_id` is kept and `tokenizer.json` copied when
+    present (generation needs both). Returns the config."""
     hf, config_dict = read_hf_dir(hf_dir)
-    config = DeepseekV3Config.from_dict(config_dict, source=str(Path(hf_dir) / "config.json"))
+    source = str(Path(hf_dir) / "config.json")
+    config = DeepseekV3Config.from_dict(config_dict, source=source)
+    eos = config_eos_token_id(config_dict, source)
     if any(t.dtype in FP8_DTYPES for t in hf.values()):
         quant = config_dict.get("quantization_config") or {}
         block = tuple(quant.get("weight_block_size", (128, 128)))
@@ -367,8 +371,21 @@ def import_hf(
         hf, count = dequantize_fp8(hf, target, block)
         log(f"dequantised {count} FP8 weights ({block[0]}x{block[1]} block scales) to {target}")
     state = from_hf_state_dict(hf, config, seed=seed, log=log)
-    write_model_dir(out_dir, state, config, overwrite=overwrite)
+    tokenizer = Path(hf_dir) / TOKENIZER_FILE
+    write_model_dir(
+        out_dir,
+        state,
+        config,
+        overwrite=overwrite,
+        eos_token_id=eos,
+        write_extra=(lambda tmp: copy_file(tokenizer, tmp)) if tokenizer.is_file() else None,
+    )
     return config
+
+
+def copy_file(path: Path, directory: Path) -> None:
+    """Copy `path` into `directory` under its name (fsynced, as the directory's other files)."""
+    write_bytes(directory / path.name, path.read_bytes())
 
 
 def _natural_key(key: str) -> list:
@@ -382,9 +399,11 @@ def write_hf_dir(
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
+    extra_files: tuple[Path, ...] = (),
 ) -> Path:
     """Write `config.json` and the tensors as `model.safetensors`, or as shards `model-0000i-of-0000n.safetensors`
-    with `model.safetensors.index.json` when they exceed `max_shard_bytes` (atomically, see model_dir.py)."""
+    with `model.safetensors.index.json` when they exceed `max_shard_bytes`, and copy `extra_files` in (atomically,
+    see model_dir.py)."""
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be > 0, got {max_shard_bytes}")
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -405,6 +424,8 @@ def write_hf_dir(
 
     def fill(tmp: Path) -> None:
         write_json(tmp / "config.json", config_dict, indent=2)
+        for path in extra_files:
+            copy_file(Path(path), tmp)
         if len(shards) == 1:
             save_file(shards[0], str(tmp / SAFE_WEIGHTS), metadata={"format": "pt"})
             return
@@ -428,8 +449,19 @@ def export_hf(
 ) -> Path:
     """Our model directory -> a Hugging Face directory that transformers' `DeepseekV3ForCausalLM.from_pretrained`
     loads (config.json with model_type 'deepseek_v3' and `rope_parameters`; official keys, MTP layers included;
-    tensors in their trained dtype)."""
+    tensors in their trained dtype). config.json's `eos_token_id` is the checkpoint's (tokenizer.py's
+    `eos_token_id`: its config.json, else its tokenizer's end-of-text token), null when it has none, so that
+    transformers does not fall back to its own default id; the checkpoint's `tokenizer.json` is copied along."""
     state, config = read_model_dir(checkpoint_dir)
     hf = to_hf_state_dict(state, config)
     config_dict = config.to_hf_dict(dtype=str(main_dtype(state)).removeprefix("torch."))
-    return write_hf_dir(out_dir, hf, config_dict, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+    config_dict["eos_token_id"] = eos_token_id(checkpoint_dir)
+    tokenizer = Path(checkpoint_dir) / TOKENIZER_FILE
+    return write_hf_dir(
+        out_dir,
+        hf,
+        config_dict,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+        extra_files=(tokenizer,) if tokenizer.is_file() else (),
+    )

@@ -32,9 +32,11 @@ def main_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype:
     return weight.dtype if weight is not None else torch.float32
 
 
-def config_json(config: DeepseekV3Config, dtype: torch.dtype) -> dict:
-    """config.json content of a model directory."""
+def config_json(config: DeepseekV3Config, dtype: torch.dtype, eos_token_id: int | None = None) -> dict:
+    """config.json content of a model directory (with transformers' `eos_token_id` when given)."""
     out = config.to_hf_dict(dtype=str(dtype).removeprefix("torch."))
+    if eos_token_id is not None:
+        out["eos_token_id"] = eos_token_id
     out["mtdeepep"] = {"format": FORMAT, "format_version": FORMAT_VERSION, **config.extensions()}
     return out
 
@@ -46,6 +48,7 @@ def write_model_dir(
     *,
     write_extra: Callable[[Path], None] | None = None,
     overwrite: bool = False,
+    eos_token_id: int | None = None,
 ) -> Path:
     """Write `state_dict` (a `full_state_dict`, tensors in their dtype) and `config` as a model directory.
 
@@ -53,12 +56,13 @@ def write_model_dir(
         write_extra: called with the temporary directory before it is published, to add other files (e.g. the
             trainer's optimizer state) in the same atomic step.
         overwrite: replace an existing directory (otherwise FileExistsError).
+        eos_token_id: the end-of-text id, written to config.json (generation stops there; tokenizer.py reads it).
     """
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
 
     def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
-        write_json(tmp / CONFIG_FILE, config_json(config, main_dtype(tensors)), indent=2)
+        write_json(tmp / CONFIG_FILE, config_json(config, main_dtype(tensors), eos_token_id), indent=2)
         if write_extra is not None:
             write_extra(tmp)
 
@@ -67,8 +71,25 @@ def write_model_dir(
 
 def read_config(path: str | Path) -> DeepseekV3Config:
     """The `DeepseekV3Config` of a model directory (our extensions included)."""
-    with open(Path(path) / CONFIG_FILE) as f:
-        return DeepseekV3Config.from_dict(json.load(f), source=str(Path(path) / CONFIG_FILE))
+    source = Path(path) / CONFIG_FILE
+    with open(source) as f:
+        try:
+            doc = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{source}: not valid JSON ({exc})") from None
+    return DeepseekV3Config.from_dict(doc, source=str(source))
+
+
+def check_model_dir(path: str | Path) -> None:
+    """ValueError unless `path` is a directory `read_model_dir` reads: `config.json` and either `model.safetensors`
+    or a sharded checkpoint's manifest (cheap: no tensor is read)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such directory")
+    if not (path / CONFIG_FILE).is_file():
+        raise ValueError(f"{path} is not a model directory or checkpoint: no {CONFIG_FILE}")
+    if not (path / MODEL_FILE).is_file() and not (path / MANIFEST).is_file():
+        raise ValueError(f"{path} is not a model directory or checkpoint: neither {MODEL_FILE} nor {MANIFEST}")
 
 
 def read_model_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], DeepseekV3Config]:
