@@ -57,6 +57,7 @@ from moe.models.deepseek_v3.compile import compile_model  # noqa: E402
 from moe.models.deepseek_v3.flops import model_flops_per_token  # noqa: E402
 from moe.models.deepseek_v3.model_dir import config_json, read_model_dir, write_model_dir  # noqa: E402
 from moe.models.deepseek_v3.tensor_parallel import parallelize  # noqa: E402
+from moe.models.deepseek_v3.tokenizer import tokenizer_eos_token_id  # noqa: E402
 from moe.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options  # noqa: E402
 from moe.plan.peak import agreed_peak  # noqa: E402
 from moe.train import checkpoint as ckpt  # noqa: E402
@@ -195,14 +196,17 @@ def build(args, checked: CheckedJob) -> BuiltRun:
                                   overlap_moe_comm=job.parallel.overlap_moe_expert_parallel_comm,
                                   virtual_stages=layout.vpp)  # fmt: skip
 
+    # The checkpoints' config.json names the data's end-of-text token (generate.py stops there; transformers too).
+    eos_token_id = tokenizer_eos_token_id(checked.data.tokenizer_path)
+
     def write_config(directory: Path) -> None:
-        write_json(directory / "config.json", config_json(model_cfg, DTYPES[train_cfg.dtype]), indent=2)
+        write_json(directory / "config.json", config_json(model_cfg, DTYPES[train_cfg.dtype], eos_token_id), indent=2)
 
     mfu_basis = _mfu_basis(job, layout, next(model.parameters()).device)
     peak = mfu_basis["peak_flops_per_rank"]
     model_io = ckpt.ModelIO(
         full_state_dict=model.full_state_dict,
-        write=lambda path, sd: write_model_dir(path, sd, model_cfg),
+        write=lambda path, sd: write_model_dir(path, sd, model_cfg, eos_token_id=eos_token_id),
         load=lambda path: load_model(model, path),
         write_config=write_config,
     )

@@ -44,6 +44,7 @@ TRAIN_PY_MODULES = (
     "moe.models.deepseek_v3.tensor_parallel",
     "moe.models.deepseek_v3.flops",
     "moe.models.deepseek_v3.compile",
+    "moe.models.deepseek_v3.tokenizer",
     "moe.pipeline",
     "moe.plan.peak",
     "moe.train.checkpoint",

@@ -33,6 +33,7 @@ from safetensors.torch import load_file
 from moe.io.shard_files import read_full_section
 from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, read_model_dir
 from moe.models.deepseek_v3.flops import model_flops_per_token
+from moe.models.deepseek_v3.tokenizer import tokenizer_eos_token_id
 from moe.train import checkpoint as ckpt
 from moe.train import faults
 from moe.train.checkpoint import ModelIO
@@ -141,6 +142,9 @@ def test_run_outputs(one_process_run):
     assert manifest["format"] == "mtdeepep.flash_checkpoint" and manifest["step"] == 8 and manifest["world"] == 1
     assert set(manifest["files"]) == {"trainer_state.json", "config.json", "tokenizer.json", "model.safetensors",
                                       *(f"rank_00000/{n}" for n in shard)}  # fmt: skip
+    # Both checkpoints name the data tokenizer's end-of-text token (id 0, `<|endoftext|>`), as transformers reads it.
+    eos = tokenizer_eos_token_id(step8 / "tokenizer.json")
+    assert eos == 0 and all(json.loads((p / "config.json").read_text())["eos_token_id"] == eos for p in (step4, step8))
     state = json.loads((step8 / "trainer_state.json").read_text())
     assert state["data"]["next_step"] == 9 and state["optimizer"] == {"kind": "MasterAdamW", "steps": 8}
     assert state["schedule"]["last_lr"] == pytest.approx(records[-1]["lr"])
