@@ -1,4 +1,5 @@
-"""Fixtures shared by the whole suite: `rank_pools` (tests/ranks.py), and time limits that stretch with the load."""
+"""Fixtures shared by the whole suite: `rank_pools` (tests/ranks.py), `one_thread`, and time limits that stretch with
+the load."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from .ranks import pool_fixture  # noqa: E402
 
@@ -59,3 +61,13 @@ rank_pools = pool_fixture()
 def load_scale(request) -> float:
     """The factor the time limits are stretched by (>= 1): for a test whose own budgets are in seconds."""
     return getattr(request.config, "_mtdeepep_timeout_scale", 1.0)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test, as every training rank has (two threads on the loaded 2-core machine run
+    ~10x slower); the previous count restored after it."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -22,18 +22,10 @@ from moe.models.deepseek_v3.model_dir import write_model_dir
 
 from .dsv3_testlib import HF_CASES, hf_model, our_model, rel_err, tiny_config
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
 LOGITS_RTOL = 1e-5
 PROMPT_LENGTHS = (5, 11, 1, 8)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _model(case: str):

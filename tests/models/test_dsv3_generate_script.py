@@ -18,19 +18,11 @@ from moe.models.deepseek_v3.model_dir import write_model_dir
 from ..train.train_cases import load_script
 from .dsv3_testlib import tiny_config
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
 script = load_script("generate")
 PROMPTS = ([5, 17, 99, 3, 42], [7], [11, 12, 13, 14, 15, 16, 17, 18])
 NEW = 12
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _write(path, config, *, eos=None, tokenizer=None) -> DeepseekV3ForCausalLM:

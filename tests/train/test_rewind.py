@@ -68,16 +68,6 @@ def test_spike_needs_history_and_a_flat_window_has_a_floor():
 # The snapshot
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread, as the ranks of the runs have (two threads on the loaded 2-core machine run ~10x
-    slower)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _trainer(tmp_path, *, zero: bool, dtype: str = "float32", fp8: str | None = None) -> Trainer:
     """tiny's model on random tokens (4 sequences of 16, two micro-batches) with snapshots every step."""
     cfg = DeepseekV3Config.from_toml(tc.TINY)
