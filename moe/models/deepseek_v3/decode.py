@@ -44,14 +44,10 @@ def check_decodable(model: DeepseekV3ForCausalLM) -> None:
         )
 
 
-def check_prompts(model: DeepseekV3ForCausalLM, prompts: Sequence[torch.Tensor | Sequence[int]]) -> list[torch.Tensor]:
-    """The prompts as 1-D int64 tensors; ValueError (before any compute) for an empty batch, an empty prompt, a
-    prompt longer than `max_position_embeddings` or a token id outside the vocabulary."""
-    return check_prompt_ids(model.config, prompts)
-
-
 def check_prompt_ids(cfg: DeepseekV3Config, prompts: Sequence[torch.Tensor | Sequence[int]]) -> list[torch.Tensor]:
-    """`check_prompts` against a config alone (before a model is built or its weights are read)."""
+    """The prompts as 1-D int64 tensors; ValueError (before any compute, and needing only the model's config) for
+    an empty batch, an empty prompt, a prompt longer than `max_position_embeddings` or a token id outside the
+    vocabulary."""
     if len(prompts) == 0:
         raise ValueError("no prompts given")
     out = []
@@ -170,9 +166,9 @@ def prefill(
 ) -> tuple[MLACache, torch.Tensor]:
     """`(cache, logits [B, V])`: a cache of `capacity` positions per sequence filled with the prompts (any lengths,
     right-padded), and the logits after each prompt's last token, in the model dtype. ValueError before any
-    compute for bad prompts (`check_prompts`) or a capacity below the longest prompt."""
+    compute for bad prompts (`check_prompt_ids`) or a capacity below the longest prompt."""
     check_decodable(model)
-    prompts = check_prompts(model, prompts)
+    prompts = check_prompt_ids(model.config, prompts)
     ids, lengths = pad_prompts(prompts, pad_token_id)
     if capacity < ids.size(1):
         raise ValueError(f"cache capacity {capacity} is below the longest prompt ({ids.size(1)} tokens)")
