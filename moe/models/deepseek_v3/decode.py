@@ -1,6 +1,7 @@
 """Cached inference of `DeepseekV3ForCausalLM`: prefill and decode over the MLA latent cache (kv_cache.py), with
 the up projections absorbed as in DeepSeek's inference ("absorb" attention). Single process, eval mode, no autograd;
-the training forward (model.py, block.py, attention.py) is not involved and stays as it is.
+it shares the down projections and their norms with the training forward (`MultiHeadLatentAttention.down_proj`),
+and nothing of it runs on the training forward's path.
 
 Legend: B sequences, S new tokens per sequence in this call, T cached positions attended over, H hidden, V vocabulary,
 N heads, Dn / Dr / Dv the no-rope key, rope key and value head dims, C `kv_lora_rank`.
