@@ -136,8 +136,10 @@ def test_sampling_is_reproducible(tmp_path):
 
     first, again, other = sampled(5, "a.json"), sampled(5, "b.json"), sampled(6, "c.json")
     assert first == again and first != other
+    # One generator per prompt, seeded 5 + its index: a prompt's draws do not depend on its batch or the layout.
+    generators = [torch.Generator().manual_seed(5 + i) for i in range(len(PROMPTS))]
     reference = generate(model, [torch.tensor(p) for p in PROMPTS], NEW, temperature=3.0, top_p=0.9,
-                         generator=torch.Generator().manual_seed(5))  # fmt: skip
+                         generator=generators)  # fmt: skip
     assert first == [r.tolist() for r in reference]
 
 
@@ -153,9 +155,33 @@ def test_sampling_is_reproducible(tmp_path):
         (["--prompt", "a", "--prompt-ids", "1"], "not both"),
         (["--prompt", "text"], "no tokenizer.json"),
         (["--prompt-ids", "1", "--ep", "3"], "--ep 3 does not divide the model's n_routed_experts=8"),
-        (["--prompt-ids", "1", "--ep", "2"], "not implemented yet: --ep 2"),
-        (["--prompt-ids", "1", "--fp8-dispatch"], "not implemented yet: --fp8-dispatch"),
-        (["--prompt-ids", "1", "--overlap"], "not implemented yet: --overlap"),
+        (["--prompt-ids", "1", "--ep", "2"], "--ep 2 needs 2 processes (torchrun --nproc-per-node 2"),
+        (["--prompt-ids", "1", "--ep", "0"], "--ep must be a positive int"),
+        (["--prompt-ids", "1", "--fp8-dispatch"], "moves bfloat16 or FP8 rows, the model is torch.float32"),
+        (["--prompt-ids", "1", "--dtype", "bfloat16", "--fp8-dispatch"], "FP8 dispatch needs hidden_size a multiple"),
+        (
+            ["--prompt-ids", "1", "--dtype", "bfloat16", "--decode-dispatcher", "flex", "--fp8-dispatch"],
+            "FP8 dispatch runs on the low-latency dispatcher",
+        ),
+        (["--prompt-ids", "1", "--overlap"], "leave 1 per rank, it needs >= 2"),
+        (
+            [
+                "--prompt-ids",
+                "1",
+                "--prompt-ids",
+                "2",
+                "--prompt-ids",
+                "3",
+                "--dtype",
+                "bfloat16",
+                "--decode-dispatcher",
+                "flex_ll",
+                "--num-max-dispatch-tokens-per-rank",
+                "2",
+            ],
+            "dispatches 3 tokens per rank",
+        ),
+        (["--prompt-ids", "1", "--prompt-ids", "2", "--timeline", "x"], "--timeline draws the overlapped"),
         (["--prompt-ids", "1", "--greedy", "--seed", "1"], "--greedy takes no"),
         (["--prompt-ids", "1", "--top-p", "0.5"], "need --temperature"),
         (["--prompt-ids", "1", "--temperature", "1", "--top-p", "0"], "top_p"),
@@ -164,10 +190,21 @@ def test_sampling_is_reproducible(tmp_path):
 )
 def test_bad_input_fails_before_loading(tmp_path, capsys, monkeypatch, argv, message):
     _write(tmp_path / "ckpt", tiny_config())
-    monkeypatch.setattr(script, "load_for_decoding", lambda *a: pytest.fail("loaded the weights"))
+    monkeypatch.setattr(script, "load_for_decoding", lambda *a, **k: pytest.fail("loaded the weights"))
     assert script.main(["--checkpoint", str(tmp_path / "ckpt"), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("generate.py: error:") and message in err, err
+
+
+def test_a_checkpoint_of_another_model(tmp_path, capsys):
+    """A model directory whose config.json describes another architecture (here Llama's keys) is refused before any
+    weight is read, instead of being read as DeepSeek-V3 with default fields."""
+    _write(tmp_path / "ckpt", tiny_config())
+    doc = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    doc.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(doc))
+    assert script.main(["--checkpoint", str(tmp_path / "ckpt"), "--prompt-ids", "1"]) == 2
+    assert "model_type='llama' is another model, not DeepSeek-V3" in capsys.readouterr().err
 
 
 def test_not_a_checkpoint(tmp_path, capsys):

@@ -86,18 +86,19 @@ def make_config(path: Path, corpus: Path, cache: Path, *, model: dict | None = N
     return path
 
 
-def torchrun_rank(proc, argv: list[str]) -> int:
-    """One rank of `train.py argv` with torchrun's environment (rendezvous on the launcher's port)."""
+def torchrun_rank(proc, argv: list[str], script: str = "train") -> int:
+    """One rank of `<script>.py argv` (an example job) with torchrun's environment (rendezvous on the launcher's
+    port)."""
     os.environ.update(
         RANK=str(proc.rank), LOCAL_RANK=str(proc.rank), WORLD_SIZE=str(proc.num_processes),
         LOCAL_WORLD_SIZE=str(proc.num_processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(proc.port),
         GLOO_SOCKET_IFNAME="lo", MTDEEPEP_TIMEOUT_S="60",
     )  # fmt: skip
     torch.set_num_threads(1)
-    sys.argv = ["train.py", *argv]
-    code = load_script("train").main(argv)
+    sys.argv = [f"{script}.py", *argv]
+    code = load_script(script).main(argv)
     if code != 0:
-        raise RuntimeError(f"train.py exited with {code}")
+        raise RuntimeError(f"{script}.py exited with {code}")
     return code
 
 

@@ -137,7 +137,8 @@ class DeepseekV3Config:
         Accepts transformers' `rope_parameters` or the official release's legacy `rope_scaling` (`"type"` or
         `"rope_type"`) with a top-level `rope_theta`; our extensions may sit at the top level or under `"mtdeepep"`.
         `strict=True` (our TOML tables) rejects keys that are not fields; otherwise known transformers/release keys
-        that do not apply are ignored and unknown ones too. `hidden_act` must be 'silu' when present.
+        that do not apply are ignored and unknown ones too. `hidden_act` must be 'silu' and `model_type`
+        'deepseek_v3' when present (a checkpoint of another model is refused, not read with default fields).
         """
         if not isinstance(d, dict):
             raise ValueError(f"{source}: expected a mapping, got {type(d).__name__}")
@@ -146,6 +147,9 @@ class DeepseekV3Config:
         unknown = sorted(set(d) - names - ({"mtdeepep"} if not strict else set()))
         if strict and unknown:
             raise ValueError(f"{source}: unknown DeepseekV3Config fields {unknown}")
+        if d.get("model_type", "deepseek_v3") != "deepseek_v3":
+            other = d["model_type"]
+            raise ValueError(f"{source}: model_type={other!r} is another model, not DeepSeek-V3 ('deepseek_v3')")
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act={d['hidden_act']!r} is not supported (DeepSeek-V3 uses 'silu')")
         kwargs = {k: v for k, v in d.items() if k in names}

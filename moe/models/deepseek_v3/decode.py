@@ -1,10 +1,13 @@
 """Cached inference of `DeepseekV3ForCausalLM`: prefill and decode over the MLA latent cache (kv_cache.py), with
-the up projections absorbed as in DeepSeek's inference ("absorb" attention). Single process, eval mode, no autograd;
+the up projections absorbed as in DeepSeek's inference ("absorb" attention). Eval mode, no autograd;
 it shares the down projections and their norms with the training forward (`MultiHeadLatentAttention.down_proj`),
 and nothing of it runs on the training forward's path.
 
 Legend: B sequences, S new tokens per sequence in this call, T cached positions attended over, H hidden, V vocabulary,
 N heads, Dn / Dr / Dv the no-rope key, rope key and value head dims, C `kv_lora_rank`.
+
+Expert parallelism: the model's MoE layers dispatch over its EP group (each rank runs its own sequences, every rank
+calls each forward: see generation.py); everything here is per rank.
 
 Absorbed attention (per head n; W_UK [Dn, C] and W_UV [Dv, C] are head n's key and value rows of `kv_b_proj`):
     score(s, t) = (q_nope[s] W_UK) . c[t]  +  q_rope[s] . k_rope[t]         (q_nope W_UK: [C], once per query)
@@ -35,13 +38,15 @@ from moe.models.deepseek_v3.rope import apply_rope
 
 
 def check_decodable(model: DeepseekV3ForCausalLM) -> None:
-    """ValueError unless `model` can run cached inference here: eval mode, one process (no tensor, expert or
-    pipeline parallelism: expert-parallel decode on the low-latency dispatcher is later work)."""
+    """ValueError unless `model` can run cached inference here: eval mode; one process, or expert parallelism
+    (every MoE layer's experts over the EP group, the rest replicated; generation.py steps the ranks together). Tensor,
+    expert-tensor and pipeline parallelism are training layouts only."""
     if model.training:
         raise ValueError("cached inference needs an eval-mode model: call model.eval() first")
-    if model.tp_group is not None or model.ep_group is not None or model.pipeline_stages is not None:
+    if model.tp_group is not None or model.etp_group is not None or model.pipeline_stages is not None:
         raise ValueError(
-            "cached inference runs on one process: tensor, expert and pipeline parallelism are not supported"
+            "cached inference runs on one process or over an expert-parallel group: tensor, expert-tensor and "
+            "pipeline parallelism are not supported"
         )
 
 

@@ -1,16 +1,25 @@
 """Token generation over the MLA cache (decode.py): greedy, or temperature + top-p (nucleus) sampling, for a batch
-of prompts of different lengths; each sequence stops at `eos_token_id` or after `max_new_tokens`."""
+of prompts of different lengths; each sequence stops at `eos_token_id` or after `max_new_tokens`.
+
+On one process, or on every rank of an expert-parallel model (each rank its own prompts; the MoE layers on the
+prefill and decode dispatchers of decode_dispatch.py), optionally with the decode batch split in two micro-batches
+interleaved at their MoE communications (moe/interleave.py), as DeepSeek's inference overlaps them."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
+from moe.interleave import Event, Interleaver
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.models.deepseek_v3.decode import check_decodable, check_prompt_ids, forward_with_cache, prefill
+from moe.models.deepseek_v3.decode_dispatch import DecodeDispatchers
+from moe.models.deepseek_v3.kv_cache import MLACache
 from moe.models.deepseek_v3.model import DeepseekV3ForCausalLM
 
 
@@ -47,11 +56,15 @@ def _now(device: torch.device) -> float:
 
 
 def sample_next(
-    logits_BV: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None = None
+    logits_BV: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
 ) -> torch.Tensor:
     """`[B] int64` next tokens from `logits [B, V]`: the argmax when `temperature == 0`, else a draw (from
-    `generator`) of `softmax(logits / temperature)` restricted to the smallest set of most likely tokens whose
-    probability reaches `top_p` (the most likely token always kept, so `top_p -> 0` is the argmax)."""
+    `generator`, or row b from `generator[b]`) of `softmax(logits / temperature)` restricted to the smallest set of
+    most likely tokens whose probability reaches `top_p` (the most likely token always kept, so `top_p -> 0` is the
+    argmax)."""
     if temperature == 0:
         return logits_BV.argmax(dim=-1)
     probs_BV = torch.softmax(logits_BV.float() / temperature, dim=-1)
@@ -61,6 +74,9 @@ def sample_next(
         before_BV = sorted_BV.cumsum(dim=-1) - sorted_BV
         sorted_BV = sorted_BV.masked_fill(before_BV >= top_p, 0.0)
         probs_BV = torch.zeros_like(probs_BV).scatter_(-1, order_BV, sorted_BV)
+    if isinstance(generator, Sequence):
+        rows = zip(probs_BV, generator, strict=True)
+        return torch.cat([torch.multinomial(p[None], 1, generator=g)[0] for p, g in rows])
     return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
 
 
@@ -74,6 +90,65 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> Non
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
+@dataclass
+class DecodeTrace:
+    """What the decode steps of `generate` did, for benchmarks and timelines.
+
+    step_seconds: the wall time of each decode step (the model's forward of one new token per sequence, both halves
+        with the overlap; the device synchronised at each end).
+    events: per decode step with the two-micro-batch overlap, the interleaver's events (sides 'A' and 'B', see
+        moe/interleave.py); empty without it.
+    keep_logits: also keep `logits`: the `[B, V]` logits (model dtype) of the prefill, then of every decode step
+        (entry j gave each sequence's token j).
+    """
+
+    step_seconds: list[float] = field(default_factory=list)
+    events: list[list[Event]] = field(default_factory=list)
+    keep_logits: bool = False
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+def _all_ranks(flag: bool, group: dist.ProcessGroup | None) -> bool:
+    """`flag` and-ed over `group` (a MIN all-reduce; None: the flag itself)."""
+    if group is None:
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+    return bool(value.item())
+
+
+def _decode_step(
+    model: DeepseekV3ForCausalLM,
+    next_B: torch.Tensor,
+    cache: MLACache,
+    halves: tuple[MLACache, MLACache] | None,
+    interleaver: Interleaver | None,
+    trace: DecodeTrace | None,
+) -> torch.Tensor:
+    """`[B, V]` logits after feeding `next_B` at each sequence's next position: one forward of the batch, or with
+    `halves` the two halves as two micro-batches interleaved at their MoE communications (DeepSeek's decode
+    overlap: while one half's tokens are in flight the other half runs its attention and shared expert)."""
+    started = _now(next_B.device)
+    if halves is None:
+        logits_BV = forward_with_cache(model, next_B[:, None], cache, last_only=True)
+    else:
+        first, second = halves
+        split = first.batch
+        logits_a, logits_b = interleaver.run(
+            lambda: forward_with_cache(model, next_B[:split, None], first, last_only=True),
+            lambda: forward_with_cache(model, next_B[split:, None], second, last_only=True),
+        )
+        logits_BV = torch.cat((logits_a, logits_b))
+        cache.lengths = torch.cat((first.lengths, second.lengths))
+    if trace is not None:
+        trace.step_seconds.append(_now(next_B.device) - started)
+        if interleaver is not None:
+            trace.events.append(list(interleaver.events))
+        if trace.keep_logits:
+            trace.logits.append(logits_BV)
+    return logits_BV
+
+
 @torch.no_grad()
 def generate(
     model: DeepseekV3ForCausalLM,
@@ -83,9 +158,12 @@ def generate(
     eos_token_id: int | None = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
     pad_token_id: int = 0,
     times: GenerationTimes | None = None,
+    dispatchers: DecodeDispatchers | None = None,
+    overlap: bool = False,
+    trace: DecodeTrace | None = None,
 ) -> list[torch.Tensor]:
     """Continue each prompt (1-D int token ids, any lengths) of an eval-mode model.
 
@@ -94,37 +172,61 @@ def generate(
         eos_token_id: a sequence stops after generating it (it is included in the result); None: never.
         temperature: 0 = greedy (argmax), else the softmax temperature of sampling.
         top_p: nucleus sampling's probability mass (1 = the whole distribution).
-        generator: the random generator of sampling (on the model's device); None = torch's global one.
+        generator: the random generator of sampling (on the model's device): one for the batch, or one per prompt
+            (then a prompt's tokens depend only on its own generator, not on its batch neighbours or the layout);
+            None = torch's global one.
         pad_token_id: what finished sequences and the prompts' right padding feed the model (never attended to by
             a live sequence's tokens).
         times: when given, this call's prefill and decode tokens and seconds are added to it.
+        dispatchers: with an expert-parallel model, the decode steps' dispatchers (decode_dispatch.py; the prefill
+            runs on the model's own). None: every phase on the model's own.
+        overlap: split the batch in two halves and interleave them at every MoE communication (needs >= 2 prompts).
+        trace: when given, each decode step's wall time (and with `overlap` its interleaver events) is appended.
+
+    Expert parallelism: every rank of the model's EP group calls `generate` with its own prompts (at least one)
+    and the same settings; the ranks step together until every rank's sequences are done (one all-reduce of a flag
+    per step), since each step's MoE layers communicate with every rank.
 
     Returns one 1-D int64 tensor of new tokens per prompt (on the model's device). ValueError before any compute
     for bad settings, bad prompts, or a longest prompt that with `max_new_tokens` passes `max_position_embeddings`.
     """
     check_decodable(model)
     prompts = check_generation(model.config, prompts, max_new_tokens, temperature, top_p)
+    B = len(prompts)
+    if overlap and B < 2:
+        raise ValueError(f"the two-micro-batch overlap splits the batch in two halves: it needs >= 2 prompts, got {B}")
+    if isinstance(generator, Sequence) and len(generator) != B:
+        raise ValueError(f"{len(generator)} generators for {B} prompts: give one per prompt, or one for the batch")
     device = model.embed_tokens.weight.device
+    group = model.ep_group
     started = _now(device)
     # The last new token is returned, not fed back: it needs no cache position.
     capacity = max(p.numel() for p in prompts) + max_new_tokens - 1
     cache, logits_BV = prefill(model, prompts, capacity, pad_token_id=pad_token_id)
-    B = len(prompts)
+    if trace is not None and trace.keep_logits:
+        trace.logits.append(logits_BV)
+    halves = (cache.rows(0, (B + 1) // 2), cache.rows((B + 1) // 2, B)) if overlap else None
+    interleaver = Interleaver(names=("A", "B")) if overlap else None
     finished_B = torch.zeros(B, dtype=torch.bool, device=logits_BV.device)
     new_tokens: list[torch.Tensor] = []
     decode_started = started
-    for step in range(max_new_tokens):
-        next_B = sample_next(logits_BV, temperature, top_p, generator)
-        if step == 0:
-            decode_started = _now(device)
-        next_B = next_B.masked_fill(finished_B, pad_token_id)
-        new_tokens.append(next_B)
-        if eos_token_id is not None:
-            finished_B = finished_B | (next_B == eos_token_id)
-        if step == max_new_tokens - 1 or bool(finished_B.all()):
-            break
-        # Finished rows keep stepping (with padding) so the batch stays rectangular; their output is cut below.
-        logits_BV = forward_with_cache(model, next_B[:, None], cache, last_only=True)
+    try:
+        with dispatchers.decode() if dispatchers is not None else contextlib.nullcontext():
+            for step in range(max_new_tokens):
+                next_B = sample_next(logits_BV, temperature, top_p, generator)
+                if step == 0:
+                    decode_started = _now(device)
+                next_B = next_B.masked_fill(finished_B, pad_token_id)
+                new_tokens.append(next_B)
+                if eos_token_id is not None:
+                    finished_B = finished_B | (next_B == eos_token_id)
+                if step == max_new_tokens - 1 or _all_ranks(bool(finished_B.all()), group):
+                    break
+                # Finished rows keep stepping (with padding) so the batch stays rectangular; their output is cut below.
+                logits_BV = _decode_step(model, next_B, cache, halves, interleaver, trace)
+    finally:
+        if interleaver is not None:
+            interleaver.close()
     tokens_BG = torch.stack(new_tokens, dim=1)
     out = []
     for row in tokens_BG:

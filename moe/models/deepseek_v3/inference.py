@@ -2,20 +2,33 @@
 directory's config before any weight is read, loading the model for cached decoding, the prompts (token ids or text
 through the directory's tokenizer) and the per-prompt results.
 
-Generation itself is generation.py's `generate` (single process). Expert-parallel decode on the low-latency
-dispatcher, FP8 dispatch and overlap are later work: `check_parallel_options` refuses them with a clear error.
+Generation itself is generation.py's `generate`. With `--ep N` (under torchrun, N processes) every rank holds the
+replicated weights and 1/N of each MoE layer's experts, and decodes its own block of the prompts: the prompts are cut
+into N blocks of `ceil(P / N)` in prompt order (`rank_prompt_indices`); a rank left short decodes one-token filler
+prompts so that every rank steps the same batch, and the filler's output is dropped. `check_parallel_options` checks
+the whole plan against the config before any process group exists.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from moe.dispatcher import EPBuffers
+from moe.dispatcher.deepep_ll import DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
 from moe.models.deepseek_v3.config import DeepseekV3Config
+from moe.models.deepseek_v3.decode_dispatch import (
+    DecodeDispatch,
+    DecodeDispatchers,
+    check_decode_batch,
+    check_decode_dispatch,
+)
 from moe.models.deepseek_v3.generation import GenerationTimes
 from moe.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from moe.models.deepseek_v3.model_dir import read_model_dir
@@ -60,33 +73,83 @@ def prompts_from_input(texts: Sequence[str], id_lists: Sequence[str], tokenizer:
     return Prompts(ids, list(texts))
 
 
-def check_parallel_options(config: DeepseekV3Config, ep: int, fp8_dispatch: bool, overlap: bool) -> None:
-    """ValueError for an expert-parallel size that is not positive or does not divide `n_routed_experts`, then
-    for any of the options single-process decoding does not implement yet (`ep > 1`, FP8 dispatch, overlap)."""
-    if ep < 1:
-        raise ValueError(f"--ep must be >= 1, got {ep}")
+def check_parallel_options(
+    config: DeepseekV3Config,
+    ep: int,
+    *,
+    num_prompts: int,
+    dtype: torch.dtype,
+    fp8_dispatch: bool = False,
+    overlap: bool = False,
+    decode_dispatcher: str | None = None,
+    num_max_dispatch_tokens_per_rank: int = DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK,
+    world_size: int = 1,
+) -> DecodeDispatch:
+    """The resolved `DecodeDispatch` of these options; ValueError (needing only the config) for an expert-parallel
+    size that is not positive, does not divide `n_routed_experts` or differs from the number of processes, a
+    dispatcher plan the model dtype cannot run (decode_dispatch.py), an overlap without two prompts per rank, or a
+    per-rank decode batch above `num_max_dispatch_tokens_per_rank`."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"--ep must be a positive int, got {ep!r}")
     if config.n_routed_experts % ep:
         raise ValueError(f"--ep {ep} does not divide the model's n_routed_experts={config.n_routed_experts}")
-    later = [
-        name
-        for name, used in (
-            (f"--ep {ep} (expert-parallel decode on the low-latency dispatcher)", ep > 1),
-            ("--fp8-dispatch", fp8_dispatch),
-            ("--overlap", overlap),
+    if world_size != ep:
+        raise ValueError(
+            f"--ep {ep} needs {ep} processes (torchrun --nproc-per-node {ep} ...), this run has {world_size}"
         )
-        if used
-    ]
-    if later:
-        raise ValueError(f"not implemented yet: {', '.join(later)}; decoding runs on one process (--ep 1)")
+    plan = DecodeDispatch(
+        decode=decode_dispatcher, num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, fp8=fp8_dispatch
+    )
+    if ep == 1 and decode_dispatcher is None and not fp8_dispatch:
+        plan = dataclasses.replace(plan, decode="flex")  # one process: nothing travels; the model's own dispatcher
+    plan = plan.resolved(dtype)
+    check_decode_dispatch(plan, dtype, config.hidden_size)
+    per_rank = -(-num_prompts // ep)
+    if overlap and per_rank < 2:
+        raise ValueError(
+            f"--overlap splits each rank's batch in two micro-batches: {num_prompts} prompts over {ep} ranks leave "
+            f"{per_rank} per rank, it needs >= 2"
+        )
+    check_decode_batch(per_rank, plan, overlap)
+    return plan
 
 
-def load_for_decoding(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> DeepseekV3ForCausalLM:
-    """The model of a model directory or checkpoint (`read_model_dir`) with all its experts, in `dtype` on
-    `device`, in eval mode (what `generate` needs)."""
+def rank_prompt_indices(num_prompts: int, ep: int, rank: int) -> list[int | None]:
+    """The prompts rank `rank` of `ep` decodes: block `rank` of `ceil(num_prompts / ep)` consecutive indices, padded
+    with None (a filler prompt) to that length, so every rank steps the same batch."""
+    per_rank = -(-num_prompts // ep)
+    own = list(range(rank * per_rank, min((rank + 1) * per_rank, num_prompts)))
+    return own + [None] * (per_rank - len(own))
+
+
+def load_for_decoding(
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    ep_group: dist.ProcessGroup | None = None,
+    plan: DecodeDispatch | None = None,
+) -> tuple[DeepseekV3ForCausalLM, DecodeDispatchers | None]:
+    """`(model, dispatchers)`: the model of a model directory or checkpoint (`read_model_dir`) in `dtype` on
+    `device`, in eval mode, holding all its experts (one process) or its EP rank's share of them (`ep_group`, the
+    prefill on `plan.prefill`); and the decode steps' dispatchers of the resolved `plan` (None without a plan: every
+    phase on the model's own dispatcher). The model owns the dispatchers' mtdeepep buffers (`model.ep_buffers`)."""
     state_dict, config = read_model_dir(path)
-    model = DeepseekV3ForCausalLM(config, dtype=dtype, device=device)
+    moe_options: dict[str, Any] = {}
+    if plan is not None:
+        moe_options["moe_token_dispatcher_type"] = plan.prefill
+    if config.n_shared_experts:
+        # The shared expert runs while the routed tokens are in flight (the same sum: output unchanged).
+        moe_options["moe_shared_expert_overlap"] = True
+    ep_buffers = EPBuffers() if plan is not None else None
+    model = DeepseekV3ForCausalLM(
+        config, ep_group=ep_group, ep_buffers=ep_buffers, dtype=dtype, device=device, moe_options=moe_options
+    )
+    model.ep_buffers = ep_buffers
     model.load_full_state_dict(state_dict)
-    return model.eval()
+    model.eval()
+    dispatchers = DecodeDispatchers(model, plan, ep_buffers) if plan is not None else None
+    return model, dispatchers
 
 
 def result_records(prompts: Prompts, generated: Sequence[torch.Tensor], tokenizer: Any | None) -> list[dict]:
@@ -100,6 +163,16 @@ def result_records(prompts: Prompts, generated: Sequence[torch.Tensor], tokenize
             record["continuation"] = tokenizer.decode(record["generated_ids"])
         out.append(record)
     return out
+
+
+def merge_times(per_rank: Sequence[GenerationTimes]) -> GenerationTimes:
+    """The ranks' times as one run's: tokens summed, seconds the slowest rank's (the ranks step together)."""
+    return GenerationTimes(
+        prefill_tokens=sum(t.prefill_tokens for t in per_rank),
+        prefill_seconds=max(t.prefill_seconds for t in per_rank),
+        decode_tokens=sum(t.decode_tokens for t in per_rank),
+        decode_seconds=max(t.decode_seconds for t in per_rank),
+    )
 
 
 def timing_record(times: GenerationTimes) -> dict[str, dict[str, float | int | None]]:

@@ -70,6 +70,18 @@ class MLACache:
     def capacity(self) -> int:
         return self.latents[0].size(1)
 
+    def rows(self, start: int, end: int) -> MLACache:
+        """Sequences `start .. end-1` as a cache of their own that shares this one's storage (views along the batch
+        dimension: writes through it land here). Its `lengths` is a copy, advanced on its own: the two-micro-batch
+        decode (generation.py) runs each half of a batch on such a view."""
+        if not 0 <= start < end <= self.batch:
+            raise ValueError(f"rows {start}..{end} are not a non-empty range of the {self.batch} cached sequences")
+        return MLACache(
+            latents=[t[start:end] for t in self.latents],
+            rope_keys=[t[start:end] for t in self.rope_keys],
+            lengths=self.lengths[start:end].clone(),
+        )
+
     def write(self, layer: int, positions_BS: torch.Tensor, latent_BSC: torch.Tensor, rope_BSR: torch.Tensor) -> None:
         """Store layer `layer`'s normed latents `[B, S, C]` and rotated rope keys `[B, S, Dr]` at `positions_BS`
         (`[B, S] int64`, each below `capacity`)."""
