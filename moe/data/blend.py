@@ -238,6 +238,8 @@ class BlendedWindows:
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         self.entries = parse_data_path(data_path)
+        if len(self.entries) > np.iinfo(np.int16).max:  # the dataset index is int16, as Megatron's
+            raise ValueError(f"data_path names {len(self.entries)} datasets; at most {np.iinfo(np.int16).max}")
         self.seq_len, self.num_samples, self.seed, self.eod_id = int(seq_len), int(num_samples), int(seed), eod_id
         self.datasets: list[IndexedDataset] = []
         self.train: list[TokenStream] = []

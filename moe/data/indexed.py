@@ -139,10 +139,15 @@ class IndexedDatasetWriter:
         self._sizes.append(int(array.size))
 
     def close(self) -> None:
-        """Write the `.idx` and publish both files (see the class docstring); a second call does nothing."""
+        """Write the `.idx` and publish both files (see the class docstring); a second call does nothing.
+        ValueError (and nothing published) when no document holds a token."""
         if self._done:
             return
         try:
+            if not any(self._sizes):
+                raise ValueError(
+                    f"{self.prefix}: no tokens written, nothing published (Megatron's reader cannot map an empty .bin)"
+                )
             self._bin.flush()
             os.fsync(self._bin.fileno())
             self._bin.close()

@@ -218,3 +218,23 @@ def test_sample_index_bounds(three):
         blend.window(10)
     with pytest.raises(IndexError):
         blend.source(-1)
+
+
+def test_documents_of_several_sequences_stay_whole(tmp_path):
+    """preprocess_data.py --split-sentences: a document of several sequences is one piece of the stream, and a
+    held-out document takes all of its sequences with it."""
+    torch = pytest.importorskip("torch")
+    megatron = import_megatron("megatron.core.datasets.indexed_dataset")
+    prefix = str(tmp_path / "split")
+    builder = megatron.IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    docs = _tagged_docs(4, 12, seed=9)
+    for doc in docs:
+        cut = doc.size // 2
+        lengths = [cut, doc.size - cut] if cut else [doc.size]
+        builder.add_document(torch.from_numpy(doc), lengths)
+    builder.finalize(prefix + ".idx")
+    blend = BlendedWindows([prefix], seq_len=4, num_samples=50, seed=1, held_out=2, eod_id=EOD)
+    kept = [d for i, d in enumerate(docs) if i not in set(blend.held_out_documents[0].tolist())]
+    stream = np.concatenate([np.append(d, EOD) for d in kept])
+    windows = stream[: stream.size // 4 * 4].reshape(-1, 4)
+    np.testing.assert_array_equal(np.stack([blend.train[0].window(w) for w in range(len(windows))]), windows)

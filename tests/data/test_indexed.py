@@ -290,3 +290,11 @@ def test_index_errors(tmp_path):
     with pytest.raises(IndexError):
         ds.document(-7)
     assert not ds[0].flags.writeable
+
+
+def test_writer_refuses_to_publish_no_tokens(tmp_path):
+    for docs in ([], [np.array([], np.int64)]):
+        with pytest.raises(ValueError, match="no tokens written"), IndexedDatasetWriter(tmp_path / "e", np.uint16) as w:
+            for doc in docs:
+                w.add_document(doc)
+        assert list(tmp_path.iterdir()) == []
