@@ -99,7 +99,8 @@ def blending_indices(weights: np.ndarray, num_samples: int) -> tuple[np.ndarray,
     """Megatron's greedy blend: `(dataset [N] int16, sample within it [N] int64)` for normalised `weights [K]`.
 
     Sample n goes to argmax_d(weights[d] * max(n, 1) - taken[d]) (the first on a tie), in float64 as Megatron's
-    `build_blending_indices` computes it, so the two agree sample for sample.
+    `build_blending_indices` computes it, so the two agree sample for sample. A Python loop: about 1 s per million
+    samples for 3 datasets on one CPU core.
     """
     weights = np.asarray(weights, dtype=np.float64)
     dataset = np.zeros(num_samples, dtype=np.int16)
@@ -249,11 +250,11 @@ class BlendedWindows:
             position = 2 * i + 1 if entry.weight is not None else i
             for path in (idx_path(entry.prefix), bin_path(entry.prefix)):
                 if not path.is_file():
-                    hint = (
-                        " (a weight without its prefix? weights and prefixes come in pairs)"
-                        if _as_weight(entry.prefix) is not None
-                        else ""
-                    )
+                    hint = ""
+                    if _as_weight(entry.prefix) is not None:
+                        hint = " (a weight without its prefix? weights and prefixes come in pairs)"
+                    elif entry.prefix.endswith((".bin", ".idx")):
+                        hint = " (give the prefix, without .bin / .idx)"
                     raise ValueError(f"data_path entry {position} ({entry.prefix!r}): {path} does not exist{hint}")
             dataset = IndexedDataset(entry.prefix)
             info = np.iinfo(dataset.dtype)

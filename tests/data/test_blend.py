@@ -193,6 +193,7 @@ def test_bad_blends_are_refused_naming_the_entry(three, tmp_path):
     message = _error(r"entry 3 \('.*missing'\): .*missing\.idx does not exist", ["1", a, "1", missing])
     assert "weight without" not in message
     _error(r"entry 0 \('0\.3'\): .*does not exist \(a weight without its prefix", ["0.3", a, "0.7"])
+    _error(r"entry 1 \('.*ds1\.idx'\): .*without \.bin / \.idx", ["1", a + ".idx"])
     short = _write(tmp_path / "short", [np.arange(1, 6)])
     _error(r"entry 3 \('.*short'\): 5 training tokens, less than one window of 16", ["1", a, "1", short])
     BlendedWindows(["1", a, "0", short], seq_len=16, num_samples=10, seed=0)  # weight 0: never read
