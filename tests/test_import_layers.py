@@ -10,6 +10,8 @@ imports deferred into functions.
 - `test_module_level_imports_form_no_circle`: the graph of module-level imports between library modules (an import
   of a package's name counts for that package's `__init__`, `from pkg import submodule` for the submodule) has no
   cycle.
+- `test_packages_import_down_the_layer_table`: every module-level import between library packages points down
+  `LAYERS` (ARCHITECTURE.md's layer table, bottom up) or stays within one layer.
 - `test_every_library_module_imports_in_isolation`: each module imported alone in a fresh process, which loads no
   module of `examples/` or `tests/` on the way.
 """
@@ -146,6 +148,42 @@ def _import_graph() -> dict[str, set[str]]:
         edges &= {_module_name(p) for p in _library_files()}
         edges.discard(module)
     return graph
+
+
+# ARCHITECTURE.md's layers, bottom up, as library packages (a module belongs to the longest package naming it).
+# The MoE layer and its parallel building blocks import each other and form one layer here; the files sit below
+# the model, which reads checkpoints through them.
+LAYERS = (
+    ("communication", ("mtdeepep",)),
+    ("MoE layer and parallelism", ("moe", "moe.dispatcher", "moe.fp8", "moe.parallel", "moe.pipeline")),
+    ("files", ("moe.io",)),
+    ("model", ("moe.models",)),
+    ("data", ("moe.data",)),
+    ("trainer", ("moe.train",)),
+    ("planner", ("moe.plan",)),
+)
+
+
+def _layer_of(module: str) -> int:
+    ranks = [
+        (len(package), rank)
+        for rank, (_, packages) in enumerate(LAYERS)
+        for package in packages
+        if module == package or module.startswith(package + ".")
+    ]
+    assert ranks, f"{module} is in no layer of LAYERS: add its package"
+    return max(ranks)[1]
+
+
+def test_packages_import_down_the_layer_table():
+    upward = [
+        f"{module} ({LAYERS[_layer_of(module)][0]}) imports {target} ({LAYERS[_layer_of(target)][0]})"
+        for module, targets in sorted(_import_graph().items())
+        for target in sorted(targets)
+        if _layer_of(target) > _layer_of(module)
+    ]
+    assert not upward, "imports up the layer table:\n" + "\n".join(upward)
+    assert _layer_of("moe.data.indexed") > _layer_of("moe.io.atomic"), "the scan must see the layers"
 
 
 def test_module_level_imports_form_no_circle():

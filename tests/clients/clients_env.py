@@ -96,6 +96,14 @@ def prepare_megatron() -> types.SimpleNamespace:
     )
 
 
+def import_megatron(name: str) -> types.ModuleType:
+    """Import one Megatron-core module by name (e.g. `megatron.core.datasets.indexed_dataset`) on this CPU-only
+    machine: PyTorch's compiler stack first, then the module with the fake Triton in place (see above)."""
+    torch.compile(_identity)
+    with _fake_triton():
+        return importlib.import_module(name)
+
+
 _CPU_REGISTERED: set[str] = set()
 
 
