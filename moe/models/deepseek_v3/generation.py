@@ -117,7 +117,7 @@ def _all_ranks(flag: bool, group: dist.ProcessGroup | None) -> bool:
     return bool(value.item())
 
 
-def _decode_step(
+def decode_step(
     model: DeepseekV3ForCausalLM,
     next_B: torch.Tensor,
     cache: MLACache,
@@ -125,9 +125,11 @@ def _decode_step(
     interleaver: Interleaver | None,
     trace: DecodeTrace | None,
 ) -> torch.Tensor:
-    """`[B, V]` logits after feeding `next_B` at each sequence's next position: one forward of the batch, or with
-    `halves` the two halves as two micro-batches interleaved at their MoE communications (DeepSeek's decode
-    overlap: while one half's tokens are in flight the other half runs its attention and shared expert)."""
+    """`[B, V]` logits (model dtype) after feeding `next_B [B] int64` at each sequence's next position of `cache`:
+    one forward of the batch, or with `halves` (two `cache.rows` views splitting the batch) the two halves as two
+    micro-batches interleaved by `interleaver` at their MoE communications (DeepSeek's decode overlap: while one
+    half's tokens are in flight the other half runs its attention and shared expert). Appends the step's wall time
+    (and events, logits) to `trace`. Expert parallel: every rank calls it, with the same `halves` setting."""
     started = _now(next_B.device)
     if halves is None:
         logits_BV = forward_with_cache(model, next_B[:, None], cache, last_only=True)
@@ -223,7 +225,7 @@ def generate(
                 if step == max_new_tokens - 1 or _all_ranks(bool(finished_B.all()), group):
                     break
                 # Finished rows keep stepping (with padding) so the batch stays rectangular; their output is cut below.
-                logits_BV = _decode_step(model, next_B, cache, halves, interleaver, trace)
+                logits_BV = decode_step(model, next_B, cache, halves, interleaver, trace)
     finally:
         if interleaver is not None:
             interleaver.close()
