@@ -16,13 +16,17 @@ different lengths (the ranks decode blocks of them, as generate.py cuts them).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from moe.models.deepseek_v3.hf import export_hf, from_hf_state_dict
 from moe.models.deepseek_v3.model_dir import write_model_dir
+from mtdeepep.utils.testing import run_processes
 
 from ..ranks import pool_fixture, world_size_params
+from ..train import train_cases as tc
 from .dsv3_decode_cases import generate_case
 from .dsv3_testlib import HF_CASES, hf_model, tiny_config
 
@@ -156,3 +160,25 @@ def test_fp8_dispatch_logits_within_bound(ep_pools, fp8_model_dir, world):
           f"{median:.4f}, p90 {p90:.4f}, max {float(errors.max()):.4f}")  # fmt: skip
     assert errors.numel() >= 2 * len(PROMPTS), errors.numel()
     assert median < FP8_LOGIT_RTOL and p90 < FP8_LOGIT_RTOL, (median, p90)
+
+
+@pytest.mark.slow
+def test_generate_script_under_torchrun(model, tmp_path):
+    """examples/deepseek_v3/generate.py --ep 2 on 2 processes with torchrun's environment: bfloat16 on 'flex_ll'
+    with the overlap, its timeline and JSON; the tokens equal the in-process EP 1 run of the same plan, and rank 0
+    alone writes the results, in prompt order."""
+    model_dir, _, _ = model
+    argv = ["--checkpoint", model_dir, "--max-new-tokens", "16", "--dtype", "bfloat16", "--ep", "2", "--overlap",
+            "--timeline", str(tmp_path / "step"), "--output-json", str(tmp_path / "out.json")]  # fmt: skip
+    for p in PROMPTS:
+        argv += ["--prompt-ids", ",".join(map(str, p))]
+    run_processes(tc.torchrun_rank, 2, (argv, "generate"), timeout_s=240)
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert (doc["ep"], doc["decode_dispatcher"], doc["overlap"]) == (2, "flex_ll", True)
+    assert [r["prompt_ids"] for r in doc["results"]] == PROMPTS
+    alone = generate_case(None, model_dir, PROMPTS, 16, "bfloat16", None, False, False, False)
+    assert [r["generated_ids"] for r in doc["results"]] == alone["ids"]
+    trace = json.loads((tmp_path / "step.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
+    assert {e["name"] for e in trace["traceEvents"] if e.get("cat") == "comm"} >= {"A dispatch", "B combine"}
+    assert (tmp_path / "step.png").stat().st_size > 10_000
