@@ -23,6 +23,8 @@ prefill dispatches on normal mode ('flex'); the decode steps on the low-latency 
 or with `--fp8-dispatch` E4M3 rows with 1x128 scales; the combine sums in FP32). The low-latency kernels move no
 float32, so a float32 model decodes on 'flex' (`--decode-dispatcher` picks another). `--overlap` splits each rank's
 batch in two micro-batches interleaved at their MoE communications; `--timeline PATH` draws the last step.
+`--chunked-prefill-size N` runs the prompts' prefill N positions at a time (its attention scores and MoE rows stay
+bounded for long prompts).
 """
 
 from __future__ import annotations
@@ -81,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the decode steps' dispatcher (default: flex_ll in bfloat16, flex in float32)")  # fmt: skip
     p.add_argument("--num-max-dispatch-tokens-per-rank", type=int, default=DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK,
                    help="flex_ll's buffer bound on the tokens a rank dispatches per decode call")  # fmt: skip
+    p.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="prefill in chunks of this many positions (bounds its memory; default: one chunk)")  # fmt: skip
     p.add_argument("--timeline", default=None, help="with --overlap: write PATH.png and PATH.json of the last step")
     p.add_argument("--output-json", default=None, help="write the prompts' and generated ids here")
     return p.parse_args(argv)
@@ -119,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             num_max_dispatch_tokens_per_rank=args.num_max_dispatch_tokens_per_rank,
             world_size=world_size,
         )
+        if args.chunked_prefill_size is not None and args.chunked_prefill_size < 1:
+            raise ValueError(f"--chunked-prefill-size must be >= 1, got {args.chunked_prefill_size}")
         if args.timeline and not args.overlap:
             raise ValueError("--timeline draws the overlapped decode step: it needs --overlap")
         eos = eos_token_id(args.checkpoint)
@@ -157,6 +163,7 @@ def _run(args, prompts, plan, group, rank, device, eos, tokenizer, temperature, 
         dispatchers=dispatchers,
         overlap=args.overlap,
         trace=trace,
+        prefill_chunk_size=args.chunked_prefill_size,
     )
     own = [(i, g.cpu()) for i, g in zip(indices, generated, strict=True) if i is not None]
     fillers = [g for i, g in zip(indices, generated, strict=True) if i is None]

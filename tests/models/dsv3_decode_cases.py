@@ -32,7 +32,8 @@ def _in_prompt_order(parts) -> list:
 
 
 def generate_case(ctx, model_dir: str, prompts: list[list[int]], new: int, dtype: str, decode: str | None,
-                  fp8: bool, overlap: bool, with_logits: bool, check_full_forward: bool = False) -> dict:  # fmt: skip
+                  fp8: bool, overlap: bool, with_logits: bool, check_full_forward: bool = False,
+                  prefill_chunk_size: int | None = None) -> dict:  # fmt: skip
     """`{"ids": [...], "logits": [[V] float32 per step] per prompt or None, "plan": (prefill, decode, fp8),
     "full_forward_rel_err": float or None, "step_events": int}`.
 
@@ -46,7 +47,8 @@ def generate_case(ctx, model_dir: str, prompts: list[list[int]], new: int, dtype
     indices = rank_prompt_indices(len(prompts), world, rank)
     mine = [torch.tensor(prompts[i] if i is not None else [0]) for i in indices]
     trace = DecodeTrace(keep_logits=with_logits or check_full_forward)
-    out = generate(model, mine, new, dispatchers=dispatchers, overlap=overlap, trace=trace)
+    out = generate(model, mine, new, dispatchers=dispatchers, overlap=overlap, trace=trace,
+                   prefill_chunk_size=prefill_chunk_size)  # fmt: skip
     logits = None
     if trace.keep_logits:  # [steps] of [B, V] -> per row [steps, V]
         logits = torch.stack(trace.logits, dim=1).float()

@@ -181,3 +181,30 @@ def test_bad_input_raises_before_compute():
     with pytest.raises(ValueError, match="eval"):
         generate(model.train(), [torch.tensor([1])], 4)
     assert not calls
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_chunked_prefill_matches_one_forward(chunk):
+    """Prefill in chunks of 1, 3 and 64 positions (64: one chunk) gives the one-forward prefill's last-token logits
+    and cache (the same sums: each chunk's queries attend to the positions the earlier chunks cached), and the
+    decode steps after it the same logits."""
+    config, model = _model("qlora_yarn_norm_groups")
+    prompts = _prompts(config)
+    cache, logits = prefill(model, prompts, 24)
+    cache_c, logits_c = prefill(model, prompts, 24, chunk_size=chunk)
+    assert rel_err(logits_c, logits) < LOGITS_RTOL
+    assert torch.equal(cache_c.lengths, cache.lengths)
+    for layer in range(config.num_hidden_layers):
+        for b, n in enumerate(cache.lengths.tolist()):  # the real positions (padding may differ)
+            assert rel_err(cache_c.latents[layer][b, :n], cache.latents[layer][b, :n]) < LOGITS_RTOL
+    nxt = logits.argmax(-1)
+    step, step_c = (forward_with_cache(model, nxt[:, None], c, last_only=True) for c in (cache, cache_c))
+    assert rel_err(step_c, step) < LOGITS_RTOL
+
+
+def test_chunked_prefill_bad_sizes():
+    config, model = _model("qlora_yarn_norm_groups")
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        prefill(model, _prompts(config), 24, chunk_size=0)
+    with pytest.raises(ValueError, match="below this rank's 4 chunks"):
+        prefill(model, _prompts(config), 24, chunk_size=3, num_chunks=2)

@@ -182,6 +182,7 @@ def test_sampling_is_reproducible(tmp_path):
             "dispatches 3 tokens per rank",
         ),
         (["--prompt-ids", "1", "--prompt-ids", "2", "--timeline", "x"], "--timeline draws the overlapped"),
+        (["--prompt-ids", "1", "--chunked-prefill-size", "0"], "--chunked-prefill-size must be >= 1"),
         (["--prompt-ids", "1", "--greedy", "--seed", "1"], "--greedy takes no"),
         (["--prompt-ids", "1", "--top-p", "0.5"], "need --temperature"),
         (["--prompt-ids", "1", "--temperature", "1", "--top-p", "0"], "top_p"),

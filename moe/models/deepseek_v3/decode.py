@@ -93,10 +93,13 @@ def forward_with_cache(
     last_only: bool = False,
 ) -> torch.Tensor:
     """Run `input_ids [B, S] int64` at positions `cache.lengths[b] + 0 .. S-1`, store their latents in `cache`, and
-    advance `cache.lengths` by `num_new [B] int64` (the real tokens per row, default S; the rest is right padding).
+    advance `cache.lengths` by `num_new [B] int64` (the real tokens per row, default S; the rest is right padding;
+    0 for a row with nothing left to add, as a chunk of a chunked prefill may have: its padding lands after its
+    last real token, where nothing reads it).
 
     Returns the logits in the model dtype: `[B, S, V]` (`logits[:, s]` predicts the token after position s), or with
-    `last_only` `[B, V]` at each row's last real token (`num_new[b] - 1`; only that row of the head is computed).
+    `last_only` `[B, V]` at each row's last real token (`num_new[b] - 1`; only that row of the head is computed; a
+    row with `num_new[b] == 0` gets its last column's logits, which mean nothing).
     A prefill is one call on an empty cache with the padded prompts; a decode step one call with `S = 1`.
     """
     check_decodable(model)
@@ -105,8 +108,8 @@ def forward_with_cache(
     num_new = torch.full((B,), S, dtype=torch.int64, device=device) if num_new is None else num_new.to(device)
     if cache.batch != B:
         raise ValueError(f"input_ids has {B} rows, the cache {cache.batch}")
-    if num_new.shape != (B,) or bool((num_new < 1).any()) or bool((num_new > S).any()):
-        raise ValueError(f"num_new must be [B] with values in 1..{S}, got {num_new.tolist()}")
+    if num_new.shape != (B,) or bool((num_new < 0).any()) or bool((num_new > S).any()):
+        raise ValueError(f"num_new must be [B] with values in 0..{S}, got {num_new.tolist()}")
     end = int((cache.lengths + S).max())
     if end > cache.capacity:
         raise ValueError(f"{S} more positions do not fit the cache: {end} > capacity {cache.capacity}")
@@ -119,7 +122,7 @@ def forward_with_cache(
         h_BSH = h_BSH + layer._mlp(layer.post_attention_layernorm(h_BSH), None)
     cache.lengths = cache.lengths + num_new.to(cache.lengths.device)
     if last_only:
-        h_BSH = h_BSH[torch.arange(B, device=device), num_new - 1][:, None]
+        h_BSH = h_BSH[torch.arange(B, device=device), (num_new - 1).clamp(min=0)][:, None]
     logits = model._logits(model.norm(h_BSH), None)
     return logits[:, 0] if last_only else logits
 
@@ -169,10 +172,20 @@ def prefill(
     capacity: int,
     *,
     pad_token_id: int = 0,
+    chunk_size: int | None = None,
+    num_chunks: int | None = None,
 ) -> tuple[MLACache, torch.Tensor]:
     """`(cache, logits [B, V])`: a cache of `capacity` positions per sequence filled with the prompts (any lengths,
     right-padded), and the logits after each prompt's last token, in the model dtype. ValueError before any
-    compute for bad prompts (`check_prompt_ids`) or a capacity below the longest prompt."""
+    compute for bad prompts (`check_prompt_ids`) or a capacity below the longest prompt.
+
+    chunk_size: run the prompts' columns in chunks of this many positions (each chunk attends to the cache the
+        earlier ones filled), so the attention's `[B, chunk, N, T]` scores and the MoE layers' rows stay bounded
+        whatever the prompt length (chunked prefill). None: one forward of the whole prompts.
+    num_chunks: with expert parallelism every rank must run the same number of forwards (each one's MoE layers
+        communicate): the largest count over the ranks (`ceil(longest prompt / chunk_size)`); a rank with fewer
+        real chunks runs the rest on padding. None: this rank's own count.
+    """
     check_decodable(model)
     prompts = check_prompt_ids(model.config, prompts)
     ids, lengths = pad_prompts(prompts, pad_token_id)
@@ -180,5 +193,26 @@ def prefill(
         raise ValueError(f"cache capacity {capacity} is below the longest prompt ({ids.size(1)} tokens)")
     device = model.embed_tokens.weight.device
     cache = MLACache.empty(model.config, len(prompts), capacity, dtype=model.config_dtype, device=device)
-    logits = forward_with_cache(model, ids.to(device), cache, lengths.to(device), last_only=True)
+    ids, lengths = ids.to(device), lengths.to(device)
+    if chunk_size is None:
+        return cache, forward_with_cache(model, ids, cache, lengths, last_only=True)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    own = -(-ids.size(1) // chunk_size)
+    num_chunks = own if num_chunks is None else num_chunks
+    if num_chunks < own:
+        raise ValueError(f"num_chunks={num_chunks} is below this rank's {own} chunks of {chunk_size}")
+    logits = None
+    for c in range(num_chunks):
+        start = c * chunk_size
+        # Past the longest prompt (another rank's longer one sets the count) the chunk is one pad column per row, at
+        # a position after each row's last token; it is never read and the next decode step overwrites it.
+        chunk = ids[:, start : start + chunk_size] if start < ids.size(1) else ids[:, :1].clone().fill_(pad_token_id)
+        width = chunk.size(1)
+        num_new = (lengths - start).clamp(0, width)
+        if bool((cache.lengths + width > capacity).any()):
+            raise ValueError(f"chunk {c} of the prefill does not fit the cache's {capacity} positions")
+        out = forward_with_cache(model, chunk, cache, num_new, last_only=True)
+        ends_here = (num_new > 0) & (lengths <= start + width)  # the chunk holding each row's last token
+        logits = out if logits is None else torch.where(ends_here[:, None], out, logits)
     return cache, logits

@@ -117,6 +117,15 @@ def _all_ranks(flag: bool, group: dist.ProcessGroup | None) -> bool:
     return bool(value.item())
 
 
+def _max_over_ranks(value: int, group: dist.ProcessGroup | None) -> int:
+    """`value`'s maximum over `group` (None: the value itself)."""
+    if group is None:
+        return value
+    out = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return int(out.item())
+
+
 def decode_step(
     model: DeepseekV3ForCausalLM,
     next_B: torch.Tensor,
@@ -166,6 +175,7 @@ def generate(
     dispatchers: DecodeDispatchers | None = None,
     overlap: bool = False,
     trace: DecodeTrace | None = None,
+    prefill_chunk_size: int | None = None,
 ) -> list[torch.Tensor]:
     """Continue each prompt (1-D int token ids, any lengths) of an eval-mode model.
 
@@ -184,6 +194,8 @@ def generate(
             runs on the model's own). None: every phase on the model's own.
         overlap: split the batch in two halves and interleave them at every MoE communication (needs >= 2 prompts).
         trace: when given, each decode step's wall time (and with `overlap` its interleaver events) is appended.
+        prefill_chunk_size: run the prompts' prefill in chunks of this many positions (decode.py `prefill`);
+            None: one forward.
 
     Expert parallelism: every rank of the model's EP group calls `generate` with its own prompts (at least one)
     and the same settings; the ranks step together until every rank's sequences are done (one all-reduce of a flag
@@ -202,9 +214,14 @@ def generate(
     device = model.embed_tokens.weight.device
     group = model.ep_group
     started = _now(device)
-    # The last new token is returned, not fed back: it needs no cache position.
-    capacity = max(p.numel() for p in prompts) + max_new_tokens - 1
-    cache, logits_BV = prefill(model, prompts, capacity, pad_token_id=pad_token_id)
+    # The last new token is returned, not fed back: it needs no cache position. Expert parallel: the longest prompt
+    # of all ranks sets the number of prefill chunks every rank runs (their MoE layers communicate in each).
+    longest = _max_over_ranks(max(p.numel() for p in prompts), group)
+    capacity = longest + max_new_tokens - 1
+    num_chunks = None if prefill_chunk_size is None else -(-longest // prefill_chunk_size)
+    cache, logits_BV = prefill(
+        model, prompts, capacity, pad_token_id=pad_token_id, chunk_size=prefill_chunk_size, num_chunks=num_chunks
+    )
     if trace is not None and trace.keep_logits:
         trace.logits.append(logits_BV)
     halves = (cache.rows(0, (B + 1) // 2), cache.rows((B + 1) // 2, B)) if overlap else None
