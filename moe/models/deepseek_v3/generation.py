@@ -18,7 +18,7 @@ import torch.distributed as dist
 from moe.interleave import Event, Interleaver
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.models.deepseek_v3.decode import check_decodable, check_prompt_ids, forward_with_cache, prefill
-from moe.models.deepseek_v3.decode_dispatch import DecodeDispatchers
+from moe.models.deepseek_v3.decode_dispatch import DecodeDispatchers, check_decode_batch
 from moe.models.deepseek_v3.kv_cache import MLACache
 from moe.models.deepseek_v3.model import DeepseekV3ForCausalLM
 
@@ -209,6 +209,8 @@ def generate(
     B = len(prompts)
     if overlap and B < 2:
         raise ValueError(f"the two-micro-batch overlap splits the batch in two halves: it needs >= 2 prompts, got {B}")
+    if dispatchers is not None:  # before any communication: a low-latency buffer too small for this batch
+        check_decode_batch(B, dispatchers.plan, overlap)
     if isinstance(generator, Sequence) and len(generator) != B:
         raise ValueError(f"{len(generator)} generators for {B} prompts: give one per prompt, or one for the batch")
     device = model.embed_tokens.weight.device
