@@ -285,9 +285,11 @@ class PipelineRunner:
     def holds_last(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
 
-    def step(self, tokens_BS: torch.Tensor, counts: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, dict]:
+    def step(self, tokens_BS: torch.Tensor, counts: torch.Tensor, step: int = 0, *,
+             labels_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:  # fmt: skip
         """Forward and backward of every micro-batch of `tokens_BS` (this data-parallel rank's rows); gradients
-        accumulate in the parameters of this rank's stages.
+        accumulate in the parameters of this rank's stages. `labels_BS` (`[B, S] int64`, -100 ignored): the last
+        stage's targets, default the tokens.
 
         Returns `(sums, loads)`: `sums [1 + D] float64` the LM and MTP loss sums over the micro-batches (the same on
         every rank of the pipeline group), `loads` {id(MoE layer): tokens per expert, float64} for this rank's MoE
@@ -307,7 +309,8 @@ class PipelineRunner:
         try:
             start = time.perf_counter()
             with phase(self.phase_timer, "p2p"):
-                self.schedule.step(*args, target=target, tokens=tokens_BS)
+                kwargs = {} if labels_BS is None or labels_BS is tokens_BS else {"labels": labels_BS}
+                self.schedule.step(*args, target=target, tokens=tokens_BS, **kwargs)
             self.schedule_span = (start, time.perf_counter())
         except Exception as exc:
             raise RuntimeError(

@@ -8,7 +8,8 @@ What travels between stages (per micro-batch of b sequences of S tokens):
          exists once (no copy on the last stage whose gradient must be all-reduced with the first, as Megatron-core
          does) and its gradient comes back through the pipeline like any other.
 The token ids reach every stage as a keyword argument (torch's schedules hand the same micro-batch of keyword
-arguments to every stage): the first stage embeds them, the last stage takes its labels from them.
+arguments to every stage): the first stage embeds them, the last stage takes its labels from them, or from the
+`labels` keyword argument when the runner passes one (e.g. Megatron's eod_mask_loss: -100 after end-of-text).
 
 The last stage returns the micro-batch's share of the global-batch loss (`[1]` FP32, see `StageLoss`); the
 schedules' loss function takes it as the loss, and their gradient scaling is off (the share is already scaled).
@@ -94,7 +95,7 @@ class DeepseekV3Stage(nn.Module):
     def reset_step(self) -> None:
         self.loads = [torch.zeros(m.config.num_moe_experts, dtype=torch.float64) for m in self.moe_layers]
 
-    def forward(self, *args: torch.Tensor, tokens: torch.Tensor):
+    def forward(self, *args: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor | None = None):
         model = self.model
         seq_len = tokens.size(1)
         cos_SP, sin_SP = model.rotary_tables(seq_len, tokens.device)
@@ -106,7 +107,8 @@ class DeepseekV3Stage(nn.Module):
         h_in = h_BSH
         h_BSH = model.run_layers(h_BSH, self.layer_indices, cos_SP, sin_SP, shards)
         if self.is_last:
-            out = model.head(h_BSH, emb_BSH, tokens.long(), cos_SP, sin_SP, shards)
+            targets = tokens if labels is None else labels
+            out = model.head(h_BSH, emb_BSH, targets.long(), cos_SP, sin_SP, shards)
             self._record_loads()
             return self.loss(out).reshape(1)  # [1]: the schedules concatenate the micro-batches' outputs
         self._record_loads()

@@ -2,7 +2,8 @@
 metrics, checkpoints and resumption.
 
 The maths of a step do not depend on the layout (see moe/train/parallel.py and moe/train/optim.py):
-1. Every rank takes its rows of the global batch (`TokenBatches.local_batch`) and splits them into micro-batches.
+1. Every rank takes its rows of the global batch (`DataSource.local_batch`, moe/train/data_source.py) and splits
+   them into micro-batches. With `eod_mask_loss` the labels drop the target after every end-of-text token.
 2. The global numbers of next-token targets (main head and each MTP depth) are summed over the data-parallel ranks
    first, so each micro-batch's loss is its share of the global-batch loss:
    `lm_loss_sum / N_lm + mtp_loss_weight / D * sum_d mtp_loss_sum_d / N_d`. The MoE layers' auxiliary losses reach
@@ -51,7 +52,7 @@ from moe.memory import process_peak_bytes
 from moe.phase_timer import PhaseTimer, phase
 from moe.train.checkpoint import Checkpointer, ModelIO, TrainState
 from moe.train.config import TrainingConfig
-from moe.train.data import TokenBatches
+from moe.train.data_source import DataSource, eod_masked_labels
 from moe.train.faults import FaultPlan
 from moe.train.metrics import LOSS_PNG, RunReport, mfu
 from moe.train.optim import MasterAdamW
@@ -87,7 +88,8 @@ class Trainer:
             `num_tokens`; `moe_layers()` listing its `moe.MoELayer`s.
         config: the [training] settings.
         parallel: this rank's groups.
-        batches: the run's global batches.
+        batches: the run's global batches (a `DataSource`); with `config.data.eod_mask_loss` it must know its
+            `eod_id`.
         run_dir: where metrics, the plot and checkpoints go (rank 0 writes).
         seed: the run's seed (data order and per-step generator).
         model_io: model saving and loading.
@@ -110,7 +112,7 @@ class Trainer:
         model: nn.Module,
         config: TrainingConfig,
         parallel: ParallelState,
-        batches: TokenBatches,
+        batches: DataSource,
         run_dir: str | Path,
         *,
         seed: int,
@@ -132,6 +134,10 @@ class Trainer:
         self.config = config
         self.parallel = parallel
         self.batches = batches
+        data = config.data
+        if data.eod_mask_loss and batches.eod_id is None:
+            raise ValueError("[training.data] eod_mask_loss needs the data's end-of-text id, which it does not know")
+        self.eod_mask_id = batches.eod_id if data.eod_mask_loss else None
         self.run_dir = Path(run_dir)
         self.seed = seed
         self.mtp_loss_weight = float(mtp_loss_weight)
@@ -204,8 +210,11 @@ class Trainer:
         start = time.perf_counter()
         torch.manual_seed(step_seed(self.seed, step))
         self.model.train()
+        data_start = time.perf_counter()
         tokens_BS = self.batches.local_batch(step, par.dp_rank, par.layout.dp)
-        counts = all_reduce_sum(target_counts(tokens_BS, self.num_mtp), par.dp_group)  # global targets per head
+        labels_BS = tokens_BS if self.eod_mask_id is None else eod_masked_labels(tokens_BS, self.eod_mask_id)
+        data_s = time.perf_counter() - data_start  # the loader's share of the step (memory maps to tensors)
+        counts = all_reduce_sum(target_counts(labels_BS, self.num_mtp), par.dp_group)  # global targets per head
         set_aux_loss_scale(self.model, self.micro_rows / cfg.global_batch)
         self.optimizer.zero_grad()
 
@@ -215,10 +224,10 @@ class Trainer:
             # no_sync() for the whole schedule. ZeRO-1 launches a stage's buckets when the schedule reports the
             # stage's last weight-gradient action (`stage_grads_done`), reduce_gradients the rest.
             with self.optimizer.accumulation_context(0, 2):
-                sums, load_of = self.pipeline.step(tokens_BS, counts, step)
+                sums, load_of = self.pipeline.step(tokens_BS, counts, step, labels_BS=labels_BS)
             loads = [load_of[id(layer)] for layer in self.moe_layers]
         else:
-            sums, loads = self._micro_batches(tokens_BS, counts, step)
+            sums, loads = self._micro_batches(tokens_BS, labels_BS, counts, step)
         with phase(timer, "grad_sync"):  # the norm's all-reduce is where ranks wait for a late one: not 'optimizer'
             self.optimizer.reduce_gradients()
             grad_norm = self.optimizer.global_grad_norm()
@@ -261,6 +270,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "mfu": self._mfu(tokens_per_s),
             "step_s": elapsed,
+            "data_s": data_s,
             "max_peak_memory_mib": float(per_rank[0]) / 2**20,
             "max_optimizer_state_mib": float(per_rank[1]) / 2**20,
             "expert_load_max_over_mean": imbalance,
@@ -273,18 +283,20 @@ class Trainer:
             return None
         return mfu(self.model_flops_per_token, tokens_per_s, self.peak_flops_per_rank, self.parallel.layout.world)
 
-    def _micro_batches(self, tokens_BS: torch.Tensor, counts: torch.Tensor, step: int) -> tuple[torch.Tensor, list]:
+    def _micro_batches(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor, counts: torch.Tensor,
+                       step: int) -> tuple[torch.Tensor, list]:  # fmt: skip
         """Forward and backward of each micro-batch in turn (no pipeline) of step `step`: `(loss sums [1 + D]
         float64, tokens per expert of each MoE layer)`. The "loss" fault hook point (test hook) may corrupt the
         first micro-batch's LM loss sum."""
         cfg, timer = self.config, self.phase_timer
         sums = torch.zeros(1 + self.num_mtp, dtype=torch.float64)
         loads = [torch.zeros(layer.config.num_moe_experts, dtype=torch.float64) for layer in self.moe_layers]
-        for index, mb_BS in enumerate(tokens_BS.split(self.micro_rows)):
+        for index, (mb_BS, mb_labels) in enumerate(zip(tokens_BS.split(self.micro_rows),
+                                                       labels_BS.split(self.micro_rows))):  # fmt: skip
             # ZeRO-1: no gradient communication before the last micro-batch's backward (then it overlaps it).
             with self.optimizer.accumulation_context(index, cfg.micro_batches):
                 with phase(timer, "forward"):
-                    out = self.model(mb_BS, labels=mb_BS)
+                    out = self.model(mb_BS, labels=mb_labels)
                     if index == 0:
                         out.lm_loss_sum = self.faults.at("loss", step=step, rank=self.parallel.rank,
                                                          value=out.lm_loss_sum)  # fmt: skip
