@@ -114,3 +114,15 @@ def mtp_labels(labels: torch.Tensor, document_ids: torch.Tensor, depth: int) -> 
     out = labels.clone()
     out[:, depth + 1 :] = labels[:, depth + 1 :].masked_fill(spans, IGNORE_INDEX)
     return out
+
+
+def target_counts(labels: torch.Tensor, document_ids: torch.Tensor | None, num_mtp: int) -> torch.Tensor:
+    """`[1 + num_mtp] float64`: the next-token targets the model's main head and each MTP depth keep in `labels
+    [B, S]` (position t scores `labels[:, t + 1 + d]` at depth d; -100 ignored) with packed `document_ids` (MTP
+    depths also ignore the targets of `mtp_labels`; None: no packing). The loss normalisers of a batch
+    (`moe.loss.loss_share`'s counts), equal to the forward's `num_tokens` and `mtp_num_tokens`."""
+    counts = [float((labels[:, 1:] != IGNORE_INDEX).sum())]
+    for depth in range(1, num_mtp + 1):
+        kept = labels if document_ids is None else mtp_labels(labels, document_ids, depth)
+        counts.append(float((kept[:, 1 + depth :] != IGNORE_INDEX).sum()))
+    return torch.tensor(counts, dtype=torch.float64)

@@ -296,15 +296,34 @@ class DeepseekV3ForCausalLM(nn.Module):
         ValueError for labels, position_ids or document_ids that do not fit `input_ids` (before any compute).
         """
         self._check_inputs(input_ids, labels)
-        documents.check_packed_inputs(input_ids, position_ids, document_ids, self.config)
+        self.check_packed_inputs(input_ids, position_ids, document_ids)
         labels = labels.long() if labels is not None else None
-        cos_SP, sin_SP = self.rotary_tables(input_ids.size(1), input_ids.device, position_ids)
-        mask = None if document_ids is None else documents.attention_mask(document_ids)
+        cos_SP, sin_SP, mask = self.attention_inputs(input_ids.size(1), input_ids.device, position_ids, document_ids)
         emb_BSH, h_BSH, shards = self.embed(input_ids)
         h_BSH = self.run_layers(h_BSH, range(len(self.layers)), cos_SP, sin_SP, shards, mask)
         return self.head(h_BSH, emb_BSH, labels, cos_SP, sin_SP, shards, document_ids, mask)
 
     # The forward's parts, which pipeline stages run on their own (moe/pipeline/stages.py).
+
+    def check_packed_inputs(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, document_ids: torch.Tensor | None
+    ) -> None:
+        """ValueError for `position_ids` / `document_ids` that do not fit `input_ids` (`documents.check_packed_inputs`:
+        shapes, dtypes, positions in range, document ids non-decreasing)."""
+        documents.check_packed_inputs(input_ids, position_ids, document_ids, self.config)
+
+    def attention_inputs(
+        self,
+        seq_len: int,
+        device: torch.device,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`(cos, sin, mask)`: the rotary tables (`rotary_tables`) and the attention mask (None: causal; with
+        `document_ids` `[B, 1, S, S]` bool, `documents.attention_mask`) of every decoder layer."""
+        cos_SP, sin_SP = self.rotary_tables(seq_len, device, position_ids)
+        mask = None if document_ids is None else documents.attention_mask(document_ids)
+        return cos_SP, sin_SP, mask
 
     def rotary_tables(
         self, seq_len: int, device: torch.device, position_ids: torch.Tensor | None = None
