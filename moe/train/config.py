@@ -115,6 +115,11 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
             raise ValueError(f"[training.data] tokenizer must be {TOKENIZERS} or a path, got {self.tokenizer!r}")
+        if self.tokenizer not in TOKENIZERS and not Path(self.tokenizer).exists():
+            raise ValueError(
+                f"[training.data] tokenizer {self.tokenizer!r}: not one of {TOKENIZERS}, and no such file or directory "
+                "(a tokenizer.json or a tokenizer directory)"
+            )
         if not isinstance(self.corpus, str) or not self.corpus:
             raise ValueError(f"[training.data] corpus must be a directory, a file or a glob, got {self.corpus!r}")
         if not isinstance(self.text_field, str) or not self.text_field:

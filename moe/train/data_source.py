@@ -11,8 +11,9 @@ Megatron's end-of-document options, on a batch `[B, S]` of packed documents (eac
   0`: the prediction of the next document's first token from the last one). In transformers' shifted convention,
   where position t is trained on `labels[t + 1]`: `labels[t + 1] = -100` where `tokens[t] == eod_id`. The MTP
   depths read the same labels further along, as Megatron rolls its loss mask.
-- reset_position_ids / reset_attention_mask: the document of every position (`document_ids`, a new document after
-  every end-of-text token), from which the model restarts the positions and masks attention across documents.
+- reset_position_ids / reset_attention_mask: the document of every position (a new document after every
+  end-of-text token; moe/models/deepseek_v3/documents.py), from which the model restarts the positions and masks
+  attention across documents (the trainer passes them, moe/train/trainer.py).
 """
 
 from __future__ import annotations
@@ -56,10 +57,3 @@ def eod_masked_labels(tokens_BS: torch.Tensor, eod_id: int) -> torch.Tensor:
     labels = tokens_BS.clone()
     labels[:, 1:].masked_fill_(tokens_BS[:, :-1] == eod_id, IGNORE_INDEX)
     return labels
-
-
-def batch_document_ids(tokens_BS: torch.Tensor, eod_id: int) -> torch.Tensor:
-    """`[B, S] int64`: the document of every position, counted from 0 per row; a document ends with (includes) its
-    end-of-text token, so the next position starts a new one (Megatron's reset_position_ids / attention mask)."""
-    ends = (tokens_BS == eod_id).long()
-    return torch.cumsum(ends, dim=1) - ends

@@ -57,7 +57,6 @@ def prepare_run_data(cfg: TrainingConfig, vocab_size: int, *, seed: int, build: 
     what is missing from the cache (local rank 0; the others wait). `prepare_only`: build the cache, skip the
     batches. ValueError (naming the file, the line or the key) for anything that does not fit."""
     data = cfg.data
-    _check_document_flags(data)
     if data.builtin:
         tokens = prepare_tokens(data, vocab_size, build=build)
         batches = TokenBatches(tokens.tokens, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
@@ -85,14 +84,6 @@ def prepare_run_data(cfg: TrainingConfig, vocab_size: int, *, seed: int, build: 
     tokens = sum(d["train_windows"] for d in meta["datasets"]) * cfg.seq_len
     summary = f"{len(prefixes)} indexed datasets, {tokens} training tokens in windows of {cfg.seq_len}"
     return RunData(batches, files, tok.eos_id, meta, summary)
-
-
-def _check_document_flags(data) -> None:
-    if data.reset_position_ids or data.reset_attention_mask:
-        raise ValueError(
-            "[training.data] reset_position_ids / reset_attention_mask: not supported yet (the model's per-document "
-            "positions and attention mask are not wired into the trainer); eod_mask_loss is"
-        )
 
 
 def _blended_batches(cfg: TrainingConfig, prefixes: list, seed: int, eos_id: int, vocab_size: int):

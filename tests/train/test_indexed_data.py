@@ -111,6 +111,7 @@ def test_data_position_refuses_other_data(tmp_path, blend):
         ({"data_path": ["a"]}, "data_path needs the tokenizer that prepared the data"),
         ({"held_out_documents": 1.5}, "held_out_documents must be"),
         ({"eod_mask_loss": "yes"}, "eod_mask_loss must be true or false"),
+        ({"tokenizer": "wordpiece"}, "tokenizer 'wordpiece': not one of .* no such file or directory"),
     ],
 )
 def test_bad_data_keys(data, message):
@@ -140,7 +141,7 @@ def test_command_line_keys_and_normalised_data_path(tmp_path):
     assert given[("training", "data", "data_path")] == ["0.3", "x/a", "0.7", "x/b"]
     assert given[("training", "data", "tokenizer")] == "tok.json"
     assert given[("training", "data", "eod_mask_loss")] is True
-    cfg = DataConfig(data_path=given[("training", "data", "data_path")], tokenizer="tok.json")
+    cfg = DataConfig(data_path=given[("training", "data", "data_path")], tokenizer="bytes")
     assert cfg.data_path == [0.3, "x/a", 0.7, "x/b"]  # weights as numbers: the saved config.toml reads back
 
 
@@ -149,6 +150,7 @@ def test_builtin_path_is_kept_for_python_directories(tmp_path):
     (tmp_path / "py" / "m.py").write_text("x = 1\n")
     assert DataConfig().builtin and DataConfig(corpus=str(tmp_path / "py")).builtin
     assert DataConfig(corpus=str(tmp_path / "py"), tokenizer="bytes").builtin
+    ic.byte_tokenizer().save(tmp_path)
     assert not DataConfig(corpus=str(tmp_path / "py"), tokenizer=str(tmp_path / "tokenizer.json")).builtin
     (tmp_path / "py" / "notes.md").write_text("# notes\n")
     assert not DataConfig(corpus=str(tmp_path / "py")).builtin  # other formats: the corpus path reads them all

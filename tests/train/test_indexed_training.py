@@ -4,6 +4,8 @@ corpus tokenized by an existing tokenizer, then evaluate.py with the run's token
 - EP2 x DP2 on 2 processes reproduces the one-process losses step by step (the same samples in every layout).
 - --resume from step 4, in the middle of an epoch of the blend's first dataset, continues bit-exactly; a resume
   with other blend weights is refused before any process group.
+- reset_position_ids + reset_attention_mask + eod_mask_loss: step 1's losses are the model's with the batch's
+  documents; PP2 gives the same losses.
 - --eod-mask-loss: step 1's loss is a plain cross-entropy of the initial model over the targets whose input is not
   the end-of-text id, and the trainer counts exactly those targets.
 - The loader's time (`data_s`) is under 2% of the step (`step_s`).
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 
 from moe.data.blend import BlendedWindows
 from moe.data.tokenizer import load_tokenizer
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, documents
 from moe.train import checkpoint as ckpt
 from moe.train.data_source import IGNORE_INDEX, eod_masked_labels
 from moe.train.metrics import read_metrics
@@ -184,3 +186,33 @@ def test_jsonl_corpus_with_a_tokenizer_file_and_evaluate_with_the_runs_tokenizer
     assert evaluate_script.main(["--checkpoint", str(step), "--tokens", str(tmp_path / "ids.npy")]) == 0
     from_ids = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert from_text["shape"] == [rows, 32] and from_text["loss"] == from_ids["loss"]
+
+
+def test_reset_flags_pass_the_documents_to_the_model(tmp_path, blend):
+    # Megatron's three flags together: step 1's LM and MTP losses are the initial model's with position_ids and
+    # document_ids from the batch (each document alone: moe/models/deepseek_v3/documents.py, tested there), over
+    # the targets the model keeps; the pipeline (PP2, 1F1B) carries them to its stages and gives the same losses.
+    flags = {"eod_mask_loss": True, "reset_position_ids": True, "reset_attention_mask": True}
+    config = _config(tmp_path / "reset.toml", blend, **flags)
+    one, pp2 = tmp_path / "one", tmp_path / "pp2"
+    _run(["--config", str(config), "--out", str(one), "--seed", str(SEED), "--steps", "2"])
+    _run(["--config", str(config), "--out", str(pp2), "--seed", str(SEED), "--steps", "2", "--pp", "2"], nproc=2)
+    data_path, _ = blend
+    windows = BlendedWindows(data_path, seq_len=32, num_samples=8, seed=SEED, held_out=1)
+    tokens = torch.from_numpy(windows.windows(np.arange(8)))
+    doc_ids = documents.document_ids(tokens, 0)
+    model_cfg = DeepseekV3Config.from_dict(json.loads((one / "run.json").read_text())["config"]["model"])
+    torch.manual_seed(SEED)
+    model = DeepseekV3ForCausalLM(model_cfg)
+    with torch.no_grad():
+        out = model(tokens, labels=eod_masked_labels(tokens, 0), position_ids=documents.positions_in_documents(doc_ids),
+                    document_ids=doc_ids)  # fmt: skip
+    got = _records(one)
+    assert got[0]["loss"] == pytest.approx(float(out.lm_loss_sum / out.num_tokens), rel=1e-5)
+    assert got[0]["mtp_loss"] == pytest.approx(float(out.mtp_loss_sums[0] / out.mtp_num_tokens[0]), rel=1e-5)
+    with torch.no_grad():
+        plain = model(tokens, labels=eod_masked_labels(tokens, 0))
+    assert abs(float(plain.lm_loss_sum / plain.num_tokens) - got[0]["loss"]) > 1e-4  # the documents matter
+    for a, b in zip(got, _records(pp2)):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=1e-5)
