@@ -24,6 +24,11 @@ Every step's MFU (model FLOPs utilisation) is its model FLOPs per token (moe/mod
 the config) x tokens/s over the peak FLOP/s of one rank (moe/plan/peak.py: the device's spec, or on the CPU a matmul
 measured by rank 0 at start-up) x the ranks; run.json records the figures ("mfu").
 
+Data ([training.data], moe/train/run_data.py): this Python's standard library or a corpus (a directory, file or glob of
+.py/.txt/.md/.jsonl/.jsonl.gz/.parquet; `--corpus`, `--tokenizer bpe|bytes|PATH`), or Megatron-prepared indexed
+datasets blended by weight (`--data-path W1 PREFIX1 ...`), with Megatron's `--eod-mask-loss`, `--reset-position-ids`
+and `--reset-attention-mask`.
+
 Writes into RUN_DIR: run.json (layout and config), metrics.jsonl (one line per optimizer step, and events), loss.png,
 tokenizer.json, val_tokens.npy (held-out sequences for evaluate.py), checkpoints/step_N/ and checkpoints/latest.
 Checkpoints are sharded flash checkpoints (moe/train/checkpoint/: each rank writes its shard in the background); the

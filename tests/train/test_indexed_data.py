@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
@@ -156,3 +157,31 @@ def test_builtin_path_is_kept_for_python_directories(tmp_path):
     assert not DataConfig(corpus=str(tmp_path / "py")).builtin  # other formats: the corpus path reads them all
     assert not DataConfig(corpus=str(tmp_path / "*.jsonl")).builtin
     assert not DataConfig(data_path=["a"], tokenizer="bytes").builtin
+
+
+def test_a_truncated_shard_is_an_error_naming_it(tmp_path, blend):
+    data_path, tokenizer = blend
+    bad = tmp_path / "cut"
+    for suffix in (".bin", ".idx"):
+        shutil.copyfile(data_path[3] + suffix, tmp_path / f"cut{suffix}")
+    with open(tmp_path / "cut.bin", "r+b") as f:
+        f.truncate((tmp_path / "cut.bin").stat().st_size - 2)  # one uint16 token short
+    cfg = _training(data_path=[0.5, data_path[1], 0.5, str(bad)], tokenizer=str(tokenizer),
+                    cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"cut\.(bin|idx)"):
+        prepare_run_data(cfg, 512, seed=0, build=True)
+
+
+def test_a_bad_jsonl_record_names_its_file_and_line_before_training(tmp_path):
+    corpus = ic.write_jsonl(tmp_path / "docs.jsonl", ic.documents(5, seed=0))
+    with corpus.open("a") as f:
+        f.write('{"text": "fine"}\n{"txt": "the wrong key"}\n')
+    ic.byte_tokenizer().save(tmp_path / "tok")
+    cfg = _training(corpus=str(corpus), tokenizer=str(tmp_path / "tok"), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"docs\.jsonl:7: no field 'text'"):
+        prepare_run_data(cfg, 512, seed=0, build=True)
+    assert not any((tmp_path / "cache").glob("indexed-*"))  # nothing half-built is left to be reused
+    cfg = _training(corpus=str(corpus), text_field="txt", tokenizer=str(tmp_path / "tok"),
+                    cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"docs\.jsonl:1: no field 'txt'"):
+        prepare_run_data(cfg, 512, seed=0, build=True)
