@@ -154,7 +154,7 @@ class DataConfig:
         for i, item in enumerate(items):
             if isinstance(item, bool) or not isinstance(item, (str, int, float)):
                 raise ValueError(f"[training.data] data_path entry {i} ({item!r}): a weight (number) or a prefix")
-        numbers = [i for i, item in enumerate(items) if not isinstance(item, str)]
+        numbers = [i for i, item in enumerate(items) if not isinstance(item, str) or _is_number(item)]
         if numbers and len(items) % 2:
             raise ValueError(
                 f"[training.data] data_path {items!r}: weights and prefixes come in pairs [w1, prefix1, w2, "
@@ -194,6 +194,15 @@ class DataConfig:
             and self.text_field == "text"
             and (self.corpus == "python-stdlib" or _python_only_directory(self.corpus))
         )
+
+
+def _is_number(text: str) -> bool:
+    """A weight as the command line gives it ("0.3")."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _python_only_directory(corpus: str) -> bool:

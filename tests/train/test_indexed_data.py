@@ -106,6 +106,7 @@ def test_data_position_refuses_other_data(tmp_path, blend):
     [
         ({"data_path": [0.5, "a", 0.5]}, r"come in pairs .* entry 2 \(0\.5\) has no prefix"),
         ({"data_path": [0.5, "a", "b", "c"]}, r"data_path entry 2 \('b'\): expected a weight"),
+        ({"data_path": ["0.5", "a", "0.5"]}, r"come in pairs .* entry 2 \('0\.5'\) has no prefix"),
         ({"data_path": [0, "a", 0, "b"], "tokenizer": "bytes"}, "weights sum to 0"),
         ({"data_path": [-1, "a", 2, "b"], "tokenizer": "bytes"}, "must be finite and >= 0"),
         ({"data_path": ["a"], "corpus": "docs.jsonl", "tokenizer": "bytes"}, "data_path and corpus are both given"),
