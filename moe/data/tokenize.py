@@ -101,8 +101,8 @@ def _encoded(
     corpus: Corpus, tokenizer: TextTokenizer, dtype: np.dtype, workers: int, chunk_bytes: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
     """(tokens, lengths, disk bytes) per chunk, in corpus order; `workers` 0 encodes in this process."""
-    if workers == 0:
-        _init_worker(tokenizer, dtype.name, corpus.text_field)
+    if workers == 0:  # this process's tokenizer settings (its threads) stay as the caller has them
+        _worker.update(tokenizer=tokenizer, dtype=dtype, text_field=corpus.text_field)
         try:
             for chunk in corpus.chunks(chunk_bytes):
                 yield (*_encode_chunk(chunk), chunk.disk_bytes)

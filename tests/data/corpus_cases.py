@@ -1,4 +1,5 @@
-"""Small generated corpora for the tests of `moe.data`: one of every text format, whose documents are known."""
+"""Small generated corpora for the tests of `moe.data` (one of every text format, whose documents are known) and a
+Hugging Face style tokenizer."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import json
 import random
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+SAMPLE = ["hello world, the data is here", "über größe naïve 日本語", "def f(x):\n    return x + 1\n"] * 40
 WORDS = ["def", "return", "the", "data", "naïve", "über", "größe", "日本語", "token", "\n", "  ", "(", ")", ":", "="]
 
 
@@ -56,3 +60,20 @@ def write_jsonl(path: Path, records: list, field: str = "text") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [json.dumps({field: r} if isinstance(r, str) else r) for r in records]
     path.write_text("\n".join(lines) + "\n")
+
+
+def hf_tokenizer(vocab_size: int = 400) -> Tokenizer:
+    """A BPE tokenizer as Hugging Face models ship them: `<s>` / `</s>` specials and a post-processor that adds
+    `<s>` (which pretraining data must not get)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(SAMPLE, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return tok

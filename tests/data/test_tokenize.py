@@ -12,7 +12,7 @@ from moe.data.corpus import Corpus, CorpusError
 from moe.data.indexed import IndexedDataset
 from moe.data.tokenize import cache_key, load_tokenized, tokenize_corpus
 from moe.data.tokenizer import load_tokenizer, train_tokenizer
-from tests.data.corpus_cases import write_jsonl, write_mixed_corpus
+from tests.data.corpus_cases import hf_tokenizer, write_jsonl, write_mixed_corpus
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +100,13 @@ def test_indexed_output_opens_with_the_reader(mixed, tmp_path):
     ds = IndexedDataset(out.prefixes[0])
     assert ds.num_documents == len(docs)
     assert ds.document(len(docs) - 1).tolist()[-1] == tok.eos_id
+
+
+def test_hugging_face_tokenizer_through_the_pipeline(mixed, tmp_path):
+    corpus, docs, _ = mixed
+    hf_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path / "tokenizer.json", eos_token="</s>")
+    out = tokenize_corpus(corpus, tok, tmp_path / "out", workers=0, chunk_bytes=1000)
+    expected = [[*tok.tokenizer.encode(d, add_special_tokens=False).ids, 1] for d in docs]
+    assert _documents(out) == expected  # no <s> (id 0) from its post-processor, </s> after each document
+    assert out.manifest["eos_token"] == "</s>" and load_tokenizer(out.directory).eos_token == "</s>"

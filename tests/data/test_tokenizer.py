@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from moe.data.corpus import Corpus
 from moe.data.tokenizer import (
@@ -20,25 +19,7 @@ from moe.data.tokenizer import (
 from moe.models.deepseek_v3.tokenizer import END_OF_TEXT
 from moe.train import data as train_data
 from moe.train.config import DataConfig
-
-SAMPLE = ["hello world, the data is here", "über größe naïve 日本語", "def f(x):\n    return x + 1\n"] * 40
-
-
-def _hf_tokenizer(vocab_size: int = 400) -> Tokenizer:
-    """A BPE tokenizer as Hugging Face models ship them: `<s>` / `</s>` specials and a post-processor that adds
-    `<s>` (which pretraining data must not get)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(SAMPLE, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    return tok
+from tests.data.corpus_cases import SAMPLE, hf_tokenizer
 
 
 @pytest.mark.parametrize("kind", ["bpe", "bytes"])
@@ -61,7 +42,7 @@ def test_max_bytes_caps_the_training_stream():
 
 
 def test_tokenizer_json_file_needs_an_eos_token(tmp_path):
-    _hf_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    hf_tokenizer().save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(TokenizerError, match="no end-of-text token.*name one with eos_token"):
         load_tokenizer(tmp_path / "tokenizer.json")
     with pytest.raises(TokenizerError, match="'<eos>' is not in its vocabulary"):
@@ -77,7 +58,7 @@ def test_tokenizer_json_file_needs_an_eos_token(tmp_path):
 
 
 def test_tokenizer_directory_takes_eos_from_its_config(tmp_path):
-    _hf_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    hf_tokenizer().save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "</s>", "special": True}}))
     tok = load_tokenizer(tmp_path)
     assert (tok.eos_token, tok.eos_id, tok.source) == ("</s>", 1, str(tmp_path))
@@ -102,7 +83,7 @@ def test_directory_without_tokenizer_json_goes_through_auto_tokenizer(tmp_path):
 
 
 def test_vocabulary_larger_than_the_model_is_refused(tmp_path):
-    hf = _hf_tokenizer(400)
+    hf = hf_tokenizer(400)
     hf.save(str(tmp_path / "tokenizer.json"))
     n = hf.get_vocab_size()
     with pytest.raises(
@@ -120,7 +101,7 @@ def test_vocabulary_larger_than_the_model_is_refused(tmp_path):
 def test_save_round_trips_tokenizer_and_eos(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    _hf_tokenizer().save(str(src / "tokenizer.json"))
+    hf_tokenizer().save(str(src / "tokenizer.json"))
     tok = load_tokenizer(src / "tokenizer.json", eos_token="</s>")
     path = tok.save(tmp_path / "run")
     assert path == tmp_path / "run" / "tokenizer.json"
@@ -136,7 +117,7 @@ def test_tokenizer_key_is_known_before_training(tmp_path):
     assert tokenizer_key("bpe", 1024) == tokenizer_key("bpe", 1024)
     assert len({tokenizer_key("bpe", 1024), tokenizer_key("bpe", 2048), tokenizer_key("bytes", 1024)}) == 3
     assert tokenizer_key("bpe", 1024, max_bytes=10) != tokenizer_key("bpe", 1024)
-    _hf_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    hf_tokenizer().save(str(tmp_path / "tokenizer.json"))
     key = tokenizer_key(tmp_path / "tokenizer.json", 400, eos_token="</s>")
     assert key == load_tokenizer(tmp_path / "tokenizer.json", eos_token="</s>").fingerprint()
     assert key != tokenizer_key(tmp_path / "tokenizer.json", 400, eos_token="<s>")
