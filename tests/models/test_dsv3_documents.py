@@ -404,6 +404,12 @@ def pp_documents_case(ctx) -> dict:
     assert grads
     errs["grad"] = max(_close(g, ref_params[name].grad, GRAD_RTOL, name) for name, g in grads)
     errs["params"] = len(grads)
+    # Bad inputs fail on every pipeline rank before the schedule sends anything (no rank waits on another).
+    decreasing = doc_ids.flip(1)
+    with pytest.raises(ValueError, match="must not decrease"):
+        runner.step(ids, counts, step=2, document_ids=decreasing)
+    with pytest.raises(ValueError, match="labels must be"):
+        runner.step(ids, counts, step=2, labels=labels[:, 1:])
     return errs
 
 

@@ -11,7 +11,8 @@ arguments of `DeepseekV3ForCausalLM.forward`; this module builds what the model 
   `attention_bias`, the same as an additive 0 / -inf bias in the activations' dtype: built once per forward, SDPA's
   `attn_mask` as is and added to the unfused core's scores in every layer;
 - `mtp_labels`: the labels of MTP depth k with the targets of positions whose input spans two documents ignored
-  (see `DeepseekV3ForCausalLM.head`).
+  (see `DeepseekV3ForCausalLM.head`), and `target_counts`, the targets each head keeps (the trainer's loss
+  normalisers).
 
 Legend: B rows, S positions.
 """
