@@ -307,6 +307,10 @@ class PipelineRunner:
         every rank of the pipeline group), `loads` {id(MoE layer): tokens per expert, float64} for this rank's MoE
         layers.
         """
+        if labels is not None and (labels.shape != tokens_BS.shape or labels.dtype not in (torch.int64, torch.int32)):
+            raise ValueError(f"labels must be int64 of the shape of the tokens {list(tokens_BS.shape)}, "
+                             f"got {list(labels.shape)} {labels.dtype}")  # fmt: skip
+        self.model.check_packed_inputs(tokens_BS, position_ids, document_ids)
         self.loss.counts = counts
         self.loss.sums = []
         self.stages_done = []
@@ -322,10 +326,6 @@ class PipelineRunner:
         # those given: the default step is unchanged).
         extra = {k: v for k, v in (("labels", labels), ("position_ids", position_ids),
                                    ("document_ids", document_ids)) if v is not None}  # fmt: skip
-        if labels is not None and (labels.shape != tokens_BS.shape or labels.dtype not in (torch.int64, torch.int32)):
-            raise ValueError(f"labels must be int64 of the shape of the tokens {list(tokens_BS.shape)}, "
-                             f"got {list(labels.shape)} {labels.dtype}")  # fmt: skip
-        self.model.check_packed_inputs(tokens_BS, position_ids, document_ids)
         try:
             start = time.perf_counter()
             with phase(self.phase_timer, "p2p"):

@@ -115,8 +115,9 @@ class MultiHeadLatentAttention(nn.Module):
         """Causal self-attention over `x [B, S, H]` with rotary tables `[S, Dr/2]` (or per row `[B, S, Dr/2]`);
         returns `[B, S, H]`.
 
-        `mask`: None (causal over the whole row) or `[B, 1, S, S]` bool, True where query s may attend key t
-        (documents.attention_mask: causal within each packed document).
+        `mask`: None (causal over the whole row) or the additive `[B, 1, S, S]` bias in the activations' dtype, 0
+        where query s may attend key t and -inf elsewhere (documents.attention_bias: causal within each packed
+        document).
 
         Tensor + sequence parallel (`shards`, see tensor_parallel.py): `x` is this rank's positions `[B, S_r, H]`
         and the result too; `cos_SP`/`sin_SP` cover the whole sequence. The replicated down projection and its
@@ -192,9 +193,10 @@ class MultiHeadLatentAttention(nn.Module):
             v_BSNV = F.pad(v_BSNV, (0, Dn + Dr - Dv))
         return q_BSNQ.transpose(1, 2), k_BSNQ.transpose(1, 2), v_BSNV.transpose(1, 2)
 
-    def _core_attention(self, q_BNSQ, k_BNSQ, v_BNSD, mask_B1SS: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal `softmax(q k^T * scale) v` over `_up_proj`'s `[B, N, S, D]` tensors; `[B, S, N*Dv]`. With
-        `mask_B1SS` (True: may attend) the scores it blocks are -inf as well."""
+    def _core_attention(self, q_BNSQ, k_BNSQ, v_BNSD, bias_B1SS: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal `softmax(q k^T * scale) v` over `_up_proj`'s `[B, N, S, D]` tensors; `[B, S, N*Dv]`. With the
+        additive `bias_B1SS` (0 / -inf, broadcast over the heads) added to the scores instead of the causal mask
+        (packed documents)."""
         B, N, S, Dq = q_BNSQ.shape
         Dv = self.v_dim
         if self._unfused(S, q_BNSQ):
@@ -205,14 +207,15 @@ class MultiHeadLatentAttention(nn.Module):
                 k_BNSQ.view(B * N, S, Dq).transpose(1, 2),
                 alpha=self.scale,
             )
-            if mask_B1SS is not None:
-                # In place on the GEMM's output (baddbmm's backward does not read it): the blocked keys of other
-                # documents, on top of the causal bias (which the mask repeats).
-                scores_ZSS.view(B, N, S, S).masked_fill_(~mask_B1SS, float("-inf"))
+            if bias_B1SS is not None:
+                # In place on the GEMM's output (baddbmm's backward does not read it; an addition's backward passes
+                # the gradient through): the keys of other documents to -inf, on top of the causal bias (which the
+                # documents' bias repeats: -inf + -inf stays -inf). One broadcast add, no [B * N, S, S] bias copy.
+                scores_ZSS.view(B, N, S, S).add_(bias_B1SS)
             out_ZSV = torch.bmm(torch.softmax(scores_ZSS, dim=-1), v_BNSD.view(B * N, S, Dv))
             return out_ZSV.view(B, N, S, Dv).transpose(1, 2).reshape(B, S, N * Dv)
-        if mask_B1SS is None:
+        if bias_B1SS is None:
             out_BNSD = F.scaled_dot_product_attention(q_BNSQ, k_BNSQ, v_BNSD, is_causal=True, scale=self.scale)
-        else:  # SDPA takes the boolean mask as is (True: attend); it includes the causal part
-            out_BNSD = F.scaled_dot_product_attention(q_BNSQ, k_BNSQ, v_BNSD, attn_mask=mask_B1SS, scale=self.scale)
+        else:  # SDPA adds a float mask to the scores as is; it includes the causal part
+            out_BNSD = F.scaled_dot_product_attention(q_BNSQ, k_BNSQ, v_BNSD, attn_mask=bias_B1SS, scale=self.scale)
         return out_BNSD[..., :Dv].transpose(1, 2).reshape(B, S, N * Dv)

@@ -56,7 +56,7 @@ class DecoderLayer(nn.Module):
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`[B, S, H] -> [B, S, H]`; rotary tables `[S, Dr/2]` (or per row `[B, S, Dr/2]`) for the positions of the
-        S tokens; `mask` the attention's (None: causal; `[B, 1, S, S]` bool for packed documents). With sequence
+        S tokens; `mask` the attention's (None: causal; the `[B, 1, S, S]` bias of packed documents). With sequence
         parallelism (`shards`) `x` and the result are this rank's positions `[B, S_r, H]` (norms, residuals and the
         MoE layer see those only; attention and the dense MLP gather the sequence inside).
 

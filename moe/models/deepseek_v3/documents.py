@@ -7,10 +7,12 @@ reset_position_ids its rotary position is its offset in its document. Here the c
 `document_ids [B, S]` (`document_ids` below) and `position_ids [B, S]` (`positions_in_documents`), the keyword
 arguments of `DeepseekV3ForCausalLM.forward`; this module builds what the model derives from them:
 
-- `attention_mask`: `[B, 1, S, S]` bool, True where query s may attend key t (t <= s, same document): SDPA's
-  `attn_mask` as is, the unfused core's blocked scores;
+- `attention_mask`: `[B, 1, S, S]` bool, True where query s may attend key t (t <= s, same document), and
+  `attention_bias`, the same as an additive 0 / -inf bias in the activations' dtype: built once per forward, SDPA's
+  `attn_mask` as is and added to the unfused core's scores in every layer;
 - `mtp_labels`: the labels of MTP depth k with the targets of positions whose input spans two documents ignored
-  (see `DeepseekV3ForCausalLM.head`).
+  (see `DeepseekV3ForCausalLM.head`), and `target_counts`, the targets each head keeps (the trainer's loss
+  normalisers).
 
 Legend: B rows, S positions.
 """
@@ -99,6 +101,14 @@ def attention_mask(document_ids: torch.Tensor) -> torch.Tensor:
     S = document_ids.size(1)
     causal = torch.ones(S, S, dtype=torch.bool, device=document_ids.device).tril()
     return (same & causal).unsqueeze(1)
+
+
+def attention_bias(document_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`[B, 1, S, S]` in `dtype`: 0 where `attention_mask(document_ids)` allows, -inf elsewhere (an additive bias:
+    SDPA takes it without converting a boolean mask in every layer, the unfused core adds it in place)."""
+    allowed = attention_mask(document_ids)
+    zero = torch.zeros((), dtype=dtype, device=document_ids.device)
+    return torch.where(allowed, zero, torch.full((), float("-inf"), dtype=dtype, device=document_ids.device))
 
 
 def mtp_labels(labels: torch.Tensor, document_ids: torch.Tensor, depth: int) -> torch.Tensor:

@@ -320,9 +320,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`(cos, sin, mask)`: the rotary tables (`rotary_tables`) and the attention mask (None: causal; with
-        `document_ids` `[B, 1, S, S]` bool, `documents.attention_mask`) of every decoder layer."""
+        `document_ids` the additive `[B, 1, S, S]` bias in the model dtype, `documents.attention_bias`) of every
+        decoder layer."""
         cos_SP, sin_SP = self.rotary_tables(seq_len, device, position_ids)
-        mask = None if document_ids is None else documents.attention_mask(document_ids)
+        mask = None if document_ids is None else documents.attention_bias(document_ids, self.config_dtype)
         return cos_SP, sin_SP, mask
 
     def rotary_tables(
@@ -359,7 +360,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def run_layers(self, h_BSH: torch.Tensor, indices, cos_SP, sin_SP, shards, mask=None) -> torch.Tensor:
         """Decoder layers `indices` (ascending) in order, with the full-layer recompute runs laid over them (a
         pipeline stage counts `recompute_num_layers` in its own layers, as Megatron-core does). `mask`: the
-        attention's (None: causal; `documents.attention_mask`)."""
+        attention's (None: causal; `documents.attention_bias`, see `attention_inputs`)."""
         layers = [self.layers[i] for i in indices]
         for start, end, checkpointed in self.recompute.full_chunks(len(layers)):
             run = functools.partial(_run_layers, layers[start:end], cos_SP, sin_SP, shards, mask)
@@ -369,7 +370,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def head(self, h_BSH, emb_BSH, labels, cos_SP, sin_SP, shards, document_ids=None, mask=None) -> DeepseekV3Output:
         """Final norm and logits, and with `labels [B, S]` the next-token and MTP losses, from the last decoder
         layer's output `h` and the embedding `emb` (see `embed`). Packed documents: `document_ids [B, S]` and their
-        `mask` (`documents.attention_mask`), both None without.
+        `mask` (`attention_inputs`), both None without.
 
         MTP depth k with packed documents: position i holds the state of token i and the embedding of token i + k;
         its rotary position is token i + k's (the shifted tables) and its attention mask token i's (the mask's

@@ -72,7 +72,7 @@ class MTPModule(DecoderLayer):
                 of the embedded tokens).
             shards: with sequence parallelism, the split of the S positions: `h_prev` and `emb` are this rank's
                 `[B, S_r, H]`, and so is the result (the norms and `eh_proj` run on the local positions).
-            mask: the attention's: None (causal) or `[B, 1, S, S]` bool of the positions i (packed documents: the
+            mask: the attention's: None (causal) or the `[B, 1, S, S]` bias of the positions i (packed documents: the
                 documents of the states h_prev, as Megatron's MTP keeps the main model's mask).
         Returns `[B, S, H]`, normalised by `shared_head.norm` (input of the output head and of the next depth).
         """
