@@ -24,6 +24,11 @@ Every step's MFU (model FLOPs utilisation) is its model FLOPs per token (moe/mod
 the config) x tokens/s over the peak FLOP/s of one rank (moe/plan/peak.py: the device's spec, or on the CPU a matmul
 measured by rank 0 at start-up) x the ranks; run.json records the figures ("mfu").
 
+Data ([training.data], moe/train/run_data.py): this Python's standard library or a corpus (a directory, file or glob of
+.py/.txt/.md/.jsonl/.jsonl.gz/.parquet; `--corpus`, `--tokenizer bpe|bytes|PATH`), or Megatron-prepared indexed
+datasets blended by weight (`--data-path W1 PREFIX1 ...`), with Megatron's `--eod-mask-loss`, `--reset-position-ids`
+and `--reset-attention-mask`.
+
 Writes into RUN_DIR: run.json (layout and config), metrics.jsonl (one line per optimizer step, and events), loss.png,
 tokenizer.json, val_tokens.npy (held-out sequences for evaluate.py), checkpoints/step_N/ and checkpoints/latest.
 Checkpoints are sharded flash checkpoints (moe/train/checkpoint/: each rank writes its shard in the background); the
@@ -57,16 +62,16 @@ from moe.models.deepseek_v3.compile import compile_model  # noqa: E402
 from moe.models.deepseek_v3.flops import model_flops_per_token  # noqa: E402
 from moe.models.deepseek_v3.model_dir import config_json, read_model_dir, write_model_dir  # noqa: E402
 from moe.models.deepseek_v3.tensor_parallel import parallelize  # noqa: E402
-from moe.models.deepseek_v3.tokenizer import tokenizer_eos_token_id  # noqa: E402
 from moe.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options  # noqa: E402
 from moe.plan.peak import agreed_peak  # noqa: E402
 from moe.train import checkpoint as ckpt  # noqa: E402
 from moe.train import job_config  # noqa: E402
-from moe.train.data import TokenBatches, TokenData, prepare_tokens  # noqa: E402
+from moe.train.data_source import DataSource  # noqa: E402
 from moe.train.faults import FaultPlan  # noqa: E402
 from moe.train.metrics import LOSS_PNG, METRICS, loss_table, plot_loss, read_metrics  # noqa: E402
 from moe.train.parallel import Layout, ParallelState, env_local_rank  # noqa: E402
 from moe.train.rewind import TrainingStopped  # noqa: E402
+from moe.train.run_data import RunData, prepare_run_data  # noqa: E402
 from moe.train.trainer import Trainer  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -117,8 +122,8 @@ class CheckedJob:
     job: job_config.Job
     run_dir: Path
     latest: Path | None  # the checkpoint to resume from (None: a new run)
-    data: TokenData
-    batches: TokenBatches
+    data: RunData
+    batches: DataSource
     faults: FaultPlan | None  # test hook (moe/train/faults.py)
 
     def already_trained(self) -> bool:
@@ -152,9 +157,11 @@ def check(args, overrides) -> CheckedJob:
     latest = None if args.prepare_data else check_run_dir(run_dir, args.resume, args.init)
     if args.init is not None:
         job_config.check_init_config(args.init, model_cfg)
-    data = prepare_tokens(train_cfg.data, model_cfg.vocab_size, build=env_local_rank() == 0)
-    batches = TokenBatches(data.tokens, seq_len=train_cfg.seq_len, global_batch=train_cfg.global_batch,
-                           val_sequences=train_cfg.data.val_sequences, seed=args.seed)  # fmt: skip
+    data = prepare_run_data(train_cfg, model_cfg.vocab_size, seed=args.seed, build=env_local_rank() == 0,
+                            prepare_only=args.prepare_data)  # fmt: skip
+    batches = data.batches
+    if latest is not None:  # a resume on other data (or other blend weights) is refused here, before any group
+        ckpt.check_same_data(ckpt.read_trainer_state(latest).get("data", {}), batches.identity(), latest)
     faults = FaultPlan.from_env()
     if faults is not None and faults.has_delays and not train_cfg.log_straggler:
         raise ValueError("injected sleep faults act on the phase timer: set [training] log_straggler = true")
@@ -197,7 +204,7 @@ def build(args, checked: CheckedJob) -> BuiltRun:
                                   virtual_stages=layout.vpp)  # fmt: skip
 
     # The checkpoints' config.json names the data's end-of-text token (generate.py stops there; transformers too).
-    eos_token_id = tokenizer_eos_token_id(checked.data.tokenizer_path)
+    eos_token_id = checked.data.eos_id
 
     def write_config(directory: Path) -> None:
         write_json(directory / "config.json", config_json(model_cfg, DTYPES[train_cfg.dtype], eos_token_id), indent=2)
@@ -213,7 +220,7 @@ def build(args, checked: CheckedJob) -> BuiltRun:
     trainer = Trainer(model, train_cfg, parallel, checked.batches, checked.run_dir, seed=args.seed,
                           model_io=model_io, mtp_loss_weight=model_cfg.mtp_loss_weight,
                           num_mtp=model_cfg.num_nextn_predict_layers,
-                          extra_checkpoint_files=(checked.data.tokenizer_path,),
+                          extra_checkpoint_files=checked.data.tokenizer_files,
                           run_info={"title": _title(args, layout)}, pipeline=pipeline, faults=checked.faults,
                           checkpoint_timeout_s=args.timeout,
                           model_flops_per_token=mfu_basis["model_flops_per_token"] if peak is not None else None,
@@ -258,7 +265,8 @@ def start(args, checked: CheckedJob, run: BuiltRun) -> int:
         run_dir.mkdir(parents=True, exist_ok=True)
         _write_run_json(run_dir, args, job, checked.data, run.mfu_basis)
         job.save(run_dir)  # the resolved tree: `--config RUN_DIR/config.toml` runs it again
-        shutil.copyfile(checked.data.tokenizer_path, run_dir / "tokenizer.json")
+        for path in checked.data.tokenizer_files:  # the tokenizer, for evaluate.py and generate.py
+            shutil.copyfile(path, run_dir / path.name)
         np.save(run_dir / "val_tokens.npy", checked.batches.val_tokens().numpy())
     start_step = 0
     if checked.latest is not None:
@@ -307,8 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train.py: error: {exc}", file=sys.stderr)
         return 2
     if args.prepare_data:
-        data = checked.data
-        print(f"data ready: {data.directory} ({data.meta['num_tokens']} tokens, {data.meta['num_files']} files)")
+        print(f"data ready: {checked.data.summary}")
         return 0
     if checked.already_trained():
         if env_rank() == 0:

@@ -285,14 +285,32 @@ class PipelineRunner:
     def holds_last(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
 
-    def step(self, tokens_BS: torch.Tensor, counts: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, dict]:
+    def step(
+        self,
+        tokens_BS: torch.Tensor,
+        counts: torch.Tensor,
+        step: int = 0,
+        *,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict]:
         """Forward and backward of every micro-batch of `tokens_BS` (this data-parallel rank's rows); gradients
         accumulate in the parameters of this rank's stages.
+
+        `labels` (default: the tokens), `position_ids` and `document_ids` (packed documents): `[B, S]` int64 like
+        `tokens_BS`, as `DeepseekV3ForCausalLM.forward` takes them (checked here, on every pipeline rank, before
+        the schedule runs); `counts` must count the targets the model keeps with them (with document_ids:
+        moe/models/deepseek_v3/documents.py `target_counts`).
 
         Returns `(sums, loads)`: `sums [1 + D] float64` the LM and MTP loss sums over the micro-batches (the same on
         every rank of the pipeline group), `loads` {id(MoE layer): tokens per expert, float64} for this rank's MoE
         layers.
         """
+        if labels is not None and (labels.shape != tokens_BS.shape or labels.dtype not in (torch.int64, torch.int32)):
+            raise ValueError(f"labels must be int64 of the shape of the tokens {list(tokens_BS.shape)}, "
+                             f"got {list(labels.shape)} {labels.dtype}")  # fmt: skip
+        self.model.check_packed_inputs(tokens_BS, position_ids, document_ids)
         self.loss.counts = counts
         self.loss.sums = []
         self.stages_done = []
@@ -304,10 +322,14 @@ class PipelineRunner:
             self.overlap.start_step()
         args = (tokens_BS,) if self.holds_first else ()
         target = tokens_BS if self.holds_last else None
+        # The optional per-token inputs travel as keyword arguments, split into micro-batches like the tokens (only
+        # those given: the default step is unchanged).
+        extra = {k: v for k, v in (("labels", labels), ("position_ids", position_ids),
+                                   ("document_ids", document_ids)) if v is not None}  # fmt: skip
         try:
             start = time.perf_counter()
             with phase(self.phase_timer, "p2p"):
-                self.schedule.step(*args, target=target, tokens=tokens_BS)
+                self.schedule.step(*args, target=target, tokens=tokens_BS, **extra)
             self.schedule_span = (start, time.perf_counter())
         except Exception as exc:
             raise RuntimeError(

@@ -8,7 +8,10 @@ What travels between stages (per micro-batch of b sequences of S tokens):
          exists once (no copy on the last stage whose gradient must be all-reduced with the first, as Megatron-core
          does) and its gradient comes back through the pipeline like any other.
 The token ids reach every stage as a keyword argument (torch's schedules hand the same micro-batch of keyword
-arguments to every stage): the first stage embeds them, the last stage takes its labels from them.
+arguments to every stage): the first stage embeds them, the last stage takes its labels from them. Packed documents
+(`DeepseekV3ForCausalLM.forward`'s `position_ids` / `document_ids`) and explicit `labels` travel the same way, as
+`[b, S]` keyword arguments: every stage builds its rotary tables and attention mask from them (a few `[b, S]`
+integers per micro-batch instead of the tables or the `[b, S, S]` mask on the wire).
 
 The last stage returns the micro-batch's share of the global-batch loss (`[1]` FP32, see `StageLoss`); the
 schedules' loss function takes it as the loss, and their gradient scaling is off (the share is already scaled).
@@ -70,7 +73,9 @@ class DeepseekV3Stage(nn.Module):
 
     forward:
         first stage: `(input_ids [b, S] int64, *, tokens)`; other stages: `(h, emb, *, tokens)` (see the module
-        docstring). Returns `(h, emb)`, or on the last stage the micro-batch's loss share (`[1]` FP32).
+        docstring); optional keywords `labels` (the last stage's targets; default the tokens), `position_ids` and
+        `document_ids` (`[b, S]` int64 each, packed documents: see `DeepseekV3ForCausalLM.forward`). Returns
+        `(h, emb)`, or on the last stage the micro-batch's loss share (`[1]` FP32).
     """
 
     def __init__(self, model: nn.Module, stage: int, split: StageSplit, loss: StageLoss) -> None:
@@ -94,19 +99,27 @@ class DeepseekV3Stage(nn.Module):
     def reset_step(self) -> None:
         self.loads = [torch.zeros(m.config.num_moe_experts, dtype=torch.float64) for m in self.moe_layers]
 
-    def forward(self, *args: torch.Tensor, tokens: torch.Tensor):
+    def forward(
+        self,
+        *args: torch.Tensor,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ):
         model = self.model
         seq_len = tokens.size(1)
-        cos_SP, sin_SP = model.rotary_tables(seq_len, tokens.device)
+        cos_SP, sin_SP, mask = model.attention_inputs(seq_len, tokens.device, position_ids, document_ids)
         if self.is_first:
             emb_BSH, h_BSH, shards = model.embed(args[0])
         else:
             h_BSH, emb_BSH = args
             shards = model.sequence_shards(seq_len)
         h_in = h_BSH
-        h_BSH = model.run_layers(h_BSH, self.layer_indices, cos_SP, sin_SP, shards)
+        h_BSH = model.run_layers(h_BSH, self.layer_indices, cos_SP, sin_SP, shards, mask)
         if self.is_last:
-            out = model.head(h_BSH, emb_BSH, tokens.long(), cos_SP, sin_SP, shards)
+            targets = tokens.long() if labels is None else labels.long()
+            out = model.head(h_BSH, emb_BSH, targets, cos_SP, sin_SP, shards, document_ids, mask)
             self._record_loads()
             return self.loss(out).reshape(1)  # [1]: the schedules concatenate the micro-batches' outputs
         self._record_loads()

@@ -35,8 +35,13 @@ straggler_factor = 1.5         # a rank whose phase time exceeds the median over
 straggler_min_seconds = 0.02   # ... and by this many seconds per step is reported
 
 [training.data]
-corpus = "python-stdlib" # or a directory: its *.py files, sorted by path
-tokenizer = "bpe"        # byte-level BPE trained to the model's vocab_size, or "bytes"
+corpus = "python-stdlib" # a directory, a file or a glob (.py .txt .md .jsonl .jsonl.gz .parquet)
+tokenizer = "bpe"        # BPE trained to the model's vocab_size, "bytes", or a tokenizer.json / tokenizer directory
+# text_field = "text"    # the JSONL key / parquet column of the documents
+# data_path = [0.7, "/data/web_text_document", 0.3, "/data/code_text_document"]  # Megatron's --data-path
+# reset_position_ids = false   # Megatron's: positions restart at every document (after each end-of-text token)
+# reset_attention_mask = false # Megatron's: attention never crosses an end-of-text token
+# eod_mask_loss = false        # Megatron's: no loss on the target that follows an end-of-text token
 ```
 
 Megatron's names for the same settings: `train_iters`, `global_batch_size`, `seq_length`, `lr`, `min_lr`,
@@ -44,6 +49,11 @@ Megatron's names for the same settings: `train_iters`, `global_batch_size`, `seq
 `check_for_nan_in_loss_and_grad`, `check_for_spiky_loss`, `iterations_to_skip` and `log_straggler` are Megatron's
 own names (its `--iterations-to-skip` steps likewise make no update and consume their batch; here the learning rate
 stays a function of the step number, see moe/train/rewind.py).
+
+Two data paths (moe/train/data_source.py picks one): the built-in corpus (python-stdlib or a directory of `*.py`
+files, tokenizer "bpe" or "bytes") keeps its token file and its window hold-out (moe/train/data.py); any other
+corpus or tokenizer, and Megatron-prepared data (`data_path`), are indexed datasets read as a seeded blend with
+whole documents held out (moe/data/blend.py, moe/train/blended.py).
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ from typing import Any
 
 import tomllib
 
+from moe.data.blend import parse_data_path
 from moe.models.deepseek_v3.attention import ATTENTION_BACKENDS
 
 DTYPES = ("float32", "bfloat16")
@@ -64,30 +75,147 @@ TOKENIZERS = ("bpe", "bytes")
 class DataConfig:
     """Where the tokens come from.
 
-    corpus: "python-stdlib" (this Python's standard library sources: present on every machine, no download) or a
-        directory whose `*.py` files, sorted by relative path, form the corpus.
-    tokenizer: "bpe" (byte-level BPE trained with `tokenizers` to the model's vocab_size) or "bytes" (one token per
-        byte, needs vocab_size >= 257).
+    corpus: "python-stdlib" (this Python's standard library sources: present on every machine, no download), a
+        directory (its corpus files, sorted by relative path), a glob pattern or one file. Formats by name: `.py`,
+        `.txt`, `.md` (a document per file), `.jsonl`, `.jsonl.gz` (a document per line), `.parquet` (per row).
+    text_field: the JSONL key / parquet column holding a document's text.
+    tokenizer: "bpe" (byte-level BPE trained with `tokenizers` to the model's vocab_size), "bytes" (one token per
+        byte, needs vocab_size >= 257), or a path: a `tokenizer.json` or a Hugging Face tokenizer directory (its
+        ids must be below vocab_size). Saved with the run and every checkpoint.
+    data_path: Megatron's `--data-path`: `[w1, "prefix1", w2, "prefix2", ...]` or prefixes alone, indexed datasets
+        (`prefix.bin` / `prefix.idx`) blended as Megatron does (moe/data/blend.py). Then `corpus`, `text_field` and
+        `max_bytes` are unused (setting them as well is refused), and `tokenizer` names the tokenizer that prepared
+        the data (a path, or "bytes"): its end-of-text id ends the documents, and it is saved with the run.
+    held_out_documents: for indexed data (data_path, or a corpus tokenized into shards), the documents of every
+        dataset kept out of training for validation: a count (int), or a fraction (float in [0, 1), at least one
+        document when > 0). Whole documents, spread evenly over each dataset, whatever the seed.
     max_bytes: use the sorted files up to this many bytes (None: all of them).
-    val_sequences: windows held out of training at the end of the token stream (written as the run's
-        `val_tokens.npy` for evaluate.py).
-    cache_dir: where the tokenizer and token file are built once and reused (None: $MTDEEPEP_DATA_CACHE, else
+    val_sequences: the built-in corpus: windows held out of training at the end of the token stream; indexed data:
+        at most this many of the held-out documents' windows, spread evenly, for evaluate.py. Written as the run's
+        `val_tokens.npy`.
+    reset_position_ids, reset_attention_mask, eod_mask_loss: Megatron's flags: position ids restart after every
+        end-of-text token; attention stays inside each document; the target after an end-of-text token is not
+        trained on (its label is -100).
+    cache_dir: where the tokenizer and token files are built once and reused (None: $MTDEEPEP_DATA_CACHE, else
         ~/.cache/mtdeepep/data).
     """
 
     corpus: str = "python-stdlib"
+    text_field: str = "text"
     tokenizer: str = "bpe"
+    data_path: list | None = None
+    held_out_documents: int | float = 0.01
     max_bytes: int | None = None
     val_sequences: int = 32
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tokenizer not in TOKENIZERS:
-            raise ValueError(f"[training.data] tokenizer must be one of {TOKENIZERS}, got {self.tokenizer!r}")
+        if not isinstance(self.tokenizer, str) or not self.tokenizer:
+            raise ValueError(f"[training.data] tokenizer must be {TOKENIZERS} or a path, got {self.tokenizer!r}")
+        if self.tokenizer not in TOKENIZERS and not Path(self.tokenizer).exists():
+            raise ValueError(
+                f"[training.data] tokenizer {self.tokenizer!r}: not one of {TOKENIZERS}, and no such file or directory "
+                "(a tokenizer.json or a tokenizer directory)"
+            )
+        if not isinstance(self.corpus, str) or not self.corpus:
+            raise ValueError(f"[training.data] corpus must be a directory, a file or a glob, got {self.corpus!r}")
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise ValueError(f"[training.data] text_field must be a non-empty string, got {self.text_field!r}")
         if self.max_bytes is not None:
             _positive_int("data.max_bytes", self.max_bytes)
         if isinstance(self.val_sequences, bool) or not isinstance(self.val_sequences, int) or self.val_sequences < 0:
             raise ValueError(f"[training.data] val_sequences must be an int >= 0, got {self.val_sequences!r}")
+        held = self.held_out_documents
+        if (
+            isinstance(held, bool)
+            or not isinstance(held, (int, float))
+            or held < 0
+            or (isinstance(held, float) and held >= 1)
+        ):
+            raise ValueError(
+                "[training.data] held_out_documents must be a document count (int >= 0) or a fraction (float in "
+                f"[0, 1)), got {held!r}"
+            )
+        for name in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"[training.data] {name} must be true or false, got {getattr(self, name)!r}")
+        if self.data_path is not None:
+            self._check_data_path()
+
+    def _check_data_path(self) -> None:
+        if isinstance(self.data_path, str):
+            self.data_path = [self.data_path]
+        if not isinstance(self.data_path, (list, tuple)):
+            raise ValueError(f"[training.data] data_path must be a list [w1, prefix1, ...], got {self.data_path!r}")
+        items = list(self.data_path)
+        for i, item in enumerate(items):
+            if isinstance(item, bool) or not isinstance(item, (str, int, float)):
+                raise ValueError(f"[training.data] data_path entry {i} ({item!r}): a weight (number) or a prefix")
+        numbers = [i for i, item in enumerate(items) if not isinstance(item, str) or _is_number(item)]
+        if numbers and len(items) % 2:
+            raise ValueError(
+                f"[training.data] data_path {items!r}: weights and prefixes come in pairs [w1, prefix1, w2, "
+                f"prefix2, ...]; entry {numbers[-1]} ({items[numbers[-1]]!r}) has no prefix after it"
+            )
+        try:
+            entries = parse_data_path(items)
+        except ValueError as exc:
+            raise ValueError(f"[training.data] {exc}") from None
+        if any(e.weight is not None for e in entries):
+            total = sum(e.weight for e in entries)
+            if not total > 0:
+                raise ValueError(f"[training.data] data_path weights sum to {total}: the sum must be positive")
+        # The normalised spelling (weights as numbers) is what the run saves and compares on resume.
+        self.data_path = [x for e in entries for x in ((e.weight, e.prefix) if e.weight is not None else (e.prefix,))]
+        defaults = DataConfig()
+        given = [n for n in ("corpus", "text_field", "max_bytes") if getattr(self, n) != getattr(defaults, n)]
+        if given:
+            raise ValueError(
+                f"[training.data] data_path and {', '.join(given)} are both given: data_path trains on Megatron-"
+                f"prepared indexed datasets, {given[0]} describes a text corpus to tokenize; give one of them"
+            )
+        if self.tokenizer == "bpe":
+            raise ValueError(
+                "[training.data] data_path needs the tokenizer that prepared the data (its end-of-text id, saved "
+                'with the run): tokenizer = a tokenizer.json or tokenizer directory (or "bytes")'
+            )
+
+    @property
+    def builtin(self) -> bool:
+        """True for the built-in path: no data_path, a trained tokenizer ("bpe" / "bytes"), the default text_field
+        and a corpus that is python-stdlib or a directory of `*.py` files only (moe/train/data.py, bit-identical
+        to the runs before indexed data). Otherwise the data is indexed datasets."""
+        return (
+            self.data_path is None
+            and self.tokenizer in TOKENIZERS
+            and self.text_field == "text"
+            and (self.corpus == "python-stdlib" or _python_only_directory(self.corpus))
+        )
+
+
+def _is_number(text: str) -> bool:
+    """A weight as the command line gives it ("0.3")."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _python_only_directory(corpus: str) -> bool:
+    """A directory (or a missing path, whose error the built-in path reports as before) whose files of the corpus
+    formats are all `*.py`."""
+    root = Path(corpus)
+    if not root.is_dir():
+        return not root.exists() and not any(c in corpus for c in "*?[")
+    for p in root.rglob("*"):
+        corpus_format = p.suffix in (".txt", ".md", ".jsonl", ".parquet") or p.name.endswith(".jsonl.gz")
+        if corpus_format and "__pycache__" not in p.parts and p.is_file():
+            return False
+    return True
 
 
 @dataclass(kw_only=True)

@@ -226,10 +226,17 @@ class TokenBatches:
         global_batch: sequences per optimizer step.
         val_sequences: windows held out at the end of the stream.
         seed: the order of the training windows (a new permutation per epoch).
+        eod_id: the end-of-text id that ends every document (None: unknown).
+        fingerprint: what identifies the token stream (e.g. the cache entry's key), saved with checkpoints; a resume
+            on another stream is refused (None: not recorded).
+    A `DataSource` (moe/train/data_source.py).
     """
 
-    def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, val_sequences: int, seed: int) -> None:
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, val_sequences: int, seed: int,
+                 eod_id: int | None = None, fingerprint: str | None = None) -> None:  # fmt: skip
         self.tokens = tokens
+        self.eod_id = eod_id
+        self.fingerprint = fingerprint
         self.seq_len = seq_len
         self.global_batch = global_batch
         self.seed = seed
@@ -273,3 +280,7 @@ class TokenBatches:
     def val_tokens(self) -> torch.Tensor:
         """`[val_sequences, seq_len] int64`: the held-out windows (never in a training batch)."""
         return self._rows(np.arange(self.num_train, self.num_train + self.num_val))
+
+    def identity(self) -> dict:
+        """The token stream's fingerprint, when known (see `DataSource.identity`)."""
+        return {} if self.fingerprint is None else {"source": "corpus", "fingerprint": self.fingerprint}

@@ -160,6 +160,18 @@ def add_tree_options(p: argparse.ArgumentParser) -> None:
           help="torch.compile (inductor) every layer's attention (default: [training] compile; the first step "
           "compiles)")  # fmt: skip
     alias("--data-cache", dest="training.data.cache_dir", help="token cache directory (default: [training.data])")
+    alias("--data-path", dest="training.data.data_path", nargs="+", metavar="W_OR_PREFIX",
+          help="Megatron's blend of indexed datasets: w1 prefix1 w2 prefix2 ... or prefixes alone (then the corpus "
+          "is unused; --tokenizer names the tokenizer that prepared them)")  # fmt: skip
+    alias("--tokenizer", dest="training.data.tokenizer",
+          help="bpe, bytes, or a tokenizer.json / tokenizer directory (default: [training.data])")  # fmt: skip
+    alias("--corpus", dest="training.data.corpus", help="a directory, a file or a glob of corpus files")
+    alias("--reset-position-ids", dest="training.data.reset_position_ids", action="store_const", const=True,
+          help="position ids restart after every end-of-text token (Megatron's)")  # fmt: skip
+    alias("--reset-attention-mask", dest="training.data.reset_attention_mask", action="store_const", const=True,
+          help="attention does not cross an end-of-text token (Megatron's)")  # fmt: skip
+    alias("--eod-mask-loss", dest="training.data.eod_mask_loss", action="store_const", const=True,
+          help="no loss on the target after an end-of-text token (Megatron's)")  # fmt: skip
     alias("--ep", "--expert-model-parallel-size", dest="parallel.ep", type=int,
           help="expert-parallel ranks (divides the world size)")  # fmt: skip
     alias("--tp", "--tensor-model-parallel-size", dest="parallel.tp", type=int,

@@ -2,7 +2,10 @@
 metrics, checkpoints and resumption.
 
 The maths of a step do not depend on the layout (see moe/train/parallel.py and moe/train/optim.py):
-1. Every rank takes its rows of the global batch (`TokenBatches.local_batch`) and splits them into micro-batches.
+1. Every rank takes its rows of the global batch (`DataSource.local_batch`, moe/train/data_source.py) and splits
+   them into micro-batches. With `eod_mask_loss` the labels drop the target after every end-of-text token; with
+   `reset_position_ids` / `reset_attention_mask` the model gets each position's document
+   (moe/models/deepseek_v3/documents.py): positions restart and attention stays inside every document.
 2. The global numbers of next-token targets (main head and each MTP depth) are summed over the data-parallel ranks
    first, so each micro-batch's loss is its share of the global-batch loss:
    `lm_loss_sum / N_lm + mtp_loss_weight / D * sum_d mtp_loss_sum_d / N_d`. The MoE layers' auxiliary losses reach
@@ -48,10 +51,11 @@ from torch import nn
 from moe.balancing import load_imbalance, set_aux_loss_scale, update_expert_bias
 from moe.loss import loss_share
 from moe.memory import process_peak_bytes
+from moe.models.deepseek_v3 import documents
 from moe.phase_timer import PhaseTimer, phase
 from moe.train.checkpoint import Checkpointer, ModelIO, TrainState
 from moe.train.config import TrainingConfig
-from moe.train.data import TokenBatches
+from moe.train.data_source import DataSource, eod_masked_labels
 from moe.train.faults import FaultPlan
 from moe.train.metrics import LOSS_PNG, RunReport, mfu
 from moe.train.optim import MasterAdamW
@@ -69,11 +73,15 @@ def step_seed(seed: int, step: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{step}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
 
-def target_counts(labels_BS: torch.Tensor, num_mtp: int) -> torch.Tensor:
+def target_counts(labels_BS: torch.Tensor, num_mtp: int, document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """`[1 + num_mtp] float64`: next-token targets of the main head and of each MTP depth in `labels_BS`.
 
     HF's shift convention: position t predicts `labels[t + 1]` (depth d: `labels[t + 1 + d]`); -100 is ignored.
+    With packed `document_ids [B, S]`, the MTP depths also drop the targets whose input spans two documents, as the
+    model does (`documents.target_counts`).
     """
+    if document_ids is not None:
+        return documents.target_counts(labels_BS, document_ids, num_mtp)
     valid = labels_BS != IGNORE_INDEX
     return torch.tensor([float(valid[:, 1 + d :].sum()) for d in range(1 + num_mtp)], dtype=torch.float64)
 
@@ -87,7 +95,8 @@ class Trainer:
             `num_tokens`; `moe_layers()` listing its `moe.MoELayer`s.
         config: the [training] settings.
         parallel: this rank's groups.
-        batches: the run's global batches.
+        batches: the run's global batches (a `DataSource`); with `config.data.eod_mask_loss` it must know its
+            `eod_id`.
         run_dir: where metrics, the plot and checkpoints go (rank 0 writes).
         seed: the run's seed (data order and per-step generator).
         model_io: model saving and loading.
@@ -110,7 +119,7 @@ class Trainer:
         model: nn.Module,
         config: TrainingConfig,
         parallel: ParallelState,
-        batches: TokenBatches,
+        batches: DataSource,
         run_dir: str | Path,
         *,
         seed: int,
@@ -132,6 +141,12 @@ class Trainer:
         self.config = config
         self.parallel = parallel
         self.batches = batches
+        data = config.data
+        flags = [n for n in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask") if getattr(data, n)]
+        if flags and batches.eod_id is None:
+            raise ValueError(f"[training.data] {', '.join(flags)}: the data's end-of-text id is not known")
+        self.eod_mask_id = batches.eod_id if data.eod_mask_loss else None
+        self.reset_position_ids, self.reset_attention_mask = data.reset_position_ids, data.reset_attention_mask
         self.run_dir = Path(run_dir)
         self.seed = seed
         self.mtp_loss_weight = float(mtp_loss_weight)
@@ -204,8 +219,13 @@ class Trainer:
         start = time.perf_counter()
         torch.manual_seed(step_seed(self.seed, step))
         self.model.train()
+        data_start = time.perf_counter()
         tokens_BS = self.batches.local_batch(step, par.dp_rank, par.layout.dp)
-        counts = all_reduce_sum(target_counts(tokens_BS, self.num_mtp), par.dp_group)  # global targets per head
+        labels_BS = tokens_BS if self.eod_mask_id is None else eod_masked_labels(tokens_BS, self.eod_mask_id)
+        packed = self._packed_documents(tokens_BS)
+        data_s = time.perf_counter() - data_start  # the loader's share of the step (memory maps to tensors)
+        counts = target_counts(labels_BS, self.num_mtp, packed.get("document_ids"))
+        counts = all_reduce_sum(counts, par.dp_group)  # global targets per head
         set_aux_loss_scale(self.model, self.micro_rows / cfg.global_batch)
         self.optimizer.zero_grad()
 
@@ -215,10 +235,11 @@ class Trainer:
             # no_sync() for the whole schedule. ZeRO-1 launches a stage's buckets when the schedule reports the
             # stage's last weight-gradient action (`stage_grads_done`), reduce_gradients the rest.
             with self.optimizer.accumulation_context(0, 2):
-                sums, load_of = self.pipeline.step(tokens_BS, counts, step)
+                labels = None if labels_BS is tokens_BS else labels_BS
+                sums, load_of = self.pipeline.step(tokens_BS, counts, step, labels=labels, **packed)
             loads = [load_of[id(layer)] for layer in self.moe_layers]
         else:
-            sums, loads = self._micro_batches(tokens_BS, counts, step)
+            sums, loads = self._micro_batches(tokens_BS, labels_BS, counts, step, packed)
         with phase(timer, "grad_sync"):  # the norm's all-reduce is where ranks wait for a late one: not 'optimizer'
             self.optimizer.reduce_gradients()
             grad_norm = self.optimizer.global_grad_norm()
@@ -261,6 +282,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "mfu": self._mfu(tokens_per_s),
             "step_s": elapsed,
+            "data_s": data_s,
             "max_peak_memory_mib": float(per_rank[0]) / 2**20,
             "max_optimizer_state_mib": float(per_rank[1]) / 2**20,
             "expert_load_max_over_mean": imbalance,
@@ -273,18 +295,32 @@ class Trainer:
             return None
         return mfu(self.model_flops_per_token, tokens_per_s, self.peak_flops_per_rank, self.parallel.layout.world)
 
-    def _micro_batches(self, tokens_BS: torch.Tensor, counts: torch.Tensor, step: int) -> tuple[torch.Tensor, list]:
+    def _packed_documents(self, tokens_BS: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's packed-document keywords for `tokens_BS` (Megatron's reset_position_ids /
+        reset_attention_mask): `position_ids` and / or `document_ids`, `[B, S] int64`; empty without the flags."""
+        if not (self.reset_position_ids or self.reset_attention_mask):
+            return {}
+        doc_BS = documents.document_ids(tokens_BS, self.batches.eod_id)
+        packed = {"position_ids": documents.positions_in_documents(doc_BS)} if self.reset_position_ids else {}
+        if self.reset_attention_mask:
+            packed["document_ids"] = doc_BS
+        return packed
+
+    def _micro_batches(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor, counts: torch.Tensor, step: int,
+                       packed: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list]:  # fmt: skip
         """Forward and backward of each micro-batch in turn (no pipeline) of step `step`: `(loss sums [1 + D]
         float64, tokens per expert of each MoE layer)`. The "loss" fault hook point (test hook) may corrupt the
         first micro-batch's LM loss sum."""
         cfg, timer = self.config, self.phase_timer
         sums = torch.zeros(1 + self.num_mtp, dtype=torch.float64)
         loads = [torch.zeros(layer.config.num_moe_experts, dtype=torch.float64) for layer in self.moe_layers]
-        for index, mb_BS in enumerate(tokens_BS.split(self.micro_rows)):
+        micro_packed = [dict(zip(packed, parts)) for parts in zip(*(t.split(self.micro_rows) for t in packed.values()))]
+        for index, (mb_BS, mb_labels) in enumerate(zip(tokens_BS.split(self.micro_rows),
+                                                       labels_BS.split(self.micro_rows))):  # fmt: skip
             # ZeRO-1: no gradient communication before the last micro-batch's backward (then it overlaps it).
             with self.optimizer.accumulation_context(index, cfg.micro_batches):
                 with phase(timer, "forward"):
-                    out = self.model(mb_BS, labels=mb_BS)
+                    out = self.model(mb_BS, labels=mb_labels, **(micro_packed[index] if packed else {}))
                     if index == 0:
                         out.lm_loss_sum = self.faults.at("loss", step=step, rank=self.parallel.rank,
                                                          value=out.lm_loss_sum)  # fmt: skip

@@ -110,8 +110,14 @@ class MultiHeadLatentAttention(nn.Module):
         *,
         recompute: frozenset[str] = frozenset(),
         scope: RecomputeScope | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Causal self-attention over `x [B, S, H]` with rotary tables `[S, Dr/2]`; returns `[B, S, H]`.
+        """Causal self-attention over `x [B, S, H]` with rotary tables `[S, Dr/2]` (or per row `[B, S, Dr/2]`);
+        returns `[B, S, H]`.
+
+        `mask`: None (causal over the whole row) or the additive `[B, 1, S, S]` bias in the activations' dtype, 0
+        where query s may attend key t and -inf elsewhere (documents.attention_bias: causal within each packed
+        document).
 
         Tensor + sequence parallel (`shards`, see tensor_parallel.py): `x` is this rank's positions `[B, S_r, H]`
         and the result too; `cos_SP`/`sin_SP` cover the whole sequence. The replicated down projection and its
@@ -139,9 +145,9 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             q_BSNQ, k_BSNQ, v_BSNQ = self._up_proj(q_in, c_BSC, k_rope, cos_SP, sin_SP)
         if "core_attn" in recompute:
-            out_BSD = recompute_region(self._core_attention, q_BSNQ, k_BSNQ, v_BSNQ)
+            out_BSD = recompute_region(self._core_attention, q_BSNQ, k_BSNQ, v_BSNQ, mask)
         else:
-            out_BSD = self._core_attention(q_BSNQ, k_BSNQ, v_BSNQ)
+            out_BSD = self._core_attention(q_BSNQ, k_BSNQ, v_BSNQ, mask)
         return self.o_proj(out_BSD) if shards is None else self.o_proj(out_BSD, shards)
 
     def down_proj(self, x_BSH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -187,8 +193,10 @@ class MultiHeadLatentAttention(nn.Module):
             v_BSNV = F.pad(v_BSNV, (0, Dn + Dr - Dv))
         return q_BSNQ.transpose(1, 2), k_BSNQ.transpose(1, 2), v_BSNV.transpose(1, 2)
 
-    def _core_attention(self, q_BNSQ, k_BNSQ, v_BNSD) -> torch.Tensor:
-        """Causal `softmax(q k^T * scale) v` over `_up_proj`'s `[B, N, S, D]` tensors; `[B, S, N*Dv]`."""
+    def _core_attention(self, q_BNSQ, k_BNSQ, v_BNSD, bias_B1SS: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal `softmax(q k^T * scale) v` over `_up_proj`'s `[B, N, S, D]` tensors; `[B, S, N*Dv]`. With the
+        additive `bias_B1SS` (0 / -inf, broadcast over the heads) added to the scores instead of the causal mask
+        (packed documents)."""
         B, N, S, Dq = q_BNSQ.shape
         Dv = self.v_dim
         if self._unfused(S, q_BNSQ):
@@ -199,7 +207,15 @@ class MultiHeadLatentAttention(nn.Module):
                 k_BNSQ.view(B * N, S, Dq).transpose(1, 2),
                 alpha=self.scale,
             )
+            if bias_B1SS is not None:
+                # In place on the GEMM's output (baddbmm's backward does not read it; an addition's backward passes
+                # the gradient through): the keys of other documents to -inf, on top of the causal bias (which the
+                # documents' bias repeats: -inf + -inf stays -inf). One broadcast add, no [B * N, S, S] bias copy.
+                scores_ZSS.view(B, N, S, S).add_(bias_B1SS)
             out_ZSV = torch.bmm(torch.softmax(scores_ZSS, dim=-1), v_BNSD.view(B * N, S, Dv))
             return out_ZSV.view(B, N, S, Dv).transpose(1, 2).reshape(B, S, N * Dv)
-        out_BNSD = F.scaled_dot_product_attention(q_BNSQ, k_BNSQ, v_BNSD, is_causal=True, scale=self.scale)
+        if bias_B1SS is None:
+            out_BNSD = F.scaled_dot_product_attention(q_BNSQ, k_BNSQ, v_BNSD, is_causal=True, scale=self.scale)
+        else:  # SDPA adds a float mask to the scores as is; it includes the causal part
+            out_BNSD = F.scaled_dot_product_attention(q_BNSQ, k_BNSQ, v_BNSD, attn_mask=bias_B1SS, scale=self.scale)
         return out_BNSD[..., :Dv].transpose(1, 2).reshape(B, S, N * Dv)

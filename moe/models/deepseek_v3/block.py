@@ -48,9 +48,15 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, init_std=config.initializer_range, **kw)
 
     def forward(
-        self, x_BSH: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor, shards: SequenceShards | None = None
+        self,
+        x_BSH: torch.Tensor,
+        cos_SP: torch.Tensor,
+        sin_SP: torch.Tensor,
+        shards: SequenceShards | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`[B, S, H] -> [B, S, H]`; rotary tables `[S, Dr/2]` for the positions of the S tokens. With sequence
+        """`[B, S, H] -> [B, S, H]`; rotary tables `[S, Dr/2]` (or per row `[B, S, Dr/2]`) for the positions of the
+        S tokens; `mask` the attention's (None: causal; the `[B, 1, S, S]` bias of packed documents). With sequence
         parallelism (`shards`) `x` and the result are this rank's positions `[B, S_r, H]` (norms, residuals and the
         MoE layer see those only; attention and the dense MLP gather the sequence inside).
 
@@ -58,13 +64,14 @@ class DecoderLayer(nn.Module):
         `RecomputeScope` for the layer, so the operations after an output-discarding region save recipes."""
         modules = self.recompute_modules
         if not modules or not torch.is_grad_enabled():
-            return self._forward(x_BSH, cos_SP, sin_SP, shards, frozenset(), None)
+            return self._forward(x_BSH, cos_SP, sin_SP, shards, mask, frozenset(), None)
         with RecomputeScope() as scope:
-            return self._forward(x_BSH, cos_SP, sin_SP, shards, modules, scope)
+            return self._forward(x_BSH, cos_SP, sin_SP, shards, mask, modules, scope)
 
-    def _forward(self, x_BSH, cos_SP, sin_SP, shards, modules: frozenset[str], scope: RecomputeScope | None):
+    def _forward(self, x_BSH, cos_SP, sin_SP, shards, mask, modules: frozenset[str], scope: RecomputeScope | None):
         a_BSH = self._norm(self.input_layernorm, x_BSH, modules, scope)
-        x_BSH = x_BSH + self.self_attn(a_BSH, cos_SP, sin_SP, shards, recompute=modules, scope=scope)
+        attn = self.self_attn(a_BSH, cos_SP, sin_SP, shards, recompute=modules, scope=scope, mask=mask)
+        x_BSH = x_BSH + attn
         h_BSH = self._norm(self.post_attention_layernorm, x_BSH, modules, scope)
         if "mlp" in modules and not isinstance(self.mlp, MoELayer):
             return x_BSH + recompute_region(self._mlp, h_BSH, shards)

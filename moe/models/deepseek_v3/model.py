@@ -34,7 +34,7 @@ from moe import wgrad
 from moe.balancing import AuxLossScale, group_size
 from moe.dispatcher import EPBuffers
 from moe.layer import MoELayer
-from moe.models.deepseek_v3 import state
+from moe.models.deepseek_v3 import documents, state
 from moe.models.deepseek_v3.attention import ATTENTION_BACKENDS, MultiHeadLatentAttention
 from moe.models.deepseek_v3.block import DecoderLayer
 from moe.models.deepseek_v3.config import DeepseekV3Config
@@ -271,25 +271,68 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     # -- forward --------------------------------------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> DeepseekV3Output:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> DeepseekV3Output:
         """Logits, and with `labels` the next-token and MTP losses.
 
         Args:
             input_ids: `[B, S] int64` tokens.
             labels: `[B, S] int64` aligned with `input_ids` (transformers' convention: the model shifts; -100 is
                 ignored). With labels, the MTP modules run and their losses are returned too.
+            position_ids: `[B, S] int64` rotary positions per row (Megatron's `--reset-position-ids`:
+                `documents.positions_in_documents`); None: `0 .. S-1` in every row.
+            document_ids: `[B, S] int64`, non-decreasing along S: packed documents (Megatron's
+                `--reset-attention-mask`, `documents.document_ids`). A token attends only to the earlier tokens of
+                its document, and MTP depth k ignores the targets of positions i whose token i + k lies in another
+                document (`documents.mtp_labels`); ignoring the main head's target after each EOD (the next
+                document's first token) is the labels' business, as Megatron's `--eod-mask-loss`. None: one
+                document per row.
+        ValueError for labels, position_ids or document_ids that do not fit `input_ids` (before any compute).
         """
         self._check_inputs(input_ids, labels)
+        self.check_packed_inputs(input_ids, position_ids, document_ids)
         labels = labels.long() if labels is not None else None
-        cos_SP, sin_SP = self.rotary_tables(input_ids.size(1), input_ids.device)
+        cos_SP, sin_SP, mask = self.attention_inputs(input_ids.size(1), input_ids.device, position_ids, document_ids)
         emb_BSH, h_BSH, shards = self.embed(input_ids)
-        h_BSH = self.run_layers(h_BSH, range(len(self.layers)), cos_SP, sin_SP, shards)
-        return self.head(h_BSH, emb_BSH, labels, cos_SP, sin_SP, shards)
+        h_BSH = self.run_layers(h_BSH, range(len(self.layers)), cos_SP, sin_SP, shards, mask)
+        return self.head(h_BSH, emb_BSH, labels, cos_SP, sin_SP, shards, document_ids, mask)
 
     # The forward's parts, which pipeline stages run on their own (moe/pipeline/stages.py).
 
-    def rotary_tables(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(cos, sin)` `[S, Dr/2]` for positions `0 .. S-1`, in the model dtype."""
+    def check_packed_inputs(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, document_ids: torch.Tensor | None
+    ) -> None:
+        """ValueError for `position_ids` / `document_ids` that do not fit `input_ids` (`documents.check_packed_inputs`:
+        shapes, dtypes, positions in range, document ids non-decreasing)."""
+        documents.check_packed_inputs(input_ids, position_ids, document_ids, self.config)
+
+    def attention_inputs(
+        self,
+        seq_len: int,
+        device: torch.device,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`(cos, sin, mask)`: the rotary tables (`rotary_tables`) and the attention mask (None: causal; with
+        `document_ids` the additive `[B, 1, S, S]` bias in the model dtype, `documents.attention_bias`) of every
+        decoder layer."""
+        cos_SP, sin_SP = self.rotary_tables(seq_len, device, position_ids)
+        mask = None if document_ids is None else documents.attention_bias(document_ids, self.config_dtype)
+        return cos_SP, sin_SP, mask
+
+    def rotary_tables(
+        self, seq_len: int, device: torch.device, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cos, sin)` in the model dtype: `[S, Dr/2]` for positions `0 .. S-1` shared by the rows, or `[B, S, Dr/2]`
+        for per-row `position_ids [B, S]`."""
+        if position_ids is not None:
+            return self.rotary(position_ids, self.config_dtype)
         return self.rotary(torch.arange(seq_len, device=device), self.config_dtype)
 
     @property
@@ -314,18 +357,27 @@ class DeepseekV3ForCausalLM(nn.Module):
         h_BSH = emb_BSH if shards is None else reduce_scatter_to_sequence_parallel(emb_BSH, shards)
         return emb_BSH, h_BSH, shards
 
-    def run_layers(self, h_BSH: torch.Tensor, indices, cos_SP, sin_SP, shards) -> torch.Tensor:
+    def run_layers(self, h_BSH: torch.Tensor, indices, cos_SP, sin_SP, shards, mask=None) -> torch.Tensor:
         """Decoder layers `indices` (ascending) in order, with the full-layer recompute runs laid over them (a
-        pipeline stage counts `recompute_num_layers` in its own layers, as Megatron-core does)."""
+        pipeline stage counts `recompute_num_layers` in its own layers, as Megatron-core does). `mask`: the
+        attention's (None: causal; `documents.attention_bias`, see `attention_inputs`)."""
         layers = [self.layers[i] for i in indices]
         for start, end, checkpointed in self.recompute.full_chunks(len(layers)):
-            run = functools.partial(_run_layers, layers[start:end], cos_SP, sin_SP, shards)
+            run = functools.partial(_run_layers, layers[start:end], cos_SP, sin_SP, shards, mask)
             h_BSH = checkpoint(run, h_BSH) if checkpointed else run(h_BSH)
         return h_BSH
 
-    def head(self, h_BSH, emb_BSH, labels, cos_SP, sin_SP, shards) -> DeepseekV3Output:
+    def head(self, h_BSH, emb_BSH, labels, cos_SP, sin_SP, shards, document_ids=None, mask=None) -> DeepseekV3Output:
         """Final norm and logits, and with `labels [B, S]` the next-token and MTP losses, from the last decoder
-        layer's output `h` and the embedding `emb` (see `embed`)."""
+        layer's output `h` and the embedding `emb` (see `embed`). Packed documents: `document_ids [B, S]` and their
+        `mask` (`attention_inputs`), both None without.
+
+        MTP depth k with packed documents: position i holds the state of token i and the embedding of token i + k;
+        its rotary position is token i + k's (the shifted tables) and its attention mask token i's (the mask's
+        first S - k rows and columns), as Megatron's MTP rolls the position ids and keeps the main model's mask.
+        So a position whose tokens i and i + k lie in one document sees exactly what that document alone gives;
+        the others (the last k of each document) mix two documents: their targets are ignored
+        (`documents.mtp_labels`) and no position of their document attends to them (they come last in it)."""
         tp = self.tp_group
         h_BSH = self.norm(h_BSH)
         logits_BSV = self._logits(h_BSH, shards)
@@ -345,10 +397,14 @@ class DeepseekV3ForCausalLM(nn.Module):
                 loss_sum, count = logits_BSV.new_zeros((), dtype=torch.float32), labels.new_zeros(())
             else:
                 h_in, emb_in, mtp_shards = self._mtp_inputs(h_BSH, emb_BSH, shards, depth, length)
-                args = (h_in, emb_in, cos_SP[depth:], sin_SP[depth:], mtp_shards)
+                # The tables' position axis is the second last: `[S, Dr/2]` or per row `[B, S, Dr/2]`.
+                args = (h_in, emb_in, cos_SP[..., depth:, :], sin_SP[..., depth:, :], mtp_shards)
+                if mask is not None:
+                    args += (mask[..., :length, :length],)
                 h_BSH = checkpoint(module, *args) if self.recompute.mtp_checkpointed else module(*args)
                 shards = mtp_shards
-                loss_sum, count = next_token_loss(self._logits(h_BSH, shards), labels, depth + 1, tp, self.vocab_start)
+                targets = labels if document_ids is None else documents.mtp_labels(labels, document_ids, depth)
+                loss_sum, count = next_token_loss(self._logits(h_BSH, shards), targets, depth + 1, tp, self.vocab_start)
             out.mtp_loss_sums.append(loss_sum)
             out.mtp_num_tokens.append(count)
             means.append(loss_sum / count.clamp(min=1))
@@ -397,7 +453,7 @@ class DeepseekV3ForCausalLM(nn.Module):
             )
 
 
-def _run_layers(layers: list[nn.Module], cos_SP, sin_SP, shards, h_BSH: torch.Tensor) -> torch.Tensor:
+def _run_layers(layers: list[nn.Module], cos_SP, sin_SP, shards, mask, h_BSH: torch.Tensor) -> torch.Tensor:
     for layer in layers:
-        h_BSH = layer(h_BSH, cos_SP, sin_SP, shards)
+        h_BSH = layer(h_BSH, cos_SP, sin_SP, shards, mask)
     return h_BSH

@@ -63,14 +63,18 @@ class MTPModule(DecoderLayer):
         cos_SP: torch.Tensor,
         sin_SP: torch.Tensor,
         shards: SequenceShards | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Args:
             h_prev_BSH: `[B, S, H]` the previous depth's normalised states at positions i.
             emb_BSH: `[B, S, H]` embeddings of the tokens at positions i + depth.
-            cos_SP, sin_SP: rotary tables `[S, Dr/2]` of the positions i + depth (those of the embedded tokens).
+            cos_SP, sin_SP: rotary tables `[S, Dr/2]` (or per row `[B, S, Dr/2]`) of the positions i + depth (those
+                of the embedded tokens).
             shards: with sequence parallelism, the split of the S positions: `h_prev` and `emb` are this rank's
                 `[B, S_r, H]`, and so is the result (the norms and `eh_proj` run on the local positions).
+            mask: the attention's: None (causal) or the `[B, 1, S, S]` bias of the positions i (packed documents: the
+                documents of the states h_prev, as Megatron's MTP keeps the main model's mask).
         Returns `[B, S, H]`, normalised by `shared_head.norm` (input of the output head and of the next depth).
         """
         x = self.eh_proj(torch.cat((self.enorm(emb_BSH), self.hnorm(h_prev_BSH)), dim=-1))
-        return self.shared_head.norm(super().forward(x, cos_SP, sin_SP, shards))
+        return self.shared_head.norm(super().forward(x, cos_SP, sin_SP, shards, mask))

@@ -72,20 +72,22 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq, self.attention_factor = inverse_frequencies(rope_parameters, dim)
         self.register_buffer("inv_freq", inv_freq if device is None else inv_freq.to(device), persistent=False)
 
-    def forward(self, positions_S: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(cos [S, D/2], sin [S, D/2])` in `dtype` for integer `positions_S` (angles in float32)."""
-        angles = positions_S.float()[:, None] * self.inv_freq.float()[None, :]
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cos, sin)` `[..., D/2]` in `dtype` for integer `positions` `[...]` (angles in float32): `[S, D/2]` for
+        one position axis shared by the rows, `[B, S, D/2]` for per-row positions (packed documents)."""
+        angles = positions.float()[..., None] * self.inv_freq.float()
         return (angles.cos() * self.attention_factor).to(dtype), (angles.sin() * self.attention_factor).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotate `x [B, S, N, D]` by position. Pair `j` is `(x[2j], x[2j+1])` when `interleaved` (DeepSeek's layout),
-    `(x[j], x[j + D/2])` otherwise. Returns the rotated pairs as `[first elements | second elements]` (the half
-    layout): queries and keys go through the same permutation, so their dot products are those of the input
-    layout."""
+    """Rotate `x [B, S, N, D]` by position: the tables `[S, D/2]` (one per position, broadcast over the rows) or
+    `[B, S, D/2]` (one per row and position); either broadcasts over the heads. Pair `j` is `(x[2j], x[2j+1])`
+    when `interleaved` (DeepSeek's layout), `(x[j], x[j + D/2])` otherwise. Returns the rotated pairs as
+    `[first elements | second elements]` (the half layout): queries and keys go through the same permutation, so
+    their dot products are those of the input layout."""
     if interleaved:
         x1, x2 = x[..., 0::2], x[..., 1::2]
     else:
         x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos_SP[:, None, :], sin_SP[:, None, :]
+    cos, sin = cos_SP.unsqueeze(-2), sin_SP.unsqueeze(-2)  # the heads axis: [S, 1, D/2] or [B, S, 1, D/2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -28,12 +28,13 @@ from moe.train.checkpoint.run_dir import (
     remove_partials,
     set_latest,
 )
-from moe.train.checkpoint.state import TrainState
+from moe.train.checkpoint.state import TrainState, check_same_data
 from moe.train.checkpoint.writer import CheckpointWriteError, SaveStats
 
 __all__ = [
     "NoResumableCheckpoint",
     "CHECKPOINTS", "LATEST", "TRAINER_STATE", "CheckpointWriteError", "Checkpointer", "ModelIO", "SaveStats",
-    "TrainState", "checkpoint_name", "checkpoints_dir", "find_resumable", "is_complete", "latest_checkpoint",
-    "list_checkpoints", "no_resumable_reason", "purge", "read_trainer_state", "remove_partials", "set_latest",
+    "TrainState", "check_same_data", "checkpoint_name", "checkpoints_dir", "find_resumable", "is_complete",
+    "latest_checkpoint", "list_checkpoints", "no_resumable_reason", "purge", "read_trainer_state", "remove_partials",
+    "set_latest",
 ]  # fmt: skip

@@ -305,11 +305,16 @@ class TrainProgress(Component):
 
 
 class DataPosition(Component):
-    """Where the data stands: batch = step (`TokenBatches` is a function of the step), recorded with what it
-    depends on, which a resumed run must share."""
+    """Where the data stands: batch = step (every `DataSource` is a function of the step), recorded with what it
+    depends on, which a resumed run must share: the batch shape, the training windows and the data's identity
+    (`DataSource.identity()`: its fingerprint, the blend's prefixes and weights)."""
 
     def __init__(self, config, batches, progress: TrainProgress) -> None:
         self.config, self.batches, self.progress = config, batches, progress
+
+    def _identity(self) -> dict[str, Any]:
+        identity = getattr(self.batches, "identity", None)
+        return identity() if identity is not None else {}
 
     def state_dict(self) -> StatePart:
         step, cfg = self.progress.step, self.config
@@ -320,6 +325,7 @@ class DataPosition(Component):
             "global_batch": cfg.global_batch,
             "seq_len": cfg.seq_len,
             "num_train_windows": self.batches.num_train,
+            **self._identity(),
         }})  # fmt: skip
 
     def load_state_dict(self, source: LoadSource) -> None:
@@ -332,6 +338,21 @@ class DataPosition(Component):
                     f"{source.path} was trained with {key}={data[key]}, this run has {mine}: the data position would "
                     "not carry over"
                 )
+        check_same_data(saved, self._identity(), source.path)
+
+
+def check_same_data(saved: dict[str, Any], identity: dict[str, Any], path) -> None:
+    """ValueError unless the checkpoint at `path`, whose trainer state's "data" is `saved`, was trained on the data
+    of `identity` (`DataSource.identity()`). Checkpoints from before the fingerprint was recorded carry none:
+    nothing to compare."""
+    if "fingerprint" in saved and "fingerprint" in identity and saved["fingerprint"] != identity["fingerprint"]:
+        theirs = {k: saved[k] for k in ("source", "prefixes", "weights") if k in saved}
+        mine = {k: identity[k] for k in ("source", "prefixes", "weights") if k in identity}
+        raise ValueError(
+            f"{path} was trained on other data (fingerprint {saved['fingerprint'][:12]} {theirs}, this run "
+            f"{identity['fingerprint'][:12]} {mine}): its data position would not carry over; resume with the "
+            "same data and weights, or start a new run (--init)"
+        )
 
 
 class LRSchedule(Component):
