@@ -41,6 +41,12 @@ if ! "$VENV_PY" -c "import importlib.metadata as m, sys; sys.exit(any(m.version(
     "$VENV_PY" -m pip install -q --no-deps --ignore-requires-python "${CLIENT_PKGS[@]}"
 fi
 
+# Parquet corpora: moe/data/corpus.py reads .parquet when pyarrow is present, and the tests read one.
+if ! "$VENV_PY" -c "import pyarrow" 2>/dev/null; then
+    echo "[env] installing pyarrow (parquet corpora)"
+    "$VENV_PY" -m pip install -q pyarrow
+fi
+
 # Rebuild the extension only when its sources or the build script changed.
 stamp="$(cat setup.py $(find csrc -type f | sort) | sha256sum | cut -c1-16)"
 if [ "$(cat .venv/.mtdeepep-build 2>/dev/null)" != "$stamp" ] || ! "$VENV_PY" -c "import mtdeepep" 2>/dev/null; then
