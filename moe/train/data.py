@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe.data import tokenizer as data_tokenizer
 from moe.io.atomic import fsync_path
 from moe.models.deepseek_v3.tokenizer import END_OF_TEXT
 from moe.train.config import DataConfig
@@ -101,25 +102,8 @@ def _cache_key(cfg: DataConfig, vocab_size: int, corpus_digest: str) -> str:
 
 def train_tokenizer(texts: list[str], vocab_size: int, kind: str):
     """A byte-level `tokenizers.Tokenizer` with the end-of-text token as id 0: BPE merges up to `vocab_size`
-    ("bpe"), or none ("bytes"). Every id is below `vocab_size`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    if vocab_size < _BYTE_ALPHABET + 1:
-        raise ValueError(f"a byte-level tokenizer needs vocab_size >= {_BYTE_ALPHABET + 1}, got {vocab_size}")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size if kind == "bpe" else _BYTE_ALPHABET + 1,
-        min_frequency=2,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer, length=len(texts))
-    if tok.get_vocab_size() > vocab_size:  # the trainer counts the special token inside vocab_size; check anyway
-        raise RuntimeError(f"trained {tok.get_vocab_size()} tokens for vocab_size={vocab_size}")
-    return tok
+    ("bpe"), or none ("bytes"). Every id is below `vocab_size`. (moe/data/tokenizer.py's trainer, unwrapped.)"""
+    return data_tokenizer.train_tokenizer(texts, vocab_size, kind).tokenizer
 
 
 @dataclass

@@ -27,8 +27,8 @@ Both sides are held to `--cores` CPUs (affinity, inherited by the workers; rayon
 
 Run (2 cores; under 10 minutes together):
 
-    .venv/bin/python bench/tokenize.py --size-mb 64
-    .venv/bin/python bench/tokenize.py --rss --text words --size-mb 3072
+    .venv/bin/python bench/tokenization.py --size-mb 64
+    .venv/bin/python bench/tokenization.py --rss --text words --size-mb 3072
 """
 
 from __future__ import annotations
