@@ -45,7 +45,6 @@ ALLOWED = {
         "matplotlib.backends.backend_agg",
     ): "plots only: matplotlib is optional",
     ("moe/models/deepseek_v3/decode_timeline.py", "matplotlib.figure"): "plots only",
-    ("moe/models/deepseek_v3/decode_timeline.py", "matplotlib.patches"): "plots only",
     ("moe/data/corpus.py", "pyarrow"): "optional: only to read .parquet",
     ("moe/data/corpus.py", "pyarrow.parquet"): "optional: only to read .parquet",
     ("moe/data/tokenizer.py", "tokenizers"): "only to train or load a tokenizer",

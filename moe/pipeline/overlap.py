@@ -219,6 +219,7 @@ def summarize(records: list[FBRecord]) -> dict:
 
 
 _SIDE_COLOURS = {"F": "#f4a259", "B": "#5b8e7d"}
+IN_FLIGHT_COLOUR, EXPOSED_COLOUR = "#c8c8c8", "#555555"  # a communication's flight, and the part its side waited
 
 
 def plot_fb(path_png: str | os.PathLike, record: FBRecord, title: str = "") -> None:
@@ -227,7 +228,6 @@ def plot_fb(path_png: str | os.PathLike, record: FBRecord, title: str = "") -> N
     that one side's communication can be seen under the other side's compute. Written atomically (PNG)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
     origin = record.start
     lanes = [("F", "compute"), ("F", "comm"), ("B", "compute"), ("B", "comm")]
@@ -252,9 +252,7 @@ def plot_fb(path_png: str | os.PathLike, record: FBRecord, title: str = "") -> N
         for comm in record.comms():
             if comm.side != side:
                 continue
-            ax.barh(row, comm.in_flight * 1e3, left=(comm.issue - origin) * 1e3, height=0.45, color="#c8c8c8",
-                    edgecolor="black", linewidth=0.4)  # fmt: skip
-            ax.barh(row, comm.exposed * 1e3, left=(comm.resume - origin) * 1e3, height=0.45, color="#555555")
+            draw_comm(ax, row, comm, origin)
             ax.text((comm.issue - origin) * 1e3, row - 0.3, comm.name.replace("_backward", "-bwd"), fontsize=6)
     s = summarize([record])
     hidden = s["comm_hidden_s"] / s["comm_in_flight_s"] if s["comm_in_flight_s"] else 0.0
@@ -262,12 +260,26 @@ def plot_fb(path_png: str | os.PathLike, record: FBRecord, title: str = "") -> N
     ax.set_title(f"{head}F&B {record.duration * 1e3:.2f} ms; MoE comm in flight {s['comm_in_flight_s'] * 1e3:.2f} ms, "
                  f"{hidden:.0%} of it under the other side's compute, exposed wait {s['comm_exposed_s'] * 1e3:.2f} ms",
                  fontsize=9)  # fmt: skip
-    handles = [
-        Patch(facecolor=_SIDE_COLOURS["F"], label="forward compute"),
-        Patch(facecolor=_SIDE_COLOURS["B"], label="backward compute"),
-        Patch(facecolor="#c8c8c8", label="comm in flight"),
-        Patch(facecolor="#555555", label="exposed wait"),
-    ]
+    compute = {_SIDE_COLOURS["F"]: "forward compute", _SIDE_COLOURS["B"]: "backward compute"}
+    save_with_legend(fig, ax, path_png, compute, "comm in flight")
+
+
+def draw_comm(ax, row: float, comm: Comm, origin: float) -> None:
+    """Draws `comm` on lane `row` of an axis in ms from `origin`: its flight (issue -> done) light, its exposed wait
+    (resume -> done: the side blocked) dark over it."""
+    ax.barh(row, comm.in_flight * 1e3, left=(comm.issue - origin) * 1e3, height=0.45, color=IN_FLIGHT_COLOUR,
+            edgecolor="black", linewidth=0.4)  # fmt: skip
+    ax.barh(row, comm.exposed * 1e3, left=(comm.resume - origin) * 1e3, height=0.45, color=EXPOSED_COLOUR)
+
+
+def save_with_legend(fig, ax, path_png: str | os.PathLike, compute: dict[str, str], in_flight_label: str) -> None:
+    """A legend right of `ax` (`compute`: colour -> label of the compute bars, then the communication's two shades),
+    then `fig` written as a PNG, atomically."""
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=colour, label=label) for colour, label in compute.items()]
+    handles += [Patch(facecolor=IN_FLIGHT_COLOUR, label=in_flight_label), Patch(facecolor=EXPOSED_COLOUR,
+                                                                               label="exposed wait")]  # fmt: skip
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
     buf = io.BytesIO()

@@ -13,13 +13,13 @@ flight under the other micro-batch's compute.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from moe.interleave import Event, comms_of, compute_spans
+from moe.pipeline.overlap import draw_comm, save_with_legend
 from moe.pipeline.timeline import _write_atomic
 
 SIDES = ("A", "B")
@@ -80,7 +80,6 @@ def plot_step(path_png: str | os.PathLike, per_rank: Sequence[Sequence[Event]], 
     """Draws the step (see the module docstring), written atomically as a PNG."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
     origin = _origin(per_rank)
     lanes = [(r, side, what) for r in range(len(per_rank)) for side in SIDES for what in ("compute", "comm")]
@@ -102,9 +101,7 @@ def plot_step(path_png: str | os.PathLike, per_rank: Sequence[Sequence[Event]], 
         for comm in comms_of(events):
             if comm.side != side:
                 continue
-            ax.barh(row, comm.in_flight * 1e3, left=(comm.issue - origin) * 1e3, height=0.45, color="#c8c8c8",
-                    edgecolor="black", linewidth=0.3)  # fmt: skip
-            ax.barh(row, comm.exposed * 1e3, left=(comm.resume - origin) * 1e3, height=0.45, color="#555555")
+            draw_comm(ax, row, comm, origin)
     sums = [step_summary(events) for events in per_rank]
     in_flight = sum(s["in_flight"] for s in sums)
     hidden = sum(s["hidden"] for s in sums) / in_flight if in_flight else 0.0
@@ -112,14 +109,5 @@ def plot_step(path_png: str | os.PathLike, per_rank: Sequence[Sequence[Event]], 
     ax.set_title(f"{head}step {max(s['step'] for s in sums) * 1e3:.2f} ms; MoE comm in flight "
                  f"{in_flight * 1e3:.2f} ms over the ranks, {hidden:.0%} of it under the other micro-batch",
                  fontsize=9)  # fmt: skip
-    handles = [
-        Patch(facecolor=_COLOURS["A"], label="micro-batch A compute"),
-        Patch(facecolor=_COLOURS["B"], label="micro-batch B compute"),
-        Patch(facecolor="#c8c8c8", label="dispatch / combine in flight"),
-        Patch(facecolor="#555555", label="exposed wait"),
-    ]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    _write_atomic(path_png, buf.getvalue())
+    compute = {_COLOURS["A"]: "micro-batch A compute", _COLOURS["B"]: "micro-batch B compute"}
+    save_with_legend(fig, ax, path_png, compute, "dispatch / combine in flight")
