@@ -215,15 +215,29 @@ def test_module_level_imports_form_no_circle():
 
 
 # Run in a fresh interpreter: third-party packages are loaded once, then every library module is imported in a
-# forked child that holds none of the library yet (a circle shows as an ImportError of a partly initialised
-# module, whichever module of the circle comes first).
+# forked child (one per core at a time) that holds none of the library yet (a circle shows as an ImportError of a
+# partly initialised module, whichever module of the circle comes first).
 _ISOLATION_SCRIPT = r"""
 import json, os, sys, traceback
 sys.path.insert(0, ROOT)
 import numpy, torch, torch.distributed, torch.multiprocessing  # third party only: the library is not loaded yet
 assert not [m for m in sys.modules if m.split(".")[0] in LIBRARIES], "the library was loaded before the children"
 failures = {}
+running = {}  # pid -> (module, read end of its pipe); one child per core at a time
+
+
+def reap():
+    pid, _ = os.wait()
+    name, read = running.pop(pid)
+    with os.fdopen(read, "rb") as pipe:
+        message = pipe.read().decode()
+    if message:
+        failures[name] = message
+
+
 for name in MODULES:
+    if len(running) >= max(1, os.cpu_count() or 1):
+        reap()
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -234,14 +248,12 @@ for name in MODULES:
             message = f"loaded {strays}" if strays else ""
         except BaseException:
             message = traceback.format_exc(limit=-3)
-        os.write(write, message.encode())
+        os.write(write, message.encode()[:60000])  # under a pipe's buffer: the child never blocks before its wait
         os._exit(0)
     os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        message = pipe.read().decode()
-    os.waitpid(pid, 0)
-    if message:
-        failures[name] = message
+    running[pid] = (name, read)
+while running:
+    reap()
 print(json.dumps(failures))
 """
 
