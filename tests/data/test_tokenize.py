@@ -42,6 +42,7 @@ def test_tokens_equal_the_tokenizer_run_directly(mixed, tmp_path):
     assert load_tokenized(out.directory).manifest == out.manifest
 
 
+@pytest.mark.slow  # slow: spawns worker pools of 1 and 2 processes
 def test_files_do_not_depend_on_the_number_of_workers(mixed, tmp_path):
     corpus, _, tok = mixed
     outs = [

@@ -372,6 +372,7 @@ def tp_documents_case(ctx) -> dict:
     return errs
 
 
+@pytest.mark.slow  # slow: a 2-rank pool
 def test_tp2_sequence_parallel_packed_rows_match_one_process(tp_pools):
     results = tp_pools[2].run(tp_documents_case)
     print("TP2 packed", results)

@@ -119,7 +119,7 @@ def test_float32_tokens_equal_transformers(ep_pools, model, world, decode, overl
     assert res["step_events"] == (NEW - 1 if overlap else 0)  # one interleaved step per decode step
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_bfloat16_low_latency_diverges_only_at_ties(ep_pools, model, world, overlap):
     """At our first divergence from transformers' bfloat16 tokens (if any), the reference's top-2 logits, and the
     reference's logit of our token and its top one, differ by at most twice the reference's own bfloat16 error at
@@ -150,6 +150,7 @@ def test_bfloat16_low_latency_diverges_only_at_ties(ep_pools, model, world, over
         assert plain["ids"] == res["ids"]
 
 
+@pytest.mark.slow  # slow: two 64-token generations of a wider model
 def test_fp8_dispatch_logits_within_bound(ep_pools, fp8_model_dir, world):
     bf16 = _run(ep_pools, world, fp8_model_dir, PROMPTS, NEW, "bfloat16", None, False, False, True)
     fp8 = _run(ep_pools, world, fp8_model_dir, PROMPTS, NEW, "bfloat16", None, True, False, True)
