@@ -33,6 +33,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moe.io.shard_files import sha256_file
+
 STDLIB = "python-stdlib"
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".parquet")
@@ -171,7 +173,7 @@ class Corpus:
         """
         digest = hashlib.sha256(json.dumps({"text_field": self.text_field, "content": content}).encode())
         for f in self.files:
-            stamp = _content_sha256(f.path) if content else str(f.mtime_ns)
+            stamp = sha256_file(f.path).sha256 if content else str(f.mtime_ns)
             digest.update(f"{f.relpath}\0{f.format}\0{f.size}\0{stamp}\n".encode())
         return digest.hexdigest()
 
@@ -274,14 +276,6 @@ def _check_file(path: Path, rel: str) -> CorpusFile:
     if st.st_size == 0 and not str(path).endswith(".py"):  # an empty .py is a package marker: an empty document
         raise _at(path, None, "empty file")
     return CorpusFile(path, rel, fmt, st.st_size, st.st_mtime_ns)
-
-
-def _content_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _read_file(f: CorpusFile, text_field: str, chunk_bytes: int) -> Iterator[tuple[Segment, int, int]]:

@@ -27,14 +27,8 @@ import torch
 
 from moe.data.blend import BlendedWindows
 from moe.data.indexed import bin_path, idx_path
-
-
-def _file_sha256(path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+from moe.io.shard_files import sha256_file
+from moe.train.data_source import rank_rows
 
 
 class BlendedBatches:
@@ -94,10 +88,7 @@ class BlendedBatches:
     def local_batch(self, step: int, dp_rank: int, dp: int) -> torch.Tensor:
         """`[global_batch / dp, seq_len] int64`: data-parallel rank `dp_rank`'s rows of step `step` (only those
         are read)."""
-        if self.global_batch % dp:
-            raise ValueError(f"global_batch={self.global_batch} is not divisible by dp={dp}")
-        per_rank = self.global_batch // dp
-        return self._rows(self.samples(step)[dp_rank * per_rank : (dp_rank + 1) * per_rank])
+        return self._rows(self.samples(step)[rank_rows(self.global_batch, dp_rank, dp)])
 
     def val_tokens(self) -> torch.Tensor:
         """`[V, seq_len] int64`, V <= val_sequences: windows of the held-out documents, spread evenly over them
@@ -112,8 +103,10 @@ class BlendedBatches:
     @cached_property
     def _fingerprint(self) -> str:
         b = self.blend
-        datasets = [{"idx_sha256": _file_sha256(idx_path(e.prefix)), "bin_bytes": bin_path(e.prefix).stat().st_size}
-                    for e in b.entries]  # fmt: skip
+        datasets = [
+            {"idx_sha256": sha256_file(idx_path(e.prefix)).sha256, "bin_bytes": bin_path(e.prefix).stat().st_size}
+            for e in b.entries
+        ]
         doc = {
             "weights": [float(w) for w in b.weights],
             "datasets": datasets,

@@ -34,6 +34,7 @@ from moe.data import tokenizer as data_tokenizer
 from moe.io.atomic import fsync_path
 from moe.models.deepseek_v3.tokenizer import END_OF_TEXT
 from moe.train.config import DataConfig
+from moe.train.data_source import rank_rows
 
 EOS = END_OF_TEXT  # generation finds it by this name in a checkpoint's tokenizer.json
 FORMAT_VERSION = 1
@@ -256,10 +257,7 @@ class TokenBatches:
 
     def local_batch(self, step: int, dp_rank: int, dp: int) -> torch.Tensor:
         """`[global_batch / dp, seq_len] int64`: data-parallel rank `dp_rank`'s rows of step `step`."""
-        if self.global_batch % dp:
-            raise ValueError(f"global_batch={self.global_batch} is not divisible by dp={dp}")
-        per_rank = self.global_batch // dp
-        return self._rows(self.windows(step)[dp_rank * per_rank : (dp_rank + 1) * per_rank])
+        return self._rows(self.windows(step)[rank_rows(self.global_batch, dp_rank, dp)])
 
     def val_tokens(self) -> torch.Tensor:
         """`[val_sequences, seq_len] int64`: the held-out windows (never in a training batch)."""

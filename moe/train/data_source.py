@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
-IGNORE_INDEX = -100
+from moe.parallel.cross_entropy import IGNORE_INDEX
 
 
 class DataSource(Protocol):
@@ -49,6 +49,15 @@ class DataSource(Protocol):
     def identity(self) -> dict[str, Any]:
         """JSON-able facts the order depends on besides the seed, the batch and seq_len (a fingerprint of the
         data); a checkpoint records them and a resume on other data is refused."""
+
+
+def rank_rows(global_batch: int, dp_rank: int, dp: int) -> slice:
+    """The rows of a global batch that data-parallel rank `dp_rank` of `dp` trains on: `[r G / dp, (r + 1) G / dp)`.
+    ValueError when `dp` does not divide the batch."""
+    if global_batch % dp:
+        raise ValueError(f"global_batch={global_batch} is not divisible by dp={dp}")
+    per_rank = global_batch // dp
+    return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
 
 
 def eod_masked_labels(tokens_BS: torch.Tensor, eod_id: int) -> torch.Tensor:

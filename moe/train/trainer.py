@@ -65,8 +65,6 @@ from moe.train.schedule import lr_at
 from moe.train.straggler import StragglerMonitor, slow_rank_event
 from moe.train.zero import DistributedAdamW, ZeroConfig
 
-IGNORE_INDEX = -100
-
 
 def step_seed(seed: int, step: int) -> int:
     """The torch seed of optimizer step `step` of a run seeded `seed` (independent of the layout)."""
@@ -77,13 +75,10 @@ def target_counts(labels_BS: torch.Tensor, num_mtp: int, document_ids: torch.Ten
     """`[1 + num_mtp] float64`: next-token targets of the main head and of each MTP depth in `labels_BS`.
 
     HF's shift convention: position t predicts `labels[t + 1]` (depth d: `labels[t + 1 + d]`); -100 is ignored.
-    With packed `document_ids [B, S]`, the MTP depths also drop the targets whose input spans two documents, as the
-    model does (`documents.target_counts`).
+    With packed `document_ids [B, S]`, the MTP depths also drop the targets whose input spans two documents. The
+    model's own count (`documents.target_counts`), so the normalisers always equal what the forward keeps.
     """
-    if document_ids is not None:
-        return documents.target_counts(labels_BS, document_ids, num_mtp)
-    valid = labels_BS != IGNORE_INDEX
-    return torch.tensor([float(valid[:, 1 + d :].sum()) for d in range(1 + num_mtp)], dtype=torch.float64)
+    return documents.target_counts(labels_BS, document_ids, num_mtp)
 
 
 class Trainer:

@@ -51,17 +51,20 @@ class DecodeDispatch:
     num_max_dispatch_tokens_per_rank: int = DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
     fp8: bool = False
 
-    def resolved(self, dtype: torch.dtype) -> DecodeDispatch:
-        """This plan with `decode` filled in for a model of `dtype`, checked (`check_decode_dispatch`)."""
-        decode = "flex_ll" if self.fp8 else default_decode_dispatcher(dtype)  # FP8 rows: the low-latency kernels
-        plan = self if self.decode is not None else dataclasses.replace(self, decode=decode)
-        check_decode_dispatch(plan, dtype)
+    def resolved(self, dtype: torch.dtype, hidden_size: int | None = None) -> DecodeDispatch:
+        """This plan with `decode` filled in for a model of `dtype`, checked (`check_decode_dispatch`, with the
+        model's `hidden_size` when given)."""
+        plan = self
+        if plan.decode is None:
+            plan = dataclasses.replace(self, decode=default_decode_dispatcher(dtype, self.fp8))
+        check_decode_dispatch(plan, dtype, hidden_size)
         return plan
 
 
-def default_decode_dispatcher(dtype: torch.dtype) -> str:
-    """'flex_ll' for a BF16 model; 'flex' otherwise (the low-latency kernels move BF16 or FP8 rows only)."""
-    return "flex_ll" if dtype in LOW_LATENCY_DTYPES else "flex"
+def default_decode_dispatcher(dtype: torch.dtype, fp8: bool = False) -> str:
+    """'flex_ll' for a BF16 model or FP8 rows (the low-latency kernels move BF16 or FP8 rows only); 'flex'
+    otherwise."""
+    return "flex_ll" if fp8 or dtype in LOW_LATENCY_DTYPES else "flex"
 
 
 def check_decode_dispatch(plan: DecodeDispatch, dtype: torch.dtype, hidden_size: int | None = None) -> None:
@@ -74,7 +77,7 @@ def check_decode_dispatch(plan: DecodeDispatch, dtype: torch.dtype, hidden_size:
     T_max = plan.num_max_dispatch_tokens_per_rank
     if isinstance(T_max, bool) or not isinstance(T_max, int) or T_max < 1:
         raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {T_max!r}")
-    decode = plan.decode if plan.decode is not None else "flex_ll" if plan.fp8 else default_decode_dispatcher(dtype)
+    decode = plan.decode if plan.decode is not None else default_decode_dispatcher(dtype, plan.fp8)
     if decode == "flex_ll" and dtype not in LOW_LATENCY_DTYPES:
         raise ValueError(
             f"the low-latency dispatcher ('flex_ll') moves bfloat16 or FP8 rows, the model is {dtype}: decode in "

@@ -22,8 +22,7 @@ from __future__ import annotations
 import torch
 
 from moe.models.deepseek_v3.config import DeepseekV3Config
-
-IGNORE_INDEX = -100
+from moe.parallel.cross_entropy import IGNORE_INDEX
 
 
 def document_ids(input_ids: torch.Tensor, eod_id: int) -> torch.Tensor:

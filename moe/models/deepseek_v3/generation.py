@@ -108,21 +108,12 @@ class DecodeTrace:
     logits: list[torch.Tensor] = field(default_factory=list)
 
 
-def _all_ranks(flag: bool, group: dist.ProcessGroup | None) -> bool:
-    """`flag` and-ed over `group` (a MIN all-reduce; None: the flag itself)."""
-    if group is None:
-        return flag
-    value = torch.tensor([int(flag)], dtype=torch.int32)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
-    return bool(value.item())
-
-
-def _max_over_ranks(value: int, group: dist.ProcessGroup | None) -> int:
-    """`value`'s maximum over `group` (None: the value itself)."""
+def _reduce_over_ranks(value: int, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> int:
+    """`value` reduced with `op` (MIN, MAX) over `group` (None: the value itself)."""
     if group is None:
         return value
     out = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(out, op=op, group=group)
     return int(out.item())
 
 
@@ -218,7 +209,7 @@ def generate(
     started = _now(device)
     # The last new token is returned, not fed back: it needs no cache position. Expert parallel: the longest prompt
     # of all ranks sets the number of prefill chunks every rank runs (their MoE layers communicate in each).
-    longest = _max_over_ranks(max(p.numel() for p in prompts), group)
+    longest = _reduce_over_ranks(max(p.numel() for p in prompts), dist.ReduceOp.MAX, group)
     capacity = longest + max_new_tokens - 1
     num_chunks = None if prefill_chunk_size is None else -(-longest // prefill_chunk_size)
     cache, logits_BV = prefill(
@@ -241,7 +232,7 @@ def generate(
                 new_tokens.append(next_B)
                 if eos_token_id is not None:
                     finished_B = finished_B | (next_B == eos_token_id)
-                if step == max_new_tokens - 1 or _all_ranks(bool(finished_B.all()), group):
+                if step == max_new_tokens - 1 or _reduce_over_ranks(int(finished_B.all()), dist.ReduceOp.MIN, group):
                     break
                 # Finished rows keep stepping (with padding) so the batch stays rectangular; their output is cut below.
                 logits_BV = decode_step(model, next_B, cache, halves, interleaver, trace)

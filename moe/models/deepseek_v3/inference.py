@@ -27,7 +27,6 @@ from moe.models.deepseek_v3.decode_dispatch import (
     DecodeDispatch,
     DecodeDispatchers,
     check_decode_batch,
-    check_decode_dispatch,
 )
 from moe.models.deepseek_v3.generation import GenerationTimes
 from moe.models.deepseek_v3.model import DeepseekV3ForCausalLM
@@ -102,8 +101,7 @@ def check_parallel_options(
     )
     if ep == 1 and decode_dispatcher is None and not fp8_dispatch:
         plan = dataclasses.replace(plan, decode="flex")  # one process: nothing travels; the model's own dispatcher
-    plan = plan.resolved(dtype)
-    check_decode_dispatch(plan, dtype, config.hidden_size)
+    plan = plan.resolved(dtype, config.hidden_size)
     per_rank = -(-num_prompts // ep)
     if overlap and per_rank < 2:
         raise ValueError(
