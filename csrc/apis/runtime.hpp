@@ -82,6 +82,22 @@ inline void register_runtime(py::module_& m) {
         .def("num_nvl_bytes", &Runtime::num_nvl_bytes)
         .def("num_ll_bytes", &Runtime::num_ll_bytes)
         .def(
+            "region_addresses",
+            [](const Runtime& self, bool low_latency_area) {
+                // Every rank's normal region (or low-latency area) as mapped in this process: the peer table of
+                // executors whose kernels address the peers directly (the Triton executor). Valid while the
+                // runtime lives and is connected; the views of `get_local_buffer_tensor` keep only this rank's.
+                self.check_usable();
+                if (!self.has_peers()) throw CommError("mtdeepep: region_addresses before connect()");
+                std::vector<int64_t> addresses;
+                for (int r = 0; r < self.num_ranks(); ++r)
+                    addresses.push_back(
+                        reinterpret_cast<int64_t>(low_latency_area ? self.ll_region(r) : self.nvl_region(r)));
+                return addresses;
+            },
+            py::arg("low_latency_area"),
+            "The address of every rank's normal region (or low-latency area) in this process (after connect).")
+        .def(
             "get_local_buffer_tensor",
             [](const Runtime& self, const py::object& dtype, int64_t offset, bool low_latency_area) {
                 return self.get_local_buffer_tensor(torch::python::detail::py_object_to_dtype(dtype), offset,
