@@ -338,6 +338,21 @@ def load_imbalance(counts_E: torch.Tensor) -> float:
     return 1.0 if mean <= 0 else float(counts_E.float().max() / mean)
 
 
+def load_spread(counts_E: torch.Tensor) -> dict[str, float]:
+    """How evenly a layer's tokens spread over its experts, from its per-expert counts `[E]`: `max_over_mean` (1.0 =
+    balanced; `load_imbalance`), `min_over_mean` (0.0: an idle expert) and `cv`, the coefficient of variation
+    (population standard deviation over the mean; 0.0 = balanced). An empty batch reads as balanced."""
+    counts = counts_E.double()
+    mean = counts.mean()
+    if mean <= 0:
+        return {"max_over_mean": 1.0, "min_over_mean": 1.0, "cv": 0.0}
+    return {
+        "max_over_mean": float(counts.max() / mean),
+        "min_over_mean": float(counts.min() / mean),
+        "cv": float(counts.std(correction=0) / mean),
+    }
+
+
 def group_size(group: dist.ProcessGroup | None) -> int:
     """Number of ranks of `group`; 1 for None or without an initialised process group."""
     if group is None or not dist.is_available() or not dist.is_initialized():

@@ -27,6 +27,7 @@ from moe.phase_timer import PhaseTimer, mark_backward, phase
 from moe.recompute import checkpointed
 from moe.replication import HotExpertReplicas
 from moe.router import RouterOutput, TopKRouter
+from moe.trace_regions import COMBINE, DISPATCH, EXPERT_GEMM, ROUTER, SHARED_EXPERTS, region
 
 
 class MoELayer(nn.Module):
@@ -186,7 +187,8 @@ class MoELayer(nn.Module):
         light = self.recompute_level in ("light", "medium")
 
         # Step 1: route (float32), then enforce the capacity limit.
-        route = checkpointed(light, self.router, x_TH)
+        with region(ROUTER):
+            route = checkpointed(light, self.router, x_TH)
         probs_TK, topk_idx_TK, num_dropped = route.probs_TK, route.topk_idx_TK, 0
         capacity = None
         if cfg.moe_expert_capacity_factor is not None:
@@ -208,13 +210,14 @@ class MoELayer(nn.Module):
         wgrad_store = self._wgrad_store()
         x_dispatch_TH = x_TH if wgrad_store is None else wgrad_store.anchor(x_TH)
         timer = self.phase_timer  # the overlapped shared expert is compute: timed outside the dispatch
-        with phase(timer, "dispatch"):
+        with phase(timer, "dispatch"), region(DISPATCH):
             pending = self.dispatcher.dispatch_begin(x_dispatch_TH, probs_TK, dispatch_idx_TK)
         shared_TH = None
         if self.shared_experts is not None and cfg.moe_shared_expert_overlap and self.dispatcher.supports_async:
             shared_TH = self._shared(x_TH)
         communicates = self.dispatch_group_size > 1
-        with phase(timer, "dispatch"), in_flight("dispatch", self.dispatcher.supports_async and communicates):
+        overlapped = self.dispatcher.supports_async and communicates
+        with phase(timer, "dispatch"), region(DISPATCH), in_flight("dispatch", overlapped):
             dispatched = self.dispatcher.dispatch_end(pending)
 
         # Step 3: local experts (recomputing their activations in backward if the level or the row count says so;
@@ -222,19 +225,20 @@ class MoELayer(nn.Module):
         # applied in float32); the hot slots run on the copies while the combine is in flight.
         num_replicated = 0 if hot_TK is None else int(hot_TK.sum())
         expert_recompute = self._expert_recompute(sum(dispatched.tokens_per_expert) + num_replicated)
-        with wgrad.deferring(wgrad_store):
+        with wgrad.deferring(wgrad_store), region(EXPERT_GEMM):
             expert_out_NH = self._run_experts(dispatched, capacity, num_tokens, expert_recompute)
         num_dropped += self.experts.last_num_dropped
         # The combine's backward (a dispatch of the gradients) is bracketed by two marks (moe/phase_timer.py).
         marked = timer is not None and torch.is_grad_enabled() and expert_out_NH.requires_grad
         if marked:
             expert_out_NH = mark_backward(expert_out_NH, timer, "combine", enter=False)
-        with phase(timer, "combine"):
+        with phase(timer, "combine"), region(COMBINE):
             combining = self.dispatcher.combine_begin(expert_out_NH, dispatched.handle)
         hot_out_TH = None
         if hot_TK is not None:
             hot_out_TH = self.replicas(self.experts, x_TH, probs_TK, topk_idx_TK, hot_TK, expert_recompute)
-        with phase(timer, "combine"), in_flight("combine", self.dispatcher.supports_async_combine and communicates):
+        overlapped = self.dispatcher.supports_async_combine and communicates
+        with phase(timer, "combine"), region(COMBINE), in_flight("combine", overlapped):
             out_TH = self.dispatcher.combine_end(combining)
         if marked:
             out_TH = mark_backward(out_TH, timer, "combine", enter=True)
@@ -278,7 +282,8 @@ class MoELayer(nn.Module):
         return "act" if self.recompute_level == "light" else None
 
     def _shared(self, x_TH: torch.Tensor) -> torch.Tensor:
-        return checkpointed(self.recompute_level == "medium", self.shared_experts, x_TH)
+        with region(SHARED_EXPERTS):
+            return checkpointed(self.recompute_level == "medium", self.shared_experts, x_TH)
 
     def _run_experts(
         self, dispatched: DispatchResult, capacity: int | None, num_tokens: int, recompute: str | None

@@ -29,6 +29,12 @@ Data ([training.data], moe/train/run_data.py): this Python's standard library or
 datasets blended by weight (`--data-path W1 PREFIX1 ...`), with Megatron's `--eod-mask-loss`, `--reset-position-ids`
 and `--reset-attention-mask`.
 
+Where users watch a run (moe/train/loggers.py, moe/train/profiling.py): `--tensorboard-dir DIR` (TensorBoard scalars of
+every metrics.jsonl number, and the resolved config), `--wandb-project P [--wandb-exp-name N --wandb-save-dir D]`
+(the same through Weights & Biases), `--profile --profile-step-start N --profile-step-end M [--profile-ranks R ...]`
+(a torch.profiler trace of steps N+1..M per rank, the top operators printed at the end); torchtitan's [metrics] and
+[profiling] keys too.
+
 Writes into RUN_DIR: run.json (layout and config), metrics.jsonl (one line per optimizer step, and events), loss.png,
 tokenizer.json, val_tokens.npy (held-out sequences for evaluate.py), checkpoints/step_N/ and checkpoints/latest.
 Checkpoints are sharded flash checkpoints (moe/train/checkpoint/: each rank writes its shard in the background); the
@@ -46,6 +52,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -68,8 +75,10 @@ from moe.train import checkpoint as ckpt  # noqa: E402
 from moe.train import job_config  # noqa: E402
 from moe.train.data_source import DataSource  # noqa: E402
 from moe.train.faults import FaultPlan  # noqa: E402
+from moe.train.loggers import open_loggers  # noqa: E402
 from moe.train.metrics import LOSS_PNG, METRICS, loss_table, plot_loss, read_metrics  # noqa: E402
 from moe.train.parallel import Layout, ParallelState, env_local_rank  # noqa: E402
+from moe.train.profiling import StepProfiler  # noqa: E402
 from moe.train.rewind import TrainingStopped  # noqa: E402
 from moe.train.run_data import RunData, prepare_run_data  # noqa: E402
 from moe.train.trainer import Trainer  # noqa: E402
@@ -217,6 +226,14 @@ def build(args, checked: CheckedJob) -> BuiltRun:
         load=lambda path: load_model(model, path),
         write_config=write_config,
     )
+    # TensorBoard / W&B on the main rank, opened by `fit` once the starting step is known (a resumed TensorBoard run
+    # continues); the profiler on the ranks it profiles.
+    loggers = None
+    if job.metrics.tensorboard or job.metrics.wandb:
+        loggers = partial(open_loggers, job.metrics, checked.run_dir, tables=job.tables, config_toml=job.toml())
+    profiler = None
+    if job.profiling.profiles_rank(parallel.rank):
+        profiler = StepProfiler(job.profiling, checked.run_dir, parallel.rank, train_cfg.steps)
     trainer = Trainer(model, train_cfg, parallel, checked.batches, checked.run_dir, seed=args.seed,
                           model_io=model_io, mtp_loss_weight=model_cfg.mtp_loss_weight,
                           num_mtp=model_cfg.num_nextn_predict_layers,
@@ -224,7 +241,7 @@ def build(args, checked: CheckedJob) -> BuiltRun:
                           run_info={"title": _title(args, layout)}, pipeline=pipeline, faults=checked.faults,
                           checkpoint_timeout_s=args.timeout,
                           model_flops_per_token=mfu_basis["model_flops_per_token"] if peak is not None else None,
-                          peak_flops_per_rank=peak)  # fmt: skip
+                          peak_flops_per_rank=peak, loggers=loggers, profiler=profiler)  # fmt: skip
     return BuiltRun(parallel, ep_buffers, model, pipeline, trainer, mfu_basis)
 
 
@@ -288,8 +305,12 @@ def start(args, checked: CheckedJob, run: BuiltRun) -> int:
 
 
 def report(checked: CheckedJob, run: BuiltRun, seconds: float) -> None:
-    """Phase 5: the pipeline timeline (if asked for) and the summary of the run."""
+    """Phase 5: the pipeline timeline (if asked for), the profiled ranks' top operators and the summary of the
+    run."""
     run_dir = checked.run_dir
+    profiler = run.trainer.profiler
+    if profiler is not None and profiler.tables:
+        print(profiler.summary(), flush=True)
     if run.pipeline is not None and checked.job.parallel.pipeline_timeline:
         bubble = run.pipeline.write_timeline(run_dir / "pipeline_timeline.json", run_dir / "pipeline_timeline.png")
         if run.parallel.is_main:

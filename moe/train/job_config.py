@@ -5,6 +5,8 @@ the command line, validated before any process group exists (moe/train/config_tr
     [training]    TrainingConfig       (moe/train/config.py), with [training.data] DataConfig
     [parallel]    ParallelConfig       (below): tp, pp, ep, etp, the schedule, the FP8 recipe, pipeline options
     [recompute]   RecomputeConfig      (moe/models/deepseek_v3/recompute.py)
+    [metrics]     MetricsConfig        (moe/train/loggers.py): TensorBoard and Weights & Biases
+    [profiling]   ProfilingConfig      (moe/train/profiling.py): torch.profiler over chosen steps and ranks
 
 Every field can be set in the file or as `--section.key value` (`--training.lr 1e-3`, `--parallel.tp 2`,
 `--model.rope_parameters.rope_theta 5e4`). The short flags (`--tp`, `--ep`, `--steps`, ...) and Megatron's option
@@ -33,7 +35,9 @@ from moe.pipeline.split import StageSplit, check_schedule, split_layers, stages_
 from moe.train.config import TrainingConfig
 from moe.train.config_tree import ConfigTree, Section, dataclass_schema, overrides_from_namespace, split_overrides
 from moe.train.layout_rules import check_model_layout
+from moe.train.loggers import MetricsConfig
 from moe.train.parallel import FP8_RECIPES, PP_SCHEDULES, Layout, env_world_size
+from moe.train.profiling import ProfilingConfig
 
 CONFIG_TOML = "config.toml"
 
@@ -73,13 +77,15 @@ class ParallelConfig:
 
 @dataclass
 class Job:
-    """A validated run: the four configs, the layout over this world, the pipeline split (None without pipeline
+    """A validated run: the six configs, the layout over this world, the pipeline split (None without pipeline
     parallelism) and the resolved tree (what is printed and saved)."""
 
     model: DeepseekV3Config
     training: TrainingConfig
     parallel: ParallelConfig
     recompute: RecomputeConfig
+    metrics: MetricsConfig
+    profiling: ProfilingConfig
     layout: Layout
     split: StageSplit | None
     tables: dict[str, dict[str, Any]]
@@ -121,6 +127,8 @@ TREE = ConfigTree(
             _build_recompute,
             lambda r: {**dataclasses.asdict(r), "modules": list(r.modules)},
         ),
+        Section("metrics", dataclass_schema(MetricsConfig), lambda t: MetricsConfig(**t), dataclasses.asdict),
+        Section("profiling", dataclass_schema(ProfilingConfig), lambda t: ProfilingConfig(**t), dataclasses.asdict),
     ]
 )
 
@@ -197,6 +205,26 @@ def add_tree_options(p: argparse.ArgumentParser) -> None:
           help="record every pipeline action; write RUN_DIR/pipeline_timeline.json (Perfetto) and .png of the last "
           "step, with the measured bubble")  # fmt: skip
     alias("--fp8", "--fp8-recipe", dest="parallel.fp8", choices=FP8_RECIPES, help="FP8 recipe (default none)")
+    alias("--tensorboard-dir", dest="metrics.tensorboard_dir",
+          help="write every metrics.jsonl number as TensorBoard scalars here, from rank 0 (a resumed run continues "
+          "it; torchtitan's [metrics] enable_tensorboard writes into RUN_DIR/tb)")  # fmt: skip
+    alias("--wandb-project", dest="metrics.wandb_project",
+          help="log the same numbers to this Weights & Biases project (needs wandb; WANDB_MODE=offline without a "
+          "network)")  # fmt: skip
+    alias("--wandb-exp-name", dest="metrics.wandb_exp_name", help="the W&B run's name (default: RUN_DIR's name)")
+    alias("--wandb-save-dir", dest="metrics.wandb_save_dir", help="W&B's local files (default: RUN_DIR/wandb)")
+    alias("--profile", dest="profiling.enable_profiling", action="store_const", const=True,
+          help="torch.profiler over --profile-step-start < step <= --profile-step-end (default 10, 12) on "
+          "--profile-ranks: a Perfetto trace per rank under RUN_DIR/profile_traces, top operators printed at the "
+          "end")  # fmt: skip
+    alias("--profile-step-start", dest="profiling.profile_step_start", type=int,
+          help="steps done when profiling starts (Megatron's; default 10)")  # fmt: skip
+    alias("--profile-step-end", dest="profiling.profile_step_end", type=int,
+          help="steps done when profiling stops (Megatron's; default 12)")  # fmt: skip
+    alias("--profile-ranks", dest="profiling.profile_ranks", type=int, nargs="+", metavar="RANK",
+          help="global ranks to profile (default: every rank)")  # fmt: skip
+    p.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="accepted for Megatron's command lines: --profile always runs torch.profiler")  # fmt: skip
     alias("--recompute-granularity", dest="recompute.granularity", choices=("full", "selective"),
           help="activation recompute (Megatron's; moe/models/deepseek_v3/recompute.py)")  # fmt: skip
     alias("--recompute-method", dest="recompute.method", choices=("uniform", "block"), help="for 'full'")
@@ -220,7 +248,10 @@ def load_job(config: str | Path, overrides, world: int | None = None) -> Job:
     tables = TREE.read(config, overrides)
     built = TREE.build(tables)
     model, training, parallel, recompute = built["model"], built["training"], built["parallel"], built["recompute"]
+    metrics, profiling = built["metrics"], built["profiling"]
     layout = parallel.layout(env_world_size() if world is None else world)
+    metrics.check()
+    profiling.check(training.steps, layout.world)
     check_model_layout(model, training, layout)
     if training.compile and layout.tp > 1:
         raise ValueError(
@@ -229,7 +260,7 @@ def load_job(config: str | Path, overrides, world: int | None = None) -> Job:
         )
     split = pipeline_split(model, training, layout, parallel)
     recompute.full_chunks(model.num_hidden_layers)  # recompute_num_layers fits the model
-    return Job(model, training, parallel, recompute, layout, split, TREE.resolved(built))
+    return Job(model, training, parallel, recompute, metrics, profiling, layout, split, TREE.resolved(built))
 
 
 def pipeline_split(model_cfg, train_cfg: TrainingConfig, layout: Layout, parallel: ParallelConfig):

@@ -16,6 +16,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from moe.train.loggers import MetricLogger, scalars
+
 METRICS = "metrics.jsonl"
 LOSS_PNG = "loss.png"
 
@@ -58,8 +60,9 @@ class MetricsLog:
 
 
 class RunReport:
-    """What a rank reports while it trains: on the main rank metrics.jsonl, the progress bar and its lines; on the
-    others nothing. Tracks the last step reported (`done`): steps run again after a rewind are not reported twice.
+    """What a rank reports while it trains: on the main rank metrics.jsonl, the progress bar and its lines, and the
+    same numbers to the run's loggers (TensorBoard, W&B: moe/train/loggers.py); on the others nothing. Tracks the
+    last step reported (`done`): steps run again after a rewind are not reported twice.
 
     Args:
         run_dir: the run directory.
@@ -67,12 +70,16 @@ class RunReport:
         start_step: the step resumed from (0: a new run); later records of metrics.jsonl are dropped.
         log_every: a progress line every `log_every` steps (and at the last).
         main: whether this rank reports.
+        loggers: where the main rank also writes every record and event (`moe.train.loggers.scalars` of it); closed
+            with the report.
     """
 
-    def __init__(self, run_dir: str | Path, *, total_steps: int, start_step: int, log_every: int, main: bool) -> None:
+    def __init__(self, run_dir: str | Path, *, total_steps: int, start_step: int, log_every: int, main: bool,
+                 loggers: list[MetricLogger] | None = None) -> None:  # fmt: skip
         from tqdm.auto import tqdm
 
         self.main, self.total, self.log_every = main, total_steps, log_every
+        self.loggers = list(loggers or ()) if main else []
         self.done = start_step
         self.log = MetricsLog(run_dir, resume_step=start_step) if main else None
         self.bar = tqdm(total=total_steps, initial=start_step, disable=not main, unit="step", dynamic_ncols=True)
@@ -85,6 +92,8 @@ class RunReport:
         """Write an event (and print `line` above the bar)."""
         if self.main:
             self.log.write(record)
+            for logger in self.loggers:
+                logger.log(record["step"], scalars(record))
             if line:
                 self.bar.write(line)
 
@@ -112,6 +121,8 @@ class RunReport:
         self.bar.close()
         if self.log is not None:
             self.log.close()
+        for logger in self.loggers:
+            logger.close()
 
     def plot(self, png_path: str | Path, title: str = "") -> None:
         """The loss plot of metrics.jsonl (main rank)."""

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe.balancing import load_imbalance, set_aux_loss_scale, update_expert_bias
+from moe.balancing import load_spread, set_aux_loss_scale, update_expert_bias
 from moe.loss import loss_share
 from moe.memory import process_peak_bytes
 from moe.models.deepseek_v3 import documents
@@ -57,9 +57,11 @@ from moe.train.checkpoint import Checkpointer, ModelIO, TrainState
 from moe.train.config import TrainingConfig
 from moe.train.data_source import DataSource, eod_masked_labels
 from moe.train.faults import FaultPlan
+from moe.train.loggers import LoggerFactory
 from moe.train.metrics import LOSS_PNG, RunReport, mfu
 from moe.train.optim import MasterAdamW
 from moe.train.parallel import ParallelState, all_reduce_sum
+from moe.train.profiling import StepProfiler
 from moe.train.rewind import AnomalyDetected, RewindGuard, TrainingStopped
 from moe.train.schedule import lr_at
 from moe.train.straggler import StragglerMonitor, slow_rank_event
@@ -107,6 +109,9 @@ class Trainer:
             caller counts them from the model's config, e.g. moe/models/deepseek_v3/flops.py), and
         peak_flops_per_rank: one rank's peak FLOP/s (moe/plan/peak.py, the same figure on every rank): with both,
             every step record carries its MFU over the layout's ranks (`moe.train.metrics.mfu`), else "mfu" None.
+        loggers: on the main rank, opens the run's TensorBoard / W&B loggers for a launch resuming from a step
+            (`moe.train.loggers.open_loggers`); None: metrics.jsonl only.
+        profiler: this rank's `torch.profiler` over the chosen steps (moe/train/profiling.py); None: none.
     """
 
     def __init__(
@@ -128,8 +133,11 @@ class Trainer:
         checkpoint_timeout_s: float = 600.0,
         model_flops_per_token: float | None = None,
         peak_flops_per_rank: float | None = None,
+        loggers: LoggerFactory | None = None,
+        profiler: StepProfiler | None = None,
     ) -> None:
         self.model = model
+        self.loggers, self.profiler = loggers, profiler
         self.pipeline = pipeline
         if parallel.layout.pp > 1 and pipeline is None:
             raise ValueError(f"--pp {parallel.layout.pp} needs a PipelineRunner (moe.pipeline)")
@@ -261,11 +269,11 @@ class Trainer:
         per_rank = torch.tensor([process_peak_bytes(), self.optimizer.state_bytes_per_rank()], dtype=torch.float64)
         if self.parallel.layout.world > 1:
             dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)
-        imbalance = {n: load_imbalance(c) for n, c in zip(self.moe_layer_names, loads)}
+        spread = {n: load_spread(c) for n, c in zip(self.moe_layer_names, loads)}
         if par.pp_group is not None:  # every stage's MoE layers in the record
             stages: list[dict] = [{} for _ in range(par.layout.pp)]
-            dist.all_gather_object(stages, imbalance, group=par.pp_group)
-            imbalance = {k: v for part in stages for k, v in part.items()}
+            dist.all_gather_object(stages, spread, group=par.pp_group)
+            spread = {k: v for part in stages for k, v in part.items()}
         self.state.progress.step = step
         tokens_per_s = cfg.global_batch * cfg.seq_len / elapsed
         return {
@@ -280,7 +288,11 @@ class Trainer:
             "data_s": data_s,
             "max_peak_memory_mib": float(per_rank[0]) / 2**20,
             "max_optimizer_state_mib": float(per_rank[1]) / 2**20,
-            "expert_load_max_over_mean": imbalance,
+            # Per MoE layer: the tokens-per-expert maximum and minimum over their mean, and their coefficient of
+            # variation (moe.balancing.load_spread).
+            "expert_load_max_over_mean": {n: s["max_over_mean"] for n, s in spread.items()},
+            "expert_load_min_over_mean": {n: s["min_over_mean"] for n, s in spread.items()},
+            "expert_load_cv": {n: s["cv"] for n, s in spread.items()},
         }
 
     def _mfu(self, tokens_per_s: float) -> float | None:
@@ -340,15 +352,21 @@ class Trainer:
         "slow_rank" events every `straggler_interval` steps.
         """
         last, rank = self.config.steps, self.parallel.rank
+        loggers = self.loggers(start_step) if self.loggers is not None and self.parallel.is_main else []
         report = RunReport(self.run_dir, total_steps=last, start_step=start_step, log_every=self.config.log_every,
-                           main=self.parallel.is_main)  # fmt: skip
+                           main=self.parallel.is_main, loggers=loggers)  # fmt: skip
         records: dict[int, dict[str, Any]] = {}
         step, ok = start_step + 1, False
+        profiler = self.profiler
         try:
             while step <= last:
                 self.checkpointer.raise_if_failed()  # a background write's error surfaces at the next step
                 self.faults.at("before_step", step=step, rank=rank, drain=self.checkpointer.wait)
+                if profiler is not None:
+                    profiler.before_step(step)
                 rewound_to = self._step(step, report, records)
+                if profiler is not None:
+                    profiler.after_step(step)
                 if rewound_to is not None:  # the snapshot's state is back: run again from its step
                     step = rewound_to
                     continue
@@ -357,6 +375,8 @@ class Trainer:
                 step += 1
             ok = True
         finally:
+            if profiler is not None:
+                profiler.close()
             report.close()
             self.checkpointer.close(ok)  # the last checkpoint is complete (or its error raised) before we return
         if records:
