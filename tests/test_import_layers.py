@@ -55,6 +55,8 @@ ALLOWED = {
     ("moe/pipeline/timeline.py", "matplotlib.patches"): "plots only: matplotlib is optional",
     ("moe/train/metrics.py", "matplotlib"): "plots only: matplotlib is optional",
     ("moe/train/metrics.py", "matplotlib.pyplot"): "plots only: matplotlib is optional",
+    ("moe/train/loggers.py", "torch.utils.tensorboard"): "only with --tensorboard-dir: tensorboard is optional",
+    ("moe/train/loggers.py", "wandb"): "only with --wandb-project: wandb is optional",
     ("moe/train/data.py", "tokenizers"): "only to train or key a tokenizer: tokenizers is optional",
     ("moe/models/deepseek_v3/tokenizer.py", "tokenizers"): "only to encode or decode text: tokenizers is optional",
     ("moe/io/shard_files.py", "safetensors"): "only to read a safetensors file of a checkpoint",

@@ -27,11 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, schedule
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 TRACE_FILE = "rank{rank}_trace.json"
 TOP_OPERATORS_FILE = "rank{rank}_top_operators.txt"
 WINDOW_DIR = "iteration_{step}"
+# Each profiled step, by metrics.jsonl's number (the profiler's own ProfilerStep#k counts from its start).
+STEP_REGION = "train_step#{step}"
 MEGATRON_DEFAULT_WINDOW = (10, 12)
 
 
@@ -131,15 +133,18 @@ class StepProfiler:
         self.tables: list[tuple[tuple[int, int], str]] = []
         self._prof: profile | None = None
         self._window: tuple[int, int] | None = None
+        self._step_region: record_function | None = None
 
     def before_step(self, step: int) -> None:
-        if self._prof is not None or not self.windows:
-            return
-        for first, last in self.windows:
-            if step in (first - 1, first):
-                warmup = first - step  # 1: this step warms the profiler up, 0: it is traced
-                self._start((first, last), warmup)
-                return
+        if self._prof is None and self.windows:
+            for first, last in self.windows:
+                if step in (first - 1, first):
+                    warmup = first - step  # 1: this step warms the profiler up, 0: it is traced
+                    self._start((first, last), warmup)
+                    break
+        if self._prof is not None:
+            self._step_region = record_function(STEP_REGION.format(step=step))
+            self._step_region.__enter__()
 
     def _start(self, window: tuple[int, int], warmup: int) -> None:
         activities = [ProfilerActivity.CPU]
@@ -158,11 +163,18 @@ class StepProfiler:
     def after_step(self, step: int) -> None:
         if self._prof is None:
             return
+        self._end_step_region()
         self._prof.step()  # the last active step's `step()` hands the trace to `_write`
         if step >= self._window[1]:
             self._stop()
 
+    def _end_step_region(self) -> None:
+        region, self._step_region = self._step_region, None
+        if region is not None:
+            region.__exit__(None, None, None)
+
     def _stop(self) -> None:
+        self._end_step_region()
         prof, self._prof = self._prof, None
         prof.stop()
 
