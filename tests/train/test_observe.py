@@ -222,7 +222,7 @@ def test_tensorboard_wandb_and_profile_across_a_resume(tmp_path, wandb_offline, 
         (["--profile", "--profile-step-start", "3", "--profile-step-end", "2"], 1, "must be above --profile-step"),
         (["--profile", "--profile-step-start", "2", "--profile-step-end", "2"], 1, "must be above --profile-step"),
         (["--profile", "--profile-step-start", "-1", "--profile-step-end", "2"], 1, "must be >= 0"),
-        (["--profile", "--profile-step-end", "9"], 1, "past the run's last step 4"),
+        (["--profile", "--profile-step-start", "0", "--profile-step-end", "9"], 1, "past the run's last step 4"),
         (["--profile"], 1, "--profile-step-end 12 is past the run's last step 4"),  # Megatron's default window
         (["--profile", "--profile-step-start", "0", "--profile-step-end", "2", "--profile-ranks", "0", "2"], 2,
          r"--profile-ranks \[2\]: outside the world of 2 ranks"),
