@@ -22,11 +22,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 
 from moe.trace_regions import COMBINE, DISPATCH, EXPERT_GEMM, ROUTER
 from moe.train.loggers import scalars
 from moe.train.metrics import read_events, read_metrics
+from moe.train.profiling import ProfilingConfig, StepProfiler
 from mtdeepep.utils.testing import run_processes
 from tests.train import train_cases as tc
 
@@ -254,3 +256,34 @@ def _fails_before_any_group(tmp_path, monkeypatch, capsys, flags, world, message
     assert code == 2 and err.startswith("train.py: error:"), err
     assert re.search(message, err), err
     assert not dist.is_initialized() and not (tmp_path / "run").exists()
+
+
+def test_profile_windows_and_torchtitans_profile_freq(tmp_path):
+    """Megatron's window (steps start+1..end, the step before it the warm-up), torchtitan's profile_freq (every F-th
+    step, one each), and a rank left out of profile_ranks profiling nothing; a step loop of small matmuls."""
+    megatron = ProfilingConfig(enable_profiling=True, profile_step_start=1, profile_step_end=3)
+    titan = ProfilingConfig(enable_profiling=True, profile_freq=2)
+    assert megatron.windows(5) == [(2, 3)] and titan.windows(5) == [(2, 2), (4, 4)]
+    assert ProfilingConfig().windows(5) == []
+    assert not ProfilingConfig(enable_profiling=True, profile_ranks=[1]).profiles_rank(0)
+    x = torch.randn(16, 16)
+    profiler = StepProfiler(titan, tmp_path, rank=3, steps=5)
+    for step in range(1, 6):
+        profiler.before_step(step)
+        with torch.profiler.record_function(DISPATCH):
+            x = torch.tanh(x @ x)
+        profiler.after_step(step)
+    profiler.close()
+    assert [p.relative_to(tmp_path).as_posix() for p in profiler.traces] == [
+        "profile_traces/iteration_2/rank3_trace.json", "profile_traces/iteration_4/rank3_trace.json"
+    ]  # fmt: skip
+    for step, trace in zip((2, 4), profiler.traces):
+        names = _check_trace(trace)
+        assert {f"train_step#{step}", DISPATCH, "aten::mm"} <= names
+        assert not {f"train_step#{s}" for s in range(1, 6) if s != step} & names  # warm-up and other steps left out
+    assert "rank 3, step 2: top operators" in profiler.summary() and "aten::mm" in profiler.summary()
+    idle = StepProfiler(ProfilingConfig(enable_profiling=True, profile_freq=2, profile_ranks=[0]), tmp_path / "b", 3, 5)
+    for step in range(1, 6):
+        idle.before_step(step)
+        idle.after_step(step)
+    assert idle.traces == [] and idle.summary() == "" and not (tmp_path / "b").exists()
