@@ -10,12 +10,12 @@ setting per rank), the same random tokens every step. Variants, alternated every
   profiler records: the layer as it ran before the regions (a `with` of a no-op context remains);
 - off: the code as it is, no profiler, no logger (what every run without the options pays).
 
-Printed per variant: the median wall time and the median thread CPU time of a step (steadier on a shared machine),
-and the ratio off / baseline. Because a 1% difference is below the noise of a shared machine, the bound that does not
-depend on timing noise is printed too: the region calls per step (counted) x the cost of one call with no profiler
-(timed over 200k calls) over the step's time. Then, on: the time of writing one step's record to TensorBoard and to
-W&B (offline) over the step's time, and the median step time under `torch.profiler` (CPU activity, shapes) over the
-off step time.
+Printed per variant: the median and the least wall time and thread CPU time of a step (the CPU time and the least
+are steadier on a shared machine), and the ratios off / baseline. Because a 1% difference is below the noise of a
+shared machine, a bound that does not depend on that noise is printed too: the region calls per step (counted) x the
+cost of one call with no profiler (timed over 200k calls) over the step's time. Then, on: the time of writing one
+step's record to TensorBoard and to W&B (offline) over the step's time, and the median step time under
+`torch.profiler` (CPU activity, shapes) over the off step time.
 
     PYTHONPATH=. python bench/observe_overhead.py [--iters 30] [--warmup 3]
 """
@@ -117,13 +117,16 @@ def main() -> None:
         per_call = region_call_cost()
 
         med = {v: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)) for v, ts in times.items()}
+        low = {v: (min(t[0] for t in ts), min(t[1] for t in ts)) for v, ts in times.items()}
         print(f"train_step, tiny, {args.global_batch} x {args.seq_len} tokens, 2 micro-batches, 1 thread, "
               f"{args.iters} steps per variant in turns")  # fmt: skip
-        print(f"{'variant':<10} {'wall ms':>9} {'cpu ms':>9}")
+        print(f"{'variant':<10} {'wall ms':>9} {'cpu ms':>9} {'min wall':>9} {'min cpu':>9}")
         for v, (wall, cpu) in med.items():
-            print(f"{v:<10} {wall * 1e3:>9.2f} {cpu * 1e3:>9.2f}")
+            print(f"{v:<10} {wall * 1e3:>9.2f} {cpu * 1e3:>9.2f} {low[v][0] * 1e3:>9.2f} {low[v][1] * 1e3:>9.2f}")
         ratio_wall, ratio_cpu = (med["off"][i] / med["baseline"][i] for i in (0, 1))
-        print(f"off / baseline: wall {ratio_wall:.4f}, cpu {ratio_cpu:.4f}")
+        min_wall, min_cpu = (low["off"][i] / low["baseline"][i] for i in (0, 1))
+        print(f"off / baseline: median wall {ratio_wall:.4f}, cpu {ratio_cpu:.4f}; min wall {min_wall:.4f}, "
+              f"cpu {min_cpu:.4f}")  # fmt: skip
         bound = calls * per_call / med["off"][1]
         print(f"region calls per step {calls} x {per_call * 1e6:.2f} us each (no profiler) = "
               f"{calls * per_call * 1e6:.0f} us = {100 * bound:.3f}% of the step's CPU time")  # fmt: skip
