@@ -124,7 +124,8 @@ def test_run_outputs(one_process_run):
                                          basis["peak_flops_per_rank"], rel=1e-12)  # fmt: skip
     # The resolved config tree, saved with the run, is the run's config: every table, every default filled in.
     saved = tomllib.loads((run_dir / "config.toml").read_text())
-    assert set(saved) == {"model", "training", "parallel", "recompute"} and saved["training"]["steps"] == 8
+    assert set(saved) == {"model", "training", "parallel", "recompute", "metrics", "profiling"}
+    assert saved["training"]["steps"] == 8
     assert saved["parallel"]["ep"] == 1 and saved["training"]["data"]["val_sequences"] == 8
     assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [4, 8]
