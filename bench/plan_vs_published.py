@@ -147,7 +147,7 @@ def price(data: dict, system: str, entry: dict):
     spec = SPECS[system]
     check_layout(cand, config, work, spec)
     est = estimate(cand, config, work, spec, MEGATRON_ALLTOALL)
-    stages = memory_by_stage(cand, ModelShape.from_config(config), work, spec)
+    stages = memory_by_stage(cand, ModelShape.from_config(config), work, spec, MEGATRON_ALLTOALL)
     return config, cand, work, est, stages
 
 

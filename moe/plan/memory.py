@@ -36,7 +36,8 @@ from dataclasses import dataclass, fields
 
 from moe.dispatcher.deepep import nvl_bytes_hint
 from moe.plan.devices import DeviceSpec
-from moe.plan.model import DTYPE_BYTES, FP32, ModelShape
+from moe.plan.framework import THIS_TRAINER, Framework
+from moe.plan.model import DTYPE_BYTES, FP32, RECOMPUTE_CHOICES, ModelShape
 from moe.plan.space import Candidate, Workload
 from moe.plan.stages import Chunk, distinct_ranks, inflight, rank_chunks
 
@@ -153,23 +154,52 @@ def ep_buffer_bytes(hidden: int, group: int) -> float:
     return float(nvl_bytes_hint(hidden, group))
 
 
-def estimate_memory(cand: Candidate, shape: ModelShape, work: Workload, spec: DeviceSpec) -> MemoryBreakdown:
+def estimate_memory(
+    cand: Candidate, shape: ModelShape, work: Workload, spec: DeviceSpec, framework: Framework = THIS_TRAINER
+) -> MemoryBreakdown:
     """Peak bytes of the worst pipeline rank (see the module docstring)."""
     best: MemoryBreakdown | None = None
     for r, chunks in distinct_ranks(cand, shape.L, shape.first_dense):
-        mem = rank_memory(cand, shape, work, spec, r, chunks)
+        mem = rank_memory(cand, shape, work, spec, r, chunks, framework)
         if best is None or mem.total > best.total:
             best = mem
     return best
 
 
-def memory_by_stage(cand: Candidate, shape: ModelShape, work: Workload, spec: DeviceSpec) -> list[MemoryBreakdown]:
+def memory_by_stage(
+    cand: Candidate, shape: ModelShape, work: Workload, spec: DeviceSpec, framework: Framework = THIS_TRAINER
+) -> list[MemoryBreakdown]:
     """Peak bytes of every pipeline rank, in rank order (one entry without a pipeline)."""
-    return [rank_memory(cand, shape, work, spec, r, chunks) for r, chunks in enumerate(rank_chunks(cand, shape.L))]
+    return [rank_memory(cand, shape, work, spec, r, chunks, framework)
+            for r, chunks in enumerate(rank_chunks(cand, shape.L))]  # fmt: skip
+
+
+def _framework_savings(cand: Candidate, shape: ModelShape, chunks: list[Chunk], b: int, framework: Framework):
+    """`(activation bytes per token, transient bytes per token)` another framework's fused kernels do not keep
+    (`moe.plan.framework.Framework`): the FP32 log-softmax and logits gradients of an unfused cross entropy (the
+    fused one keeps its logits gradient in the model dtype instead), the FP32 copies of the RMSNorm inputs."""
+    activations = transient = 0.0
+    if framework.fused_cross_entropy and any(c.last for c in chunks):
+        heads = 1 + shape.D
+        activations += heads * shape.V * FP32 / cand.tp - shape.V * b / cand.tp
+        transient += 2 * shape.V * FP32 / cand.tp
+    if framework.fused_norms and b != FP32 and cand.recompute != "full":
+        modules = set(RECOMPUTE_CHOICES[cand.recompute].get("modules", ()))
+        if "layernorm" not in modules:
+            layers = sum(len(c.layers) for c in chunks)
+            latent = (shape.Q or 0) + shape.C if cand.tp == 1 else 0
+            activations += layers * ((2 * shape.H) / cand.tp + latent) * FP32
+    return activations, transient
 
 
 def rank_memory(
-    cand: Candidate, shape: ModelShape, work: Workload, spec: DeviceSpec, r: int, chunks: list[Chunk]
+    cand: Candidate,
+    shape: ModelShape,
+    work: Workload,
+    spec: DeviceSpec,
+    r: int,
+    chunks: list[Chunk],
+    framework: Framework = THIS_TRAINER,
 ) -> MemoryBreakdown:
     """Peak bytes of pipeline rank `r`, which holds `chunks` (see the module docstring)."""
     b = DTYPE_BYTES[work.dtype]
@@ -187,6 +217,8 @@ def rank_memory(
     counts = inflight(cand, r, work.micro_batches)
     per_chunk = [_chunk_activation(shape, c, work.dtype, cand) * tokens for c in chunks]
     activations = sum(n * a for n, a in zip(counts, per_chunk))
+    saved_act, saved_transient = _framework_savings(cand, shape, chunks, b, framework)
+    activations -= saved_act * tokens * sum(counts) / len(counts)
     if cand.fp8 != "none":
         activations += sum(counts) / len(counts) * p.linear * 1.0
     kinds = {shape.is_moe(i) for c in chunks for i in c.layers}
@@ -195,6 +227,7 @@ def rank_memory(
     transient = layer_peak * tokens
     if any(c.last for c in chunks):
         transient += 2 * tokens * shape.V / cand.tp * FP32
+    transient -= saved_transient * tokens
     if not cand.zero1:  # the post-backward concatenation of one group's gradients (activations freed by then)
         flat = max(p.dense * FP32 if cand.dp * cand.tp > 1 else 0.0, p.experts * FP32 if cand.edp > 1 else 0.0)
         transient = max(transient, flat - activations)

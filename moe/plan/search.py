@@ -57,7 +57,8 @@ def estimate(
     """Memory and time of one layout (no rule checked: see `moe.plan.space` and `moe.plan.layout` for those), for
     this trainer or another `framework`."""
     shape = ModelShape.from_config(config)
-    return Estimate(cand, estimate_memory(cand, shape, work, spec), estimate_time(cand, shape, work, spec, framework))
+    memory = estimate_memory(cand, shape, work, spec, framework)
+    return Estimate(cand, memory, estimate_time(cand, shape, work, spec, framework))
 
 
 def plan(
