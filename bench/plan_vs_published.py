@@ -24,9 +24,10 @@ import argparse
 import json
 import statistics
 import sys
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -200,8 +201,10 @@ def render(rows: list[Row]) -> str:
             for r in rows]  # fmt: skip
     s = summary(rows)
     lines = [table(headers, body, "ll" + "r" * (len(headers) - 3) + "l"), ""]
-    lines.append(f"time   |err|: ours median {100 * s['time_median']:.1f}%, worst {100 * s['time_worst']:.1f}%; "
-                 f"SimuMax median {100 * s['simumax_time_median']:.1f}%, worst {100 * s['simumax_time_worst']:.1f}%")
+    lines.append(
+        f"time   |err|: ours median {100 * s['time_median']:.1f}%, worst {100 * s['time_worst']:.1f}%; "
+        f"SimuMax median {100 * s['simumax_time_median']:.1f}%, worst {100 * s['simumax_time_worst']:.1f}%"
+    )
     lines.append(f"memory |err|: ours median {100 * s['memory_median']:.1f}%, worst {100 * s['memory_worst']:.1f}%; "
                  f"SimuMax median {100 * s['simumax_memory_median']:.1f}%, "
                  f"worst {100 * s['simumax_memory_worst']:.1f}% (B200 rows)")  # fmt: skip

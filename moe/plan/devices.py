@@ -416,8 +416,15 @@ A100_PCIE = DeviceSpec(
     grouped_gemm_half_rows=131.0,
     attention_efficiency=0.537,
     collective_efficiency={
-        "all_to_all@8": 0.258, "all_to_all": 0.60, "all_reduce@8": 0.392, "all_reduce": 0.65, "all_gather@8": 0.422,
-        "all_gather": 0.648, "reduce_scatter@8": 0.346, "reduce_scatter": 0.642, "p2p": 0.47,
+        "all_to_all@8": 0.258,
+        "all_to_all": 0.60,
+        "all_reduce@8": 0.392,
+        "all_reduce": 0.65,
+        "all_gather@8": 0.422,
+        "all_gather": 0.648,
+        "reduce_scatter@8": 0.346,
+        "reduce_scatter": 0.642,
+        "p2p": 0.47,
     },  # fmt: skip
     sources={
         "memory_gib": _NVIDIA_A100 + ": 80 GB HBM2e (taken as 80e9 bytes)",
@@ -441,7 +448,8 @@ A100_PCIE = DeviceSpec(
         "forward, data and weight gradients averaged: 0.664 and 0.606); eff * rows / (rows + half_rows) through "
         "both: eff 0.735",
         "grouped_gemm_half_rows": "the same fit: half_rows 131",
-        "attention_efficiency": _SIMUMAX_A100 + ": flash attention forward at 1.073 of 312 for 128 MLA heads "
+        "attention_efficiency": _SIMUMAX_A100
+        + ": flash attention forward at 1.073 of 312 for 128 MLA heads "
         + _CAUSAL_NOTE,
         "collective_efficiency.all_to_all@8": _SIMUMAX_A100 + ": NCCL all-to-all over 8 GPUs 0.2754 x 30 GB/s "
         "(8.3 GB/s) = 0.258 of 32",
