@@ -335,7 +335,7 @@ B200 = DeviceSpec(
     intra_node_gbps=900.0,
     inter_node_gbps=50.0,
     devices_per_node=8,
-    gemm_efficiency={"float32": 0.49, "bfloat16": 0.49, "fp8": 0.49},
+    gemm_efficiency={"float32": 0.47, "bfloat16": 0.47, "fp8": 0.47},
     memory_efficiency=0.666,
     comm_efficiency=0.67,
     comm_latency_us=25.0,
@@ -354,7 +354,9 @@ B200 = DeviceSpec(
         "intra_node_gbps": _NVIDIA_B200 + ": 1.8 TB/s both directions = 900 per direction",
         "inter_node_gbps": _NVIDIA_B200 + ": one 400 Gb/s ConnectX-7 per GPU = 50 GB/s",
         "devices_per_node": _NVIDIA_B200,
-        "gemm_efficiency.bfloat16": _SIMUMAX_B200 + ": BF16 matmul efficiency 0.488 over its measured shapes",
+        "gemm_efficiency.bfloat16": _SIMUMAX_B200 + ": BF16 matmuls (forward, data and weight gradients) of 4K "
+        "tokens with one dimension the DeepSeek hidden size, FLOP-weighted: 0.476 (5120), 0.464 (7168); 0.488 over "
+        "all its shapes",
         "gemm_efficiency.float32": "estimate: as BF16",
         "gemm_efficiency.fp8": "estimate: as BF16 (SimuMax publishes no B200 FP8 measurement)",
         "memory_efficiency": _SIMUMAX_B200 + ": memory-bound kernels at 0.666 of 8 TB/s",
@@ -406,7 +408,7 @@ A100_PCIE = DeviceSpec(
     intra_node_gbps=32.0,
     inter_node_gbps=25.0,
     devices_per_node=8,
-    gemm_efficiency={"float32": 0.75, "bfloat16": 0.75},
+    gemm_efficiency={"float32": 0.74, "bfloat16": 0.74},
     memory_efficiency=0.75,
     comm_efficiency=0.64,
     comm_latency_us=20.0,
@@ -436,8 +438,8 @@ A100_PCIE = DeviceSpec(
         "bridges in " + _SIMUMAX_A100 + ")",
         "inter_node_gbps": _SIMUMAX_A100 + ": 25 GB/s inter-node",
         "devices_per_node": _SIMUMAX_A100,
-        "gemm_efficiency.bfloat16": _SIMUMAX_A100 + ": BF16 matmuls of 4K-token shapes at 0.70-0.79 of 312 "
-        "(default 0.75; thin ones, n = 576, ~0.5)",
+        "gemm_efficiency.bfloat16": _SIMUMAX_A100 + ": BF16 matmuls (forward, data and weight gradients) of 4K "
+        "tokens with one dimension the DeepSeek hidden size, FLOP-weighted: 0.741 (5120), 0.738 (7168)",
         "gemm_efficiency.float32": "estimate: as BF16",
         "memory_efficiency": _SIMUMAX_A100 + ": 0.91 of 1,600 GB/s = 1,456 GB/s, 0.75 of the datasheet's 1,935",
         "comm_efficiency": _SIMUMAX_A100 + ": NCCL collectives over 2-4 GPUs at ~0.69 of 30 GB/s = 0.64 of 32",

@@ -10,7 +10,11 @@ move the step time are stated here rather than hidden in the device figures:
 - what the kernels keep for the backward: a fused cross entropy (Megatron's --cross-entropy-loss-fusion keeps no
   FP32 log-softmax and no FP32 logits gradients, only the logits gradient it computes in the forward, in the model
   dtype) and fused RMSNorms (Transformer Engine keeps the BF16 input and a per-token FP32 scale, where this
-  trainer's norm keeps an FP32 copy of its input too).
+  trainer's norm keeps an FP32 copy of its input too);
+- the optimizer step's memory traffic beyond AdamW's 28 bytes per parameter (timing.OPTIMIZER_BYTES_PER_PARAM):
+  Megatron's distributed optimizer also copies every updated FP32 master shard into the BF16 parameters (read 4,
+  write 2), reads the gradient shard for the clipping norm (4; --clip-grad 1.0), and zeroes the whole local FP32
+  gradient buffer every step (write 4 per local parameter, not only the shard).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ DISPATCHERS = ("flex", "alltoall")
 class Framework:
     """name: a label. dispatcher: one of `DISPATCHERS`. combine_fp32: the combine moves FP32 rows.
     overlap_grad_reduce: bucketed gradient reduce-scatters overlap the last micro-batch's backward (no pipeline).
-    fused_cross_entropy / fused_norms: see the module docstring."""
+    fused_cross_entropy / fused_norms: see the module docstring. shard_bytes_per_param / buffer_bytes_per_param:
+    the optimizer step's extra bytes per parameter of the rank's optimizer shard / of its whole gradient buffer."""
 
     name: str
     dispatcher: str = "flex"
@@ -32,6 +37,8 @@ class Framework:
     overlap_grad_reduce: bool = True
     fused_cross_entropy: bool = False
     fused_norms: bool = False
+    shard_bytes_per_param: float = 0.0
+    buffer_bytes_per_param: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dispatcher not in DISPATCHERS:
@@ -50,5 +57,7 @@ MEGATRON_ALLTOALL = Framework(
     overlap_grad_reduce=False,
     fused_cross_entropy=True,
     fused_norms=True,
+    shard_bytes_per_param=4 + 2 + 4,
+    buffer_bytes_per_param=4,
 )
 FRAMEWORKS = {f.name: f for f in (THIS_TRAINER, MEGATRON_ALLTOALL)}

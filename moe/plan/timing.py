@@ -272,7 +272,7 @@ def estimate_time(
 
     overlap = sum(t.B for t in times) if framework.overlap_grad_reduce else 0.0
     dp_comm = _dp_comm(cand, shape, chunks_by_rank, work, spec, last_backward=overlap)
-    optimizer = _optimizer_time(cand, shape, chunks_by_rank, work, spec)
+    optimizer = _optimizer_time(cand, shape, chunks_by_rank, work, spec, framework)
     gemm = m * sum(t.gemm for t in times)
     attention = m * sum(t.attention for t in times)
     return TimeBreakdown(compute, recompute, tp_comm, ep_comm, pp_comm, dp_comm, optimizer, bubble, gemm, attention)
@@ -323,7 +323,9 @@ def _dp_comm(cand, shape, chunks_by_rank, work, spec, last_backward: float) -> f
     return worst + small
 
 
-def _optimizer_time(cand, shape, chunks_by_rank, work, spec) -> float:
+def _optimizer_time(cand, shape, chunks_by_rank, work, spec, framework: Framework = THIS_TRAINER) -> float:
+    """Seconds of the optimizer step on the rank with most: the bytes per local (sharded) parameter AdamW moves,
+    plus the framework's own per-step passes (`Framework.step_bytes_per_param`: every local gradient zeroed, ...)."""
     bw = spec.memory_bytes_per_s(cand.world)
     worst = 0.0
     for chunks in chunks_by_rank:
@@ -332,5 +334,7 @@ def _optimizer_time(cand, shape, chunks_by_rank, work, spec) -> float:
             local = (p.dense + p.router) / cand.dp + p.experts / cand.edp
         else:
             local = p.total
-        worst = max(worst, local * OPTIMIZER_BYTES_PER_PARAM / bw)
+        step_bytes = local * (OPTIMIZER_BYTES_PER_PARAM + framework.shard_bytes_per_param)
+        step_bytes += (p.total if cand.zero1 else local) * framework.buffer_bytes_per_param
+        worst = max(worst, step_bytes / bw)
     return worst
