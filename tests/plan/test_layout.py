@@ -118,4 +118,6 @@ def test_published_table_builds_from_the_data_file():
     assert (first.real_ms, first.simumax_ms) == (data["b200"][0]["real_ms"], data["b200"][0]["simumax_ms"])
     s = bench.summary(rows)
     assert s["time_worst"] >= s["time_median"] > 0 and s["memory_worst"] >= s["memory_median"] > 0
+    groups = bench.decompose(rows)  # the per-step / per-micro-batch split of each group of 3 micro-batch counts
+    assert len(groups) == 6 and all(real_mb > 0 and ours_mb > 0 for _, _, _, real_mb, ours_mb in groups)
     assert "median" in bench.render(rows)
