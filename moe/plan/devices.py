@@ -341,8 +341,8 @@ B200 = DeviceSpec(
     comm_latency_us=25.0,
     runtime_gib=3.0,
     allocator_overhead=0.10,
-    grouped_gemm_efficiency=0.48,
-    grouped_gemm_half_rows=276.0,
+    grouped_gemm_efficiency=0.489,
+    grouped_gemm_half_rows=352.0,
     attention_efficiency=0.415,
     collective_efficiency={"all_to_all": 0.597, "all_reduce": 0.742, "all_gather": 0.674, "reduce_scatter": 0.673},
     sources={
@@ -364,10 +364,11 @@ B200 = DeviceSpec(
         "comm_latency_us": _SIMUMAX_B200 + ": fixed NCCL costs of 5-25 us per call",
         "runtime_gib": _GPU_ESTIMATES["runtime_gib"],
         "allocator_overhead": _GPU_ESTIMATES["allocator_overhead"],
-        "grouped_gemm_efficiency": _SIMUMAX_B200 + ": BF16 grouped GEMMs of 20-256 experts x 128-9832 rows (forward, "
-        "data and weight gradients averaged: 0.15 at 128 rows, 0.32 at 512-616, 0.38-0.40 at 1024-1232); "
-        "least-squares fit of eff * rows / (rows + half_rows): eff 0.48",
-        "grouped_gemm_half_rows": "the same fit: half_rows 276",
+        "grouped_gemm_efficiency": _SIMUMAX_B200 + ": BF16 grouped GEMMs of 20-256 experts x 128-9832 rows, FP32 "
+        "main grads (forward, data and weight gradients, harmonic mean: their times add): 0.13 at 128 rows, 0.30 at "
+        "512-616, 0.36-0.39 at 1024-1232, 0.45 at 2460-9832; least-squares fit of eff * rows / (rows + half_rows): "
+        "eff 0.489",
+        "grouped_gemm_half_rows": "the same fit: half_rows 352",
         "attention_efficiency": _SIMUMAX_B200 + ": flash attention forward at 0.83 of 2,250 for 128 MLA heads "
         "(qk 192, v 128, 4K tokens) " + _CAUSAL_NOTE,
         "collective_efficiency.all_to_all": _SIMUMAX_B200 + ": NCCL all-to-all 0.597 of 900 GB/s",
@@ -414,8 +415,8 @@ A100_PCIE = DeviceSpec(
     comm_latency_us=20.0,
     runtime_gib=3.0,
     allocator_overhead=0.10,
-    grouped_gemm_efficiency=0.735,
-    grouped_gemm_half_rows=131.0,
+    grouped_gemm_efficiency=0.739,
+    grouped_gemm_half_rows=144.0,
     attention_efficiency=0.537,
     collective_efficiency={
         "all_to_all@8": 0.258,
@@ -447,9 +448,9 @@ A100_PCIE = DeviceSpec(
         "runtime_gib": _GPU_ESTIMATES["runtime_gib"],
         "allocator_overhead": _GPU_ESTIMATES["allocator_overhead"],
         "grouped_gemm_efficiency": _SIMUMAX_A100 + ": BF16 grouped GEMMs of 20 and 40 experts (1232 and 616 rows; "
-        "forward, data and weight gradients averaged: 0.664 and 0.606); eff * rows / (rows + half_rows) through "
-        "both: eff 0.735",
-        "grouped_gemm_half_rows": "the same fit: half_rows 131",
+        "forward, data and weight gradients, harmonic mean: 0.662 and 0.599); eff * rows / (rows + half_rows) "
+        "through both: eff 0.739",
+        "grouped_gemm_half_rows": "the same fit: half_rows 144",
         "attention_efficiency": _SIMUMAX_A100
         + ": flash attention forward at 1.073 of 312 for 128 MLA heads "
         + _CAUSAL_NOTE,
