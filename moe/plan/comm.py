@@ -35,7 +35,7 @@ def ring_time(kind: str, nbytes: float, n: int, block: int, spec: DeviceSpec) ->
     factor = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}[kind]
     if kind == "reduce_scatter" and spec.reduce_scatter_as_all_reduce:
         factor = 2.0
-    bw = spec.link_bytes_per_s(intra_node(block, spec))
+    bw = spec.link_bytes_per_s(intra_node(block, spec), op=kind, group=n)
     return factor * (n - 1) / n * nbytes / bw + spec.comm_latency_us * 1e-6
 
 
@@ -43,7 +43,7 @@ def p2p_time(nbytes: float, intra: bool, spec: DeviceSpec) -> float:
     """Seconds of one point-to-point send of `nbytes`."""
     if nbytes <= 0:
         return 0.0
-    return nbytes / spec.link_bytes_per_s(intra) + spec.comm_latency_us * 1e-6
+    return nbytes / spec.link_bytes_per_s(intra, op="p2p", group=2) + spec.comm_latency_us * 1e-6
 
 
 def expected_distinct(groups: int, num_experts: int, topk: int) -> float:
@@ -69,7 +69,15 @@ def dispatch_destinations(ep: int, etp: int, num_experts: int, topk: int) -> tup
 
 
 def all_to_all_time(
-    tokens: float, row_bytes: float, ep: int, etp: int, num_experts: int, topk: int, spec: DeviceSpec
+    tokens: float,
+    row_bytes: float,
+    ep: int,
+    etp: int,
+    num_experts: int,
+    topk: int,
+    spec: DeviceSpec,
+    *,
+    per_expert: bool = False,
 ) -> float:
     """Seconds of one dispatch (or combine) of `tokens` local tokens of `row_bytes` each over the folded EP x ETP
     group of `ep * etp` consecutive ranks (`dispatch_destinations`: each token reaches the `etp` shards of each of
@@ -79,14 +87,19 @@ def all_to_all_time(
     through the intra-node link; with a group larger than a node, a token crosses the NIC once per other
     destination node and is forwarded inside it to that node's destination ranks (at least the `etp` shards of
     one expert, at most the node), and the slower of the two paths bounds the time.
+
+    per_expert: a row per (token, expert) pair instead (Megatron's 'alltoall' dispatcher: `topk * etp` rows per
+    token, `(group - 1) / group` of them leave the rank; with capacity padding exactly so).
     """
     group = ep * etp
     if group <= 1 or tokens <= 0:
         return 0.0
     _, off_rank = dispatch_destinations(ep, etp, num_experts, topk)
+    if per_expert:
+        off_rank = topk * etp * (group - 1) / group
     node = spec.devices_per_node
     if group <= node:
-        bw = spec.link_bytes_per_s(True, expert_parallel=True)
+        bw = spec.link_bytes_per_s(True, expert_parallel=True, op="all_to_all", group=group)
         return tokens * off_rank * row_bytes / bw + spec.comm_latency_us * 1e-6
     distinct = expected_distinct(ep, num_experts, topk)
     nodes = math.ceil(group / node)
@@ -97,6 +110,10 @@ def all_to_all_time(
         other_nodes = distinct * span - distinct / ep
     own_node_peers = distinct * (node - 1) / ep  # each other rank of the node is a destination w.p. distinct / ep
     local_peers = min(off_rank, own_node_peers + other_nodes * min(etp, node))  # intra-node hops incl. forwarding
-    inter = tokens * other_nodes * row_bytes / spec.link_bytes_per_s(False)
-    intra = tokens * local_peers * row_bytes / spec.link_bytes_per_s(True, expert_parallel=True)
+    if per_expert:  # NCCL's direct all-to-all: each row crosses the NIC or NVLink once, no forwarding
+        rows = topk * etp
+        other_nodes, local_peers = rows * (group - node) / group, rows * (node - 1) / group
+    inter = tokens * other_nodes * row_bytes / spec.link_bytes_per_s(False, op="all_to_all", group=group)
+    intra = tokens * local_peers * row_bytes / spec.link_bytes_per_s(True, expert_parallel=True, op="all_to_all",
+                                                                     group=group)  # fmt: skip
     return max(inter, intra) + 2 * spec.comm_latency_us * 1e-6

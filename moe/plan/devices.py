@@ -25,6 +25,8 @@ from pathlib import Path
 
 # Dtype names of the rate table: the training dtypes of [training] dtype, and 'fp8' for the FP8 GEMMs.
 RATE_DTYPES = ("float32", "bfloat16", "fp8")
+# The collectives `DeviceSpec.collective_efficiency` may name.
+COLLECTIVES = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +58,14 @@ class DeviceSpec:
     fresh_memory_gbps: the rate at which a rank touches newly mapped memory (page faults), for the large tensors
         a micro-batch allocates afresh (the allocator maps them and returns them to the system); None: free, as
         with the caching allocators of CUDA / MUSA. On 'cpu' a machine-wide rate that the ranks share.
+    grouped_gemm_efficiency / grouped_gemm_half_rows: the routed experts' grouped GEMM (one small GEMM per local
+        expert) reaches `grouped_gemm_efficiency * rows / (rows + grouped_gemm_half_rows)` of the peak, `rows` the
+        rows one expert receives per micro-batch (a wave-quantisation ramp: half the asymptote at `half_rows`);
+        None: the dense GEMMs' `gemm_efficiency`, no ramp.
+    attention_efficiency: the fused causal attention's forward FLOP/s over the model dtype's peak (FLOPs counted
+        causally, as moe/models/deepseek_v3/flops.py does); None: `gemm_efficiency` x timing.ATTENTION_EFFICIENCY.
+    collective_efficiency: achieved / peak link bandwidth per collective ('all_to_all', 'all_reduce', 'all_gather',
+        'reduce_scatter', 'p2p'), optionally per group size ('all_to_all@8'); a missing key: `comm_efficiency`.
     sources: field name -> where the figure comes from. estimated: the fields that are estimates.
     """
 
@@ -78,6 +88,10 @@ class DeviceSpec:
     ep_intra_node_gbps: float | None = None
     all_gather_extra: float = 0.0
     fresh_memory_gbps: float | None = None
+    grouped_gemm_efficiency: float | None = None
+    grouped_gemm_half_rows: float = 0.0
+    attention_efficiency: float | None = None
+    collective_efficiency: dict[str, float] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     estimated: frozenset[str] = frozenset()
 
@@ -117,6 +131,22 @@ class DeviceSpec:
                 raise ValueError(f"device spec {self.name!r}: {name} must be in (0, 1]")
         if "bfloat16" not in self.gemm_efficiency:
             raise ValueError(f"device spec {self.name!r}: gemm_efficiency needs a 'bfloat16' entry")
+        for name in ("grouped_gemm_efficiency", "attention_efficiency"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or not 0 < value <= 1):
+                raise ValueError(f"device spec {self.name!r}: {name} must be in (0, 1] or None, got {value!r}")
+        half = self.grouped_gemm_half_rows
+        if isinstance(half, bool) or not isinstance(half, (int, float)) or not math.isfinite(half) or half < 0:
+            raise ValueError(f"device spec {self.name!r}: grouped_gemm_half_rows must be a number >= 0, got {half!r}")
+        for key, eff in self.collective_efficiency.items():
+            op, _, size = key.partition("@")
+            if op not in COLLECTIVES or (size and not size.isdigit()):
+                raise ValueError(
+                    f"device spec {self.name!r}: collective_efficiency key {key!r} is not one of {COLLECTIVES} "
+                    "(optionally '@<group size>')"
+                )
+            if not isinstance(eff, (int, float)) or not 0 < eff <= 1:
+                raise ValueError(f"device spec {self.name!r}: collective_efficiency[{key!r}] must be in (0, 1]")
 
     # -- what one rank of a `world`-rank job gets
 
@@ -137,6 +167,23 @@ class DeviceSpec:
         eff = self.gemm_efficiency.get(dtype, self.gemm_efficiency["bfloat16"])
         return rate * 1e12 * eff * self.share(world)
 
+    def grouped_gemm_flops(self, dtype: str, world: int, rows: float) -> float:
+        """Achieved FLOP/s of the routed experts' grouped GEMM in `dtype` when each expert receives `rows` rows."""
+        if self.grouped_gemm_efficiency is None:
+            return self.gemm_flops(dtype, world)
+        rate = self.tflops.get(dtype)
+        if rate is None:
+            raise ValueError(f"device {self.name!r} has no {dtype} GEMM rate")
+        ramp = rows / (rows + self.grouped_gemm_half_rows) if rows > 0 else 1.0
+        return rate * 1e12 * self.grouped_gemm_efficiency * ramp * self.share(world)
+
+    def attention_flops_per_s(self, dtype: str, world: int, fallback_efficiency: float) -> float:
+        """Achieved forward FLOP/s of the fused causal attention (`fallback_efficiency` x the GEMM rate without an
+        `attention_efficiency`)."""
+        if self.attention_efficiency is None:
+            return self.gemm_flops(dtype, world) * fallback_efficiency
+        return self.tflops[dtype] * 1e12 * self.attention_efficiency * self.share(world)
+
     def fresh_bytes_per_s(self, world: int) -> float | None:
         """A rank's rate of touching fresh memory: a machine-wide rate split by the ranks on 'cpu' (two processes
         were measured to get half each: page faults do not scale with the cores here), the device's own on a GPU."""
@@ -152,11 +199,22 @@ class DeviceSpec:
         total = self.memory_gib * 2**30
         return total / world if self.shared_cores else total
 
-    def link_bytes_per_s(self, intra_node: bool, *, expert_parallel: bool = False) -> float:
+    def link_bytes_per_s(
+        self, intra_node: bool, *, expert_parallel: bool = False, op: str | None = None, group: int | None = None
+    ) -> float:
+        """Achieved bytes/s of one rank's link for collective `op` over `group` ranks (`collective_efficiency`)."""
         gbps = self.intra_node_gbps if intra_node else self.inter_node_gbps
         if expert_parallel and intra_node and self.ep_intra_node_gbps is not None:
             gbps = self.ep_intra_node_gbps
-        return gbps * 1e9 * self.comm_efficiency
+        return gbps * 1e9 * self.collective_efficiency_of(op, group)
+
+    def collective_efficiency_of(self, op: str | None, group: int | None) -> float:
+        if op is None:
+            return self.comm_efficiency
+        for key in (f"{op}@{group}", op):
+            if key in self.collective_efficiency:
+                return self.collective_efficiency[key]
+        return self.comm_efficiency
 
     def replace(self, **changes) -> DeviceSpec:
         """A copy with `changes` (e.g. calibrated figures); their sources should be given in `sources` too."""
@@ -249,6 +307,165 @@ H200 = H100.replace(
         "memory_efficiency": "estimate: the H100's measured 0.90",
     },
     estimated=H100.estimated | {"gemm_efficiency.bfloat16", "memory_efficiency"},
+)
+
+# The public SimuMax repository (MooreThreads/SimuMax, commit 4dcaae513ba7) publishes measurements of its B200 and
+# A100-PCIe machines in configs/system/*.json: GEMM, grouped-GEMM and attention efficiencies per shape and NCCL
+# collective efficiencies per group size. The figures below cite them (read as data; summarised, not copied).
+_SIMUMAX = "SimuMax (MooreThreads/SimuMax@4dcaae513ba7)"
+_SIMUMAX_B200 = _SIMUMAX + " configs/system/b200_bf16_ceperm.json, measured on their 8x B200 node"
+_SIMUMAX_A100 = _SIMUMAX + " configs/system/a100_pcie.json, measured on their 8x A100-PCIe node"
+_NVIDIA_B200 = (
+    "NVIDIA DGX B200 / HGX B200 datasheet (8 GPUs: FP16/BF16 36 PFLOPS, FP8 72 PFLOPS, FP32 600 TFLOPS with "
+    "sparsity where it applies; 1,440 GB HBM3e, 64 TB/s; NVLink 5 1.8 TB/s per GPU; 8x ConnectX-7 400 Gb/s)"
+)
+_NVIDIA_A100 = "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB PCIe column), nvidia.com/en-us/data-center/a100"
+_DEEPSEEK_V3_REPORT = "DeepSeek-V3 technical report (arXiv 2412.19437), section 3.2.2: H800 nodes"
+_CAUSAL_NOTE = (
+    "(SimuMax counts attention FLOPs without the causal half: its A100 figures exceed 1; halved here, as "
+    "moe/models/deepseek_v3/flops.py counts causally)"
+)
+
+B200 = DeviceSpec(
+    name="b200",
+    title="NVIDIA B200 SXM 180GB (8 per HGX node, NVLink 5 + 400 Gb/s InfiniBand)",
+    memory_gib=180 * 1e9 / 2**30,
+    tflops={"float32": 75.0, "bfloat16": 2250.0, "fp8": 4500.0},
+    memory_gbps=8000.0,
+    intra_node_gbps=900.0,
+    inter_node_gbps=50.0,
+    devices_per_node=8,
+    gemm_efficiency={"float32": 0.47, "bfloat16": 0.47, "fp8": 0.47},
+    memory_efficiency=0.666,
+    comm_efficiency=0.67,
+    comm_latency_us=25.0,
+    runtime_gib=3.0,
+    allocator_overhead=0.10,
+    grouped_gemm_efficiency=0.489,
+    grouped_gemm_half_rows=352.0,
+    attention_efficiency=0.415,
+    collective_efficiency={"all_to_all": 0.597, "all_reduce": 0.742, "all_gather": 0.674, "reduce_scatter": 0.673},
+    sources={
+        "memory_gib": _NVIDIA_B200 + ": 1,440 GB / 8 = 180 GB per GPU (taken as 180e9 bytes)",
+        "tflops.float32": _NVIDIA_B200 + ": 600 TFLOPS / 8",
+        "tflops.bfloat16": _NVIDIA_B200 + ": 36 PFLOPS with sparsity / 8 / 2 = 2,250 dense",
+        "tflops.fp8": _NVIDIA_B200 + ": 72 PFLOPS with sparsity / 8 / 2 = 4,500 dense",
+        "memory_gbps": _NVIDIA_B200 + ": 64 TB/s / 8 = 8 TB/s",
+        "intra_node_gbps": _NVIDIA_B200 + ": 1.8 TB/s both directions = 900 per direction",
+        "inter_node_gbps": _NVIDIA_B200 + ": one 400 Gb/s ConnectX-7 per GPU = 50 GB/s",
+        "devices_per_node": _NVIDIA_B200,
+        "gemm_efficiency.bfloat16": _SIMUMAX_B200 + ": BF16 matmuls (forward, data and weight gradients) of 4K "
+        "tokens with one dimension the DeepSeek hidden size, FLOP-weighted: 0.476 (5120), 0.464 (7168); 0.488 over "
+        "all its shapes",
+        "gemm_efficiency.float32": "estimate: as BF16",
+        "gemm_efficiency.fp8": "estimate: as BF16 (SimuMax publishes no B200 FP8 measurement)",
+        "memory_efficiency": _SIMUMAX_B200 + ": memory-bound kernels at 0.666 of 8 TB/s",
+        "comm_efficiency": _SIMUMAX_B200 + ": NCCL all-gather / reduce-scatter bus bandwidth ~0.67 of 900 GB/s",
+        "comm_latency_us": _SIMUMAX_B200 + ": fixed NCCL costs of 5-25 us per call",
+        "runtime_gib": _GPU_ESTIMATES["runtime_gib"],
+        "allocator_overhead": _GPU_ESTIMATES["allocator_overhead"],
+        "grouped_gemm_efficiency": _SIMUMAX_B200 + ": BF16 grouped GEMMs of 20-256 experts x 128-9832 rows, FP32 "
+        "main grads (forward, data and weight gradients, harmonic mean: their times add): 0.13 at 128 rows, 0.30 at "
+        "512-616, 0.36-0.39 at 1024-1232, 0.45 at 2460-9832; least-squares fit of eff * rows / (rows + half_rows): "
+        "eff 0.489",
+        "grouped_gemm_half_rows": "the same fit: half_rows 352",
+        "attention_efficiency": _SIMUMAX_B200 + ": flash attention forward at 0.83 of 2,250 for 128 MLA heads "
+        "(qk 192, v 128, 4K tokens) " + _CAUSAL_NOTE,
+        "collective_efficiency.all_to_all": _SIMUMAX_B200 + ": NCCL all-to-all 0.597 of 900 GB/s",
+        "collective_efficiency.all_reduce": _SIMUMAX_B200 + ": NCCL all-reduce bus bandwidth 0.742 of 900 GB/s",
+        "collective_efficiency.all_gather": _SIMUMAX_B200 + ": NCCL all-gather 0.674 of 900 GB/s",
+        "collective_efficiency.reduce_scatter": _SIMUMAX_B200 + ": NCCL reduce-scatter 0.673 of 900 GB/s",
+    },
+    estimated={"gemm_efficiency.float32", "gemm_efficiency.fp8", "runtime_gib", "allocator_overhead"},
+)
+
+H800 = H100.replace(
+    name="h800",
+    title="NVIDIA H800 SXM5 80GB (8 per node, NVLink 4 at 400 GB/s + 400 Gb/s InfiniBand)",
+    intra_node_gbps=200.0,
+    sources={
+        **H100.sources,
+        "tflops.float32": "as the H100 SXM (the H800 is the H100 SXM with a narrower NVLink): " + _NVIDIA_H100,
+        "tflops.bfloat16": "as the H100 SXM: 989 dense BF16 TFLOPS",
+        "tflops.fp8": "as the H100 SXM: 1,979 dense FP8 TFLOPS",
+        "memory_gbps": "as the H100 SXM: 3.35 TB/s",
+        "intra_node_gbps": "NVIDIA H800 SXM5 product brief: NVLink 400 GB/s both directions = 200 per direction; "
+        + _DEEPSEEK_V3_REPORT
+        + " reach ~160 GB/s over NVLink",
+        "inter_node_gbps": _DEEPSEEK_V3_REPORT + ": one 400 Gb/s InfiniBand NIC per GPU (50 GB/s)",
+        "devices_per_node": _DEEPSEEK_V3_REPORT + ": 8 GPUs per node",
+        "gemm_efficiency.bfloat16": "estimate: the H100's measured 0.807 (same SMs and clocks)",
+        "memory_efficiency": "estimate: the H100's measured 0.90",
+    },
+    estimated=H100.estimated | {"gemm_efficiency.bfloat16", "memory_efficiency"},
+)
+
+A100_PCIE = DeviceSpec(
+    name="a100-pcie",
+    title="NVIDIA A100 80GB PCIe (8 per node over PCIe Gen4, no NVLink; 200 Gb/s network)",
+    memory_gib=80 * 1e9 / 2**30,
+    tflops={"float32": 19.5, "bfloat16": 312.0, "fp8": None},
+    memory_gbps=1935.0,
+    intra_node_gbps=32.0,
+    inter_node_gbps=25.0,
+    devices_per_node=8,
+    gemm_efficiency={"float32": 0.74, "bfloat16": 0.74},
+    memory_efficiency=0.75,
+    comm_efficiency=0.64,
+    comm_latency_us=20.0,
+    runtime_gib=3.0,
+    allocator_overhead=0.10,
+    grouped_gemm_efficiency=0.739,
+    grouped_gemm_half_rows=144.0,
+    attention_efficiency=0.537,
+    collective_efficiency={
+        "all_to_all@8": 0.258,
+        "all_to_all": 0.60,
+        "all_reduce@8": 0.392,
+        "all_reduce": 0.65,
+        "all_gather@8": 0.422,
+        "all_gather": 0.648,
+        "reduce_scatter@8": 0.346,
+        "reduce_scatter": 0.642,
+        "p2p": 0.47,
+    },  # fmt: skip
+    sources={
+        "memory_gib": _NVIDIA_A100 + ": 80 GB HBM2e (taken as 80e9 bytes)",
+        "tflops.float32": _NVIDIA_A100 + ": FP32 19.5 TFLOPS",
+        "tflops.bfloat16": _NVIDIA_A100 + ": BF16 Tensor Core 624 TFLOPS with sparsity = 312 dense",
+        "tflops.fp8": _NVIDIA_A100 + ": no FP8 (Ampere): FP8 layouts rejected",
+        "memory_gbps": _NVIDIA_A100 + ": 1,935 GB/s",
+        "intra_node_gbps": _NVIDIA_A100 + ": PCIe Gen4 64 GB/s both directions = 32 per direction (no NVLink "
+        "bridges in " + _SIMUMAX_A100 + ")",
+        "inter_node_gbps": _SIMUMAX_A100 + ": 25 GB/s inter-node",
+        "devices_per_node": _SIMUMAX_A100,
+        "gemm_efficiency.bfloat16": _SIMUMAX_A100 + ": BF16 matmuls (forward, data and weight gradients) of 4K "
+        "tokens with one dimension the DeepSeek hidden size, FLOP-weighted: 0.741 (5120), 0.738 (7168)",
+        "gemm_efficiency.float32": "estimate: as BF16",
+        "memory_efficiency": _SIMUMAX_A100 + ": 0.91 of 1,600 GB/s = 1,456 GB/s, 0.75 of the datasheet's 1,935",
+        "comm_efficiency": _SIMUMAX_A100 + ": NCCL collectives over 2-4 GPUs at ~0.69 of 30 GB/s = 0.64 of 32",
+        "comm_latency_us": _SIMUMAX_A100 + ": 4-30 us per NCCL call",
+        "runtime_gib": _GPU_ESTIMATES["runtime_gib"],
+        "allocator_overhead": _GPU_ESTIMATES["allocator_overhead"],
+        "grouped_gemm_efficiency": _SIMUMAX_A100 + ": BF16 grouped GEMMs of 20 and 40 experts (1232 and 616 rows; "
+        "forward, data and weight gradients, harmonic mean: 0.662 and 0.599); eff * rows / (rows + half_rows) "
+        "through both: eff 0.739",
+        "grouped_gemm_half_rows": "the same fit: half_rows 144",
+        "attention_efficiency": _SIMUMAX_A100
+        + ": flash attention forward at 1.073 of 312 for 128 MLA heads "
+        + _CAUSAL_NOTE,
+        "collective_efficiency.all_to_all@8": _SIMUMAX_A100 + ": NCCL all-to-all over 8 GPUs 0.2754 x 30 GB/s "
+        "(8.3 GB/s) = 0.258 of 32",
+        "collective_efficiency.all_to_all": _SIMUMAX_A100 + ": over 2-4 GPUs 0.638-0.697 x 30 GB/s = ~0.60 of 32",
+        "collective_efficiency.all_reduce@8": _SIMUMAX_A100 + ": 0.4176 x 30 GB/s = 0.392 of 32",
+        "collective_efficiency.all_reduce": _SIMUMAX_A100 + ": over 2-4 GPUs ~0.69 x 30 GB/s = 0.65 of 32",
+        "collective_efficiency.all_gather@8": _SIMUMAX_A100 + ": 0.4497 x 30 GB/s = 0.422 of 32",
+        "collective_efficiency.all_gather": _SIMUMAX_A100 + ": over 2-4 GPUs ~0.69 x 30 GB/s = 0.648 of 32",
+        "collective_efficiency.reduce_scatter@8": _SIMUMAX_A100 + ": 0.3688 x 30 GB/s = 0.346 of 32",
+        "collective_efficiency.reduce_scatter": _SIMUMAX_A100 + ": over 2-4 GPUs ~0.68 x 30 GB/s = 0.642 of 32",
+        "collective_efficiency.p2p": _SIMUMAX_A100 + ": PCIe link efficiency 0.5 x 30 GB/s = 0.47 of 32",
+    },
+    estimated={"gemm_efficiency.float32", "runtime_gib", "allocator_overhead"},
 )
 
 MTT_S4000 = DeviceSpec(
@@ -394,7 +611,9 @@ CPU = DeviceSpec(
     estimated=frozenset(),
 )
 
-SPECS: dict[str, DeviceSpec] = {spec.name: spec for spec in (H100, H200, MTT_S4000, MTT_S5000, CPU)}
+SPECS: dict[str, DeviceSpec] = {
+    spec.name: spec for spec in (H100, H200, H800, B200, A100_PCIE, MTT_S4000, MTT_S5000, CPU)
+}
 
 
 def load_device_spec(name_or_path: str) -> DeviceSpec:

@@ -36,9 +36,10 @@ from dataclasses import dataclass, fields
 
 from moe.dispatcher.deepep import nvl_bytes_hint
 from moe.plan.devices import DeviceSpec
-from moe.plan.model import DTYPE_BYTES, FP32, ModelShape
+from moe.plan.framework import THIS_TRAINER, Framework
+from moe.plan.model import DTYPE_BYTES, FP32, RECOMPUTE_CHOICES, ModelShape
 from moe.plan.space import Candidate, Workload
-from moe.plan.stages import Chunk, distinct_ranks, inflight
+from moe.plan.stages import Chunk, distinct_ranks, inflight, rank_chunks
 
 GIB = 2**30
 
@@ -78,9 +79,16 @@ class MemoryBreakdown:
         return (self.weights + self.grads + self.optimizer + self.activations + self.transient + self.comm_buffers
                 + self.runtime + self.allocator)  # fmt: skip
 
+    @property
+    def allocated(self) -> float:
+        """The tensors alone: what torch.cuda.max_memory_allocated counts (no process runtime, no allocator
+        caching; the mtdeepep buffer excluded too, as runs without it report)."""
+        return self.weights + self.grads + self.optimizer + self.activations + self.transient
+
     def gib(self) -> dict[str, float]:
         out = {f.name: getattr(self, f.name) / GIB for f in fields(self) if f.name not in ("pp_rank", "inflight")}
         out["total"] = self.total / GIB
+        out["allocated"] = self.allocated / GIB
         return out
 
 
@@ -146,53 +154,98 @@ def ep_buffer_bytes(hidden: int, group: int) -> float:
     return float(nvl_bytes_hint(hidden, group))
 
 
-def estimate_memory(cand: Candidate, shape: ModelShape, work: Workload, spec: DeviceSpec) -> MemoryBreakdown:
+def estimate_memory(
+    cand: Candidate, shape: ModelShape, work: Workload, spec: DeviceSpec, framework: Framework = THIS_TRAINER
+) -> MemoryBreakdown:
     """Peak bytes of the worst pipeline rank (see the module docstring)."""
-    b = DTYPE_BYTES[work.dtype]
-    tokens = cand.micro_rows(work) * work.seq_len
     best: MemoryBreakdown | None = None
     for r, chunks in distinct_ranks(cand, shape.L, shape.first_dense):
-        p = rank_params(shape, chunks, cand)
-        low = b != FP32  # BF16 parameters get FP32 masters
-        weights = (p.dense + p.experts) * b + p.router * FP32
-        if cand.zero1:
-            grads = p.total * FP32
-            per = 8 + 4 * low
-            optimizer = (p.dense * per + p.router * 8) / cand.dp + p.experts * per / cand.edp
-        else:
-            grads = (p.dense + p.experts) * (b + FP32 * low) + p.router * FP32
-            optimizer = (p.dense + p.experts) * (8 + 4 * low) + p.router * 8
-        counts = inflight(cand, r, work.micro_batches)
-        per_chunk = [_chunk_activation(shape, c, work.dtype, cand) * tokens for c in chunks]
-        activations = sum(n * a for n, a in zip(counts, per_chunk))
-        if cand.fp8 != "none":
-            activations += sum(counts) / len(counts) * p.linear * 1.0
-        kinds = {shape.is_moe(i) for c in chunks for i in c.layers}
-        layer_peak = max((shape.activation_bytes(shape.L if moe else 0, dtype=work.dtype, tp=cand.tp, recompute="none",
-                                                 etp=cand.etp) for moe in kinds), default=0.0)  # fmt: skip
-        transient = layer_peak * tokens
-        if any(c.last for c in chunks):
-            transient += 2 * tokens * shape.V / cand.tp * FP32
-        if not cand.zero1:  # the post-backward concatenation of one group's gradients (activations freed by then)
-            flat = max(p.dense * FP32 if cand.dp * cand.tp > 1 else 0.0, p.experts * FP32 if cand.edp > 1 else 0.0)
-            transient = max(transient, flat - activations)
-        else:  # after the step: every bucket's parameter all-gather in flight (the shard copy, the backend's buffers)
-            gathered = (p.dense * b if cand.dp > 1 else 0.0) + (p.experts * b if cand.edp > 1 else 0.0)
-            copies = (p.dense * b / cand.dp if cand.dp > 1 else 0.0) + (p.experts * b / cand.edp if cand.edp > 1 else 0)
-            transient = max(transient, gathered * spec.all_gather_extra + copies - activations)
-        dynamic = activations + transient
-        mem = MemoryBreakdown(
-            weights=weights,
-            grads=grads,
-            optimizer=optimizer,
-            activations=activations,
-            transient=transient,
-            comm_buffers=ep_buffer_bytes(shape.H, cand.ep * cand.etp),
-            runtime=spec.runtime_gib * GIB,
-            allocator=spec.allocator_overhead * dynamic,
-            pp_rank=r,
-            inflight=sum(counts),
-        )
+        mem = rank_memory(cand, shape, work, spec, r, chunks, framework)
         if best is None or mem.total > best.total:
             best = mem
     return best
+
+
+def memory_by_stage(
+    cand: Candidate, shape: ModelShape, work: Workload, spec: DeviceSpec, framework: Framework = THIS_TRAINER
+) -> list[MemoryBreakdown]:
+    """Peak bytes of every pipeline rank, in rank order (one entry without a pipeline)."""
+    return [rank_memory(cand, shape, work, spec, r, chunks, framework)
+            for r, chunks in enumerate(rank_chunks(cand, shape.L))]  # fmt: skip
+
+
+def _framework_savings(cand: Candidate, shape: ModelShape, chunks: list[Chunk], b: int, framework: Framework):
+    """`(activation bytes per token, transient bytes per token)` another framework's fused kernels do not keep
+    (`moe.plan.framework.Framework`): the FP32 log-softmax and logits gradients of an unfused cross entropy (the
+    fused one keeps its logits gradient in the model dtype instead), the FP32 copies of the RMSNorm inputs."""
+    activations = transient = 0.0
+    if framework.fused_cross_entropy and any(c.last for c in chunks):
+        heads = 1 + shape.D
+        activations += heads * shape.V * FP32 / cand.tp - shape.V * b / cand.tp
+        transient += 2 * shape.V * FP32 / cand.tp
+    if framework.fused_norms and b != FP32 and cand.recompute != "full":
+        modules = set(RECOMPUTE_CHOICES[cand.recompute].get("modules", ()))
+        if "layernorm" not in modules:
+            layers = sum(len(c.layers) for c in chunks)
+            latent = (shape.Q or 0) + shape.C if cand.tp == 1 else 0
+            activations += layers * ((2 * shape.H) / cand.tp + latent) * FP32
+    return activations, transient
+
+
+def rank_memory(
+    cand: Candidate,
+    shape: ModelShape,
+    work: Workload,
+    spec: DeviceSpec,
+    r: int,
+    chunks: list[Chunk],
+    framework: Framework = THIS_TRAINER,
+) -> MemoryBreakdown:
+    """Peak bytes of pipeline rank `r`, which holds `chunks` (see the module docstring)."""
+    b = DTYPE_BYTES[work.dtype]
+    tokens = cand.micro_rows(work) * work.seq_len
+    p = rank_params(shape, chunks, cand)
+    low = b != FP32  # BF16 parameters get FP32 masters
+    weights = (p.dense + p.experts) * b + p.router * FP32
+    if cand.zero1:
+        grads = p.total * FP32
+        per = 8 + 4 * low
+        optimizer = (p.dense * per + p.router * 8) / cand.dp + p.experts * per / cand.edp
+    else:
+        grads = (p.dense + p.experts) * (b + FP32 * low) + p.router * FP32
+        optimizer = (p.dense + p.experts) * (8 + 4 * low) + p.router * 8
+    counts = inflight(cand, r, work.micro_batches)
+    per_chunk = [_chunk_activation(shape, c, work.dtype, cand) * tokens for c in chunks]
+    activations = sum(n * a for n, a in zip(counts, per_chunk))
+    saved_act, saved_transient = _framework_savings(cand, shape, chunks, b, framework)
+    activations -= saved_act * tokens * sum(counts) / len(counts)
+    if cand.fp8 != "none":
+        activations += sum(counts) / len(counts) * p.linear * 1.0
+    kinds = {shape.is_moe(i) for c in chunks for i in c.layers}
+    layer_peak = max((shape.activation_bytes(shape.L if moe else 0, dtype=work.dtype, tp=cand.tp, recompute="none",
+                                             etp=cand.etp) for moe in kinds), default=0.0)  # fmt: skip
+    transient = layer_peak * tokens
+    if any(c.last for c in chunks):
+        transient += 2 * tokens * shape.V / cand.tp * FP32
+    transient -= saved_transient * tokens
+    if not cand.zero1:  # the post-backward concatenation of one group's gradients (activations freed by then)
+        flat = max(p.dense * FP32 if cand.dp * cand.tp > 1 else 0.0, p.experts * FP32 if cand.edp > 1 else 0.0)
+        transient = max(transient, flat - activations)
+    else:  # after the step: every bucket's parameter all-gather in flight (the shard copy, the backend's buffers)
+        gathered = (p.dense * b if cand.dp > 1 else 0.0) + (p.experts * b if cand.edp > 1 else 0.0)
+        copies = (p.dense * b / cand.dp if cand.dp > 1 else 0.0) + (p.experts * b / cand.edp if cand.edp > 1 else 0)
+        transient = max(transient, gathered * spec.all_gather_extra + copies - activations)
+    dynamic = activations + transient
+    mem = MemoryBreakdown(
+        weights=weights,
+        grads=grads,
+        optimizer=optimizer,
+        activations=activations,
+        transient=transient,
+        comm_buffers=ep_buffer_bytes(shape.H, cand.ep * cand.etp),
+        runtime=spec.runtime_gib * GIB,
+        allocator=spec.allocator_overhead * dynamic,
+        pp_rank=r,
+        inflight=sum(counts),
+    )
+    return mem

@@ -3,8 +3,8 @@
 The rate is that of the GEMMs' dtype: the training dtype ('float32', 'bfloat16'), or 'fp8' under an FP8 recipe (as
 the planner's `Estimate.mfu`, moe/plan/search.py).
 - An accelerator (cuda, musa): the dense rate in the built-in spec whose model name the device reports
-  (moe/plan/devices.py: H100, H200, MTT S4000, MTT S5000), from the vendor's datasheet; None for a device without a
-  spec or without the dtype's rate (no MFU then).
+  (moe/plan/devices.py: B200, H100, H200, H800, MTT S4000, MTT S5000), from the vendor's datasheet; None for a
+  device without a spec or without the dtype's rate (no MFU then).
 - The CPU: measured once per process and setting, with this process's intra-op threads (moe/plan/calibrate.py, the
   measurements behind the 'cpu' spec): a 1024^3 matmul in the dtype, the fastest of 5 runs after a warm-up (~0.1-0.2
   s on one core here), or for 'fp8' the recipes' emulated GEMM (casts + FP32 matmul). Not the 'cpu' spec's figure:
@@ -32,10 +32,12 @@ import torch
 import torch.distributed as dist
 
 from moe.plan.calibrate import fp8_emulated_tflops, gemm_tflops
-from moe.plan.devices import H100, H200, MTT_S4000, MTT_S5000, RATE_DTYPES, DeviceSpec
+from moe.plan.devices import B200, H100, H200, H800, MTT_S4000, MTT_S5000, RATE_DTYPES, DeviceSpec
 
 # Device-name fragment (as the runtime reports it, e.g. "NVIDIA H100 80GB HBM3") -> spec.
-NAMED_SPECS: dict[str, DeviceSpec] = {"H100": H100, "H200": H200, "S4000": MTT_S4000, "S5000": MTT_S5000}
+NAMED_SPECS: dict[str, DeviceSpec] = {
+    "B200": B200, "H100": H100, "H200": H200, "H800": H800, "S4000": MTT_S4000, "S5000": MTT_S5000,
+}  # fmt: skip
 CPU_MATMUL_SIZE = 1024
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from moe.models.deepseek_v3.config import DeepseekV3Config
 from moe.plan.devices import DeviceSpec
+from moe.plan.framework import THIS_TRAINER, Framework
 from moe.plan.memory import MemoryBreakdown, estimate_memory
 from moe.plan.model import RECOMPUTE_CHOICES, ModelShape
 from moe.plan.space import Candidate, Workload, enumerate_candidates
@@ -46,10 +47,18 @@ class PlanResult:
     total: int
 
 
-def estimate(cand: Candidate, config: DeepseekV3Config, work: Workload, spec: DeviceSpec) -> Estimate:
-    """Memory and time of one layout (no rule checked: see `moe.plan.space` for those)."""
+def estimate(
+    cand: Candidate,
+    config: DeepseekV3Config,
+    work: Workload,
+    spec: DeviceSpec,
+    framework: Framework = THIS_TRAINER,
+) -> Estimate:
+    """Memory and time of one layout (no rule checked: see `moe.plan.space` and `moe.plan.layout` for those), for
+    this trainer or another `framework`."""
     shape = ModelShape.from_config(config)
-    return Estimate(cand, estimate_memory(cand, shape, work, spec), estimate_time(cand, shape, work, spec))
+    memory = estimate_memory(cand, shape, work, spec, framework)
+    return Estimate(cand, memory, estimate_time(cand, shape, work, spec, framework))
 
 
 def plan(

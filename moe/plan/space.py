@@ -310,3 +310,26 @@ def _train_py_reason(config, stub, world, tp, pp, ep, schedule, vpp) -> str | No
     except ValueError:
         return "train_py"
     return None
+
+
+def rejection_reason(cand: Candidate, config: DeepseekV3Config, work: Workload, spec: DeviceSpec) -> str | None:
+    """The key of `REASONS` of the first rule `cand` breaks (the rules `enumerate_candidates` applies, in its
+    order; memory not checked), or None when train.py would run it."""
+    try:
+        layout = Layout(world=cand.world, tp=cand.tp, pp=cand.pp, ep=cand.ep, etp=cand.etp)
+    except ValueError:
+        return "folding"
+    reason = _layout_reason(config, work, layout, check_tensor_parallel)
+    if reason is None:
+        reason = _schedule_reason(config, work, cand.pp, cand.schedule, cand.vpp)
+    if reason is None:
+        reason = _train_py_reason(config, _TrainingStub(work), cand.world, cand.tp, cand.pp, cand.ep, cand.schedule,
+                                  cand.vpp)  # fmt: skip
+    if reason is None and cand.fp8 != "none":
+        if not spec.has_fp8():
+            reason = "no_fp8"
+        elif config.hidden_size % 128:
+            reason = "fp8_dispatch"
+        elif not fp8_shards_whole_tiles(config, cand.etp, cand.fp8):
+            reason = "etp_fp8"
+    return reason

@@ -39,6 +39,7 @@ from dataclasses import dataclass, fields
 from moe.pipeline.timeline import analytic_bubble
 from moe.plan.comm import all_to_all_time, intra_node, p2p_time, ring_time
 from moe.plan.devices import DeviceSpec
+from moe.plan.framework import THIS_TRAINER, Framework
 from moe.plan.memory import rank_params
 from moe.plan.model import DTYPE_BYTES, FP32, RECOMPUTE_CHOICES, ModelShape
 from moe.plan.space import Candidate, Workload
@@ -53,7 +54,9 @@ OPTIMIZER_BYTES_PER_PARAM = 28  # AdamW: read grad, read+write master, exp_avg, 
 @dataclass(frozen=True)
 class TimeBreakdown:
     """Seconds of one optimizer step on the bottleneck rank. `compute` includes `recompute`; the *_comm fields are
-    exposed communication; `bubble` the pipeline's idle time."""
+    exposed communication; `bubble` the pipeline's idle time. `gemm` and `attention`: the shares of `compute`
+    (recompute excluded) spent in the GEMMs (weights-read roofline included) and in the attention core; the rest of
+    `compute - recompute` is element-wise work."""
 
     compute: float
     recompute: float
@@ -63,6 +66,8 @@ class TimeBreakdown:
     dp_comm: float
     optimizer: float
     bubble: float
+    gemm: float = 0.0
+    attention: float = 0.0
 
     @property
     def exposed_comm(self) -> float:
@@ -90,6 +95,8 @@ class ChunkTimes:
     tp_bwd: float
     ep_fwd: float
     ep_bwd: float
+    gemm: float = 0.0
+    attention: float = 0.0
 
     @property
     def F(self) -> float:
@@ -100,7 +107,14 @@ class ChunkTimes:
         return self.bwd + self.recompute + self.tp_bwd + self.ep_bwd
 
 
-def chunk_times(chunk: Chunk, cand: Candidate, shape: ModelShape, work: Workload, spec: DeviceSpec) -> ChunkTimes:
+def chunk_times(
+    chunk: Chunk,
+    cand: Candidate,
+    shape: ModelShape,
+    work: Workload,
+    spec: DeviceSpec,
+    framework: Framework = THIS_TRAINER,
+) -> ChunkTimes:
     b = DTYPE_BYTES[work.dtype]
     tokens = cand.micro_rows(work) * work.seq_len
     t_rank = tokens / cand.tp  # each TP rank's share of the work
@@ -113,14 +127,15 @@ def chunk_times(chunk: Chunk, cand: Candidate, shape: ModelShape, work: Workload
     layers = [0] * n_dense + [shape.L] * n_moe + ([shape.L + k for k in range(shape.D)] if chunk.last else [])
     modules = set(RECOMPUTE_CHOICES[cand.recompute].get("modules", ()))
 
-    linear = core = router = head = up = 0.0  # forward FLOPs per token
+    linear = experts = core = router = head = up = 0.0  # forward FLOPs per token
     act_bytes = 0.0  # per token, what the element-wise passes move
     for i in layers:
         proj, c = shape.attention_flops(work.seq_len)
         ffn = shape.ffn_flops(i)
         linear += proj + ffn["gemm"]
         if shape.is_moe(i):  # the model's count has K whole experts per token; price this rank's shards instead
-            linear += expert_gemm_flops(cand, shape) - shape.K * shape.expert_row_flops()
+            linear -= shape.K * shape.expert_row_flops()
+            experts += expert_gemm_flops(cand, shape)
         core += c
         router += ffn["router"]
         up += 2.0 * ((shape.Q or 0) * shape.N * shape.Dq + shape.C * shape.N * (shape.Dn + shape.Dv))
@@ -131,11 +146,17 @@ def chunk_times(chunk: Chunk, cand: Candidate, shape: ModelShape, work: Workload
     p = rank_params(shape, [chunk], cand)
     weight_bytes = (p.dense + p.experts) * b + p.router * FP32
 
-    gemm_fwd = t_rank * (linear / linear_rate + head / rate + router / fp32_rate)
-    core_fwd = t_rank * core / (rate * ATTENTION_EFFICIENCY)
+    # The grouped expert GEMM's rows per local expert shard: every rank of the ep x etp group routes its t_rank
+    # tokens to K experts, and each shard of an expert gets all of that expert's rows.
+    rows = cand.ep * cand.etp * t_rank * shape.K / shape.E
+    expert_rate = spec.grouped_gemm_flops("fp8" if cand.fp8 != "none" else work.dtype, world, rows)
+    gemm_fwd = t_rank * (linear / linear_rate + experts / expert_rate + head / rate + router / fp32_rate)
+    core_fwd = t_rank * core / spec.attention_flops_per_s(work.dtype, world, ATTENTION_EFFICIENCY)
     elem = t_rank * act_bytes / mem_bw
-    fwd = max(gemm_fwd, weight_bytes / mem_bw) + core_fwd + ELEMENTWISE_PASSES_FWD * elem
-    bwd = max(2 * gemm_fwd, (2 * b + 2 * FP32) * (p.dense + p.experts) / mem_bw) + 2.5 * core_fwd
+    gemm_f = max(gemm_fwd, weight_bytes / mem_bw)
+    gemm_b = max(2 * gemm_fwd, (2 * b + 2 * FP32) * (p.dense + p.experts) / mem_bw)
+    fwd = gemm_f + core_fwd + ELEMENTWISE_PASSES_FWD * elem
+    bwd = gemm_b + 2.5 * core_fwd
     bwd += ELEMENTWISE_PASSES_BWD * elem
     fresh = spec.fresh_bytes_per_s(world)
     if fresh is not None:  # page faults of what a micro-batch allocates afresh (see the module docstring)
@@ -143,7 +164,7 @@ def chunk_times(chunk: Chunk, cand: Candidate, shape: ModelShape, work: Workload
         bwd += (t_rank * act_bytes + weight_bytes) / fresh
 
     tp_fwd = _tp_comm(chunk, layers, cand, shape, tokens, b, spec)
-    ep_fwd, ep_bwd = _ep_comm(layers, cand, shape, tokens, b, spec)
+    ep_fwd, ep_bwd = _ep_comm(layers, cand, shape, tokens, b, spec, framework)
     if cand.recompute == "full":
         recompute = fwd
         tp_bwd, ep_bwd = 2 * tp_fwd, ep_bwd + ep_fwd  # the recomputed forward communicates again
@@ -156,7 +177,7 @@ def chunk_times(chunk: Chunk, cand: Candidate, shape: ModelShape, work: Workload
         if "layernorm" in modules or "moe_act" in modules:
             recompute += 0.3 * ELEMENTWISE_PASSES_FWD * elem + (t_rank * router / fp32_rate) * ("moe_act" in modules)
         tp_bwd = tp_fwd
-    return ChunkTimes(fwd, bwd, recompute, gemm_fwd, tp_fwd, tp_bwd, ep_fwd, ep_bwd)
+    return ChunkTimes(fwd, bwd, recompute, gemm_fwd, tp_fwd, tp_bwd, ep_fwd, ep_bwd, gemm_f + gemm_b, 3.5 * core_fwd)
 
 
 def expert_gemm_flops(cand: Candidate, shape: ModelShape) -> float:
@@ -193,25 +214,30 @@ def _tp_comm(chunk: Chunk, layers: list[int], cand: Candidate, shape: ModelShape
     return t
 
 
-def _ep_comm(layers: list[int], cand: Candidate, shape: ModelShape, tokens: int, b: int, spec) -> tuple[float, float]:
+def _ep_comm(
+    layers: list[int], cand: Candidate, shape: ModelShape, tokens: int, b: int, spec, framework: Framework
+) -> tuple[float, float]:
     """`(forward, backward)` seconds of the dispatches and combines of one micro-batch through a chunk's MoE layers,
-    over the folded EP x ETP group (none when it is one rank)."""
+    over the folded EP x ETP group (none when it is one rank), with the framework's dispatcher."""
     if cand.ep * cand.etp == 1:
         return 0.0, 0.0
     moe_layers = sum(shape.is_moe(i) for i in layers)
     local = tokens / cand.tp  # under sequence parallelism every TP rank routes its own positions
     dispatch_row = shape.H + shape.H / 128 * FP32 if cand.fp8 != "none" else shape.H * b
-    combine_row = shape.H * FP32  # the 'flex' dispatcher combines in FP32
+    combine_row = shape.H * (FP32 if framework.combine_fp32 else b)  # 'flex' combines in FP32
+    per_expert = framework.dispatcher == "alltoall"
 
     def a2a(row: float) -> float:
-        return all_to_all_time(local, row, cand.ep, cand.etp, shape.E, shape.K, spec)
+        return all_to_all_time(local, row, cand.ep, cand.etp, shape.E, shape.K, spec, per_expert=per_expert)
 
     fwd = moe_layers * (a2a(dispatch_row) + a2a(combine_row))
     bwd = moe_layers * (a2a(shape.H * b) + a2a(combine_row))
     return fwd, bwd
 
 
-def estimate_time(cand: Candidate, shape: ModelShape, work: Workload, spec: DeviceSpec) -> TimeBreakdown:
+def estimate_time(
+    cand: Candidate, shape: ModelShape, work: Workload, spec: DeviceSpec, framework: Framework = THIS_TRAINER
+) -> TimeBreakdown:
     """The step time on the bottleneck pipeline rank (see the module docstring)."""
     m = work.micro_batches
     b = DTYPE_BYTES[work.dtype]
@@ -220,7 +246,7 @@ def estimate_time(cand: Candidate, shape: ModelShape, work: Workload, spec: Devi
     p2p_bytes = tokens / cand.tp * shape.H * b * (1 + (shape.D > 0))  # h, and the embedding for the MTP depths
     p2p = p2p_time(p2p_bytes, intra_node(cand.dp * cand.tp * 2, spec), spec) if cand.pp > 1 else 0.0
 
-    per_rank = [[chunk_times(c, cand, shape, work, spec) for c in chunks] for chunks in chunks_by_rank]
+    per_rank = [[chunk_times(c, cand, shape, work, spec, framework) for c in chunks] for chunks in chunks_by_rank]
 
     def busy(times: list[ChunkTimes]) -> float:
         return m * sum(t.F + t.B for t in times) + m * len(times) * 2 * p2p
@@ -244,9 +270,12 @@ def estimate_time(cand: Candidate, shape: ModelShape, work: Workload, spec: Devi
         else:
             bubble = max(0.0, analytic_bubble(cand.schedule, cand.pp, F, B, min(W, B)))
 
-    dp_comm = _dp_comm(cand, shape, chunks_by_rank, work, spec, last_backward=sum(t.B for t in times))
-    optimizer = _optimizer_time(cand, shape, chunks_by_rank, work, spec)
-    return TimeBreakdown(compute, recompute, tp_comm, ep_comm, pp_comm, dp_comm, optimizer, bubble)
+    overlap = sum(t.B for t in times) if framework.overlap_grad_reduce else 0.0
+    dp_comm = _dp_comm(cand, shape, chunks_by_rank, work, spec, last_backward=overlap)
+    optimizer = _optimizer_time(cand, shape, chunks_by_rank, work, spec, framework)
+    gemm = m * sum(t.gemm for t in times)
+    attention = m * sum(t.attention for t in times)
+    return TimeBreakdown(compute, recompute, tp_comm, ep_comm, pp_comm, dp_comm, optimizer, bubble, gemm, attention)
 
 
 def _signature(chunks, shape: ModelShape) -> tuple:
@@ -294,7 +323,9 @@ def _dp_comm(cand, shape, chunks_by_rank, work, spec, last_backward: float) -> f
     return worst + small
 
 
-def _optimizer_time(cand, shape, chunks_by_rank, work, spec) -> float:
+def _optimizer_time(cand, shape, chunks_by_rank, work, spec, framework: Framework = THIS_TRAINER) -> float:
+    """Seconds of the optimizer step on the rank with most: the bytes per local (sharded) parameter AdamW moves,
+    plus the framework's own per-step passes (`Framework.step_bytes_per_param`: every local gradient zeroed, ...)."""
     bw = spec.memory_bytes_per_s(cand.world)
     worst = 0.0
     for chunks in chunks_by_rank:
@@ -303,5 +334,7 @@ def _optimizer_time(cand, shape, chunks_by_rank, work, spec) -> float:
             local = (p.dense + p.router) / cand.dp + p.experts / cand.edp
         else:
             local = p.total
-        worst = max(worst, local * OPTIMIZER_BYTES_PER_PARAM / bw)
+        step_bytes = local * (OPTIMIZER_BYTES_PER_PARAM + framework.shard_bytes_per_param)
+        step_bytes += (p.total if cand.zero1 else local) * framework.buffer_bytes_per_param
+        worst = max(worst, step_bytes / bw)
     return worst

@@ -74,7 +74,7 @@ def test_no_layout_fits_exits_1(plan_main, capsys, tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--devices", "4", "--device-spec", "a100"], "unknown device spec 'a100'; built-in: h100, h200"),
+        (["--devices", "4", "--device-spec", "z100"], "unknown device spec 'z100'; built-in: h100, h200, h800, b200"),
         (["--devices", "0", "--device-spec", "cpu"], "--devices must be >= 1"),
         (["--devices", "4", "--device-spec", "cpu", "--top", "0"], "--top must be >= 1"),
         (["--devices", "4", "--device-spec", "h100", "--calibrate"], "--calibrate measures this machine"),
@@ -97,10 +97,10 @@ def test_missing_arguments_and_bad_config_exit_2(plan_main, capsys, tmp_path):
 
 def test_cli_process_exit_status():
     """The script itself (a fresh interpreter): a bad spec is exit status 2 with the message on stderr."""
-    proc = subprocess.run([sys.executable, str(PLAN_PY), "--config", TINY, "--devices", "4", "--device-spec", "b200"],
+    proc = subprocess.run([sys.executable, str(PLAN_PY), "--config", TINY, "--devices", "4", "--device-spec", "z900"],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2
-    assert "plan.py: error: unknown device spec 'b200'" in proc.stderr
+    assert "plan.py: error: unknown device spec 'z900'" in proc.stderr
 
 
 def test_list_devices_cites_every_figure(plan_main, capsys):

@@ -21,7 +21,9 @@ pools = pool_fixture(world_size=2, comm_timeout_s=30, deadline_s=120)
         ("NVIDIA H200", "float32", 67.0),
         ("MTT S4000", "bfloat16", 100.0),
         ("MTT S4000", "fp8", None),  # no FP8 unit: no rate, no MFU
-        ("NVIDIA A100-SXM4-80GB", "bfloat16", None),  # no built-in spec
+        ("NVIDIA B200", "bfloat16", 2250.0),
+        ("NVIDIA H800", "fp8", 1979.0),
+        ("NVIDIA A100-SXM4-80GB", "bfloat16", None),  # no built-in spec (a100-pcie is the PCIe card's)
     ],
 )
 def test_accelerator_peak_from_its_spec(monkeypatch, name, dtype, tflops):
