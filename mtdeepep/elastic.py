@@ -643,7 +643,7 @@ class ElasticBuffer:
         experts = valid_idx[rows, slots]
         order = torch.argsort(experts, stable=True)  # by expert, rows ascending within one
         first_of_expert = torch.cumsum(unaligned, 0) - unaligned
-        rank_in_expert = torch.arange(order.numel()) - first_of_expert[experts[order]]
+        rank_in_expert = torch.arange(order.numel(), dtype=torch.int64) - first_of_expert[experts[order]]
         expanded = torch.full_like(valid_idx, -1)
         expanded[rows[order], slots[order]] = starts[experts[order]] + rank_in_expert
         return expanded.int()
