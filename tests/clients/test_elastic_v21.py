@@ -1,0 +1,40 @@
+"""DeepEP 2.1's primitives and semantics on `mtdeepep.ElasticBuffer` (cases in v21_cases.py) in the logical domains
+the CPU executor serves: one node of 2 ranks (the quick runs), one node of 4, and 2 nodes x 2 ranks
+(`num_ranks_per_node=2`, V1's two-stage internode mode underneath)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ..ranks import pool_fixture
+from . import v21_cases as cases
+
+pytestmark = pytest.mark.timeout(300)
+
+# Rank pools of 2 and 4 ranks; mtdeepep's and gloo's timeouts (30 s) end before the pool's deadline (120 s).
+v21_pools = pool_fixture(comm_timeout_s=30, deadline_s=120)
+
+DOMAINS = [
+    pytest.param((2, None), id="1x2"),
+    pytest.param((4, None), id="1x4", marks=pytest.mark.slow),
+    pytest.param((4, 2), id="2x2", marks=pytest.mark.slow),
+]
+
+CASES = [
+    cases.pp_send_recv_matches_upstream_test,
+    cases.agrs_all_gather_matches_upstream_test,
+    cases.engram_fetch_matches_upstream_test,
+    cases.deterministic_sort_restores_arrival_independent_order,
+    cases.elastic_outputs_keep_dtypes_under_bfloat16_default,
+]
+
+
+@pytest.mark.parametrize("domain", DOMAINS)
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.__name__)
+def test_v21_case(v21_pools, case, domain):
+    world_size, num_ranks_per_node = domain
+    v21_pools[world_size].run(case, num_ranks_per_node)
+
+
+def test_pp_recv_times_out_naming_the_sender(v21_pools):
+    v21_pools[2].run(cases.pp_recv_times_out_naming_the_sender)
