@@ -56,9 +56,12 @@ GRID = [
 def test_v2_mode_grid(v21_pools, domain, stride, fp8_values, do_cpu_sync):
     world_size, num_ranks_per_node = domain
     stride = stride if do_cpu_sync else 11
-    v21_pools[world_size].run(
+    checked = v21_pools[world_size].run(
         grid_cases.v2_mode_grid_matches_reference, num_ranks_per_node, stride, do_cpu_sync, fp8_values
     )
+    modes = list(grid_cases.enumerate_ep_modes())
+    expected = [i for i in range(0, len(modes), stride) if modes[i][2] in fp8_values]
+    assert checked == [expected] * world_size
 
 
 @pytest.mark.slow

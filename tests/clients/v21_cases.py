@@ -353,6 +353,7 @@ def elastic_outputs_keep_dtypes_under_bfloat16_default(ctx, num_ranks_per_node=N
     with default_dtype("bfloat16"):
         buffer = _buffer(ctx, "dtype", num_ranks_per_node, num_max_tokens_per_rank=capacity, hidden=64,
                          num_topk=num_topk)  # fmt: skip
+        assert buffer.get_comm_stream() is None  # the CPU executor's comm thread has no stream
         x, topk_idx, weights = _routing(ctx, capacity - ctx.rank, num_experts, num_topk, seed=9)
         everyone = gather(ctx, (x, topk_idx, weights))
         ref = refs.ref_dispatch([e[0] for e in everyone], [e[1] for e in everyone], [e[2] for e in everyone],

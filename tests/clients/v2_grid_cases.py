@@ -126,6 +126,7 @@ def v2_mode_grid_matches_reference(ctx, num_ranks_per_node=None, mode_stride: in
                                        use_fp8_dispatch=True, num_ranks_per_node=num_ranks_per_node)  # fmt: skip
     buffer = ctx.cache[key]
     num_nodes, per_node = buffer.get_logical_domain_size()
+    checked = []
     for mode_idx, mode in enumerate(enumerate_ep_modes()):
         if mode_idx % mode_stride:
             continue
@@ -245,6 +246,8 @@ def v2_mode_grid_matches_reference(ctx, num_ranks_per_node=None, mode_stride: in
             again_w[:num_recv], recv_w[:num_recv]
         )
         assert torch.equal(again_handle.recv_src_metadata[:num_recv, :1], handle.recv_src_metadata[:num_recv, :1])
+        checked.append(mode_idx)
+    return checked
 
 
 def fp8_internode_dispatch_with_an_idle_rank(ctx):
