@@ -14,7 +14,7 @@ from mtdeepep import Buffer
 
 from . import low_latency_cases as cases
 from .default_dtype import under_default_dtype
-from .topology import INTRANODE, NORMAL
+from .topology import INTRANODE, INTRANODE_4, NORMAL
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -78,7 +78,9 @@ def test_size_hint_covers_every_part():
         Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 250)
 
 
-@pytest.mark.parametrize("topology", NORMAL, ids=str)
+@pytest.mark.parametrize(
+    "topology", [pytest.param(t, id=str(t), marks=[pytest.mark.slow] if t is INTRANODE_4 else []) for t in NORMAL]
+)
 def test_combine_under_bfloat16_default_dtype(pool, topology):
     """DeepEP's harnesses set bfloat16 as the default dtype: the outputs keep their documented dtypes."""
     pool.run(under_default_dtype, "bfloat16", cases.combine_matches_reference, topology)
