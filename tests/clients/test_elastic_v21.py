@@ -1,6 +1,6 @@
 """DeepEP 2.1's primitives and semantics on `mtdeepep.ElasticBuffer` (cases in v21_cases.py) in the logical domains
 the CPU executor serves: one node of 2 ranks (the quick runs), one node of 4, and 2 nodes x 2 ranks
-(`num_ranks_per_node=2`, V1's two-stage internode mode underneath)."""
+(`num_ranks_per_node=2`, V1's two-stage internode mode underneath); the V2 mode grid also on 4 nodes x 1 rank."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ GRID = [
     pytest.param((2, None), 7, (0, 1), id="1x2"),
     pytest.param((4, None), 5, (0, 1), id="1x4", marks=pytest.mark.slow),
     pytest.param((4, 2), 5, (0,), id="2x2-bf16", marks=pytest.mark.slow),
+    pytest.param((4, 1), 5, (0, 1), id="4x1", marks=pytest.mark.slow),
 ]
 
 
