@@ -41,7 +41,7 @@ from .event import EventOverlap
 from .utils.thread_local import thread_local_setting
 
 _EVENT = "_mtdeepep_event"
-_NO_TENSOR = torch.empty(0)  # stands for an absent optional output (ops return tensors only)
+_NO_TENSOR = torch.empty(0, dtype=torch.float32)  # stands for an absent optional output (ops return tensors only)
 _BUFFERS: weakref.WeakValueDictionary[int, Buffer] = weakref.WeakValueDictionary()
 _NEXT_BUFFER_ID = itertools.count(1)
 _THREAD = threading.local()  # `backward_comm_hook`: the hook of the calling thread

@@ -19,7 +19,8 @@ Each entry: the V2 argument; what it means in DeepEP V2; what mtdeepep does with
 - `num_bytes`: symmetric buffer bytes, None: computed from the MoE settings. The shared region (V1's `num_nvl_bytes`);
   None: `get_buffer_size_hint(...)`, which needs `num_max_tokens_per_rank` and `hidden` > 0 (else ValueError). Any
   size works (larger payloads move in rounds); V2's 2 MiB alignment is not required.
-- `num_cpu_bytes`: host memory for Engram storage. Must be 0 (Engram is not provided), else ValueError.
+- `num_cpu_bytes`: host memory for Engram storage (part of `num_bytes`). Served: the Engram rows are host memory
+  of up to `num_cpu_bytes` (needs `num_bytes`, `num_cpu_bytes <= num_bytes`); the engine's region gets the rest.
 - `num_max_tokens_per_rank`: the most tokens any rank dispatches; also the stride of the global token index
   `rank * C + i`. Stored; the default of `dispatch`, which checks `T <= C`.
 - `hidden`, `num_topk`, `use_fp8_dispatch`: buffer sizing. Sizing only (through the hint).
@@ -94,8 +95,13 @@ slot: each slot takes the value from the rank that owns its expert, so combining
 original ones. Returns `(combined_x [T, H], combined_topk_weights [T, K] float32 or None, event)`.
 
 `EPHandle` fields (V2 names): see the class. `token_metadata_at_forward` and `channel_linked_list` (V2's hybrid
-kernels) are None. V2's Engram (`engram_*`), pipeline-parallel (`pp_*`) and all-gather/reduce-scatter (`agrs_*`,
-`all_gather`) APIs are not provided.
+kernels) are None. `EPHandle.deterministic_sort` sorts as upstream (an identity on this executor's outputs, which
+are already in that order).
+
+DeepEP 2.1's pipeline (`pp_*`), all-gather session (`agrs_*`, `all_gather`) and Engram (`engram_*`) methods keep
+upstream's signatures; they move bytes as tagged, bounded point-to-point messages on the buffer's group
+(`peer_link.py`; `pp_ring.py`, `agrs.py`, `engram.py` say what differs: `all_gather` and `engram_fetch` wait for
+every rank to issue the same call, and `engram_fetch` is collective where upstream's is a one-sided read).
 """
 
 from __future__ import annotations
@@ -110,11 +116,15 @@ import torch.distributed as dist
 
 from ._C import EventHandle
 from ._checks import COMBINE_DTYPES, check_tensor, check_timeout, split_x
+from .agrs import AllGatherSessions, agrs_buffer_size_hint, session_bytes
 from .buffer import Buffer
 from .config import Config
 from .engines import Engine, create_engine
 from .engines.handles import record_of
+from .engram import EngramStore, engram_storage_size_hint
 from .event import EventOverlap
+from .peer_link import PeerLink
+from .pp_ring import PipelineRing, pp_buffer_size_hint
 
 BUFFER_ALIGNMENT = 2 << 20  # V2 sizes its buffers in 2 MiB units; the hint keeps that granularity
 SF_BLOCK = 128  # hidden channels per FP8 scale
@@ -219,6 +229,64 @@ class EPHandle:
     channel_linked_list: torch.Tensor | None
     legacy_handle: tuple
     recv_topk_idx: torch.Tensor
+    cached_recv_src_metadata_before_sort: torch.Tensor | None = None
+
+    def deterministic_sort(
+        self,
+        do_cpu_sync: bool,
+        is_cached_dispatch: bool,
+        recv_x: torch.Tensor,
+        recv_sf: torch.Tensor | None,
+        recv_topk_idx: torch.Tensor | None,
+        recv_topk_weights: torch.Tensor | None,
+        channel_linked_list: torch.Tensor | None = None,
+    ) -> None:
+        """Sorts a dispatch's received rows in place so that their order does not depend on arrival (upstream's
+        semantics). Non-expanded: rows by source global token index (`recv_src_metadata[:, 0]`), padding rows last;
+        `recv_x`, `recv_sf`, `recv_topk_idx`, `recv_topk_weights` permuted, and `recv_src_metadata` too unless
+        `is_cached_dispatch` (a cached dispatch sorts with the metadata kept from the dispatch that made the handle).
+        Expanded (not cached): within each expert's block, rows by source global token index, alignment padding
+        last; `recv_x`, `recv_sf`, `recv_topk_weights` permuted and the expanded slots of `recv_src_metadata[:, 2:]`
+        updated. mtdeepep's dispatch already returns rows in this order, so on its outputs the sort changes nothing.
+        `channel_linked_list` is upstream's hybrid-kernel list: None here (refused otherwise)."""
+        _require(channel_linked_list is None, "channel_linked_list must be None (no hybrid kernels here)")
+        if not is_cached_dispatch:
+            self.cached_recv_src_metadata_before_sort = self.recv_src_metadata.clone()
+        before = self.cached_recv_src_metadata_before_sort
+        _require(before is not None, "a cached deterministic_sort needs the sort of the dispatch that made the handle")
+        num_valid = self.num_valid_recv_tokens
+        never = torch.iinfo(torch.int64).max
+
+        def permute(tensor: torch.Tensor | None, order: torch.Tensor) -> None:
+            if tensor is not None:
+                tensor.copy_(tensor[order])
+
+        if not self.do_expand:
+            keys = before[:, 0].long().clone()
+            keys[num_valid:] = never
+            order = torch.sort(keys, stable=True).indices
+            for tensor in (recv_x, recv_sf, recv_topk_idx, recv_topk_weights):
+                permute(tensor, order)
+            if not is_cached_dispatch:
+                permute(self.recv_src_metadata, order)
+        elif not is_cached_dispatch:
+            num_rows = recv_x.size(0)
+            counts = self.num_unaligned_recv_tokens_per_expert.long()
+            starts = self.psum_num_recv_tokens_per_expert.long() - counts
+            expert_of_row = torch.bucketize(torch.arange(num_rows, dtype=torch.int64), starts[1:], right=True)
+            span = int(before[:num_valid, 0].max()) + 2 if num_valid else 1  # source indices, then padding
+            keys = expert_of_row * span + (span - 1)
+            slots = before[:num_valid, 2:].long()
+            valid = slots >= 0
+            sources = before[:num_valid, 0].long().unsqueeze(1).expand_as(slots)
+            keys[slots[valid]] = expert_of_row[slots[valid]] * span + sources[valid]
+            order = torch.sort(keys, stable=True).indices
+            for tensor in (recv_x, recv_sf, recv_topk_weights):
+                permute(tensor, order)
+            moved_to = torch.empty_like(order)
+            moved_to[order] = torch.arange(num_rows, dtype=order.dtype)
+            current = self.recv_src_metadata[:num_valid, 2:]
+            current[valid] = moved_to[slots[valid]].to(current.dtype)
 
     @property
     def num_valid_recv_tokens(self) -> int:
@@ -266,7 +334,9 @@ class ElasticBuffer:
             ("num_allocated_qps", num_allocated_qps),
         ):
             _check_non_negative_int(name, value)
-        _require(num_cpu_bytes == 0, "num_cpu_bytes (Engram storage) is not supported: pass 0")
+        if num_cpu_bytes > 0:
+            _require(num_bytes is not None, "num_cpu_bytes > 0 needs num_bytes (which includes it), as upstream")
+            _require(num_cpu_bytes <= num_bytes, f"num_cpu_bytes={num_cpu_bytes} exceeds num_bytes={num_bytes}")
         timeout_s = check_timeout(num_cpu_timeout_secs)
         if num_bytes is None:
             _require(
@@ -287,15 +357,21 @@ class ElasticBuffer:
         self.prefer_overlap_with_compute = prefer_overlap_with_compute
         self.num_allocated_qps = num_allocated_qps or (65 if allow_hybrid_mode else 17)
         self.explicitly_destroy = explicitly_destroy
+        self.num_cpu_bytes = num_cpu_bytes
         self._engine: Engine | None = create_engine(
-            group, num_nvl_bytes=num_bytes, num_ll_bytes=0, low_latency=False, num_ranks_per_node=num_ranks_per_node,
-            timeout_s=timeout_s, phase="ElasticBuffer set-up",
+            group, num_nvl_bytes=num_bytes - num_cpu_bytes, num_ll_bytes=0, low_latency=False,
+            num_ranks_per_node=num_ranks_per_node, timeout_s=timeout_s, phase="ElasticBuffer set-up",
         )  # fmt: skip
         self.device = self._engine.device
         self.num_scaleout_ranks, self.num_scaleup_ranks = self.get_logical_domain_size()
         self.scaleout_rank_idx = self.rank_idx // self.num_scaleup_ranks
         self.scaleup_rank_idx = self.rank_idx % self.num_scaleup_ranks
         self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
+        # DeepEP 2.1's pipeline, all-gather and Engram primitives: tagged messages on this group (see peer_link.py).
+        self._link = PeerLink(group, timeout_s)
+        self._pp = PipelineRing(self._link, num_bytes)
+        self._agrs = AllGatherSessions(self._link, num_bytes)
+        self._engram = EngramStore(self._link, num_cpu_bytes)
 
     # ---------------------------------------------------------------------------------------------------------
     # Sizes, domains, lifetime
@@ -407,6 +483,109 @@ class ElasticBuffer:
             f"num_sms must be a positive even int, got {num_sms!r}",
         )
         return dataclasses.replace(table_config, num_sms=num_sms)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # DeepEP 2.1: pipeline send / receive, all-gather sessions, Engram (mtdeepep/pp_ring.py, agrs.py, engram.py)
+
+    @staticmethod
+    def get_pp_buffer_size_hint(num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> int:
+        """Bytes of `num_bytes` for `pp_set_config(num_max_tensor_bytes, num_max_inflight_tensors)`: upstream's
+        figure (send and receive slots for both ring neighbours, each rounded to 32 bytes), rounded up to 2 MiB."""
+        return pp_buffer_size_hint(num_max_tensor_bytes, num_max_inflight_tensors)
+
+    def pp_set_config(self, num_max_tensor_bytes: int, num_max_inflight_tensors: int) -> None:
+        """Sets the largest tensor and the sends each neighbour may have outstanding; finishes the outstanding sends
+        and waits for every rank (collective). ValueError if the buffer is smaller than the size hint."""
+        self._live()
+        self._pp.set_config(num_max_tensor_bytes, num_max_inflight_tensors)
+
+    def pp_send(self, t: torch.Tensor, dst_rank_idx: int, num_sms: int = 0) -> None:
+        """Sends a copy of `t` (contiguous CPU tensor of at most `num_max_tensor_bytes`) to the previous or next rank
+        of the ring; returns at once unless `num_max_inflight_tensors` sends to that rank are still not received
+        (then waits, bounded). `num_sms` is accepted (GPU only)."""
+        self._live()
+        self._pp.send(t, dst_rank_idx, num_sms)
+
+    def pp_recv(self, t: torch.Tensor, src_rank_idx: int, num_sms: int = 0) -> None:
+        """Receives into `t` the oldest message of the previous or next rank of the ring, bitwise (its size must be
+        `t`'s, else ValueError); waits, bounded, naming the rank."""
+        self._live()
+        self._pp.recv(t, src_rank_idx, num_sms)
+
+    @staticmethod
+    def get_agrs_num_max_session_bytes(group: dist.ProcessGroup, shapes, dtype: torch.dtype) -> int:
+        """Bytes one session needs for gathering tensors of `shapes` (one shape or a sequence) in `dtype`:
+        `sum(align(num_ranks * numel * itemsize, 32))`."""
+        return session_bytes((dist.group.WORLD if group is None else group).size(), shapes, dtype)
+
+    @staticmethod
+    def get_agrs_buffer_size_hint(group: dist.ProcessGroup, num_max_session_bytes: int) -> int:
+        """`num_max_session_bytes` rounded up to 2 MiB."""
+        return agrs_buffer_size_hint(num_max_session_bytes)
+
+    def agrs_set_config(self, num_max_session_bytes: int, num_max_all_gathers_per_session: int) -> None:
+        """Sets the session's byte and gather limits (`num_max_session_bytes <= num_bytes`) and waits for every rank
+        (collective). Outside a session only."""
+        self._live()
+        self._agrs.set_config(num_max_session_bytes, num_max_all_gathers_per_session)
+
+    def create_agrs_session(self) -> None:
+        """Opens a session: its gathers take the session area from the start. Pair with `destroy_agrs_session`."""
+        self._live()
+        self._agrs.create()
+
+    def destroy_agrs_session(self) -> None:
+        """Closes the session after its outstanding transfers finished (bounded); its outputs stay readable until the
+        next session's gathers overwrite the area."""
+        self._live()
+        self._agrs.destroy()
+
+    @contextlib.contextmanager
+    def agrs_new_session(self, enabled: bool = True):
+        """`create_agrs_session` ... `destroy_agrs_session` around the block (a no-op when not `enabled`)."""
+        if not enabled:
+            yield
+            return
+        self.create_agrs_session()
+        try:
+            yield
+        finally:
+            self.destroy_agrs_session()
+
+    def agrs_get_inplace_tensor(self, shapes, dtype: torch.dtype):
+        """This rank's slot of the next gathers' output, for one shape (a tensor) or a sequence (a tuple): fill it,
+        then `all_gather` it without a copy. Inside a session."""
+        self._live()
+        return self._agrs.inplace_tensor(shapes, dtype)
+
+    def all_gather(self, t):
+        """Gathers `t` (a tensor, or a sequence of tensors) from every rank, inside a session: returns
+        `(gathered, handle)` or `(*gathered, handle)`, `gathered` `[num_ranks, *t.shape]`; call `handle()` before
+        reading it. Every rank issues the same gathers in the same order; the call waits until every rank has issued
+        it (bounded) and checks that the shapes and dtypes agree (ValueError on every rank)."""
+        self._live()
+        return self._agrs.all_gather(t)
+
+    @staticmethod
+    def get_engram_storage_size_hint(
+        num_entries: int, hidden: int, num_max_tokens_per_rank: int, dtype: torch.dtype = torch.bfloat16
+    ) -> tuple[int, int]:
+        """`(num_gpu_bytes, num_cpu_bytes)` as upstream: rows rounded to 32 bytes, both rounded up to 2 MiB. Build
+        the buffer with `num_bytes=num_gpu_bytes + num_cpu_bytes, num_cpu_bytes=num_cpu_bytes`."""
+        return engram_storage_size_hint(num_entries, hidden, num_max_tokens_per_rank, dtype)
+
+    def engram_write(self, storage: torch.Tensor, sf: torch.Tensor | None = None) -> None:
+        """Stores this rank's rows `storage` `[num_entries, hidden]` (bfloat16 or float8_e4m3fn) and, for FP8, the
+        replicated scales `sf` `[num_ranks * num_entries, packs]` (float32 or int32). Collective."""
+        self._live()
+        self._engram.write(storage, sf)
+
+    def engram_fetch(self, indices: torch.Tensor, num_qps: int = 0, use_tma_aligned_col_major_sf: bool = False):
+        """Rows by global index (`indices` `[T, E]` int32, row i of rank r is `r * num_entries + i`): returns a hook
+        whose call waits and returns `(data [T, E * hidden], sf [T, E * packs] or None)`. Collective on this
+        executor (upstream's is a one-sided read): every rank calls it together, each with its own indices."""
+        self._live()
+        return self._engram.fetch(indices, num_qps, use_tma_aligned_col_major_sf)
 
     # ---------------------------------------------------------------------------------------------------------
     # Dispatch
@@ -643,7 +822,7 @@ class ElasticBuffer:
         experts = valid_idx[rows, slots]
         order = torch.argsort(experts, stable=True)  # by expert, rows ascending within one
         first_of_expert = torch.cumsum(unaligned, 0) - unaligned
-        rank_in_expert = torch.arange(order.numel()) - first_of_expert[experts[order]]
+        rank_in_expert = torch.arange(order.numel(), dtype=torch.int64) - first_of_expert[experts[order]]
         expanded = torch.full_like(valid_idx, -1)
         expanded[rows[order], slots[order]] = starts[experts[order]] + rank_in_expert
         return expanded.int()

@@ -129,7 +129,7 @@ class CpuEngine(Engine):
         rank_prefix_matrix, _, _, recv_src_idx, _, _ = handle
         column = rank_prefix_matrix[:, self.rank].long()
         per_source = torch.diff(column, prepend=column.new_zeros(1))
-        src_rank = torch.repeat_interleave(torch.arange(self.num_ranks), per_source)
+        src_rank = torch.repeat_interleave(torch.arange(self.num_ranks, dtype=torch.int64), per_source)
         return src_rank, recv_src_idx[: src_rank.numel()].long()
 
     # ---- low-latency mode (shared-memory transport) ----

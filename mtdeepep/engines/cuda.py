@@ -72,7 +72,7 @@ class _DeviceMemory:
 def _view(owner: object, address: int, num_bytes: int, device: torch.device) -> torch.Tensor:
     if num_bytes == 0:
         return torch.empty(0, dtype=torch.uint8, device=device)
-    return torch.as_tensor(_DeviceMemory(owner, address, num_bytes), device=device)
+    return torch.as_tensor(_DeviceMemory(owner, address, num_bytes), dtype=torch.uint8, device=device)
 
 
 def _ptr(tensor: torch.Tensor | None) -> int:
@@ -508,7 +508,9 @@ class CudaEngine(Engine):
         rank_prefix_matrix, _, _, recv_src_idx, _, _ = handle
         column = rank_prefix_matrix[:, self.rank].long()
         per_source = torch.diff(column, prepend=column.new_zeros(1))
-        src_rank = torch.repeat_interleave(torch.arange(self.num_ranks, device=column.device), per_source)
+        src_rank = torch.repeat_interleave(
+            torch.arange(self.num_ranks, dtype=torch.int64, device=column.device), per_source
+        )
         return src_rank, recv_src_idx[: src_rank.numel()].long()
 
     # ---- low-latency mode ----

@@ -609,7 +609,7 @@ class InternodeEngine(Engine):
             fwd_recv_node_prefix=recv_counts.cumsum(dim=0).int(),
             recv_gbl_rank_prefix_sum=torch.bincount(src_rank_token[:, 0], minlength=self.num_ranks).cumsum(0).int(),
             recv_src_meta=_padded(src_rank_token, num_out, -1),
-            recv_perm=torch.arange(num_recv),
+            recv_perm=torch.arange(num_recv, dtype=torch.int64),
             node_handle=tuple(d.handle for d in in_order),
         )
         state = _InternodeState(token_S.clone(), send_counts.tolist(), recv_counts.tolist(), chunks, fmt.num_topk)
@@ -625,7 +625,7 @@ class InternodeEngine(Engine):
             out_weights = _padded(torch.cat([d.recv_topk_weights for d in in_order]), num_out, 0)
         counts = []
         if num_worst_tokens == 0:
-            unaligned = torch.tensor([d.num_recv_tokens_per_expert for d in in_order]).sum(dim=0)
+            unaligned = torch.tensor([d.num_recv_tokens_per_expert for d in in_order], dtype=torch.int64).sum(dim=0)
             counts = ((unaligned + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
         recv_data, recv_scales, placed = self._new_recv(data, scales, num_out, fmt.num_topk)
         return (recv_data, recv_scales, out_idx, out_weights, counts, handle), placed
@@ -773,7 +773,9 @@ class InternodeEngine(Engine):
 
         def combine(notify: Callable[[tuple], None]) -> None:
             combined = self.empty((num_tokens, x.size(1)), x.dtype)
-            combined_w = None if topk_weights is None else torch.empty(num_tokens, topk_weights.size(1))
+            combined_w = (
+                None if topk_weights is None else torch.empty(num_tokens, topk_weights.size(1), dtype=torch.float32)
+            )
             notify((combined, combined_w))
             self._agree("combine", record.uid, record.seq)  # before any row moves; raised by the event if async
             self._combine(x, record.state, topk_weights, (bias0, bias1), num_channels, combined, combined_w)
@@ -787,7 +789,11 @@ class InternodeEngine(Engine):
         num_tokens, hidden, N = combined.size(0), x.size(1), self.num_nodes
         partial_S = self._scratch.get(0, (state.send_token_idx.numel(), hidden), x.dtype)
         send_blocks, recv_blocks = _blocks(state.send_counts), _blocks(state.recv_counts)
-        partial_w_M = None if topk_weights is None else torch.empty(sum(state.recv_counts), topk_weights.size(1))
+        partial_w_M = (
+            None
+            if topk_weights is None
+            else torch.empty(sum(state.recv_counts), topk_weights.size(1), dtype=torch.float32)
+        )
         acc = self._scratch.get(1, (num_tokens, hidden), torch.float32)
         acc.zero_()
         token_S = state.send_token_idx.int()
@@ -821,7 +827,7 @@ class InternodeEngine(Engine):
         _C.finish_accumulation(acc, biases[0], biases[1], combined)
         if partial_w_M is not None:
             # Each slot's weight comes from the one node that owns its expert (the others sent 0): any order is exact.
-            partial_w_S = torch.empty(state.send_token_idx.numel(), partial_w_M.size(1))
+            partial_w_S = torch.empty(state.send_token_idx.numel(), partial_w_M.size(1), dtype=torch.float32)
             self._exchange(partial_w_S, partial_w_M, state.send_counts, state.recv_counts, "combine: weight return")
             combined_w.zero_()
             combined_w.index_add_(0, state.send_token_idx, partial_w_S)

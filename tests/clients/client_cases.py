@@ -712,7 +712,12 @@ def elastic_bad_inputs_raise_value_error(ctx):
     expect_value_error("bias shape", lambda: buffer.combine(
         torch.randn(handle.num_recv_tokens, hidden), handle, bias=torch.randn(3, hidden)))  # fmt: skip
     expect_value_error("not a handle", lambda: buffer.combine(torch.randn(4, hidden), (1, 2)))
-    expect_value_error("Engram bytes", lambda: ElasticBuffer(ctx.group, num_bytes=1 << 20, num_cpu_bytes=1))
+    expect_value_error("Engram bytes beyond num_bytes",
+                       lambda: ElasticBuffer(ctx.group, num_bytes=1 << 20, num_cpu_bytes=(1 << 20) + 1))  # fmt: skip
+    expect_value_error(
+        "Engram bytes without num_bytes",
+        lambda: ElasticBuffer(ctx.group, num_max_tokens_per_rank=8, hidden=8, num_cpu_bytes=1),
+    )
     expect_value_error("no size", lambda: ElasticBuffer(ctx.group))
     no_multi = _elastic(ctx, capacity, hidden, allow_multiple_reduction=False)
     recv_x, _, recv_w, expanded, _ = no_multi.dispatch(

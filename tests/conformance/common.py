@@ -70,14 +70,14 @@ def make_inputs(ctx, num_tokens, hidden, num_experts, num_topk, seed, dtype=torc
     if routing not in ROUTINGS:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     generator = torch.Generator().manual_seed(seed * 1000 + ctx.rank)
-    x = torch.randn(num_tokens, hidden, generator=generator).to(dtype)
-    scores = torch.rand(num_tokens, num_experts, generator=generator)
+    x = torch.randn(num_tokens, hidden, generator=generator, dtype=torch.float32).to(dtype)
+    scores = torch.rand(num_tokens, num_experts, generator=generator, dtype=torch.float32)
     if routing == "skewed":
-        scores = scores * torch.logspace(2, -2, num_experts, base=2.0)
+        scores = scores * torch.logspace(2, -2, num_experts, base=2.0, dtype=torch.float32)
     topk_idx = scores.topk(num_topk, dim=1).indices
-    drop = torch.rand(num_tokens, num_topk, generator=generator) < masked
+    drop = torch.rand(num_tokens, num_topk, generator=generator, dtype=torch.float32) < masked
     topk_idx = topk_idx.masked_fill(drop, -1)
-    topk_weights = torch.rand(num_tokens, num_topk, generator=generator) + 0.1
+    topk_weights = torch.rand(num_tokens, num_topk, generator=generator, dtype=torch.float32) + 0.1
     return x, topk_idx, topk_weights
 
 

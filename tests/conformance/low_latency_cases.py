@@ -75,12 +75,14 @@ def transport_of(buffer: deep_ep.Buffer) -> str:
 def make_routing(ctx, num_tokens, num_experts, num_topk, seed, num_masked=6):
     """Top-k of random scores (distinct experts per token), a few slots masked with -1, positive weights."""
     generator = torch.Generator().manual_seed(seed * 1000 + ctx.rank)
-    topk_idx = torch.rand(num_tokens, num_experts, generator=generator).topk(num_topk, dim=1).indices
+    topk_idx = (
+        torch.rand(num_tokens, num_experts, generator=generator, dtype=torch.float32).topk(num_topk, dim=1).indices
+    )
     if num_tokens:
         rows = torch.randint(num_tokens, (num_masked,), generator=generator)
         cols = torch.randint(num_topk, (num_masked,), generator=generator)
         topk_idx[rows, cols] = -1
-    topk_weights = torch.rand(num_tokens, num_topk, generator=generator) + 0.1
+    topk_weights = torch.rand(num_tokens, num_topk, generator=generator, dtype=torch.float32) + 0.1
     return topk_idx, topk_weights
 
 
@@ -98,10 +100,10 @@ def make_x(ctx, num_tokens, hidden, seed, kind="random"):
     `wide`: a wide dynamic range per block (exercises E4M3 subnormals) and some all-zero blocks."""
     generator = torch.Generator().manual_seed(seed * 1000 + ctx.rank + 7)
     if kind == "ranked":
-        x = torch.full((num_tokens, hidden), float(ctx.rank - RANK_OFFSET))
+        x = torch.full((num_tokens, hidden), float(ctx.rank - RANK_OFFSET), dtype=torch.float32)
         x[:, -128:] = torch.arange(num_tokens, dtype=torch.float32).view(-1, 1)
         return x.bfloat16()
-    x = torch.randn(num_tokens, hidden, generator=generator)
+    x = torch.randn(num_tokens, hidden, generator=generator, dtype=torch.float32)
     if kind == "wide":
         x = x * torch.exp2(torch.randint(-24, 4, (num_tokens, hidden), generator=generator).float())
         x[:, :128] = 0.0

@@ -13,7 +13,8 @@ import pytest
 from mtdeepep import Buffer
 
 from . import low_latency_cases as cases
-from .topology import INTRANODE, NORMAL
+from .default_dtype import under_default_dtype
+from .topology import INTRANODE, INTRANODE_4, NORMAL
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,3 +76,11 @@ def test_size_hint_covers_every_part():
         assert Buffer.get_low_latency_rdma_size_hint(*args) > base
     with pytest.raises(ValueError):
         Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 250)
+
+
+@pytest.mark.parametrize(
+    "topology", [pytest.param(t, id=str(t), marks=[pytest.mark.slow] if t is INTRANODE_4 else []) for t in NORMAL]
+)
+def test_combine_under_bfloat16_default_dtype(pool, topology):
+    """DeepEP's harnesses set bfloat16 as the default dtype: the outputs keep their documented dtypes."""
+    pool.run(under_default_dtype, "bfloat16", cases.combine_matches_reference, topology)

@@ -12,7 +12,8 @@ import pytest
 from mtdeepep.utils.testing import num_cores
 
 from . import normal_cases as cases
-from .topology import INTERNODE, INTRANODE, INTRANODE_2, NORMAL, slow_except
+from .default_dtype import under_default_dtype
+from .topology import INTERNODE, INTRANODE, INTRANODE_2, INTRANODE_4, NORMAL, slow_except
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -90,3 +91,18 @@ def test_bad_input_on_one_rank_times_out_the_others(pool, topology):
 def test_missing_rank_in_combine_times_out(pool, topology, async_finish):
     outcomes = pool.run(cases.missing_rank_in_combine_times_out, topology, TIMEOUT_S, async_finish)
     assert outcomes == cases.missing_in_combine_outcomes(topology)
+
+
+# Under another default dtype (DeepEP's harnesses set bfloat16): the outputs keep their documented dtypes. One
+# combine case in bfloat16 (the dispatch and the combined weights are checked inside) and the autograd case per
+# topology (4 ranks of one node in the whole suite only: the defect this guards against was internode).
+DEFAULT_DTYPE_CASES = {cases.combine_matches_reference: (("bfloat16",),), cases.gradients_match_reference: ()}
+
+
+@pytest.mark.parametrize(
+    "case, topology",
+    [pytest.param(c, t, id=f"{c.__name__}-{t}", marks=[pytest.mark.slow] if t is INTRANODE_4 else [])
+     for c in DEFAULT_DTYPE_CASES for t in NORMAL],
+)  # fmt: skip
+def test_case_under_bfloat16_default_dtype(pool, case, topology):
+    pool.run(under_default_dtype, "bfloat16", case, topology, *DEFAULT_DTYPE_CASES[case])
