@@ -151,8 +151,8 @@ def create_engine(
         num_ranks_per_node, group.size()
     ) < group.size():
         raise ValueError(
-            f"mtdeepep: the {name or device.type} executor serves the ranks of one node; groups spanning several nodes run on "
-            "the CPU executor only for now"
+            f"mtdeepep: the {name or device.type} executor serves the ranks of one node; groups spanning several nodes "
+            "run on the CPU executor only for now"
         )
     num_ranks = group.size()
     per_node = resolve_num_ranks_per_node(num_ranks_per_node, num_ranks)

@@ -59,9 +59,10 @@ class TritonEngine(Engine):
         self.rank, self.num_ranks = rank, num_ranks
         self.num_nodes, self.num_ranks_per_node = 1, num_ranks
         self.layout_ = intranode.NormalLayout.of(num_ranks)
-        if num_nvl_bytes < self.layout_.control_bytes + intranode.ALIGNMENT:
+        least = self.layout_.control_bytes + intranode.ALIGNMENT
+        if num_nvl_bytes < least:
             raise ValueError(
-                f"mtdeepep: the triton executor needs num_nvl_bytes >= {self.layout_.control_bytes + intranode.ALIGNMENT}"
+                f"mtdeepep: the triton executor needs num_nvl_bytes >= {least}"
                 f" for {num_ranks} ranks (its control area is {self.layout_.control_bytes} bytes), got {num_nvl_bytes}"
             )
         self.runtime = _C.Runtime(rank, num_ranks, num_nvl_bytes, num_ll_bytes, timeout_s, torch.get_num_threads())
