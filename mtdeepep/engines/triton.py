@@ -308,7 +308,7 @@ class TritonEngine(Engine):
         self._seq += 1
         record = DispatchRecord(
             kind=self.handle_kind, group=self.group, uid=self.uid, seq=self._seq, num_tokens=num_tokens,
-            num_recv=num_recv, state=(rank_prefix_matrix.clone(), send_head.clone()),
+            num_recv=rows, state=(rank_prefix_matrix.clone(), send_head.clone()),
         )  # fmt: skip
         attach(rank_prefix_matrix, record)
         return DispatchOutputs(recv_x, recv_scales, recv_idx, recv_weights, counts, handle, self._finish(async_finish))
