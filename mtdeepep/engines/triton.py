@@ -130,15 +130,33 @@ class TritonEngine(Engine):
         self._op += 1
         return self._op
 
+    def _host_wait(self, flags_offset: int, op: int) -> int:
+        """The interpreter: the host sleeps until the flags are there (`sync.host_wait_flags`); returns the kernel
+        wait's bound (1 spin once the timeout ran out here: the kernel then reports whom it waited for)."""
+        if self.bound.clock != sync.CLOCK_SPINS or self.device.type != "cpu":
+            return self.bound.bound
+        flags = self.region[flags_offset : flags_offset + 8 * self.num_ranks].view(torch.int64)
+        left = sync.host_wait_flags(flags, op, self.region[:8].view(torch.int64), self.runtime.timeout_s())
+        return self.bound.bound if left > 0 else 1
+
     def _exchange(self, op: int, payload: torch.Tensor, flags_offset: int, phase: int) -> torch.Tensor:
         """`payload [R, n]` int32, row j for rank j -> `[R, n]`, row i from rank i (bounded; raises on failure)."""
         n = payload.size(1)
         out = torch.zeros_like(payload)
-        sync.exchange_kernel[(1,)](
-            self.region_table, self.poison_table, self.status.words, payload.contiguous(), out, self.layout_.mailbox,
-            flags_offset, op, self.bound.bound, phase, self.rank, self.num_ranks, n,
-            SLOT_BYTES=self.layout_.slot_bytes, BLOCK=sync.block_size(n), CLOCK=self.bound.clock,
-        )  # fmt: skip
+        payload = payload.contiguous()
+
+        def launch(bound: int, send: bool, receive: bool) -> None:
+            sync.exchange_kernel[(1,)](
+                self.region_table, self.poison_table, self.status.words, payload, out, self.layout_.mailbox,
+                flags_offset, op, bound, phase, self.rank, self.num_ranks, n, SLOT_BYTES=self.layout_.slot_bytes,
+                BLOCK=sync.block_size(n), CLOCK=self.bound.clock, SEND=send, RECEIVE=receive,
+            )  # fmt: skip
+
+        if self.device.type == "cpu":
+            launch(self.bound.bound, True, False)
+            launch(self._host_wait(flags_offset, op), False, True)
+        else:
+            launch(self.bound.bound, True, True)
         self.status.check()
         return out
 
@@ -146,8 +164,8 @@ class TritonEngine(Engine):
         """After a launch wrote rows into the peers: tell every rank, then wait for every rank's rows."""
         sync.signal_all_kernel[(1,)](self.region_table, flags_offset, op, self.rank, self.num_ranks)
         sync.wait_all_kernel[(1,)](
-            self.region_table, self.poison_table, self.status.words, flags_offset, op, self.bound.bound, phase,
-            self.rank, self.num_ranks, CLOCK=self.bound.clock,
+            self.region_table, self.poison_table, self.status.words, flags_offset, op,
+            self._host_wait(flags_offset, op), phase, self.rank, self.num_ranks, CLOCK=self.bound.clock,
         )  # fmt: skip
         self.status.check()
 
