@@ -5,10 +5,11 @@ Where the regions come from:
 - CPU (under Triton's interpreter, `TRITON_INTERPRET=1`): the shared-memory segments of the CPU executor's
   `_C.Runtime`, which also does the set-up, the liveness of the peers, the interruption and destroy;
   `Runtime.region_addresses` gives every rank's normal region as mapped in this process: the peer table.
-- GPU (CUDA, ROCm, MUSA): the same kernels over device buffers opened through CUDA IPC (`_C_cuda.DeviceBuffer`'s
-  `nvl_address` and its peers'), or torch's symmetric memory. That path is laid out here (`_device_regions`) but has
-  not run: no GPU was lent to the project while it was written. Until it has, the CUDA executor stays the default on
-  CUDA and this one is chosen with `MTDEEPEP_ENGINE=triton`.
+- GPU (CUDA, ROCm, MUSA): not written yet. The kernels take device pointers unchanged and their waits read the GPU
+  clocks (`sync.WaitBound`); what is missing is the peer table: the addresses of the peers' buffers opened through
+  CUDA IPC (`_C_cuda.DeviceBuffer` opens them but does not expose them to Python yet) or torch's symmetric memory,
+  and a status word the host reads without stopping the device. The registry refuses `MTDEEPEP_ENGINE=triton` on a
+  GPU with a message saying so; the CUDA executor stays the default there.
 
 The protocol (see `mtdeepep.kernels.intranode`): each operation begins with an all-to-all exchange that doubles as
 the entry barrier (the counts for a dispatch, a signature for a combine or cached dispatch), then the rows move in
@@ -72,6 +73,7 @@ class TritonEngine(Engine):
         self.group: tuple[tuple[int, ...], int] = ((), rank)
         self._op = 0  # operation number: every rank counts the same operations in the same order
         self._seq = 0  # dispatch identities
+        self._operation = ""  # the call in progress, for the error messages
         self._creator_pid = os.getpid()
         self.region_table = torch.empty(0, dtype=torch.int64)
         self.poison_table = torch.empty(0, dtype=torch.int64)
@@ -126,7 +128,8 @@ class TritonEngine(Engine):
     def _finish(self, async_finish: bool):
         return _C.EventHandle() if async_finish else None
 
-    def _next_op(self) -> int:
+    def _next_op(self, operation: str) -> int:
+        self._operation = operation
         self._op += 1
         return self._op
 
@@ -157,7 +160,7 @@ class TritonEngine(Engine):
             launch(self._host_wait(flags_offset, op), False, True)
         else:
             launch(self.bound.bound, True, True)
-        self.status.check()
+        self.status.check(self._operation)
         return out
 
     def _signal_and_wait(self, op: int, flags_offset: int, phase: int) -> None:
@@ -167,7 +170,7 @@ class TritonEngine(Engine):
             self.region_table, self.poison_table, self.status.words, flags_offset, op,
             self._host_wait(flags_offset, op), phase, self.rank, self.num_ranks, CLOCK=self.bound.clock,
         )  # fmt: skip
-        self.status.check()
+        self.status.check(self._operation)
 
     def _agree(self, op: int, signature: list[int], what: str) -> None:
         """The barrier of a combine or cached dispatch: every rank's signature must be this one's."""
@@ -294,7 +297,7 @@ class TritonEngine(Engine):
         payload[:, counts_at:experts_at] = in_rank.sum(0).to(torch.int32)
         payload[:, experts_at : experts_at + experts_per_rank] = num_tokens_per_expert.view(R, experts_per_rank)
         payload[:, channels_at : channels_at + num_channels] = channel_counts
-        op = self._next_op()
+        op = self._next_op("dispatch")
         everyone = self._exchange(op, payload, layout.notify_flags, sync.PHASE_NOTIFY)
         self._check_signatures(everyone, signature, "dispatch")
         traffic = everyone[:, counts_at:experts_at].long()
@@ -338,7 +341,7 @@ class TritonEngine(Engine):
         self._check_worst(traffic, num_worst_tokens)
         x_bytes = data.size(1) * data.element_size()
         scale_bytes = 0 if scales is None else scales.size(1) * scales.element_size()
-        op = self._next_op()
+        op = self._next_op("cached dispatch")
         self._agree(op, [_OP_CACHED_DISPATCH, x_bytes, scale_bytes, num_worst_tokens, record.uid & 0x7FFFFFFF,
                          record.seq, self._checksum(rank_prefix_matrix)], "cached dispatch")  # fmt: skip
         num_recv = int(traffic[:, self.rank].sum())
@@ -366,7 +369,7 @@ class TritonEngine(Engine):
             raise ValueError(f"mtdeepep: x has {x.size(0)} rows but the handle's dispatch received {num_recv}")
         hidden, x_bytes = x.size(1), x.size(1) * x.element_size()
         num_topk = 0 if topk_weights is None else topk_weights.size(1)
-        op = self._next_op()
+        op = self._next_op("combine")
         self._agree(op, [_OP_COMBINE, x_bytes, _FLOAT_KIND[x.dtype], num_topk, record.uid & 0x7FFFFFFF, record.seq,
                          self._checksum(rank_prefix_matrix)], "combine")  # fmt: skip
         # Each rank gets back, in its area, the rows of every receiver j at (rows it sent to ranks < j) + position.

@@ -83,26 +83,26 @@ def _own_failure(code: int) -> str:
     kind, phase, peer, rank = decode_error(code)
     phase_name = PHASE_NAMES.get(phase, "unknown phase")
     if kind == KIND_TIMEOUT:
-        return (
-            f"rank {rank} timed out waiting for rank {peer} in phase '{phase_name}' (ranks that did not arrive: "
-            f"[{peer}])"
-        )
+        # The CPU executor's wording of the missing ranks ("rank(s) [1] did not arrive"), which tools parse.
+        return f"rank {rank} timed out waiting for rank {peer} in phase '{phase_name}': rank(s) [{peer}] did not arrive"
     if kind == KIND_ABORTED:
         return f"rank {rank} was interrupted in phase '{phase_name}'"
     return f"rank {rank} failed with status {code:#x}"
 
 
-def error_message(code: int, cause: int = 0) -> str:
-    """The sentence of a status word: who failed, waiting for whom, in which phase. A rank stopped by a peer's
-    failure (`kPeerFailed`) names that peer's own failure (`cause`): the rank that did not arrive."""
+def error_message(code: int, cause: int = 0, operation: str = "") -> str:
+    """The sentence of a status word: who failed, waiting for whom, in which phase (of `operation`, e.g. 'combine',
+    when given). A rank stopped by a peer's failure (`kPeerFailed`) names that peer's own failure (`cause`): the rank
+    that did not arrive."""
     kind, phase, peer, rank = decode_error(code)
+    prefix = f"mtdeepep: {operation}: " if operation else "mtdeepep: "
     if kind == KIND_PEER_FAILED:
-        head = f"mtdeepep: rank {rank} stopped in phase '{PHASE_NAMES.get(phase, 'unknown phase')}' because "
+        head = f"{prefix}rank {rank} stopped in phase '{PHASE_NAMES.get(phase, 'unknown phase')}' because "
         return head + (_own_failure(cause) if cause != 0 else f"rank {peer} failed")
-    return "mtdeepep: " + _own_failure(code)
+    return prefix + _own_failure(code)
 
 
-def status_error(code: int, cause: int = 0) -> Exception | None:
+def status_error(code: int, cause: int = 0, operation: str = "") -> Exception | None:
     """The exception of a status word (None for 0): `CommTimeoutError` for a timeout, this rank's or the one that
     stopped it; `CommError` otherwise."""
     if code == 0:
@@ -111,7 +111,7 @@ def status_error(code: int, cause: int = 0) -> Exception | None:
     timed_out = kind == KIND_TIMEOUT or (
         kind == KIND_PEER_FAILED and cause != 0 and decode_error(cause)[0] == KIND_TIMEOUT
     )
-    return (_C.CommTimeoutError if timed_out else _C.CommError)(error_message(code, cause))
+    return (_C.CommTimeoutError if timed_out else _C.CommError)(error_message(code, cause, operation))
 
 
 class StatusWord:
@@ -123,12 +123,13 @@ class StatusWord:
         self.words = torch.zeros(2, dtype=torch.int64, device=device)
         self._failed: Exception | None = None
 
-    def check(self) -> None:
-        """Raises the recorded failure, if any (reads the word: a host synchronisation on a GPU)."""
+    def check(self, operation: str = "") -> None:
+        """Raises the recorded failure, if any (reads the word: a host synchronisation on a GPU); `operation` (e.g.
+        'combine') goes into the message."""
         if self._failed is not None:
             raise self._failed
         code, cause = self.words.tolist()
-        error = status_error(code, cause)
+        error = status_error(code, cause, operation)
         if error is not None:
             self._failed = error
             raise error
