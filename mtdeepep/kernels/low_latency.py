@@ -276,7 +276,7 @@ def _dispatch_send_kernel(
     token_list, send_done, signature, status, num_local, num_max_tokens, hidden, num_scales, num_packed,
     OFF_LAYOUT_RANGE, OFF_SRC_INFO, OFF_SCALES, OFF_RECV_X,
     USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SB: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SB: tl.constexpr,
 ):  # fmt: skip
     """One program per global expert g (of rank g // L): this rank's tokens routed to g (ascending) are written into
     the receiver's rows [begin, begin + count) of its local expert, reserved with one atomic add; then the receiver's
@@ -310,42 +310,50 @@ def _dispatch_send_kernel(
         packed = (begin.to(tl.int64) << 32) | count.to(tl.int64)
         tl.store((half + OFF_LAYOUT_RANGE + 8 * (e * num_ranks + rank)).to(tl.pointer_type(tl.int64)), packed)
         src_info = (half + OFF_SRC_INFO).to(tl.pointer_type(tl.int32)) + e * rows_per_expert + begin
-        for i0 in range(0, count, BLOCK_T):
-            offs = i0 + tl.arange(0, BLOCK_T)
-            tl.store(src_info + offs, tl.load(tokens_of_g + offs, mask=offs < count), mask=offs < count)
-        for i in range(0, count):
-            token = tl.load(tokens_of_g + i).to(tl.int64)
-            slot = (e * rows_per_expert + begin + i).to(tl.int64)
-            row = x_ptr + token * x_stride
+        # BLOCK_T rows at a time: row i of the segment is token tokens_of_g[i], slot begin + i.
+        for i0 in range(0, count, BLOCK_ROWS):
+            offs = i0 + tl.arange(0, BLOCK_ROWS)
+            in_list = offs < count
+            token = tl.load(tokens_of_g + offs, mask=in_list, other=0)
+            tl.store(src_info + offs, token, mask=in_list)
+            row = x_ptr + token.to(tl.int64) * x_stride
+            slot = (e * rows_per_expert + begin + offs).to(tl.int64)
             if USE_FP8:
-                # The whole row as [blocks, 128]: one scale per block, E4M3 = x / scale rounded to nearest even.
+                # Each row as [blocks, 128]: one scale per block, E4M3 = x / scale rounded to nearest even.
                 blocks = tl.arange(0, BLOCK_SB)
-                columns = blocks[:, None] * 128 + tl.arange(0, 128)[None, :]
-                in_row = columns < hidden
-                v = tl.load(row + columns, mask=in_row, other=0.0).to(tl.float32)
-                amax = tl.max(tl.abs(v), axis=1)
+                columns = blocks[None, :, None] * 128 + tl.arange(0, 128)[None, None, :]
+                in_row = (columns < hidden) & (offs[:, None, None] < count)
+                v = tl.load(row[:, None, None] + columns, mask=in_row, other=0.0).to(tl.float32)
+                amax = tl.max(tl.abs(v), axis=2)
                 scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), E4M3_MAX)
                 if ROUND_SCALE:
                     scale = _pow2_ceil(scale)
-                q = tl.math.div_rn(v, scale[:, None])
+                q = tl.math.div_rn(v, scale[:, :, None])
                 q = tl.minimum(tl.maximum(q, -E4M3_MAX), E4M3_MAX)
-                dst = (half + OFF_RECV_X).to(tl.pointer_type(tl.uint8)) + slot * hidden
-                tl.store(dst + columns, _e4m3_bits_rne(q), mask=in_row)
+                dst = (half + OFF_RECV_X).to(tl.pointer_type(tl.uint8))
+                tl.store(dst + slot[:, None, None] * hidden + columns, _e4m3_bits_rne(q), mask=in_row)
+                rows_ok = offs[:, None] < count
                 if USE_UE8M0:
                     # int32 [L, ceil(S / 4), RT], 4 exponents per int32 (little endian), unused bytes 0
-                    exponent = tl.where(blocks < num_scales, (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF, 0)
+                    exponent = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+                    exponent = tl.where(blocks[None, :] < num_scales, exponent, 0)
                     base = (half + OFF_SCALES).to(tl.pointer_type(tl.uint8))
-                    pack_slot = (e * num_packed + blocks // 4).to(tl.int64) * rows_per_expert + begin + i
-                    tl.store(base + 4 * pack_slot + blocks % 4, exponent.to(tl.uint8), mask=blocks < 4 * num_packed)
+                    pack = (
+                        (e * num_packed + blocks[None, :] // 4).to(tl.int64) * rows_per_expert + begin + offs[:, None]
+                    )
+                    mask = rows_ok & (blocks[None, :] < 4 * num_packed)
+                    tl.store(base + 4 * pack + blocks[None, :] % 4, exponent.to(tl.uint8), mask=mask)
                 else:
                     base = (half + OFF_SCALES).to(tl.pointer_type(tl.float32))
-                    scale_slot = (e * num_scales + blocks).to(tl.int64) * rows_per_expert + begin + i
-                    tl.store(base + scale_slot, scale, mask=blocks < num_scales)
+                    at = (e * num_scales + blocks[None, :]).to(tl.int64) * rows_per_expert + begin + offs[:, None]
+                    tl.store(base + at, scale, mask=rows_ok & (blocks[None, :] < num_scales))
             else:
                 dst = (half + OFF_RECV_X).to(tl.pointer_type(tl.bfloat16)) + slot * hidden
                 for h0 in range(0, hidden, BLOCK_H):
                     offs_h = h0 + tl.arange(0, BLOCK_H)
-                    tl.store(dst + offs_h, tl.load(row + offs_h, mask=offs_h < hidden), mask=offs_h < hidden)
+                    mask = in_list[:, None] & (offs_h[None, :] < hidden)
+                    values = tl.load(row[:, None] + offs_h[None, :], mask=mask)
+                    tl.store(dst[:, None] + offs_h[None, :], values, mask=mask)
     # Every program of `dest` done (acq_rel orders their writes before the signal): the last one signals.
     done = tl.atomic_add(send_done + dest, 1, sem="acq_rel", scope="sys")
     if done == num_local - 1:
@@ -381,7 +389,7 @@ def _dispatch_finish_kernel(
 @triton.jit
 def _combine_send_kernel(
     x_ptr, src_info, layout_range, table, rank, seq, half_offset, signal_offset, send_done, signature, num_ranks,
-    num_max_tokens, hidden, OFF_COMBINE_RECV, BLOCK_H: tl.constexpr,
+    num_max_tokens, hidden, OFF_COMBINE_RECV, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     """Program (e, s): the rows of local expert e that came from rank s go back to s's combine_recv[g, token]
     (g = rank * L + e); the last program for s publishes this call's signal to it."""
@@ -394,13 +402,17 @@ def _combine_send_kernel(
     count = (packed & 0xFFFFFFFF).to(tl.int32)
     g = rank * num_local + e
     dst = (_addr(table, source, half_offset + OFF_COMBINE_RECV)).to(tl.pointer_type(tl.bfloat16))
-    for i in range(begin, begin + count):
-        token = tl.load(src_info + e * rows_per_expert + i)
-        src_row = x_ptr + (e * rows_per_expert + i).to(tl.int64) * hidden
+    for i0 in range(begin, begin + count, BLOCK_T):
+        offs = i0 + tl.arange(0, BLOCK_T)
+        in_segment = offs < begin + count
+        token = tl.load(src_info + e * rows_per_expert + offs, mask=in_segment, other=0)
+        src_row = x_ptr + (e * rows_per_expert + offs).to(tl.int64) * hidden
         dst_row = dst + (g * num_max_tokens + token).to(tl.int64) * hidden
         for h0 in range(0, hidden, BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
-            tl.store(dst_row + offs_h, tl.load(src_row + offs_h, mask=offs_h < hidden), mask=offs_h < hidden)
+            mask = in_segment[:, None] & (offs_h[None, :] < hidden)
+            values = tl.load(src_row[:, None] + offs_h[None, :], mask=mask)
+            tl.store(dst_row[:, None] + offs_h[None, :], values, mask=mask)
     done = tl.atomic_add(send_done + source, 1, sem="acq_rel", scope="sys")
     if done == num_local - 1:
         _publish(table, rank, source, signal_offset, signature, seq)
@@ -459,8 +471,9 @@ class Blocks:
     """Block sizes: few large blocks under the interpreter (about 2.6 ms per program instance), GPU-sized ones
     otherwise."""
 
-    tokens: int = 128  # topk scan and src_info copy
-    hidden: int = 2048  # row copies
+    tokens: int = 128  # topk scan
+    rows: int = 2  # rows per tile of a copy
+    hidden: int = 2048  # columns per tile of a copy
     reduce_tokens: int = 1
     reduce_hidden: int = 1024
     src_info: int = 1024
@@ -469,7 +482,9 @@ class Blocks:
     @staticmethod
     def for_device(device: torch.device, interpret: bool) -> Blocks:
         if interpret or device.type == "cpu":
-            return Blocks(tokens=128, hidden=8192, reduce_tokens=64, reduce_hidden=1024, src_info=8192, max_spins=200)
+            return Blocks(
+                tokens=128, rows=64, hidden=8192, reduce_tokens=64, reduce_hidden=1024, src_info=8192, max_spins=200
+            )
         return Blocks()
 
 
@@ -691,6 +706,7 @@ class LowLatencyKernels:
                 USE_FP8=use_fp8, ROUND_SCALE=round_scale, USE_UE8M0=use_ue8m0,
                 BLOCK_T=min(blocks.tokens, triton.next_power_of_2(max(x.size(0), 1))),
                 BLOCK_K=triton.next_power_of_2(max(topk_idx.size(1), 1)),
+                BLOCK_ROWS=blocks.rows,
                 BLOCK_H=min(blocks.hidden, triton.next_power_of_2(H)),
                 BLOCK_SB=triton.next_power_of_2(SCALES_PER_PACK * layout.num_packed_scales),
             )  # fmt: skip
@@ -756,7 +772,8 @@ class LowLatencyKernels:
                 self.control.signal(call.seq, self.rank),
                 torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device),
                 torch.tensor(signature, dtype=torch.int64, device=self.device), self.num_ranks, T_max, H,
-                layout.combine_recv, BLOCK_H=min(self.blocks.hidden, triton.next_power_of_2(H)),
+                layout.combine_recv, BLOCK_T=self.blocks.rows,
+                BLOCK_H=min(self.blocks.hidden, triton.next_power_of_2(H)),
             )  # fmt: skip
         except BaseException:
             self._end(call)

@@ -134,10 +134,11 @@ def expert_outputs(ctx, recv_x, recv_scales, num_local):
 
 def combine_both(ctx, kernels, cpu, y, topk_idx, weights, got, ref, t_max, num_experts, hook=False, out=None,
                  zero_copy=False):  # fmt: skip
-    """The same combine on both executors (each with its own dispatch's handle); asserts bitwise equal results."""
+    """The same combine on both executors (each with its own dispatch's handle); asserts bitwise equal results.
+    `zero_copy`: `y` was written into `next_combine_buffer`; the Triton side is passed zeros instead."""
     _, _, _, src_info, layout_range, seq, _ = got
     y_cpu = expert_outputs_like_cpu(y, src_info, layout_range, ref)
-    combined, receive = kernels.combine(y, topk_idx, weights, src_info, layout_range, t_max, num_experts, 1234, seq,
+    combined, receive = kernels.combine(torch.zeros_like(y) if zero_copy else y, topk_idx, weights, src_info, layout_range, t_max, num_experts, 1234, seq,
                                         zero_copy, hook, out, None)  # fmt: skip
     expected, _, _ = cpu.combine(y_cpu, topk_idx, weights, ref[3], ref[4], None, t_max, num_experts, 1234, ref[5],
                                  False, False, False, None)  # fmt: skip
@@ -151,7 +152,7 @@ def expert_outputs_like_cpu(y, src_info, layout_range, ref):
     """`y` (rows in the Triton dispatch's layout) moved to the CPU dispatch's layout, segment by segment."""
     y_cpu = torch.zeros_like(y)
     for e in range(layout_range.size(0)):
-        for s, (mine, theirs) in enumerate(zip(layout_range[e].tolist(), ref[4][e].tolist())):
+        for mine, theirs in zip(layout_range[e].tolist(), ref[4][e].tolist()):
             count = mine & COUNT_MASK
             y_cpu[e, (theirs >> 32) : (theirs >> 32) + count] = y[e, (mine >> 32) : (mine >> 32) + count]
     return y_cpu
@@ -217,7 +218,7 @@ def zero_copy_and_out(ctx, t_max=32, hidden=256, experts_per_rank=4):
     area = kernels.next_combine_buffer(t_max, hidden, num_experts)
     area.copy_(y)
     out = torch.full((20, hidden), 7.0, dtype=torch.bfloat16)
-    placed = combine_both(ctx, kernels, cpu, torch.zeros_like(y), topk_idx, weights, got, ref, t_max, num_experts,
+    placed = combine_both(ctx, kernels, cpu, y, topk_idx, weights, got, ref, t_max, num_experts,
                           out=out, zero_copy=True)  # fmt: skip
     assert placed.data_ptr() == out.data_ptr() and torch.equal(out, plain)
     assert kernels.next_combine_buffer(t_max, hidden, num_experts).data_ptr() != area.data_ptr(), "two areas"

@@ -60,6 +60,7 @@ def test_two_results_alive(pool):
     assert pool.run(cases.two_results_alive) == ["ok", "ok"]
 
 
+@pytest.mark.slow  # 24 rounds on both executors: ~50 s on 2 loaded cores
 def test_peer_runs_ahead_double_buffer(pool):
     seqs = pool.run(cases.peer_runs_ahead)
     assert seqs[0] == seqs[1] and seqs[0] >= 48
