@@ -57,6 +57,8 @@ MAX_LOCAL_EXPERTS = 1 << 15  # counters per half (the C++ control part reserves 
 _CPP_MAX_EXPERTS = 1 << 16
 SIGNAL_BYTES = 64  # seq (int64), then the call's signature (7 int64)
 SIGNATURE_FIELDS = 7  # kind, hidden, num_max_dispatch_tokens_per_rank, num_experts, flags, dispatch uid, dispatch seq
+_E4M3_MAX = tl.constexpr(E4M3_MAX)  # the kernels' copies (a jitted function reads only constexpr globals)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4
 KIND_DISPATCH, KIND_COMBINE = 1, 2
 
@@ -205,7 +207,7 @@ def _cast_kernel(x_ptr, bits_ptr, n, TO_E4M3: tl.constexpr, BLOCK: tl.constexpr)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
     if TO_E4M3:
-        tl.store(bits_ptr + offs, _e4m3_bits_rne(tl.minimum(tl.maximum(v, -E4M3_MAX), E4M3_MAX)), mask=offs < n)
+        tl.store(bits_ptr + offs, _e4m3_bits_rne(tl.minimum(tl.maximum(v, -_E4M3_MAX), _E4M3_MAX)), mask=offs < n)
     else:
         tl.store(bits_ptr + offs, _bf16_bits_rne(v), mask=offs < n)
 
@@ -325,11 +327,11 @@ def _dispatch_send_kernel(
                 in_row = (columns < hidden) & (offs[:, None, None] < count)
                 v = tl.load(row[:, None, None] + columns, mask=in_row, other=0.0).to(tl.float32)
                 amax = tl.max(tl.abs(v), axis=2)
-                scale = tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), E4M3_MAX)
+                scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _E4M3_MAX)
                 if ROUND_SCALE:
                     scale = _pow2_ceil(scale)
                 q = tl.math.div_rn(v, scale[:, :, None])
-                q = tl.minimum(tl.maximum(q, -E4M3_MAX), E4M3_MAX)
+                q = tl.minimum(tl.maximum(q, -_E4M3_MAX), _E4M3_MAX)
                 dst = (half + OFF_RECV_X).to(tl.pointer_type(tl.uint8))
                 tl.store(dst + slot[:, None, None] * hidden + columns, _e4m3_bits_rne(q), mask=in_row)
                 rows_ok = offs[:, None] < count
@@ -472,7 +474,7 @@ class Blocks:
     otherwise."""
 
     tokens: int = 128  # topk scan
-    rows: int = 2  # rows per tile of a copy
+    rows: int = 1  # rows per tile of a copy (an FP8 row is a [64, 128] tile at hidden 7168)
     hidden: int = 2048  # columns per tile of a copy
     reduce_tokens: int = 1
     reduce_hidden: int = 1024
@@ -871,3 +873,99 @@ def _check_handle(src_info, layout_range, num_local, rows_per_expert, num_ranks,
     sources = src_info[named]
     if bool(((sources < 0) | (sources >= num_max_tokens)).any()):
         raise ValueError("mtdeepep: handle: src_info names a row that is not a token index")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ahead-of-time compile descriptions (the compile check in CI builds each for cuda:90 and hip:gfx942)
+
+
+def _aot_specs() -> list[dict]:
+    """Every kernel at production shapes: hidden 7168, 128 tokens a rank, top-8 of 256 experts on 8 ranks (32 local
+    experts), with the GPU block sizes of `Blocks()`. `flags`: the kernel publishes or polls a cross-rank flag (its
+    PTX must show release stores / acquire loads at system scope)."""
+    blocks = Blocks()
+    tokens, hidden, topk = 128, 7168, 8  # of 256 experts
+    num_scales = hidden // SCALE_BLOCK
+    num_packed = (num_scales + SCALES_PER_PACK - 1) // SCALES_PER_PACK
+    flag = {"table": "*i64", "rank": "i32", "num_ranks": "i32", "offset": "i64", "stride": "i32"}
+    specs = [
+        {
+            "name": f"wait_{'peer' if peer_area else 'own'}_area",
+            "fn": _wait_kernel,
+            "signature": {**flag, "target": "i64", "ready": "*i32", "max_spins": "i32", "PEER_AREA": "constexpr"},
+            "constexprs": {"PEER_AREA": peer_area},
+            "flags": True,
+        }
+        for peer_area in (True, False)
+    ]
+    specs += [
+        {
+            "name": f"store_flag{'s_all_areas' if all_areas else ''}",
+            "fn": _store_flags_kernel,
+            "signature": {**flag, "value": "i64", "ALL_AREAS": "constexpr"},
+            "constexprs": {"ALL_AREAS": all_areas},
+            "flags": True,
+        }
+        for all_areas in (False, True)
+    ]
+    dispatch_signature = {
+        "x_ptr": "*bf16", "x_stride": "i32", "topk_ptr": "*i64", "num_tokens": "i32", "num_topk": "i32",
+        "table": "*i64", "rank": "i32", "seq": "i64", "half_offset": "i64", "signal_offset": "i64",
+        "counter_offset": "i64", "token_list": "*i32", "send_done": "*i32", "signature": "*i64", "status": "*i32",
+        "num_local": "i32", "num_max_tokens": "i32", "hidden": "i32", "num_scales": "i32", "num_packed": "i32",
+        "OFF_LAYOUT_RANGE": "i64", "OFF_SRC_INFO": "i64", "OFF_SCALES": "i64", "OFF_RECV_X": "i64",
+        "USE_FP8": "constexpr", "ROUND_SCALE": "constexpr", "USE_UE8M0": "constexpr", "BLOCK_T": "constexpr",
+        "BLOCK_K": "constexpr", "BLOCK_ROWS": "constexpr", "BLOCK_H": "constexpr", "BLOCK_SB": "constexpr",
+    }  # fmt: skip
+    for name, (fp8, round_scale, ue8m0) in {"bf16": (False, False, False), "fp8": (True, False, False),
+                                             "fp8_ue8m0": (True, True, True)}.items():  # fmt: skip
+        specs.append({
+            "name": f"dispatch_send_{name}",
+            "fn": _dispatch_send_kernel,
+            "signature": dispatch_signature,
+            "constexprs": {
+                "USE_FP8": fp8, "ROUND_SCALE": round_scale, "USE_UE8M0": ue8m0, "BLOCK_T": tokens,
+                "BLOCK_K": topk, "BLOCK_ROWS": blocks.rows, "BLOCK_H": blocks.hidden,
+                "BLOCK_SB": triton.next_power_of_2(SCALES_PER_PACK * num_packed),
+            },
+            "flags": True,
+        })  # fmt: skip
+    specs.append({
+        "name": "dispatch_finish",
+        "fn": _dispatch_finish_kernel,
+        "signature": {
+            "table": "*i64", "rank": "i32", "num_ranks": "i32", "half_offset": "i64", "counter_offset": "i64",
+            "recv_count": "*i32", "src_info_out": "*i32", "layout_range_out": "*i64", "stats": "*i32",
+            "rows_per_expert": "i32", "OFF_LAYOUT_RANGE": "i64", "OFF_SRC_INFO": "i64", "HAS_STATS": "constexpr",
+            "BLOCK_R": "constexpr", "BLOCK_S": "constexpr",
+        },
+        "constexprs": {"HAS_STATS": True, "BLOCK_R": 8, "BLOCK_S": blocks.src_info},
+        "flags": False,
+    })  # fmt: skip
+    specs.append({
+        "name": "combine_send",
+        "fn": _combine_send_kernel,
+        "signature": {
+            "x_ptr": "*bf16", "src_info": "*i32", "layout_range": "*i64", "table": "*i64", "rank": "i32",
+            "seq": "i64", "half_offset": "i64", "signal_offset": "i64", "send_done": "*i32", "signature": "*i64",
+            "num_ranks": "i32", "num_max_tokens": "i32", "hidden": "i32", "OFF_COMBINE_RECV": "i64",
+            "BLOCK_T": "constexpr", "BLOCK_H": "constexpr",
+        },
+        "constexprs": {"BLOCK_T": blocks.rows, "BLOCK_H": blocks.hidden},
+        "flags": True,
+    })  # fmt: skip
+    specs.append({
+        "name": "combine_reduce",
+        "fn": _combine_reduce_kernel,
+        "signature": {
+            "table": "*i64", "rank": "i32", "half_offset": "i64", "topk_ptr": "*i64", "weights_ptr": "*fp32",
+            "out_bits": "*i16", "num_tokens": "i32", "num_topk": "i32", "num_max_tokens": "i32", "hidden": "i32",
+            "OFF_COMBINE_RECV": "i64", "BLOCK_T": "constexpr", "BLOCK_H": "constexpr",
+        },
+        "constexprs": {"BLOCK_T": blocks.reduce_tokens, "BLOCK_H": blocks.reduce_hidden},
+        "flags": False,
+    })  # fmt: skip
+    return specs
+
+
+AOT_SPECS: list[dict] = _aot_specs()
