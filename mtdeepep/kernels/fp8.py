@@ -35,6 +35,7 @@ from mtdeepep.utils.fp8 import AMAX_FLOOR, FP8_BLOCK, FP8_DTYPE, FP8_E4M3_MAX
 # Production block: 32 (token, group) rows of 128 channels, 4096 values per program.
 CAST_BLOCK_ROWS = 32
 ELEMENT_BLOCK = 4096
+NUM_WARPS = 8  # 16 values per thread: the integer cast's temporaries stay well inside the register file
 
 # Constants the kernels read (a kernel sees globals only as constexprs).
 _SATURATE_FROM_BITS = tl.constexpr(0x43F00000)  # float32 bits of 480: |x| >= 480 (inf too) saturates to 448
@@ -99,7 +100,8 @@ def ceil_pow2_f32(x):
 def block_scale(amax, ROUND_SCALE: tl.constexpr):
     """The float32 scale of a block from its float32 `amax`: `max(amax, 1e-4) / 448`, rounded up to a power of two
     with `ROUND_SCALE`."""
-    scale = tl.maximum(amax, _AMAX_FLOOR) / _E4M3_MAX
+    # Correctly rounded divisions (`/` is an approximate division on NVIDIA: `div.full.f32`), as torch's.
+    scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), tl.full(amax.shape, _E4M3_MAX, tl.float32))
     if ROUND_SCALE:
         scale = ceil_pow2_f32(scale)
     return scale
@@ -129,9 +131,9 @@ def _per_token_cast_kernel(
     GROUP: tl.constexpr,
 ):
     # One program: BLOCK_R rows, each the 128 channels of one (token, group); a scale per row.
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # int32: T * G < 2^31
     row_ok = rows < num_rows
-    token = rows // groups
+    token = (rows // groups).to(tl.int64)
     group = rows % groups
     cols = tl.arange(0, GROUP)
     mask = row_ok[:, None] & (cols[None, :] < GROUP)
@@ -139,7 +141,7 @@ def _per_token_cast_kernel(
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     scale = block_scale(amax, ROUND_SCALE)
-    scaled = tl.minimum(tl.maximum(x / scale[:, None], -_E4M3_MAX), _E4M3_MAX)
+    scaled = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -_E4M3_MAX), _E4M3_MAX)
     q_offsets = (token * q_stride + group * GROUP)[:, None] + cols[None, :]
     tl.store(q_ptr + q_offsets, e4m3_bits_from_f32(scaled), mask=mask)
     tl.store(scale_ptr + token * scale_stride_t + group * scale_stride_g, scale, mask=row_ok)
@@ -159,9 +161,9 @@ def _per_token_cast_back_kernel(
     BLOCK_R: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # int32: T * G < 2^31
     row_ok = rows < num_rows
-    token = rows // groups
+    token = (rows // groups).to(tl.int64)
     group = rows % groups
     cols = tl.arange(0, GROUP)
     mask = row_ok[:, None] & (cols[None, :] < GROUP)
@@ -189,7 +191,9 @@ def cast_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     n = x.numel()
     if n:
-        _cast_elements_kernel[(triton.cdiv(n, ELEMENT_BLOCK),)](x, out.view(torch.uint8), n, BLOCK=ELEMENT_BLOCK)
+        _cast_elements_kernel[(triton.cdiv(n, ELEMENT_BLOCK),)](
+            x, out.view(torch.uint8), n, BLOCK=ELEMENT_BLOCK, num_warps=NUM_WARPS
+        )
     return out
 
 
@@ -217,7 +221,7 @@ def per_token_cast_to_fp8(
     if rows:
         _per_token_cast_kernel[(triton.cdiv(rows, block_rows),)](
             x_TH, q.view(torch.uint8), scales, rows, groups, x_TH.stride(0), q.stride(0), scales.stride(0),
-            scales.stride(1), ROUND_SCALE=round_scale, BLOCK_R=block_rows, GROUP=FP8_BLOCK,
+            scales.stride(1), ROUND_SCALE=round_scale, BLOCK_R=block_rows, GROUP=FP8_BLOCK, num_warps=NUM_WARPS,
         )  # fmt: skip
     return q, scales
 
@@ -242,7 +246,7 @@ def per_token_cast_back(
     if rows:
         _per_token_cast_back_kernel[(triton.cdiv(rows, block_rows),)](
             e4m3_TH.view(torch.uint8), scales_TG, out, rows, groups, e4m3_TH.stride(0), out.stride(0),
-            scales_TG.stride(0), scales_TG.stride(1), BLOCK_R=block_rows, GROUP=FP8_BLOCK,
+            scales_TG.stride(0), scales_TG.stride(1), BLOCK_R=block_rows, GROUP=FP8_BLOCK, num_warps=NUM_WARPS,
         )  # fmt: skip
     return out
 
@@ -254,6 +258,7 @@ AOT_SPECS = [
         "fn": _cast_elements_kernel,
         "signature": {"x_ptr": "*bf16", "out_ptr": "*u8", "n": "i32", "BLOCK": "constexpr"},
         "constexprs": {"BLOCK": ELEMENT_BLOCK},
+        "options": {"num_warps": NUM_WARPS},
         "flags": False,
     },
     *(
@@ -275,6 +280,7 @@ AOT_SPECS = [
                 "GROUP": "constexpr",
             },  # fmt: skip
             "constexprs": {"ROUND_SCALE": round_scale, "BLOCK_R": CAST_BLOCK_ROWS, "GROUP": FP8_BLOCK},
+            "options": {"num_warps": NUM_WARPS},
             "flags": False,
         }
         for dtype in ("bf16", "fp32")
@@ -297,6 +303,7 @@ AOT_SPECS = [
             "GROUP": "constexpr",
         },  # fmt: skip
         "constexprs": {"BLOCK_R": CAST_BLOCK_ROWS, "GROUP": FP8_BLOCK},
+        "options": {"num_warps": NUM_WARPS},
         "flags": False,
     },
 ]
