@@ -57,7 +57,7 @@ def _target(name: str):
 
 # ---- memory-ordering checks ----
 
-_TTIR_ATOMIC = re.compile(r"tt\.atomic_(?:rmw\s+\w+|cas)\s*,\s*(\w+)\s*,\s*(\w+)")
+_TTIR_ATOMIC = re.compile(r"tt\.atomic_(?:rmw\s+\w+\s*,|cas)\s*(\w+)\s*,\s*(\w+)")
 
 
 def requested_orderings(ttir: str) -> dict[str, int]:
@@ -82,7 +82,7 @@ def ptx_orderings(ptx: str) -> dict[str, int]:
         if not words:
             continue
         opcode = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
-        parts = opcode.split(".")
+        parts = opcode.rstrip(";").split(".")
         if "sys" not in parts:
             continue
         kind, qualifiers = parts[0], set(parts[1:])
