@@ -4,8 +4,9 @@ through flags carry release / acquire at system scope in the machine code.
 
 - `test_every_kernel_compiles_for_h100_and_mi300x` (slow: about a minute cold, seconds with Triton's cache in
   `build/triton-aot-cache`): the whole table, in a subprocess without `TRITON_INTERPRET`.
-- `test_ordering_check_on_real_compiles` (slow, ~12 s): two fixture kernels compiled for both targets: one with a system-scope
-  release signal and acquire wait passes; one that synchronises at `gpu` scope only, marked `flags`, is caught.
+- `test_ordering_check_on_real_compiles` (slow, ~12 s): two fixture kernels compiled for both targets: one with a
+  system-scope release signal and acquire wait passes; one that synchronises at `gpu` scope only, marked `flags`, is
+  caught.
 - The parsers on the instruction forms Triton 3.9 emits, and the refusal to compile under the interpreter.
 """
 
