@@ -32,8 +32,9 @@ import torch
 from .. import _C
 from ..kernels import intranode, sync
 from ..kernels.layout import dispatch_layout
+from ..kernels.low_latency import LowLatencyKernels
 from .base import DispatchOutputs, Engine
-from .handles import DispatchRecord, attach
+from .handles import DispatchRecord, attach, low_latency_handle
 
 # Operation kinds in the exchanged signature (every rank of one operation must agree on it).
 _OP_DISPATCH, _OP_CACHED_DISPATCH, _OP_COMBINE = 1, 2, 3
@@ -61,7 +62,7 @@ class TritonEngine(Engine):
         self.num_nodes, self.num_ranks_per_node = 1, num_ranks
         self.layout_ = intranode.NormalLayout.of(num_ranks)
         least = self.layout_.control_bytes + intranode.ALIGNMENT
-        if num_nvl_bytes < least:
+        if 0 < num_nvl_bytes < least:
             raise ValueError(
                 f"mtdeepep: the triton executor needs num_nvl_bytes >= {least}"
                 f" for {num_ranks} ranks (its control area is {self.layout_.control_bytes} bytes), got {num_nvl_bytes}"
@@ -78,6 +79,7 @@ class TritonEngine(Engine):
         self.region_table = torch.empty(0, dtype=torch.int64)
         self.poison_table = torch.empty(0, dtype=torch.int64)
         self.region = torch.empty(0, dtype=torch.uint8)
+        self.low_latency: LowLatencyKernels | None = None
 
     # ---- set-up and lifetime ----
 
@@ -92,16 +94,26 @@ class TritonEngine(Engine):
         self.poison_table = self.region_table + self.layout_.poison
         self.region = self.runtime.get_local_buffer_tensor(torch.uint8, 0, False)
         self.data_bytes = self.region.numel() - self.layout_.control_bytes
+        if low_latency:
+            self.low_latency = LowLatencyKernels(
+                area=self.runtime.get_local_buffer_tensor(torch.uint8, 0, True),
+                peer_table=torch.tensor(self.runtime.region_addresses(True), dtype=torch.int64), rank=self.rank,
+                num_ranks=self.num_ranks, uid=uid, timeout_s=self.runtime.timeout_s(),
+            )  # fmt: skip
 
     def set_timeout(self, timeout_s: float) -> None:
         self.runtime.set_timeout(timeout_s)
         self.bound = sync.WaitBound.for_timeout(timeout_s, self.device)
+        if self.low_latency is not None:
+            self.low_latency.set_timeout(timeout_s)
 
     def interrupt(self, reason: str) -> None:
         code = sync.encode_error(sync.KIND_ABORTED, 0, self.rank, self.rank)
         if self.region.numel():
             self.region[:8].view(torch.int64)[0] = code  # this rank's own waits end at their next spin
         self.status.fail(_C.CommError(f"mtdeepep: rank {self.rank} was interrupted: {reason}"))
+        if self.low_latency is not None:
+            self.low_latency.interrupt()
         self.runtime.interrupt(reason)
 
     def destroy(self) -> None:
@@ -121,6 +133,9 @@ class TritonEngine(Engine):
     # ---- the protocol's steps ----
 
     def _begin(self, previous) -> None:
+        """Before a normal-mode call: an earlier failure raises again; `previous` is waited for."""
+        if self.region.numel() < self.layout_.control_bytes + intranode.ALIGNMENT:
+            raise ValueError("mtdeepep: normal-mode calls need a buffer with num_nvl_bytes > 0")
         self.status.check()
         if previous is not None:
             previous.wait()
@@ -256,7 +271,9 @@ class TritonEngine(Engine):
     # ---- normal mode ----
 
     def layout(self, topk_idx, num_experts, previous, async_finish):
-        self._begin(previous)
+        self.status.check()
+        if previous is not None:
+            previous.wait()
         per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.num_ranks)
         return per_rank, None, per_expert, in_rank, self._finish(async_finish)
 
@@ -409,22 +426,33 @@ class TritonEngine(Engine):
         src_rank = torch.repeat_interleave(torch.arange(self.num_ranks), per_source)
         return src_rank, recv_src_idx[: src_rank.numel()].long()
 
-    # ---- low-latency mode: not served yet ----
+    # ---- low-latency mode: mtdeepep.kernels.low_latency on the runtime's low-latency areas ----
 
-    def _no_low_latency(self):
-        raise _C.CommError(
-            "mtdeepep: the triton executor does not serve low-latency mode yet (its kernels are under way); use "
-            "MTDEEPEP_ENGINE=cpu for low-latency calls"
-        )
+    def _ll(self) -> LowLatencyKernels:
+        if self.low_latency is None:
+            raise ValueError("mtdeepep: low-latency calls need a buffer made with low_latency_mode=True")
+        return self.low_latency
 
-    def ll_dispatch(self, *args, **kwargs):
-        self._no_low_latency()
+    def ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_stats, wait_stats,
+                    use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook):  # fmt: skip
+        recv_x, recv_scales, recv_count, src_info, layout_range, seq, hook = self._ll().dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_stats, wait_stats, use_fp8,
+            round_scale, use_ue8m0, return_recv_hook,
+        )  # fmt: skip
+        handle = low_latency_handle(self, src_info, layout_range, seq, x, num_max_dispatch_tokens_per_rank, num_experts)
+        return recv_x, recv_scales, recv_count, handle, self._finish(async_finish and hook is None), hook
 
-    def ll_combine(self, *args, **kwargs):
-        self._no_low_latency()
+    def ll_combine(self, x, topk_idx, topk_weights, record, handle, zero_copy, async_finish, return_recv_hook, out,
+                   wait_stats):  # fmt: skip
+        src_info, layout_range, num_max_dispatch_tokens_per_rank, _, num_experts = handle
+        combined, hook = self._ll().combine(
+            x, topk_idx, topk_weights, src_info, layout_range, num_max_dispatch_tokens_per_rank, num_experts,
+            record.uid, record.seq, zero_copy, return_recv_hook, out, wait_stats,
+        )  # fmt: skip
+        return combined, self._finish(async_finish and hook is None), hook
 
     def ll_clean(self, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> None:
-        self._no_low_latency()
+        self._ll().clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def ll_next_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-        self._no_low_latency()
+        return self._ll().next_combine_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
