@@ -1,5 +1,6 @@
 """The low-latency conformance cases (tests/conformance/low_latency_cases.py, unchanged) on the triton executor
-(`mtdeepep.kernels.low_latency` through `TritonEngine`) under Triton's interpreter, 2 rank processes."""
+(`mtdeepep.kernels.low_latency` through `TritonEngine`) under Triton's interpreter, 2 rank processes. Measured:
+274 s for the file (15 passed, 4 skipped) on the shared 2-core machine at load average ~10."""
 
 from __future__ import annotations
 
