@@ -37,11 +37,13 @@ from .setup import (
 )
 
 __all__ = [
+    "ENGINE_NAMES",
     "GPU_ENGINE_MODULES",
     "NODE_ENGINES",
     "Engine",
     "create_engine",
     "engine_device",
+    "engine_name",
     "node_engine_class",
 ]
 
@@ -55,6 +57,43 @@ NODE_ENGINES: dict[str, Callable[..., Engine]] = {"cpu": CpuEngine}
 # torch module (`torch.musa` exists only once torch_musa is imported, which a MUSA program does before its first
 # group). One module serves CUDA and MUSA (the same sources built with MTDEEPEP_MUSA; torch_musa maps the names).
 GPU_ENGINE_MODULES: dict[str, str] = {"cuda": f"{__name__}.cuda", "musa": f"{__name__}.cuda"}
+
+
+# Executors chosen by name (`MTDEEPEP_ENGINE`), whatever the device: name -> the module of this package holding
+# `TritonEngine`-like classes, imported on first use (the Triton executor imports Triton, which must see
+# TRITON_INTERPRET before its import on a machine without a GPU).
+NAMED_ENGINE_MODULES: dict[str, tuple[str, str]] = {"triton": (f"{__name__}.triton", "TritonEngine")}
+ENGINE_NAMES = ("cpu", "cuda", "triton")
+
+
+def engine_name() -> str | None:
+    """The executor `MTDEEPEP_ENGINE` asks for (None: the device's default, `NODE_ENGINES`). ValueError, naming the
+    choices, for an unknown name."""
+    name = os.environ.get("MTDEEPEP_ENGINE", "").strip().lower()
+    if not name:
+        return None
+    if name not in ENGINE_NAMES:
+        raise ValueError(f"mtdeepep: MTDEEPEP_ENGINE must be one of {', '.join(ENGINE_NAMES)}, got {name!r}")
+    return name
+
+
+def named_engine_class(name: str, device_type: str) -> Callable[..., Engine]:
+    """The engine class of executor `name` for a group on `device_type`: the Triton executor on any device (on the
+    CPU it needs TRITON_INTERPRET=1), the CPU executor on CPU tensors only, the CUDA executor on GPUs only."""
+    if name == "triton":
+        if device_type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError(
+                "mtdeepep: MTDEEPEP_ENGINE=triton on CPU tensors runs Triton's interpreter: set TRITON_INTERPRET=1 "
+                "as well (Triton cannot compile for the CPU)"
+            )
+        module_name, class_name = NAMED_ENGINE_MODULES[name]
+        return getattr(importlib.import_module(module_name), class_name)
+    if (name == "cpu") != (device_type == "cpu"):
+        raise ValueError(f"mtdeepep: MTDEEPEP_ENGINE={name} cannot serve a group on {device_type} tensors")
+    engine_type = node_engine_class(device_type)
+    if engine_type is None:
+        raise _C.CommError(f"mtdeepep: this build has no {device_type} executor (mtdeepep._C_cuda is missing)")
+    return engine_type
 
 
 def node_engine_class(device_type: str) -> Callable[..., Engine] | None:
@@ -104,13 +143,16 @@ def create_engine(
     and its reason ("group rank 0 failed its set-up: ...") at once, instead of a timeout or of a symptom such as a
     segment that no longer exists; a rank whose process is gone is named with its pid at once."""
     device = engine_device(group)
-    node_engine_type = node_engine_class(device.type)
+    name = engine_name()
+    node_engine_type = named_engine_class(name, device.type) if name else node_engine_class(device.type)
     if node_engine_type is None:
         raise _C.CommError(f"mtdeepep: this build has no {device.type} executor (mtdeepep._C_cuda is missing)")
-    if device.type != "cpu" and resolve_num_ranks_per_node(num_ranks_per_node, group.size()) < group.size():
+    if (device.type != "cpu" or name == "triton") and resolve_num_ranks_per_node(
+        num_ranks_per_node, group.size()
+    ) < group.size():
         raise ValueError(
-            f"mtdeepep: the {device.type} executor serves the ranks of one node; groups spanning several nodes run on "
-            "the CPU executor only for now"
+            f"mtdeepep: the {name or device.type} executor serves the ranks of one node; groups spanning several nodes "
+            "run on the CPU executor only for now"
         )
     num_ranks = group.size()
     per_node = resolve_num_ranks_per_node(num_ranks_per_node, num_ranks)
