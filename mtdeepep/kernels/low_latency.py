@@ -1,0 +1,971 @@
+"""DeepEP's low-latency mode in Triton: dispatch (BF16, or FP8 with per-1x128 scales cast in the kernel) and the
+weighted combine, between the ranks of one node that map each other's low-latency areas.
+
+A rank reaches every rank's area (its own included) through a table of base addresses (`peer_table`, int64 `[R]`):
+on the CPU the shared-memory segments `_C.Runtime.region_addresses(low_latency_area=True)` maps, on a GPU the
+IPC-opened buffers. The area has the place and size of the CPU executor's (`csrc/runtime/cpu/low_latency_layout.hpp`),
+so `Buffer.get_low_latency_rdma_size_hint` sizes it, but its control part is this module's (`ControlLayout`):
+
+    [control: entered, barrier [R], signals [2][R], counters [2][MAX_LOCAL_EXPERTS]]  [half 0]  [half 1]
+
+Call n (dispatch or combine) uses half n % 2 of every area (the double buffer: two results alive at once). Before
+writing call n into a peer's half a sender waits until the peer *entered* call n (it gave up the results of call n - 2
+there). A dispatch, per destination expert (one program each): find its tokens, reserve rows in the receiver with one
+atomic add on the receiver's counter, write the rows (cast to E4M3 on the way), the token indices and its
+`layout_range` entry; the last program for a receiver publishes the call's signal (signature, then the call number,
+release at system scope). The receiver waits for every source's signal (acquire), then copies out the layout, counts
+and resets its counters. The combine writes each expert output row into its source's `combine_recv[expert, token]`
+and signals; the receiver reduces over its top-k in FP32.
+
+Waits: a kernel never waits without bound. Every wait is a one-program kernel that polls the flags at most
+`max_spins` times and reports which ranks arrived; the host relaunches it until all did or the timeout passes, then
+raises `CommTimeoutError` naming the ranks that did not arrive (and the phase). Heavy kernels never wait (a wide grid
+that spun would hold the SMs a late peer needs).
+
+Interpreter traps avoided (see `/work/shared/reference/triton_notes.md`): bfloat16 is upcast before arithmetic and
+rounded back to bfloat16 with integer operations (the interpreter truncates `.to(tl.bfloat16)`); E4M3 is cast with
+integer operations (the interpreter's `.to(tl.float8e4nv)` rounds wrongly); divisions are `div_rn` (a GPU's `/` is
+approximate).
+
+Legend: T tokens, K top-k, H hidden, S = H / 128 scale blocks, R ranks, E experts, L = E / R local experts,
+RT = R * T_max rows per local expert.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import _C
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layout (mirrors csrc/runtime/cpu/low_latency_layout.hpp for the halves; the control part is this module's)
+
+PAGE = 4096
+LINE = 64
+SCALE_BLOCK = 128
+SCALES_PER_PACK = 4
+E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-4
+MAX_LOCAL_EXPERTS = 1 << 15  # counters per half (the C++ control part reserves 1 << 16)
+_CPP_MAX_EXPERTS = 1 << 16
+SIGNAL_BYTES = 64  # seq (int64), then the call's signature (7 int64)
+SIGNATURE_FIELDS = 7  # kind, hidden, num_max_dispatch_tokens_per_rank, num_experts, flags, dispatch uid, dispatch seq
+_E4M3_MAX = tl.constexpr(E4M3_MAX)  # the kernels' copies (a jitted function reads only constexpr globals)
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4
+KIND_DISPATCH, KIND_COMBINE = 1, 2
+
+
+def _align(value: int, alignment: int) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def cpu_control_bytes(num_ranks: int) -> int:
+    """The C++ executor's control part (`ll::ControlLayout::bytes`): where half 0 starts in every area."""
+    signals = LINE  # sizeof(Progress)
+    counters = _align(signals + 2 * SIGNAL_BYTES * num_ranks, LINE)
+    return _align(counters + 2 * 4 * _CPP_MAX_EXPERTS, PAGE)
+
+
+@dataclass(frozen=True)
+class ControlLayout:
+    """Offsets of this module's signalling state in an area (they depend on the rank count only)."""
+
+    num_ranks: int
+
+    @property
+    def entered(self) -> int:  # int64: the last call whose send phase started on this rank
+        return 0
+
+    @property
+    def barrier(self) -> int:  # int64 [R]: barrier count each rank reached (never zeroed by clean)
+        return LINE
+
+    @property
+    def signals(self) -> int:  # [2][R] signals of SIGNAL_BYTES
+        return _align(self.barrier + 8 * self.num_ranks, LINE)
+
+    @property
+    def counters(self) -> int:  # int32 [2][MAX_LOCAL_EXPERTS]: rows reserved per local expert
+        return _align(self.signals + 2 * SIGNAL_BYTES * self.num_ranks, LINE)
+
+    @property
+    def end(self) -> int:
+        return self.counters + 2 * 4 * MAX_LOCAL_EXPERTS
+
+    @property
+    def halves(self) -> int:  # where half 0 starts: the C++ control size, so that both executors size areas alike
+        return cpu_control_bytes(self.num_ranks)
+
+    def signal(self, seq: int, source: int) -> int:
+        return self.signals + SIGNAL_BYTES * ((seq % 2) * self.num_ranks + source)
+
+
+@dataclass(frozen=True)
+class HalfLayout:
+    """Offsets of one call's arrays inside a half (as `ll::HalfLayout`)."""
+
+    num_max_tokens: int
+    hidden: int
+    num_ranks: int
+    num_experts: int
+
+    def __post_init__(self) -> None:
+        offset = 0
+        fields = {}
+        for name, nbytes, alignment in (
+            ("layout_range", 8 * self.num_local_experts * self.num_ranks, LINE),
+            ("src_info", 4 * self.rows, LINE),
+            ("scales", 4 * self.num_scales * self.rows, LINE),
+            ("recv_x", 2 * self.hidden * self.rows, PAGE),
+            ("combine_recv", 2 * self.hidden * self.num_experts * self.num_max_tokens, PAGE),
+        ):
+            offset = _align(offset, alignment)
+            fields[name] = offset
+            offset += nbytes
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "bytes", _align(offset, PAGE))
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def rows_per_expert(self) -> int:
+        return self.num_ranks * self.num_max_tokens
+
+    @property
+    def rows(self) -> int:
+        return self.rows_per_expert * self.num_local_experts
+
+    @property
+    def num_scales(self) -> int:
+        return (self.hidden + SCALE_BLOCK - 1) // SCALE_BLOCK
+
+    @property
+    def num_packed_scales(self) -> int:
+        return (self.num_scales + SCALES_PER_PACK - 1) // SCALES_PER_PACK
+
+
+def half_bytes(num_bytes: int, num_ranks: int) -> int:
+    """The fixed size of each half of an area of `num_bytes` (as `ll::half_bytes`)."""
+    control = cpu_control_bytes(num_ranks)
+    return (num_bytes - control) // 2 // PAGE * PAGE if num_bytes > control else 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Element casts with integer operations (exact on every backend, the interpreter included)
+
+
+@triton.jit
+def _bf16_bits_rne(v):
+    """float32 -> the int16 bit pattern of bfloat16, rounded to nearest even (NaN -> quiet NaN of the same sign)."""
+    b = v.to(tl.int32, bitcast=True)
+    rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    nan = (b & 0x7FFFFFFF) > 0x7F800000
+    bits = tl.where(nan, (b >> 16) | 0x40, rounded)
+    return bits.to(tl.int16)
+
+
+@triton.jit
+def _e4m3_bits_rne(v):
+    """float32 with |v| <= 448 (or NaN) -> the uint8 bit pattern of float8_e4m3fn, rounded to nearest even, as
+    torch's cast: normal range by rounding the fp32 mantissa to 3 bits and rebiasing the exponent (127 -> 7),
+    below 2^-6 to a multiple of the subnormal step 2^-9."""
+    b = v.to(tl.int32, bitcast=True)
+    sign = (b >> 31) & 1
+    a = b & 0x7FFFFFFF
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960  # 960 = (127 - 7) << 3
+    exponent = a >> 23
+    mantissa = (a & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(141 - exponent, 31)  # value / 2^-9 = mantissa * 2^(exponent - 141)
+    subnormal = (mantissa + (1 << (shift - 1)) - 1 + ((mantissa >> shift) & 1)) >> shift
+    code = tl.where(a >= 0x3C800000, normal, subnormal)
+    code = tl.where(a > 0x7F800000, 0x7F, code)
+    return ((sign << 7) | code).to(tl.uint8)
+
+
+@triton.jit
+def _pow2_ceil(scale):
+    """The smallest power of two >= scale (positive, normal float32)."""
+    b = scale.to(tl.int32, bitcast=True)
+    up = ((b >> 23) + 1) << 23
+    return tl.where((b & 0x7FFFFF) == 0, b, up).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _cast_kernel(x_ptr, bits_ptr, n, TO_E4M3: tl.constexpr, BLOCK: tl.constexpr):
+    """Test entry: float32 `x` -> bit patterns of bfloat16 (int16) or E4M3 (uint8, |x| clamped to 448)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    if TO_E4M3:
+        tl.store(bits_ptr + offs, _e4m3_bits_rne(tl.minimum(tl.maximum(v, -_E4M3_MAX), _E4M3_MAX)), mask=offs < n)
+    else:
+        tl.store(bits_ptr + offs, _bf16_bits_rne(v), mask=offs < n)
+
+
+def cast_bits(x: torch.Tensor, to_e4m3: bool) -> torch.Tensor:
+    """The kernels' element cast on a float32 tensor: int16 bfloat16 bits, or uint8 E4M3 bits (x clamped to 448)."""
+    x = x.float().contiguous().flatten()
+    out = torch.empty(x.shape, dtype=torch.uint8 if to_e4m3 else torch.int16, device=x.device)
+    block = 1 << 16
+    _cast_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), TO_E4M3=to_e4m3, BLOCK=block)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _addr(table, rank, offset):
+    """The int64 address `offset` bytes into `rank`'s area."""
+    return tl.load(table + rank) + offset
+
+
+@triton.jit
+def _wait_kernel(table, rank, num_ranks, offset, stride, target, ready, max_spins, PEER_AREA: tl.constexpr):
+    """One program: for each rank p not yet `ready`, polls the int64 flag at `offset + p * stride` in p's area
+    (`PEER_AREA`) or in this rank's, at most `max_spins` times, until it is >= `target` (acquire, system scope);
+    sets `ready[p]` when it is. Bounded: the host relaunches it until every rank is ready or its timeout passes."""
+    for p in range(num_ranks):
+        if tl.load(ready + p) == 0:
+            owner = p if PEER_AREA else rank
+            flag = _addr(table, owner, offset + p * stride).to(tl.pointer_type(tl.int64))
+            value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+            spins = 0
+            while (value < target) & (spins < max_spins):
+                value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+                spins += 1
+            if value >= target:
+                tl.store(ready + p, 1)
+
+
+@triton.jit
+def _store_flags_kernel(table, rank, num_ranks, offset, stride, value, ALL_AREAS: tl.constexpr):
+    """Stores `value` (release, system scope) at `offset` in this rank's area, or (`ALL_AREAS`) at `offset + rank *
+    stride` in every rank's area (a barrier's arrival)."""
+    if ALL_AREAS:
+        for p in range(num_ranks):
+            flag = _addr(table, p, offset + rank * stride).to(tl.pointer_type(tl.int64))
+            tl.atomic_xchg(flag, value, sem="release", scope="sys")
+    else:
+        tl.atomic_xchg(_addr(table, rank, offset).to(tl.pointer_type(tl.int64)), value, sem="release", scope="sys")
+
+
+@triton.jit
+def _publish(table, rank, dest, signal_offset, signature, seq):
+    """The signal of call `seq` from `rank` in `dest`'s area: the signature, then the call number (release, system
+    scope), so that a receiver that sees the number sees every write of this call before it."""
+    signal = _addr(table, dest, signal_offset)
+    fields = tl.arange(0, 8)
+    values = tl.load(signature + fields, mask=fields < 7, other=0)
+    tl.store((signal + 8 + 8 * fields).to(tl.pointer_type(tl.int64)), values, mask=fields < 7)
+    tl.atomic_xchg(signal.to(tl.pointer_type(tl.int64)), seq, sem="release", scope="sys")
+
+
+@triton.jit
+def _dispatch_send_kernel(
+    x_ptr, x_stride, topk_ptr, num_tokens, num_topk, table, rank, seq, half_offset, signal_offset, counter_offset,
+    token_list, send_done, signature, status, num_local, num_max_tokens, hidden, num_scales, num_packed,
+    OFF_LAYOUT_RANGE, OFF_SRC_INFO, OFF_SCALES, OFF_RECV_X,
+    USE_FP8: tl.constexpr, ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_SB: tl.constexpr,
+):  # fmt: skip
+    """One program per global expert g (of rank g // L): this rank's tokens routed to g (ascending) are written into
+    the receiver's rows [begin, begin + count) of its local expert, reserved with one atomic add; then the receiver's
+    layout_range entry for this source. The last program for a receiver publishes this call's signal to it."""
+    g = tl.program_id(0)
+    dest = g // num_local
+    e = g % num_local
+    num_ranks = tl.num_programs(0) // num_local
+    rows_per_expert = num_ranks * num_max_tokens
+    tokens_of_g = token_list + g * num_max_tokens
+    # The tokens routed to g, in order, into this rank's scratch list.
+    offs_k = tl.arange(0, BLOCK_K)
+    count = 0
+    for t0 in range(0, num_tokens, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        mask = (offs_t[:, None] < num_tokens) & (offs_k[None, :] < num_topk)
+        ids = tl.load(topk_ptr + offs_t[:, None] * num_topk + offs_k[None, :], mask=mask, other=-1)
+        hit = tl.max((ids == g).to(tl.int32), axis=1)
+        position = count + tl.cumsum(hit, axis=0) - hit
+        tl.store(tokens_of_g + position, offs_t, mask=hit > 0)
+        count += tl.sum(hit, axis=0)
+    half = _addr(table, dest, half_offset)
+    begin = count * 0
+    if count > 0:
+        counter = _addr(table, dest, counter_offset + 4 * e).to(tl.pointer_type(tl.int32))
+        begin = tl.atomic_add(counter, count, sem="relaxed", scope="sys")
+    if begin + count > rows_per_expert:
+        # Stale signalling state (a call that failed half-way): report it, write nothing.
+        tl.atomic_xchg(status, dest + 1)
+    else:
+        packed = (begin.to(tl.int64) << 32) | count.to(tl.int64)
+        tl.store((half + OFF_LAYOUT_RANGE + 8 * (e * num_ranks + rank)).to(tl.pointer_type(tl.int64)), packed)
+        src_info = (half + OFF_SRC_INFO).to(tl.pointer_type(tl.int32)) + e * rows_per_expert + begin
+        # BLOCK_T rows at a time: row i of the segment is token tokens_of_g[i], slot begin + i.
+        for i0 in range(0, count, BLOCK_ROWS):
+            offs = i0 + tl.arange(0, BLOCK_ROWS)
+            in_list = offs < count
+            token = tl.load(tokens_of_g + offs, mask=in_list, other=0)
+            tl.store(src_info + offs, token, mask=in_list)
+            row = x_ptr + token.to(tl.int64) * x_stride
+            slot = (e * rows_per_expert + begin + offs).to(tl.int64)
+            if USE_FP8:
+                # Each row as [blocks, 128]: one scale per block, E4M3 = x / scale rounded to nearest even.
+                blocks = tl.arange(0, BLOCK_SB)
+                columns = blocks[None, :, None] * 128 + tl.arange(0, 128)[None, None, :]
+                in_row = (columns < hidden) & (offs[:, None, None] < count)
+                v = tl.load(row[:, None, None] + columns, mask=in_row, other=0.0).to(tl.float32)
+                amax = tl.max(tl.abs(v), axis=2)
+                scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _E4M3_MAX)
+                if ROUND_SCALE:
+                    scale = _pow2_ceil(scale)
+                q = tl.math.div_rn(v, scale[:, :, None])
+                q = tl.minimum(tl.maximum(q, -_E4M3_MAX), _E4M3_MAX)
+                dst = (half + OFF_RECV_X).to(tl.pointer_type(tl.uint8))
+                tl.store(dst + slot[:, None, None] * hidden + columns, _e4m3_bits_rne(q), mask=in_row)
+                rows_ok = offs[:, None] < count
+                if USE_UE8M0:
+                    # int32 [L, ceil(S / 4), RT], 4 exponents per int32 (little endian), unused bytes 0
+                    exponent = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+                    exponent = tl.where(blocks[None, :] < num_scales, exponent, 0)
+                    base = (half + OFF_SCALES).to(tl.pointer_type(tl.uint8))
+                    pack = (
+                        (e * num_packed + blocks[None, :] // 4).to(tl.int64) * rows_per_expert + begin + offs[:, None]
+                    )
+                    mask = rows_ok & (blocks[None, :] < 4 * num_packed)
+                    tl.store(base + 4 * pack + blocks[None, :] % 4, exponent.to(tl.uint8), mask=mask)
+                else:
+                    base = (half + OFF_SCALES).to(tl.pointer_type(tl.float32))
+                    at = (e * num_scales + blocks[None, :]).to(tl.int64) * rows_per_expert + begin + offs[:, None]
+                    tl.store(base + at, scale, mask=rows_ok & (blocks[None, :] < num_scales))
+            else:
+                dst = (half + OFF_RECV_X).to(tl.pointer_type(tl.bfloat16)) + slot * hidden
+                for h0 in range(0, hidden, BLOCK_H):
+                    offs_h = h0 + tl.arange(0, BLOCK_H)
+                    mask = in_list[:, None] & (offs_h[None, :] < hidden)
+                    values = tl.load(row[:, None] + offs_h[None, :], mask=mask)
+                    tl.store(dst[:, None] + offs_h[None, :], values, mask=mask)
+    # Every program of `dest` done (acq_rel orders their writes before the signal): the last one signals.
+    done = tl.atomic_add(send_done + dest, 1, sem="acq_rel", scope="sys")
+    if done == num_local - 1:
+        _publish(table, rank, dest, signal_offset, signature, seq)
+
+
+@triton.jit
+def _dispatch_finish_kernel(
+    table, rank, num_ranks, half_offset, counter_offset, recv_count, src_info_out, layout_range_out, stats,
+    rows_per_expert, OFF_LAYOUT_RANGE, OFF_SRC_INFO, HAS_STATS: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """One program per local expert, once every source signalled: layout_range, src_info and the count out of this
+    rank's half; the counter reset for the call after next; the count added to the cumulative stats."""
+    e = tl.program_id(0)
+    half = _addr(table, rank, half_offset)
+    offs_r = tl.arange(0, BLOCK_R)
+    ranges = tl.load((half + OFF_LAYOUT_RANGE).to(tl.pointer_type(tl.int64)) + e * num_ranks + offs_r,
+                     mask=offs_r < num_ranks, other=0)  # fmt: skip
+    tl.store(layout_range_out + e * num_ranks + offs_r, ranges, mask=offs_r < num_ranks)
+    count = tl.sum(ranges & 0xFFFFFFFF, axis=0).to(tl.int32)
+    tl.store(recv_count + e, count)
+    src = (half + OFF_SRC_INFO).to(tl.pointer_type(tl.int32)) + e * rows_per_expert
+    for i0 in range(0, rows_per_expert, BLOCK_S):
+        offs = i0 + tl.arange(0, BLOCK_S)
+        values = tl.load(src + offs, mask=offs < rows_per_expert)
+        tl.store(src_info_out + e * rows_per_expert + offs, values, mask=offs < rows_per_expert)
+    tl.store(_addr(table, rank, counter_offset + 4 * e).to(tl.pointer_type(tl.int32)), 0)
+    if HAS_STATS:
+        tl.store(stats + e, tl.load(stats + e) + count)
+
+
+@triton.jit
+def _combine_send_kernel(
+    x_ptr, src_info, layout_range, table, rank, seq, half_offset, signal_offset, send_done, signature, num_ranks,
+    num_max_tokens, hidden, OFF_COMBINE_RECV, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Program (e, s): the rows of local expert e that came from rank s go back to s's combine_recv[g, token]
+    (g = rank * L + e); the last program for s publishes this call's signal to it."""
+    e = tl.program_id(0)
+    source = tl.program_id(1)
+    num_local = tl.num_programs(0)
+    rows_per_expert = num_ranks * num_max_tokens
+    packed = tl.load(layout_range + e * num_ranks + source)
+    begin = (packed >> 32).to(tl.int32)
+    count = (packed & 0xFFFFFFFF).to(tl.int32)
+    g = rank * num_local + e
+    dst = (_addr(table, source, half_offset + OFF_COMBINE_RECV)).to(tl.pointer_type(tl.bfloat16))
+    for i0 in range(begin, begin + count, BLOCK_T):
+        offs = i0 + tl.arange(0, BLOCK_T)
+        in_segment = offs < begin + count
+        token = tl.load(src_info + e * rows_per_expert + offs, mask=in_segment, other=0)
+        src_row = x_ptr + (e * rows_per_expert + offs).to(tl.int64) * hidden
+        dst_row = dst + (g * num_max_tokens + token).to(tl.int64) * hidden
+        for h0 in range(0, hidden, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask = in_segment[:, None] & (offs_h[None, :] < hidden)
+            values = tl.load(src_row[:, None] + offs_h[None, :], mask=mask)
+            tl.store(dst_row[:, None] + offs_h[None, :], values, mask=mask)
+    done = tl.atomic_add(send_done + source, 1, sem="acq_rel", scope="sys")
+    if done == num_local - 1:
+        _publish(table, rank, source, signal_offset, signature, seq)
+
+
+@triton.jit
+def _combine_reduce_kernel(
+    table, rank, half_offset, topk_ptr, weights_ptr, out_bits, num_tokens, num_topk, num_max_tokens, hidden,
+    OFF_COMBINE_RECV, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Program (token block, column block): out[t] = sum over the non-masked slots k, in slot order, of
+    w[t, k] * combine_recv[topk_idx[t, k], t], in FP32, rounded once to bfloat16."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    rows = (_addr(table, rank, half_offset + OFF_COMBINE_RECV)).to(tl.pointer_type(tl.bfloat16))
+    in_t = offs_t < num_tokens
+    in_h = offs_h < hidden
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+    for k in range(0, num_topk):
+        expert = tl.load(topk_ptr + offs_t * num_topk + k, mask=in_t, other=-1)
+        weight = tl.load(weights_ptr + offs_t * num_topk + k, mask=in_t, other=0.0)
+        valid = expert >= 0
+        row = (tl.where(valid, expert, 0) * num_max_tokens + offs_t).to(tl.int64)
+        mask = (valid[:, None]) & (in_h[None, :])
+        value = tl.load(rows + row[:, None] * hidden + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += weight[:, None] * value
+    out = out_bits + offs_t[:, None].to(tl.int64) * hidden + offs_h[None, :]
+    tl.store(out, _bf16_bits_rne(acc), mask=in_t[:, None] & in_h[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host side
+
+
+class Phase(enum.IntEnum):
+    """What a wait was for (named in timeout errors, and in the status word of a GPU run)."""
+
+    DISPATCH_SEND = 1  # a receiver has not entered the call yet
+    DISPATCH_RECV = 2  # a source's signal has not arrived
+    COMBINE_SEND = 3
+    COMBINE_RECV = 4
+    CLEAN = 5
+
+
+_PHASE_NAMES = {
+    Phase.DISPATCH_SEND: "low-latency dispatch: send (waiting for the peer to make the call)",
+    Phase.DISPATCH_RECV: "low-latency dispatch: receive",
+    Phase.COMBINE_SEND: "low-latency combine: send (waiting for the peer to make the call)",
+    Phase.COMBINE_RECV: "low-latency combine: receive",
+    Phase.CLEAN: "low-latency clean: barrier",
+}
+
+
+@dataclass
+class Blocks:
+    """Block sizes: few large blocks under the interpreter (about 2.6 ms per program instance), GPU-sized ones
+    otherwise."""
+
+    tokens: int = 128  # topk scan
+    rows: int = 1  # rows per tile of a copy (an FP8 row is a [64, 128] tile at hidden 7168)
+    hidden: int = 2048  # columns per tile of a copy
+    reduce_tokens: int = 1
+    reduce_hidden: int = 1024
+    src_info: int = 1024
+    max_spins: int = 1 << 20
+
+    @staticmethod
+    def for_device(device: torch.device, interpret: bool) -> Blocks:
+        if interpret or device.type == "cpu":
+            return Blocks(
+                tokens=128, rows=64, hidden=8192, reduce_tokens=64, reduce_hidden=1024, src_info=8192, max_spins=200
+            )
+        return Blocks()
+
+
+@dataclass
+class _Call:
+    seq: int
+    epoch: int
+    hook_mode: bool
+
+
+class LowLatencyKernels:
+    """DeepEP's low-latency calls for one rank of `num_ranks` on one node, run by the Triton kernels above.
+
+    area: this rank's low-latency area as a uint8 tensor on the kernels' device (its first byte is the area's);
+    peer_table: int64 `[R]` on the same device, every rank's area base address in this process (this rank's too);
+    uid: the buffer's id (agreed at set-up), carried in the signatures; check_peers: called with the ranks still
+    missing while a wait polls (it raises `CommError` when one of them failed or exited), may be None.
+    The calls are synchronous on the device's current stream; they return `event=None`.
+    """
+
+    def __init__(self, *, area: torch.Tensor, peer_table: torch.Tensor, rank: int, num_ranks: int, uid: int,
+                 timeout_s: float, check_peers: Callable[[list[int]], None] | None = None,
+                 interpret: bool | None = None) -> None:  # fmt: skip
+        if area.dtype != torch.uint8 or area.dim() != 1:
+            raise ValueError("mtdeepep: the low-latency area must be a 1-D uint8 tensor")
+        if peer_table.dtype != torch.int64 or peer_table.shape != (num_ranks,):
+            raise ValueError(f"mtdeepep: peer_table must be int64 [{num_ranks}]")
+        self.area, self.peer_table = area, peer_table
+        self.rank, self.num_ranks, self.uid = rank, num_ranks, uid
+        self.timeout_s = timeout_s
+        self.check_peers = check_peers
+        self.device = area.device
+        self.control = ControlLayout(num_ranks)
+        if self.control.end > self.control.halves:
+            raise ValueError(f"mtdeepep: {num_ranks} ranks need a larger low-latency control part")
+        if area.numel() < self.control.halves:
+            raise ValueError(
+                f"mtdeepep: low-latency mode needs num_rdma_bytes >= {self.control.halves} (got {area.numel()}); use "
+                "Buffer.get_low_latency_rdma_size_hint"
+            )
+        self.half_bytes = half_bytes(area.numel(), num_ranks)
+        if interpret is None:
+            interpret = self.device.type == "cpu"
+        self.blocks = Blocks.for_device(self.device, interpret)
+        self.poll_sleep_s = 2e-4 if self.device.type == "cpu" else 0.0
+        self.seq = 0
+        self.epoch = 0
+        self.barriers = 0
+        self.hook_pending = [False, False]
+        self.combine_areas: list[torch.Tensor | None] = [None, None]
+        self.zero_copy_combines = 0
+
+    # ---- helpers ----
+
+    def set_timeout(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+
+    def _half_offset(self, seq: int) -> int:
+        return self.control.halves + (seq % 2) * self.half_bytes
+
+    def _counter_offset(self, seq: int) -> int:
+        return self.control.counters + 4 * MAX_LOCAL_EXPERTS * (seq % 2)
+
+    def _layout(self, num_max_tokens: int, hidden: int, num_experts: int) -> HalfLayout:
+        if num_max_tokens <= 0 or hidden <= 0 or num_experts <= 0 or num_experts % self.num_ranks:
+            raise ValueError(
+                f"mtdeepep: invalid num_max_dispatch_tokens_per_rank={num_max_tokens} / hidden={hidden} / "
+                f"num_experts={num_experts} on {self.num_ranks} ranks"
+            )
+        layout = HalfLayout(num_max_tokens, hidden, self.num_ranks, num_experts)
+        if layout.num_local_experts > MAX_LOCAL_EXPERTS:
+            raise ValueError(f"mtdeepep: at most {MAX_LOCAL_EXPERTS} local experts, got {layout.num_local_experts}")
+        if layout.bytes > self.half_bytes:
+            needed = self.control.halves + 2 * layout.bytes
+            raise ValueError(
+                f"mtdeepep: num_rdma_bytes={self.area.numel()} is too small for num_max_dispatch_tokens_per_rank="
+                f"{num_max_tokens}, hidden={hidden}, num_experts={num_experts} on {self.num_ranks} ranks: it needs "
+                f"{needed} (Buffer.get_low_latency_rdma_size_hint)"
+            )
+        return layout
+
+    def _view(self, offset: int, sizes, strides, dtype: torch.dtype) -> torch.Tensor:
+        """A view of this rank's area at byte `offset`."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        elements = 1 + sum((size - 1) * stride for size, stride in zip(sizes, strides))
+        return self.area[offset : offset + elements * itemsize].view(dtype).as_strided(sizes, strides)
+
+    def _begin(self, hook_mode: bool) -> _Call:
+        seq = self.seq + 1
+        if self.hook_pending[seq % 2]:
+            raise ValueError(
+                f"mtdeepep: low-latency call #{seq} would reuse the buffer half of call #{seq - 2}, whose receive hook "
+                "was not called yet; call that hook first (at most two low-latency results can be in flight)"
+            )
+        self.seq = seq
+        if hook_mode:
+            self.hook_pending[seq % 2] = True
+        return _Call(seq, self.epoch, hook_mode)
+
+    def _end(self, call: _Call) -> None:
+        if call.epoch == self.epoch:
+            self.hook_pending[call.seq % 2] = False
+
+    def _wait(self, phase: Phase, seq: int, offset: int, stride: int, target: int, peer_area: bool,
+              wait_ns: torch.Tensor | None) -> None:  # fmt: skip
+        """Relaunches the bounded `_wait_kernel` until every rank's flag reached `target`; CommTimeoutError naming the
+        ranks that did not arrive after `timeout_s`. `wait_ns` gets, per rank, the time spent while it was missing."""
+        ready = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)
+        ready[self.rank] = 1 if phase in (Phase.DISPATCH_SEND, Phase.COMBINE_SEND) else 0
+        start = last = time.perf_counter_ns()
+        waited = [0] * self.num_ranks
+        while True:
+            _wait_kernel[(1,)](self.peer_table, self.rank, self.num_ranks, offset, stride, target, ready,
+                               self.blocks.max_spins, PEER_AREA=peer_area)  # fmt: skip
+            missing = [r for r, ok in enumerate(ready.tolist()) if not ok]
+            now = time.perf_counter_ns()
+            for r in missing:
+                waited[r] += now - last
+            last = now
+            if not missing:
+                break
+            if self.check_peers is not None:
+                self.check_peers(missing)
+            if (now - start) / 1e9 > self.timeout_s:
+                raise _C.CommTimeoutError(
+                    f"mtdeepep: rank {self.rank} timed out after {self.timeout_s} s in phase '{_PHASE_NAMES[phase]}' "
+                    f"(low-latency op #{seq}): rank(s) [{', '.join(map(str, missing))}] did not arrive"
+                )
+            if self.poll_sleep_s:
+                time.sleep(self.poll_sleep_s)
+        if wait_ns is not None:
+            wait_ns += torch.tensor(waited, dtype=torch.int64, device=wait_ns.device)
+
+    def _enter_and_wait_peers(self, call: _Call, phase: Phase, wait_ns) -> None:
+        """This rank entered call `seq`; waits until every peer did (its half of call seq - 2 is given up)."""
+        _store_flags_kernel[(1,)](self.peer_table, self.rank, self.num_ranks, self.control.entered, 0, call.seq,
+                                  ALL_AREAS=False)  # fmt: skip
+        if call.seq > 2:
+            self._wait(phase, call.seq, self.control.entered, 0, call.seq, True, wait_ns)
+
+    def _wait_signals(self, call: _Call, phase: Phase, expected: list[int], wait_ns) -> str:
+        """Waits for every source's signal of `call`; returns a mismatch message when they did not all make it."""
+        signals = self.control.signal(call.seq, 0)
+        self._wait(phase, call.seq, signals, SIGNAL_BYTES, call.seq, False, wait_ns)
+        block = self.area[signals : signals + SIGNAL_BYTES * self.num_ranks].view(torch.int64)
+        block = block.view(self.num_ranks, SIGNAL_BYTES // 8)[:, 1 : 1 + SIGNATURE_FIELDS].cpu().tolist()
+        for source, theirs in enumerate(block):
+            if theirs != expected:
+                return (
+                    f"mtdeepep: ranks disagree on low-latency op #{call.seq} in phase '{_PHASE_NAMES[phase]}': rank "
+                    f"{self.rank} has {_describe(expected)} but rank {source} has {_describe(theirs)}; kind 1 = "
+                    "dispatch, 2 = combine; flags: 1 FP8, 2 round_scale, 4 UE8M0; a combine carries the dispatch of "
+                    "its handle: every rank must combine the same dispatch"
+                )
+        return ""
+
+    def _check_epoch(self, call: _Call) -> None:
+        if call.epoch != self.epoch:
+            raise _C.CommError("mtdeepep: this receive hook belongs to a call made before clean_low_latency_buffer")
+
+    def _hook(self, call: _Call, receive: Callable[[], None]) -> Callable[[], None]:
+        state = {"ran": False, "error": None}
+
+        def hook() -> None:
+            if not state["ran"]:
+                state["ran"] = True
+                try:
+                    self._check_epoch(call)
+                    receive()
+                except BaseException as error:  # noqa: BLE001 - re-raised on this and every later call
+                    state["error"] = error
+                    self._end(call)
+            if state["error"] is not None:
+                raise state["error"]
+
+        return hook
+
+    # ---- dispatch ----
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                 num_experts: int, cumulative_stats: torch.Tensor | None, wait_stats: torch.Tensor | None,
+                 use_fp8: bool, round_scale: bool, use_ue8m0: bool, return_recv_hook: bool):  # fmt: skip
+        """`(recv_x, recv_scales or None, recv_count, src_info, layout_range, seq, hook or None)`; arguments checked
+        by the facade (x bfloat16 [T, H] rows, topk_idx int64 [T, K] contiguous). See `Buffer.low_latency_dispatch`."""
+        layout = self._layout(num_max_dispatch_tokens_per_rank, x.size(1), num_experts)
+        _check_topk_idx(topk_idx, num_experts)
+        round_scale, use_ue8m0 = use_fp8 and round_scale, use_fp8 and use_ue8m0
+        call = self._begin(return_recv_hook)
+        L, RT, H = layout.num_local_experts, layout.rows_per_expert, layout.hidden
+        half = self._half_offset(call.seq)
+        recv_x = self._view(half + layout.recv_x, (L, RT, H), (RT * H, H, 1),
+                            torch.float8_e4m3fn if use_fp8 else torch.bfloat16)  # fmt: skip
+        recv_scales = None
+        if use_fp8:
+            columns = layout.num_packed_scales if use_ue8m0 else layout.num_scales
+            recv_scales = self._view(half + layout.scales, (L, RT, columns), (columns * RT, 1, RT),
+                                     torch.int32 if use_ue8m0 else torch.float32)  # fmt: skip
+        recv_count = torch.empty(L, dtype=torch.int32, device=self.device)
+        src_info = torch.empty(L, RT, dtype=torch.int32, device=self.device)
+        layout_range = torch.empty(L, self.num_ranks, dtype=torch.int64, device=self.device)
+        flags = (
+            (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | (FLAG_UE8M0 if use_ue8m0 else 0)
+        )
+        signature = [KIND_DISPATCH, H, num_max_dispatch_tokens_per_rank, num_experts, flags, self.uid, call.seq]
+
+        try:
+            self._enter_and_wait_peers(call, Phase.DISPATCH_SEND, wait_stats)
+            status = torch.zeros(1, dtype=torch.int32, device=self.device)
+            token_list = torch.empty(num_experts, num_max_dispatch_tokens_per_rank, dtype=torch.int32,
+                                     device=self.device)  # fmt: skip
+            blocks = self.blocks
+            _dispatch_send_kernel[(num_experts,)](
+                x, x.stride(0), topk_idx, x.size(0), topk_idx.size(1), self.peer_table, self.rank, call.seq, half,
+                self.control.signal(call.seq, self.rank), self._counter_offset(call.seq), token_list,
+                torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device),
+                torch.tensor(signature, dtype=torch.int64, device=self.device), status, L,
+                num_max_dispatch_tokens_per_rank, H, layout.num_scales, layout.num_packed_scales,
+                layout.layout_range, layout.src_info, layout.scales, layout.recv_x,
+                USE_FP8=use_fp8, ROUND_SCALE=round_scale, USE_UE8M0=use_ue8m0,
+                BLOCK_T=min(blocks.tokens, triton.next_power_of_2(max(x.size(0), 1))),
+                BLOCK_K=triton.next_power_of_2(max(topk_idx.size(1), 1)),
+                BLOCK_ROWS=blocks.rows,
+                BLOCK_H=min(blocks.hidden, triton.next_power_of_2(H)),
+                BLOCK_SB=triton.next_power_of_2(SCALES_PER_PACK * layout.num_packed_scales),
+            )  # fmt: skip
+            failed = int(status.item())
+            if failed:
+                raise _C.CommError(
+                    f"mtdeepep: rank {failed - 1} has more rows reserved in low-latency op #{call.seq} than its "
+                    f"{RT} slots per expert; the signalling state is stale: call clean_low_latency_buffer"
+                )
+        except BaseException:
+            self._end(call)
+            raise
+
+        def receive() -> None:
+            try:
+                mismatch = self._wait_signals(call, Phase.DISPATCH_RECV, signature, wait_stats)
+                _dispatch_finish_kernel[(L,)](
+                    self.peer_table, self.rank, self.num_ranks, half, self._counter_offset(call.seq), recv_count,
+                    src_info, layout_range, cumulative_stats if cumulative_stats is not None else recv_count, RT,
+                    layout.layout_range, layout.src_info, HAS_STATS=cumulative_stats is not None,
+                    BLOCK_R=triton.next_power_of_2(self.num_ranks), BLOCK_S=min(self.blocks.src_info,
+                                                                                triton.next_power_of_2(RT)),
+                )  # fmt: skip
+            finally:
+                self._end(call)
+            if mismatch:
+                raise _C.GroupMismatchError(mismatch)
+
+        if return_recv_hook:
+            return recv_x, recv_scales, recv_count, src_info, layout_range, call.seq, self._hook(call, receive)
+        receive()
+        return recv_x, recv_scales, recv_count, src_info, layout_range, call.seq, None
+
+    # ---- combine ----
+
+    def combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, src_info: torch.Tensor,
+                layout_range: torch.Tensor, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                dispatch_uid: int, dispatch_seq: int, zero_copy: bool, return_recv_hook: bool,
+                out: torch.Tensor | None, wait_stats: torch.Tensor | None):  # fmt: skip
+        """`(combined [T, H] bfloat16, hook or None)`; see `Buffer.low_latency_combine`. `x`: the expert outputs
+        `[L, RT, H]` (ignored with `zero_copy`: the area of `next_combine_buffer` is read)."""
+        layout = self._layout(num_max_dispatch_tokens_per_rank, x.size(2), num_experts)
+        L, RT, H, T_max = layout.num_local_experts, layout.rows_per_expert, layout.hidden, layout.num_max_tokens
+        _check_topk_idx(topk_idx, num_experts)
+        _check_handle(src_info, layout_range, L, RT, self.num_ranks, T_max)
+        if zero_copy:
+            area = self.combine_areas[self.zero_copy_combines % 2]
+            if area is None or area.shape != x.shape:
+                raise ValueError("mtdeepep: zero_copy needs the expert outputs in get_next_low_latency_combine_buffer"
+                                 "(handle) first")  # fmt: skip
+            x = area
+        combined = out if out is not None else torch.empty(topk_idx.size(0), H, dtype=torch.bfloat16,
+                                                            device=self.device)  # fmt: skip
+        call = self._begin(return_recv_hook)
+        if zero_copy:
+            self.zero_copy_combines += 1
+        half = self._half_offset(call.seq)
+        signature = [KIND_COMBINE, H, T_max, num_experts, 0, dispatch_uid, dispatch_seq]
+        try:
+            self._enter_and_wait_peers(call, Phase.COMBINE_SEND, wait_stats)
+            _combine_send_kernel[(L, self.num_ranks)](
+                x, src_info, layout_range, self.peer_table, self.rank, call.seq, half,
+                self.control.signal(call.seq, self.rank),
+                torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device),
+                torch.tensor(signature, dtype=torch.int64, device=self.device), self.num_ranks, T_max, H,
+                layout.combine_recv, BLOCK_T=self.blocks.rows,
+                BLOCK_H=min(self.blocks.hidden, triton.next_power_of_2(H)),
+            )  # fmt: skip
+        except BaseException:
+            self._end(call)
+            raise
+
+        def receive() -> None:
+            try:
+                mismatch = self._wait_signals(call, Phase.COMBINE_RECV, signature, wait_stats)
+                num_tokens = topk_idx.size(0)
+                if num_tokens:
+                    block_t = min(self.blocks.reduce_tokens, triton.next_power_of_2(num_tokens))
+                    block_h = min(self.blocks.reduce_hidden, triton.next_power_of_2(H))
+                    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(H, block_h))
+                    _combine_reduce_kernel[grid](
+                        self.peer_table, self.rank, half, topk_idx, topk_weights, combined.view(torch.int16),
+                        num_tokens, topk_idx.size(1), T_max, H, layout.combine_recv, BLOCK_T=block_t,
+                        BLOCK_H=block_h,
+                    )  # fmt: skip
+            finally:
+                self._end(call)
+            if mismatch:
+                raise _C.GroupMismatchError(mismatch)
+
+        if return_recv_hook:
+            return combined, self._hook(call, receive)
+        receive()
+        return combined, None
+
+    def next_combine_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int):
+        """The bfloat16 `[L, RT, H]` area the next zero-copy combine reads (two, alternating)."""
+        layout = self._layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        sizes = (layout.num_local_experts, layout.rows_per_expert, hidden)
+        index = self.zero_copy_combines % 2
+        area = self.combine_areas[index]
+        if area is None or tuple(area.shape) != sizes:
+            area = self.combine_areas[index] = torch.zeros(sizes, dtype=torch.bfloat16, device=self.device)
+        return area
+
+    # ---- clean ----
+
+    def _barrier(self) -> None:
+        self.barriers += 1
+        _store_flags_kernel[(1,)](self.peer_table, self.rank, self.num_ranks, self.control.barrier, 8,
+                                  self.barriers, ALL_AREAS=True)  # fmt: skip
+        self._wait(Phase.CLEAN, self.seq, self.control.barrier, 8, self.barriers, False, None)
+
+    def clean(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Zeroes this rank's signalling state and restarts the call numbering, between two barriers of all ranks
+        (collective; no low-latency call in flight)."""
+        layout = self._layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._barrier()  # every rank stopped sending
+        self.area[: self.control.barrier].zero_()
+        self.area[self.control.signals : self.control.end].zero_()
+        for h in range(2):
+            start = self._half_offset(h) + layout.layout_range
+            self.area[start : start + 8 * layout.num_local_experts * self.num_ranks].zero_()
+        self.seq = 0
+        self.epoch += 1
+        self.hook_pending = [False, False]
+        self._barrier()  # every rank zeroed its state
+
+
+def _describe(signature: list[int]) -> str:
+    kind, hidden, tokens, experts, flags, uid, seq = signature
+    return (f"(kind {kind}, hidden {hidden}, num_max_dispatch_tokens_per_rank {tokens}, num_experts {experts}, "
+            f"flags {flags}, dispatch {uid}#{seq})")  # fmt: skip
+
+
+def _check_topk_idx(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Ids in [-1, num_experts), no expert twice in a row (its rows would share one combine slot)."""
+    if topk_idx.numel() == 0:
+        return
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    if bool(bad.any()):
+        t, k = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"mtdeepep: topk_idx values must lie in [-1, {num_experts}), found {int(topk_idx[t, k])} at "
+                         f"[{t}, {k}]")  # fmt: skip
+    ordered = topk_idx.sort(dim=1).values
+    twice = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    if bool(twice.any()):
+        t, k = (int(v) for v in twice.nonzero()[0])
+        raise ValueError(f"mtdeepep: topk_idx row {t} names expert {int(ordered[t, k + 1])} twice")
+
+
+def _check_handle(src_info, layout_range, num_local, rows_per_expert, num_ranks, num_max_tokens) -> None:
+    """Every row a handle names lies inside its expert and points at a token slot of its source (the kernels trust
+    it)."""
+    if tuple(src_info.shape) != (num_local, rows_per_expert) or tuple(layout_range.shape) != (num_local, num_ranks):
+        raise ValueError("mtdeepep: the handle's src_info / layout_range do not match this call's shapes")
+    begin, count = layout_range >> 32, layout_range & 0xFFFFFFFF
+    if bool(((begin < 0) | (begin + count > rows_per_expert)).any()):
+        raise ValueError("mtdeepep: handle: layout_range is out of range")
+    rows = torch.arange(rows_per_expert, device=src_info.device)
+    named = ((rows.view(1, 1, -1) >= begin.unsqueeze(2)) & (rows.view(1, 1, -1) < (begin + count).unsqueeze(2))).any(1)
+    sources = src_info[named]
+    if bool(((sources < 0) | (sources >= num_max_tokens)).any()):
+        raise ValueError("mtdeepep: handle: src_info names a row that is not a token index")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ahead-of-time compile descriptions (the compile check in CI builds each for cuda:90 and hip:gfx942)
+
+
+def _aot_specs() -> list[dict]:
+    """Every kernel at production shapes: hidden 7168, 128 tokens a rank, top-8 of 256 experts on 8 ranks (32 local
+    experts), with the GPU block sizes of `Blocks()`. `flags`: the kernel publishes or polls a cross-rank flag (its
+    PTX must show release stores / acquire loads at system scope)."""
+    blocks = Blocks()
+    tokens, hidden, topk = 128, 7168, 8  # of 256 experts
+    num_scales = hidden // SCALE_BLOCK
+    num_packed = (num_scales + SCALES_PER_PACK - 1) // SCALES_PER_PACK
+    flag = {"table": "*i64", "rank": "i32", "num_ranks": "i32", "offset": "i64", "stride": "i32"}
+    specs = [
+        {
+            "name": f"wait_{'peer' if peer_area else 'own'}_area",
+            "fn": _wait_kernel,
+            "signature": {**flag, "target": "i64", "ready": "*i32", "max_spins": "i32", "PEER_AREA": "constexpr"},
+            "constexprs": {"PEER_AREA": peer_area},
+            "flags": True,
+        }
+        for peer_area in (True, False)
+    ]
+    specs += [
+        {
+            "name": f"store_flag{'s_all_areas' if all_areas else ''}",
+            "fn": _store_flags_kernel,
+            "signature": {**flag, "value": "i64", "ALL_AREAS": "constexpr"},
+            "constexprs": {"ALL_AREAS": all_areas},
+            "flags": True,
+        }
+        for all_areas in (False, True)
+    ]
+    dispatch_signature = {
+        "x_ptr": "*bf16", "x_stride": "i32", "topk_ptr": "*i64", "num_tokens": "i32", "num_topk": "i32",
+        "table": "*i64", "rank": "i32", "seq": "i64", "half_offset": "i64", "signal_offset": "i64",
+        "counter_offset": "i64", "token_list": "*i32", "send_done": "*i32", "signature": "*i64", "status": "*i32",
+        "num_local": "i32", "num_max_tokens": "i32", "hidden": "i32", "num_scales": "i32", "num_packed": "i32",
+        "OFF_LAYOUT_RANGE": "i64", "OFF_SRC_INFO": "i64", "OFF_SCALES": "i64", "OFF_RECV_X": "i64",
+        "USE_FP8": "constexpr", "ROUND_SCALE": "constexpr", "USE_UE8M0": "constexpr", "BLOCK_T": "constexpr",
+        "BLOCK_K": "constexpr", "BLOCK_ROWS": "constexpr", "BLOCK_H": "constexpr", "BLOCK_SB": "constexpr",
+    }  # fmt: skip
+    for name, (fp8, round_scale, ue8m0) in {"bf16": (False, False, False), "fp8": (True, False, False),
+                                             "fp8_ue8m0": (True, True, True)}.items():  # fmt: skip
+        specs.append({
+            "name": f"dispatch_send_{name}",
+            "fn": _dispatch_send_kernel,
+            "signature": dispatch_signature,
+            "constexprs": {
+                "USE_FP8": fp8, "ROUND_SCALE": round_scale, "USE_UE8M0": ue8m0, "BLOCK_T": tokens,
+                "BLOCK_K": topk, "BLOCK_ROWS": blocks.rows, "BLOCK_H": blocks.hidden,
+                "BLOCK_SB": triton.next_power_of_2(SCALES_PER_PACK * num_packed),
+            },
+            "flags": True,
+        })  # fmt: skip
+    specs.append({
+        "name": "dispatch_finish",
+        "fn": _dispatch_finish_kernel,
+        "signature": {
+            "table": "*i64", "rank": "i32", "num_ranks": "i32", "half_offset": "i64", "counter_offset": "i64",
+            "recv_count": "*i32", "src_info_out": "*i32", "layout_range_out": "*i64", "stats": "*i32",
+            "rows_per_expert": "i32", "OFF_LAYOUT_RANGE": "i64", "OFF_SRC_INFO": "i64", "HAS_STATS": "constexpr",
+            "BLOCK_R": "constexpr", "BLOCK_S": "constexpr",
+        },
+        "constexprs": {"HAS_STATS": True, "BLOCK_R": 8, "BLOCK_S": blocks.src_info},
+        "flags": False,
+    })  # fmt: skip
+    specs.append({
+        "name": "combine_send",
+        "fn": _combine_send_kernel,
+        "signature": {
+            "x_ptr": "*bf16", "src_info": "*i32", "layout_range": "*i64", "table": "*i64", "rank": "i32",
+            "seq": "i64", "half_offset": "i64", "signal_offset": "i64", "send_done": "*i32", "signature": "*i64",
+            "num_ranks": "i32", "num_max_tokens": "i32", "hidden": "i32", "OFF_COMBINE_RECV": "i64",
+            "BLOCK_T": "constexpr", "BLOCK_H": "constexpr",
+        },
+        "constexprs": {"BLOCK_T": blocks.rows, "BLOCK_H": blocks.hidden},
+        "flags": True,
+    })  # fmt: skip
+    specs.append({
+        "name": "combine_reduce",
+        "fn": _combine_reduce_kernel,
+        "signature": {
+            "table": "*i64", "rank": "i32", "half_offset": "i64", "topk_ptr": "*i64", "weights_ptr": "*fp32",
+            "out_bits": "*i16", "num_tokens": "i32", "num_topk": "i32", "num_max_tokens": "i32", "hidden": "i32",
+            "OFF_COMBINE_RECV": "i64", "BLOCK_T": "constexpr", "BLOCK_H": "constexpr",
+        },
+        "constexprs": {"BLOCK_T": blocks.reduce_tokens, "BLOCK_H": blocks.reduce_hidden},
+        "flags": False,
+    })  # fmt: skip
+    return specs
+
+
+AOT_SPECS: list[dict] = _aot_specs()
