@@ -41,13 +41,6 @@ if ! "$VENV_PY" -c "import importlib.metadata as m, sys; sys.exit(any(m.version(
     "$VENV_PY" -m pip install -q --no-deps --ignore-requires-python "${CLIENT_PKGS[@]}"
 fi
 
-# Triton (the `triton` executor's kernels, run by its interpreter on the CPU and compiled ahead of time for GPUs). It
-# declares no torch dependency: it pulls no CUDA wheels.
-if ! "$VENV_PY" -c "import triton; assert triton.__version__ == '3.9.0'" 2>/dev/null; then
-    echo "[env] installing triton"
-    "$VENV_PY" -m pip install -q triton==3.9.0
-fi
-
 # Parquet corpora: moe/data/corpus.py reads .parquet when pyarrow is present, and the tests read one.
 if ! "$VENV_PY" -c "import pyarrow" 2>/dev/null; then
     echo "[env] installing pyarrow (parquet corpora)"
