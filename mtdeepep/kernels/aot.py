@@ -120,6 +120,8 @@ def ordering_problems(requested: dict[str, int], emitted: dict[str, int], flags:
 
 # ---- resources ----
 
+# LLVM IR (the AMD path): a division or transcendental allowed to be approximate (fast-math flags).
+_LLIR_APPROX = re.compile(r"= (?:fdiv|call) (?:nnan |ninf |nsz |contract |reassoc )*(?:fast|afn|arcp)\b")
 _PTX_APPROX = re.compile(
     r"\b(?:div\.full\.f32|div\.approx\.\w+|rcp\.approx\.\w+|(?:ex2|lg2|sin|cos|sqrt|rsqrt)\.approx)"
 )
@@ -160,7 +162,9 @@ class AotResult:
     spill_bytes: int = -1
     shared: int = -1
     orderings: str = ""
-    approx_float_ops: int = 0  # PTX: approximate divisions / reciprocals / transcendentals (not bit-reproducible)
+    approx_float_ops: int = (
+        0  # approximate divisions / reciprocals / transcendentals (PTX; fast-math flags in AMD's IR)
+    )
     problems: list[str] = field(default_factory=list)
 
 
@@ -227,7 +231,7 @@ def compile_spec(spec: dict, target_name: str) -> AotResult:
     else:
         resources = _hip_resources(kernel.asm["amdgcn"])
         emitted = amdgcn_orderings(kernel.asm["amdgcn"])
-        approx = 0
+        approx = len(_LLIR_APPROX.findall(kernel.asm["llir"]))
     problems = ordering_problems(requested, emitted, spec["flags"])
     orderings = (
         f"rel {requested['release']}->{emitted['release']} acq {requested['acquire']}->{emitted['acquire']}"
