@@ -33,7 +33,6 @@ RT = R * T_max rows per local expert.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ import triton
 import triton.language as tl
 
 from .. import _C
+from . import fp8, sync
 
 # ---------------------------------------------------------------------------------------------------------------
 # Layout (mirrors csrc/runtime/cpu/low_latency_layout.hpp for the halves; the control part is this module's)
@@ -57,8 +57,6 @@ MAX_LOCAL_EXPERTS = 1 << 15  # counters per half (the C++ control part reserves 
 _CPP_MAX_EXPERTS = 1 << 16
 SIGNAL_BYTES = 64  # seq (int64), then the call's signature (7 int64)
 SIGNATURE_FIELDS = 7  # kind, hidden, num_max_dispatch_tokens_per_rank, num_experts, flags, dispatch uid, dispatch seq
-_E4M3_MAX = tl.constexpr(E4M3_MAX)  # the kernels' copies (a jitted function reads only constexpr globals)
-_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4
 KIND_DISPATCH, KIND_COMBINE = 1, 2
 
@@ -83,6 +81,10 @@ class ControlLayout:
     @property
     def entered(self) -> int:  # int64: the last call whose send phase started on this rank
         return 0
+
+    @property
+    def poison(self) -> int:  # int64: a failed peer's status code (ends this rank's waits; see `sync`)
+        return 8
 
     @property
     def barrier(self) -> int:  # int64 [R]: barrier count each rank reached (never zeroed by clean)
@@ -176,48 +178,18 @@ def _bf16_bits_rne(v):
 
 
 @triton.jit
-def _e4m3_bits_rne(v):
-    """float32 with |v| <= 448 (or NaN) -> the uint8 bit pattern of float8_e4m3fn, rounded to nearest even, as
-    torch's cast: normal range by rounding the fp32 mantissa to 3 bits and rebiasing the exponent (127 -> 7),
-    below 2^-6 to a multiple of the subnormal step 2^-9."""
-    b = v.to(tl.int32, bitcast=True)
-    sign = (b >> 31) & 1
-    a = b & 0x7FFFFFFF
-    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - 960  # 960 = (127 - 7) << 3
-    exponent = a >> 23
-    mantissa = (a & 0x7FFFFF) | 0x800000
-    shift = tl.minimum(141 - exponent, 31)  # value / 2^-9 = mantissa * 2^(exponent - 141)
-    subnormal = (mantissa + (1 << (shift - 1)) - 1 + ((mantissa >> shift) & 1)) >> shift
-    code = tl.where(a >= 0x3C800000, normal, subnormal)
-    code = tl.where(a > 0x7F800000, 0x7F, code)
-    return ((sign << 7) | code).to(tl.uint8)
-
-
-@triton.jit
-def _pow2_ceil(scale):
-    """The smallest power of two >= scale (positive, normal float32)."""
-    b = scale.to(tl.int32, bitcast=True)
-    up = ((b >> 23) + 1) << 23
-    return tl.where((b & 0x7FFFFF) == 0, b, up).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _cast_kernel(x_ptr, bits_ptr, n, TO_E4M3: tl.constexpr, BLOCK: tl.constexpr):
-    """Test entry: float32 `x` -> bit patterns of bfloat16 (int16) or E4M3 (uint8, |x| clamped to 448)."""
+def _bf16_round_kernel(x_ptr, bits_ptr, n, BLOCK: tl.constexpr):
+    """float32 `x` -> the int16 bit patterns of bfloat16 (`_bf16_bits_rne`), for its test."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    v = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    if TO_E4M3:
-        tl.store(bits_ptr + offs, _e4m3_bits_rne(tl.minimum(tl.maximum(v, -_E4M3_MAX), _E4M3_MAX)), mask=offs < n)
-    else:
-        tl.store(bits_ptr + offs, _bf16_bits_rne(v), mask=offs < n)
+    tl.store(bits_ptr + offs, _bf16_bits_rne(tl.load(x_ptr + offs, mask=offs < n, other=0.0)), mask=offs < n)
 
 
-def cast_bits(x: torch.Tensor, to_e4m3: bool) -> torch.Tensor:
-    """The kernels' element cast on a float32 tensor: int16 bfloat16 bits, or uint8 E4M3 bits (x clamped to 448)."""
+def bf16_bits(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' rounding of float32 to bfloat16 (int16 bit patterns)."""
     x = x.float().contiguous().flatten()
-    out = torch.empty(x.shape, dtype=torch.uint8 if to_e4m3 else torch.int16, device=x.device)
+    out = torch.empty(x.shape, dtype=torch.int16, device=x.device)
     block = 1 << 16
-    _cast_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), TO_E4M3=to_e4m3, BLOCK=block)
+    _bf16_round_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), BLOCK=block)
     return out
 
 
@@ -232,44 +204,36 @@ def _addr(table, rank, offset):
 
 
 @triton.jit
-def _wait_kernel(table, rank, num_ranks, offset, stride, target, ready, max_spins, PEER_AREA: tl.constexpr):
-    """One program: for each rank p not yet `ready`, polls the int64 flag at `offset + p * stride` in p's area
-    (`PEER_AREA`) or in this rank's, at most `max_spins` times, until it is >= `target` (acquire, system scope);
-    sets `ready[p]` when it is. Bounded: the host relaunches it until every rank is ready or its timeout passes."""
-    for p in range(num_ranks):
-        if tl.load(ready + p) == 0:
-            owner = p if PEER_AREA else rank
-            flag = _addr(table, owner, offset + p * stride).to(tl.pointer_type(tl.int64))
-            value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-            spins = 0
-            while (value < target) & (spins < max_spins):
-                value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-                spins += 1
-            if value >= target:
-                tl.store(ready + p, 1)
+def _wait_kernel(table, poison_table, status_ptr, rank, num_ranks, first, last, offset, stride, target, bound, phase,
+                 PEER_AREA: tl.constexpr, CLOCK: tl.constexpr):  # fmt: skip
+    """One program: for each rank p in [first, last), waits until the int64 flag at `offset + p * stride` in p's area
+    (`PEER_AREA`) or in this rank's is >= `target` (`sync.wait_flag_geq`: bounded, acquire at system scope; on
+    running out it records (timeout, `phase`, p, rank) in the status word)."""
+    ok = tl.full([], 1, tl.int1)
+    for p in range(first, last):
+        if ok:
+            if PEER_AREA:
+                flag = sync.peer_pointer(table, p, offset + p * stride, tl.int64)
+            else:
+                flag = sync.peer_pointer(table, rank, offset + p * stride, tl.int64)
+            ok = sync.wait_flag_geq(flag, target, bound, status_ptr, poison_table, phase, p, rank, num_ranks, CLOCK)
 
 
 @triton.jit
-def _store_flags_kernel(table, rank, num_ranks, offset, stride, value, ALL_AREAS: tl.constexpr):
-    """Stores `value` (release, system scope) at `offset` in this rank's area, or (`ALL_AREAS`) at `offset + rank *
-    stride` in every rank's area (a barrier's arrival)."""
-    if ALL_AREAS:
-        for p in range(num_ranks):
-            flag = _addr(table, p, offset + rank * stride).to(tl.pointer_type(tl.int64))
-            tl.atomic_xchg(flag, value, sem="release", scope="sys")
-    else:
-        tl.atomic_xchg(_addr(table, rank, offset).to(tl.pointer_type(tl.int64)), value, sem="release", scope="sys")
+def _enter_kernel(table, rank, offset, seq):
+    """This rank entered call `seq` (release, system scope): from now on its half of call seq - 2 may be written."""
+    sync.signal_flag(sync.peer_pointer(table, rank, offset, tl.int64), seq)
 
 
 @triton.jit
-def _publish(table, rank, dest, signal_offset, signature, seq):
-    """The signal of call `seq` from `rank` in `dest`'s area: the signature, then the call number (release, system
-    scope), so that a receiver that sees the number sees every write of this call before it."""
-    signal = _addr(table, dest, signal_offset)
+def _publish(table, dest, signal_offset, signature, seq):
+    """The signal of call `seq` in `dest`'s area: the signature, then the call number (release, system scope), so
+    that a receiver that sees the number sees every write of this call before it."""
+    signal = tl.load(table + dest) + signal_offset
     fields = tl.arange(0, 8)
     values = tl.load(signature + fields, mask=fields < 7, other=0)
     tl.store((signal + 8 + 8 * fields).to(tl.pointer_type(tl.int64)), values, mask=fields < 7)
-    tl.atomic_xchg(signal.to(tl.pointer_type(tl.int64)), seq, sem="release", scope="sys")
+    sync.signal_flag(signal.to(tl.pointer_type(tl.int64)), seq)
 
 
 @triton.jit
@@ -327,13 +291,10 @@ def _dispatch_send_kernel(
                 in_row = (columns < hidden) & (offs[:, None, None] < count)
                 v = tl.load(row[:, None, None] + columns, mask=in_row, other=0.0).to(tl.float32)
                 amax = tl.max(tl.abs(v), axis=2)
-                scale = tl.math.div_rn(tl.maximum(amax, _AMAX_FLOOR), _E4M3_MAX)
-                if ROUND_SCALE:
-                    scale = _pow2_ceil(scale)
-                q = tl.math.div_rn(v, scale[:, :, None])
-                q = tl.minimum(tl.maximum(q, -_E4M3_MAX), _E4M3_MAX)
+                scale = fp8.block_scale(amax, ROUND_SCALE)
+                q = tl.math.div_rn(v, tl.broadcast_to(scale[:, :, None], v.shape))
                 dst = (half + OFF_RECV_X).to(tl.pointer_type(tl.uint8))
-                tl.store(dst + slot[:, None, None] * hidden + columns, _e4m3_bits_rne(q), mask=in_row)
+                tl.store(dst + slot[:, None, None] * hidden + columns, fp8.e4m3_bits_from_f32(q), mask=in_row)
                 rows_ok = offs[:, None] < count
                 if USE_UE8M0:
                     # int32 [L, ceil(S / 4), RT], 4 exponents per int32 (little endian), unused bytes 0
@@ -359,7 +320,7 @@ def _dispatch_send_kernel(
     # Every program of `dest` done (acq_rel orders their writes before the signal): the last one signals.
     done = tl.atomic_add(send_done + dest, 1, sem="acq_rel", scope="sys")
     if done == num_local - 1:
-        _publish(table, rank, dest, signal_offset, signature, seq)
+        _publish(table, dest, signal_offset, signature, seq)
 
 
 @triton.jit
@@ -417,7 +378,7 @@ def _combine_send_kernel(
             tl.store(dst_row[:, None] + offs_h[None, :], values, mask=mask)
     done = tl.atomic_add(send_done + source, 1, sem="acq_rel", scope="sys")
     if done == num_local - 1:
-        _publish(table, rank, source, signal_offset, signature, seq)
+        _publish(table, source, signal_offset, signature, seq)
 
 
 @triton.jit
@@ -449,25 +410,6 @@ def _combine_reduce_kernel(
 # Host side
 
 
-class Phase(enum.IntEnum):
-    """What a wait was for (named in timeout errors, and in the status word of a GPU run)."""
-
-    DISPATCH_SEND = 1  # a receiver has not entered the call yet
-    DISPATCH_RECV = 2  # a source's signal has not arrived
-    COMBINE_SEND = 3
-    COMBINE_RECV = 4
-    CLEAN = 5
-
-
-_PHASE_NAMES = {
-    Phase.DISPATCH_SEND: "low-latency dispatch: send (waiting for the peer to make the call)",
-    Phase.DISPATCH_RECV: "low-latency dispatch: receive",
-    Phase.COMBINE_SEND: "low-latency combine: send (waiting for the peer to make the call)",
-    Phase.COMBINE_RECV: "low-latency combine: receive",
-    Phase.CLEAN: "low-latency clean: barrier",
-}
-
-
 @dataclass
 class Blocks:
     """Block sizes: few large blocks under the interpreter (about 2.6 ms per program instance), GPU-sized ones
@@ -479,14 +421,11 @@ class Blocks:
     reduce_tokens: int = 1
     reduce_hidden: int = 1024
     src_info: int = 1024
-    max_spins: int = 1 << 20
 
     @staticmethod
     def for_device(device: torch.device, interpret: bool) -> Blocks:
         if interpret or device.type == "cpu":
-            return Blocks(
-                tokens=128, rows=64, hidden=8192, reduce_tokens=64, reduce_hidden=1024, src_info=8192, max_spins=200
-            )
+            return Blocks(tokens=128, rows=64, hidden=8192, reduce_tokens=64, reduce_hidden=1024, src_info=8192)
         return Blocks()
 
 
@@ -502,23 +441,23 @@ class LowLatencyKernels:
 
     area: this rank's low-latency area as a uint8 tensor on the kernels' device (its first byte is the area's);
     peer_table: int64 `[R]` on the same device, every rank's area base address in this process (this rank's too);
-    uid: the buffer's id (agreed at set-up), carried in the signatures; check_peers: called with the ranks still
-    missing while a wait polls (it raises `CommError` when one of them failed or exited), may be None.
-    The calls are synchronous on the device's current stream; they return `event=None`.
+    uid: the buffer's id (agreed at set-up), carried in the signatures. Waits are bounded by `timeout_s`
+    (`sync.WaitBound`); their failures go to this mode's own status word (`self.status`), and poison the peers'
+    low-latency waits through the poison words of their areas, so that `clean` can recover from them without touching
+    normal mode. The calls are synchronous on the device's current stream (the engine makes the events).
     """
 
     def __init__(self, *, area: torch.Tensor, peer_table: torch.Tensor, rank: int, num_ranks: int, uid: int,
-                 timeout_s: float, check_peers: Callable[[list[int]], None] | None = None,
-                 interpret: bool | None = None) -> None:  # fmt: skip
+                 timeout_s: float) -> None:  # fmt: skip
         if area.dtype != torch.uint8 or area.dim() != 1:
             raise ValueError("mtdeepep: the low-latency area must be a 1-D uint8 tensor")
         if peer_table.dtype != torch.int64 or peer_table.shape != (num_ranks,):
             raise ValueError(f"mtdeepep: peer_table must be int64 [{num_ranks}]")
         self.area, self.peer_table = area, peer_table
         self.rank, self.num_ranks, self.uid = rank, num_ranks, uid
-        self.timeout_s = timeout_s
-        self.check_peers = check_peers
         self.device = area.device
+        self.bound = sync.WaitBound.for_timeout(timeout_s, self.device)
+        self.status = sync.StatusWord(self.device)
         self.control = ControlLayout(num_ranks)
         if self.control.end > self.control.halves:
             raise ValueError(f"mtdeepep: {num_ranks} ranks need a larger low-latency control part")
@@ -528,10 +467,8 @@ class LowLatencyKernels:
                 "Buffer.get_low_latency_rdma_size_hint"
             )
         self.half_bytes = half_bytes(area.numel(), num_ranks)
-        if interpret is None:
-            interpret = self.device.type == "cpu"
-        self.blocks = Blocks.for_device(self.device, interpret)
-        self.poll_sleep_s = 2e-4 if self.device.type == "cpu" else 0.0
+        self.poison_table = peer_table + self.control.poison
+        self.blocks = Blocks.for_device(self.device, sync.interpreted())
         self.seq = 0
         self.epoch = 0
         self.barriers = 0
@@ -542,7 +479,7 @@ class LowLatencyKernels:
     # ---- helpers ----
 
     def set_timeout(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
+        self.bound = sync.WaitBound.for_timeout(timeout_s, self.device)
 
     def _half_offset(self, seq: int) -> int:
         return self.control.halves + (seq % 2) * self.half_bytes
@@ -590,54 +527,42 @@ class LowLatencyKernels:
         if call.epoch == self.epoch:
             self.hook_pending[call.seq % 2] = False
 
-    def _wait(self, phase: Phase, seq: int, offset: int, stride: int, target: int, peer_area: bool,
+    def _wait(self, phase: int, offset: int, stride: int, target: int, peer_area: bool,
               wait_ns: torch.Tensor | None) -> None:  # fmt: skip
-        """Relaunches the bounded `_wait_kernel` until every rank's flag reached `target`; CommTimeoutError naming the
-        ranks that did not arrive after `timeout_s`. `wait_ns` gets, per rank, the time spent while it was missing."""
-        ready = torch.zeros(self.num_ranks, dtype=torch.int32, device=self.device)
-        ready[self.rank] = 1 if phase in (Phase.DISPATCH_SEND, Phase.COMBINE_SEND) else 0
-        start = last = time.perf_counter_ns()
-        waited = [0] * self.num_ranks
-        while True:
-            _wait_kernel[(1,)](self.peer_table, self.rank, self.num_ranks, offset, stride, target, ready,
-                               self.blocks.max_spins, PEER_AREA=peer_area)  # fmt: skip
-            missing = [r for r, ok in enumerate(ready.tolist()) if not ok]
-            now = time.perf_counter_ns()
-            for r in missing:
-                waited[r] += now - last
-            last = now
-            if not missing:
-                break
-            if self.check_peers is not None:
-                self.check_peers(missing)
-            if (now - start) / 1e9 > self.timeout_s:
-                raise _C.CommTimeoutError(
-                    f"mtdeepep: rank {self.rank} timed out after {self.timeout_s} s in phase '{_PHASE_NAMES[phase]}' "
-                    f"(low-latency op #{seq}): rank(s) [{', '.join(map(str, missing))}] did not arrive"
-                )
-            if self.poll_sleep_s:
-                time.sleep(self.poll_sleep_s)
+        """Waits (`_wait_kernel`, bounded by the timeout) until every rank's flag reached `target`; raises the status
+        word's error (`CommTimeoutError` naming the rank that did not arrive and the phase). With `wait_ns`, one
+        launch per rank, each timed: `wait_ns[p]` gets the time spent waiting for rank p."""
+        spans = [(0, self.num_ranks)] if wait_ns is None else [(p, p + 1) for p in range(self.num_ranks)]
+        waited = []
+        for first, last in spans:
+            start = time.perf_counter_ns()
+            _wait_kernel[(1,)](
+                self.peer_table, self.poison_table, self.status.words, self.rank, self.num_ranks, first, last, offset,
+                stride, target, self.bound.bound, phase, PEER_AREA=peer_area, CLOCK=self.bound.clock,
+            )  # fmt: skip
+            self.status.check()
+            waited.append(time.perf_counter_ns() - start)
         if wait_ns is not None:
             wait_ns += torch.tensor(waited, dtype=torch.int64, device=wait_ns.device)
 
-    def _enter_and_wait_peers(self, call: _Call, phase: Phase, wait_ns) -> None:
+    def _enter_and_wait_peers(self, call: _Call, wait_ns) -> None:
         """This rank entered call `seq`; waits until every peer did (its half of call seq - 2 is given up)."""
-        _store_flags_kernel[(1,)](self.peer_table, self.rank, self.num_ranks, self.control.entered, 0, call.seq,
-                                  ALL_AREAS=False)  # fmt: skip
+        _enter_kernel[(1,)](self.peer_table, self.rank, self.control.entered, call.seq)
         if call.seq > 2:
-            self._wait(phase, call.seq, self.control.entered, 0, call.seq, True, wait_ns)
+            self._wait(sync.PHASE_LOW_LATENCY_ENTER, self.control.entered, 0, call.seq, True, wait_ns)
 
-    def _wait_signals(self, call: _Call, phase: Phase, expected: list[int], wait_ns) -> str:
+    def _wait_signals(self, call: _Call, phase: int, expected: list[int], wait_ns) -> str:
         """Waits for every source's signal of `call`; returns a mismatch message when they did not all make it."""
         signals = self.control.signal(call.seq, 0)
-        self._wait(phase, call.seq, signals, SIGNAL_BYTES, call.seq, False, wait_ns)
+        self._wait(phase, signals, SIGNAL_BYTES, call.seq, False, wait_ns)
         block = self.area[signals : signals + SIGNAL_BYTES * self.num_ranks].view(torch.int64)
         block = block.view(self.num_ranks, SIGNAL_BYTES // 8)[:, 1 : 1 + SIGNATURE_FIELDS].cpu().tolist()
         for source, theirs in enumerate(block):
             if theirs != expected:
                 return (
-                    f"mtdeepep: ranks disagree on low-latency op #{call.seq} in phase '{_PHASE_NAMES[phase]}': rank "
-                    f"{self.rank} has {_describe(expected)} but rank {source} has {_describe(theirs)}; kind 1 = "
+                    f"mtdeepep: ranks disagree on low-latency op #{call.seq} in phase "
+                    f"'{sync.PHASE_NAMES[phase]}': rank {self.rank} has {_describe(expected)} but rank {source} has "
+                    f"{_describe(theirs)}; kind 1 = "
                     "dispatch, 2 = combine; flags: 1 FP8, 2 round_scale, 4 UE8M0; a combine carries the dispatch of "
                     "its handle: every rank must combine the same dispatch"
                 )
@@ -693,7 +618,7 @@ class LowLatencyKernels:
         signature = [KIND_DISPATCH, H, num_max_dispatch_tokens_per_rank, num_experts, flags, self.uid, call.seq]
 
         try:
-            self._enter_and_wait_peers(call, Phase.DISPATCH_SEND, wait_stats)
+            self._enter_and_wait_peers(call, wait_stats)
             status = torch.zeros(1, dtype=torch.int32, device=self.device)
             token_list = torch.empty(num_experts, num_max_dispatch_tokens_per_rank, dtype=torch.int32,
                                      device=self.device)  # fmt: skip
@@ -724,7 +649,7 @@ class LowLatencyKernels:
 
         def receive() -> None:
             try:
-                mismatch = self._wait_signals(call, Phase.DISPATCH_RECV, signature, wait_stats)
+                mismatch = self._wait_signals(call, sync.PHASE_LOW_LATENCY_DISPATCH_RECEIVE, signature, wait_stats)
                 _dispatch_finish_kernel[(L,)](
                     self.peer_table, self.rank, self.num_ranks, half, self._counter_offset(call.seq), recv_count,
                     src_info, layout_range, cumulative_stats if cumulative_stats is not None else recv_count, RT,
@@ -768,7 +693,7 @@ class LowLatencyKernels:
         half = self._half_offset(call.seq)
         signature = [KIND_COMBINE, H, T_max, num_experts, 0, dispatch_uid, dispatch_seq]
         try:
-            self._enter_and_wait_peers(call, Phase.COMBINE_SEND, wait_stats)
+            self._enter_and_wait_peers(call, wait_stats)
             _combine_send_kernel[(L, self.num_ranks)](
                 x, src_info, layout_range, self.peer_table, self.rank, call.seq, half,
                 self.control.signal(call.seq, self.rank),
@@ -783,7 +708,7 @@ class LowLatencyKernels:
 
         def receive() -> None:
             try:
-                mismatch = self._wait_signals(call, Phase.COMBINE_RECV, signature, wait_stats)
+                mismatch = self._wait_signals(call, sync.PHASE_LOW_LATENCY_COMBINE_RECEIVE, signature, wait_stats)
                 num_tokens = topk_idx.size(0)
                 if num_tokens:
                     block_t = min(self.blocks.reduce_tokens, triton.next_power_of_2(num_tokens))
@@ -817,15 +742,27 @@ class LowLatencyKernels:
     # ---- clean ----
 
     def _barrier(self) -> None:
+        """Every rank arrives (bounded): the flags `barrier[rank]` in every area, as `sync`'s barrier kernels."""
         self.barriers += 1
-        _store_flags_kernel[(1,)](self.peer_table, self.rank, self.num_ranks, self.control.barrier, 8,
-                                  self.barriers, ALL_AREAS=True)  # fmt: skip
-        self._wait(Phase.CLEAN, self.seq, self.control.barrier, 8, self.barriers, False, None)
+        sync.signal_all_kernel[(1,)](self.peer_table, self.control.barrier, self.barriers, self.rank, self.num_ranks)
+        sync.wait_all_kernel[(1,)](
+            self.peer_table, self.poison_table, self.status.words, self.control.barrier, self.barriers,
+            self.bound.bound, sync.PHASE_BARRIER, self.rank, self.num_ranks, CLOCK=self.bound.clock,
+        )  # fmt: skip
+        self.status.check()
+
+    def interrupt(self) -> None:
+        """Ends this rank's low-latency waits now (its poison word; they raise `CommError`)."""
+        code = sync.encode_error(sync.KIND_ABORTED, 0, self.rank, self.rank)
+        self.area[self.control.poison : self.control.poison + 8].view(torch.int64)[0] = code
 
     def clean(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Zeroes this rank's signalling state and restarts the call numbering, between two barriers of all ranks
         (collective; no low-latency call in flight)."""
         layout = self._layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        # A failed call left this rank's status word or poison set: clear both, then meet the others.
+        self.status = sync.StatusWord(self.device)
+        self.area[self.control.poison : self.control.poison + 8].zero_()
         self._barrier()  # every rank stopped sending
         self.area[: self.control.barrier].zero_()
         self.area[self.control.signals : self.control.end].zero_()
@@ -887,27 +824,36 @@ def _aot_specs() -> list[dict]:
     tokens, hidden, topk = 128, 7168, 8  # of 256 experts
     num_scales = hidden // SCALE_BLOCK
     num_packed = (num_scales + SCALES_PER_PACK - 1) // SCALES_PER_PACK
-    flag = {"table": "*i64", "rank": "i32", "num_ranks": "i32", "offset": "i64", "stride": "i32"}
+    clocks = {"cuda": {"CLOCK": sync.CLOCK_CUDA_NS}, "hip": {"CLOCK": sync.CLOCK_HIP_100MHZ}}
     specs = [
         {
-            "name": f"wait_{'peer' if peer_area else 'own'}_area",
+            "name": f"ll_wait_{'peer' if peer_area else 'own'}_area",
             "fn": _wait_kernel,
-            "signature": {**flag, "target": "i64", "ready": "*i32", "max_spins": "i32", "PEER_AREA": "constexpr"},
-            "constexprs": {"PEER_AREA": peer_area},
+            "signature": {
+                "table": "*i64", "poison_table": "*i64", "status_ptr": "*i64", "rank": "i32", "num_ranks": "i32",
+                "first": "i32", "last": "i32", "offset": "i64", "stride": "i32", "target": "i64", "bound": "i64",
+                "phase": "i32", "PEER_AREA": "constexpr", "CLOCK": "constexpr",
+            },
+            "constexprs": {"PEER_AREA": peer_area, "CLOCK": sync.CLOCK_SPINS},
+            "backend_constexprs": clocks,
             "flags": True,
         }
         for peer_area in (True, False)
-    ]
-    specs += [
-        {
-            "name": f"store_flag{'s_all_areas' if all_areas else ''}",
-            "fn": _store_flags_kernel,
-            "signature": {**flag, "value": "i64", "ALL_AREAS": "constexpr"},
-            "constexprs": {"ALL_AREAS": all_areas},
-            "flags": True,
-        }
-        for all_areas in (False, True)
-    ]
+    ]  # fmt: skip
+    specs.append({
+        "name": "ll_enter",
+        "fn": _enter_kernel,
+        "signature": {"table": "*i64", "rank": "i32", "offset": "i64", "seq": "i64"},
+        "constexprs": {},
+        "flags": True,
+    })  # fmt: skip
+    specs.append({
+        "name": "ll_bf16_round",
+        "fn": _bf16_round_kernel,
+        "signature": {"x_ptr": "*fp32", "bits_ptr": "*i16", "n": "i32", "BLOCK": "constexpr"},
+        "constexprs": {"BLOCK": 1024},
+        "flags": False,
+    })  # fmt: skip
     dispatch_signature = {
         "x_ptr": "*bf16", "x_stride": "i32", "topk_ptr": "*i64", "num_tokens": "i32", "num_topk": "i32",
         "table": "*i64", "rank": "i32", "seq": "i64", "half_offset": "i64", "signal_offset": "i64",
@@ -917,21 +863,21 @@ def _aot_specs() -> list[dict]:
         "USE_FP8": "constexpr", "ROUND_SCALE": "constexpr", "USE_UE8M0": "constexpr", "BLOCK_T": "constexpr",
         "BLOCK_K": "constexpr", "BLOCK_ROWS": "constexpr", "BLOCK_H": "constexpr", "BLOCK_SB": "constexpr",
     }  # fmt: skip
-    for name, (fp8, round_scale, ue8m0) in {"bf16": (False, False, False), "fp8": (True, False, False),
+    for name, (use_fp8, round_scale, ue8m0) in {"bf16": (False, False, False), "fp8": (True, False, False),
                                              "fp8_ue8m0": (True, True, True)}.items():  # fmt: skip
         specs.append({
-            "name": f"dispatch_send_{name}",
+            "name": f"ll_dispatch_send_{name}",
             "fn": _dispatch_send_kernel,
             "signature": dispatch_signature,
             "constexprs": {
-                "USE_FP8": fp8, "ROUND_SCALE": round_scale, "USE_UE8M0": ue8m0, "BLOCK_T": tokens,
+                "USE_FP8": use_fp8, "ROUND_SCALE": round_scale, "USE_UE8M0": ue8m0, "BLOCK_T": tokens,
                 "BLOCK_K": topk, "BLOCK_ROWS": blocks.rows, "BLOCK_H": blocks.hidden,
                 "BLOCK_SB": triton.next_power_of_2(SCALES_PER_PACK * num_packed),
             },
             "flags": True,
         })  # fmt: skip
     specs.append({
-        "name": "dispatch_finish",
+        "name": "ll_dispatch_finish",
         "fn": _dispatch_finish_kernel,
         "signature": {
             "table": "*i64", "rank": "i32", "num_ranks": "i32", "half_offset": "i64", "counter_offset": "i64",
@@ -943,7 +889,7 @@ def _aot_specs() -> list[dict]:
         "flags": False,
     })  # fmt: skip
     specs.append({
-        "name": "combine_send",
+        "name": "ll_combine_send",
         "fn": _combine_send_kernel,
         "signature": {
             "x_ptr": "*bf16", "src_info": "*i32", "layout_range": "*i64", "table": "*i64", "rank": "i32",
@@ -955,7 +901,7 @@ def _aot_specs() -> list[dict]:
         "flags": True,
     })  # fmt: skip
     specs.append({
-        "name": "combine_reduce",
+        "name": "ll_combine_reduce",
         "fn": _combine_reduce_kernel,
         "signature": {
             "table": "*i64", "rank": "i32", "half_offset": "i64", "topk_ptr": "*i64", "weights_ptr": "*fp32",

@@ -31,3 +31,20 @@ NOT_SERVED = {
 )  # fmt: skip
 def test_case(pool, topology, case):
     pool.run(case, topology)
+
+
+TIMEOUT_S = 1.5  # the buffers' timeout in the timeout cases (tests/conformance/test_normal.py's)
+
+
+@pytest.mark.parametrize("topology", [INTRANODE_2], ids=str)
+def test_bad_input_on_one_rank_times_out_the_others(pool, topology):
+    outcomes = pool.run(cases.bad_input_on_one_rank_times_out_the_others, topology, TIMEOUT_S)
+    assert outcomes == cases.bad_input_outcomes(topology)
+
+
+@pytest.mark.parametrize("topology", [INTRANODE_2], ids=str)
+def test_missing_rank_in_combine_times_out(pool, topology):
+    """Synchronous only: the triton executor runs on the caller's thread, an `async_finish` combine waits in the
+    call (the case's async variant asserts that it returns at once)."""
+    outcomes = pool.run(cases.missing_rank_in_combine_times_out, topology, TIMEOUT_S, False)
+    assert outcomes == cases.missing_in_combine_outcomes(topology)

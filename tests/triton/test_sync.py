@@ -56,8 +56,8 @@ def test_wait_times_out_naming_the_rank_and_poisons_the_others():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert (
-        "TIMEOUT mtdeepep: rank 0 timed out waiting for rank 1 in phase 'dispatch: rows received' (ranks that did not "
-        "arrive: [1])" in lines
+        "TIMEOUT mtdeepep: rank 0 timed out waiting for rank 1 in phase 'dispatch: rows received': rank(s) [1] did "
+        "not arrive" in lines
     ), out.stdout
     assert "POISON 0 True" in lines, out.stdout
     assert any(
