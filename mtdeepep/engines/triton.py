@@ -18,9 +18,12 @@ Every wait is bounded (`mtdeepep.kernels.sync`) and ends in `CommTimeoutError` n
 and the phase, on every rank. The calls run on the caller's thread: `async_finish` returns a completed event, and
 `previous_event` is waited for first (as the CUDA executor treats a completed CPU event).
 
-Not served yet (raise a clear error): low-latency mode (the `i34-ll` kernels), operations larger than the region
-(the CPU executor moves them in rounds; this executor, as the CUDA one, asks for a larger `num_nvl_bytes`), groups
-spanning several nodes (the internode engine composes the CPU executor only).
+Low-latency mode runs `mtdeepep.kernels.low_latency` (its own control part, double buffer and hooks) on the
+runtime's low-latency areas (`Runtime.region_addresses(True)`).
+
+Not served yet (raise a clear error): operations larger than the region (the CPU executor moves them in rounds; this
+executor, as the CUDA one, asks for a larger `num_nvl_bytes`), groups spanning several nodes (the internode engine
+composes the CPU executor only), `async_finish` overlapping the caller (the kernels run on the caller's thread).
 """
 
 from __future__ import annotations

@@ -305,3 +305,112 @@ def launch_combine_reduce(area_x, area_weights, send_head, send_offset, bias0, b
         OUT_BF16=out.dtype == torch.bfloat16, HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None,
         NUM_TOPK=num_topk, BLOCK_T=block_t, BLOCK_H=block_h, TOPK=triton.next_power_of_2(max(1, num_topk)),
     )  # fmt: skip
+
+
+# Ahead-of-time compile specs (mtdeepep.kernels.aot): hidden 7168 (3584 int32 words of bf16, 1792 of FP8 with 56
+# scales), top-8, the GPU blocks of the launchers above.
+AOT_SPECS = [
+    *(
+        {
+            "name": f"intranode.dispatch_send_{kind}",
+            "fn": dispatch_send_kernel,
+            "signature": {
+                "region_table": "*i64",
+                "data_offset": "i64",
+                "x": "*i32",
+                "x_stride": "i64",
+                "num_words": "i32",
+                "scales": "*i32",
+                "scale_stride0": "i64",
+                "scale_stride1": "i64",
+                "num_scales": "i32",
+                "topk_idx": "*i64",
+                "topk_weights": "*fp32",
+                "send_head": "*i32",
+                "recv_offset": "*i32",
+                "num_tokens": "i32",
+                "num_ranks": "i32",
+                "experts_per_rank": "i32",
+                "off_x": "i64",
+                "off_scales": "i64",
+                "off_idx": "i64",
+                "off_weights": "i64",
+                "off_src": "i64",
+                "HAS_SCALES": "constexpr",
+                "NUM_TOPK": "constexpr",
+                "HAS_WEIGHTS": "constexpr",
+                "BLOCK_T": "constexpr",
+                "BLOCK_W": "constexpr",
+                "BLOCK_S": "constexpr",
+                "TOPK": "constexpr",
+            },  # fmt: skip
+            "constexprs": {
+                "HAS_SCALES": fp8,
+                "NUM_TOPK": 8,
+                "HAS_WEIGHTS": True,
+                "BLOCK_T": 4,
+                "BLOCK_W": 1024,
+                "BLOCK_S": 64,
+                "TOPK": 8,
+            },  # fmt: skip
+            "flags": False,
+        }
+        for kind, fp8 in (("bf16", False), ("fp8", True))
+    ),
+    {
+        "name": "intranode.combine_send",
+        "fn": combine_send_kernel,
+        "signature": {
+            "region_table": "*i64",
+            "data_offset": "i64",
+            "x": "*i32",
+            "num_words": "i32",
+            "weights": "*fp32",
+            "dst_rank": "*i32",
+            "dst_row": "*i32",
+            "num_rows": "i32",
+            "off_x": "i64",
+            "off_weights": "i64",
+            "NUM_TOPK": "constexpr",
+            "BLOCK_R": "constexpr",
+            "BLOCK_W": "constexpr",
+            "TOPK": "constexpr",
+        },  # fmt: skip
+        "constexprs": {"NUM_TOPK": 8, "BLOCK_R": 4, "BLOCK_W": 1024, "TOPK": 8},
+        "flags": False,
+    },
+    {
+        "name": "intranode.combine_reduce_bf16",
+        "fn": combine_reduce_kernel,
+        "signature": {
+            "area_x": "*bf16",
+            "area_weights": "*fp32",
+            "send_head": "*i32",
+            "send_offset": "*i32",
+            "num_tokens": "i32",
+            "num_ranks": "i32",
+            "hidden": "i32",
+            "bias0": "*bf16",
+            "bias1": "*bf16",
+            "out": "*i16",
+            "out_weights": "*fp32",
+            "OUT_BF16": "constexpr",
+            "HAS_BIAS0": "constexpr",
+            "HAS_BIAS1": "constexpr",
+            "NUM_TOPK": "constexpr",
+            "BLOCK_T": "constexpr",
+            "BLOCK_H": "constexpr",
+            "TOPK": "constexpr",
+        },  # fmt: skip
+        "constexprs": {
+            "OUT_BF16": True,
+            "HAS_BIAS0": True,
+            "HAS_BIAS1": False,
+            "NUM_TOPK": 8,
+            "BLOCK_T": 4,
+            "BLOCK_H": 1024,
+            "TOPK": 8,
+        },  # fmt: skip
+        "flags": False,
+    },
+]

@@ -369,3 +369,70 @@ class WaitBound:
 def block_size(n: int) -> int:
     """The power-of-two block that covers `n` elements (at least 16: Triton's smallest useful block)."""
     return max(16, triton.next_power_of_2(max(1, n)))
+
+
+# Ahead-of-time compile specs (mtdeepep.kernels.aot): 8 ranks (the exchange's slot as intranode.NormalLayout.of(8)),
+# each backend's clock.
+_CLOCKS = {"cuda": {"CLOCK": CLOCK_CUDA_NS}, "hip": {"CLOCK": CLOCK_HIP_100MHZ}}
+_TABLES = {"region_table": "*i64", "poison_table": "*i64", "status_ptr": "*i64"}
+AOT_SPECS = [
+    *(
+        {
+            "name": f"sync.exchange_{part}",
+            "fn": exchange_kernel,
+            "signature": {
+                **_TABLES,
+                "payload_ptr": "*i32",
+                "out_ptr": "*i32",
+                "mailbox_offset": "i64",
+                "flags_offset": "i64",
+                "value": "i64",
+                "bound": "i64",
+                "phase": "i32",
+                "rank": "i32",
+                "num_ranks": "i32",
+                "n_words": "i32",
+                "SLOT_BYTES": "constexpr",
+                "BLOCK": "constexpr",
+                "CLOCK": "constexpr",
+                "SEND": "constexpr",
+                "RECEIVE": "constexpr",
+            },  # fmt: skip
+            "constexprs": {"SLOT_BYTES": 4736, "BLOCK": 2048, "CLOCK": CLOCK_SPINS, "SEND": send, "RECEIVE": receive},
+            "backend_constexprs": _CLOCKS,
+            "flags": True,
+        }
+        for part, send, receive in (("both", True, True), ("send", True, False), ("receive", False, True))
+    ),
+    {
+        "name": "sync.signal_all",
+        "fn": signal_all_kernel,
+        "signature": {"region_table": "*i64", "flags_offset": "i64", "value": "i64", "rank": "i32", "num_ranks": "i32"},
+        "constexprs": {},
+        "flags": True,
+    },
+    {
+        "name": "sync.wait_all",
+        "fn": wait_all_kernel,
+        "signature": {
+            **_TABLES,
+            "flags_offset": "i64",
+            "value": "i64",
+            "bound": "i64",
+            "phase": "i32",
+            "rank": "i32",
+            "num_ranks": "i32",
+            "CLOCK": "constexpr",
+        },  # fmt: skip
+        "constexprs": {"CLOCK": CLOCK_SPINS},
+        "backend_constexprs": _CLOCKS,
+        "flags": True,
+    },
+    {
+        "name": "sync.spin_calibration",
+        "fn": _spin_kernel,
+        "signature": {"flag_ptr": "*i64", "bound": "i64", "status_ptr": "*i64", "poison_table": "*i64"},
+        "constexprs": {},
+        "flags": True,
+    },
+]
