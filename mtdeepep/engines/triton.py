@@ -17,11 +17,7 @@ Every wait is bounded (`mtdeepep.kernels.sync`) and ends in `CommTimeoutError` n
 and the phase, on every rank. The calls run on the caller's thread: `async_finish` returns a completed event, and
 `previous_event` is waited for first (as the CUDA executor treats a completed CPU event).
 
-Low-latency mode runs the kernels of `mtdeepep.kernels.low_latency` on the runtime's low-latency areas
-(`Runtime.region_addresses(low_latency_area=True)`), with their own status word, so that `clean_low_latency_buffer`
-recovers from a failed low-latency call.
-
-Not served yet (raise a clear error): operations larger than the region
+Not served yet (raise a clear error): low-latency mode (the `i34-ll` kernels), operations larger than the region
 (the CPU executor moves them in rounds; this executor, as the CUDA one, asks for a larger `num_nvl_bytes`), groups
 spanning several nodes (the internode engine composes the CPU executor only).
 """
@@ -35,9 +31,8 @@ import torch
 from .. import _C
 from ..kernels import intranode, sync
 from ..kernels.layout import dispatch_layout
-from ..kernels.low_latency import LowLatencyKernels
 from .base import DispatchOutputs, Engine
-from .handles import DispatchRecord, attach, low_latency_handle
+from .handles import DispatchRecord, attach
 
 # Operation kinds in the exchanged signature (every rank of one operation must agree on it).
 _OP_DISPATCH, _OP_CACHED_DISPATCH, _OP_COMBINE = 1, 2, 3
@@ -65,7 +60,7 @@ class TritonEngine(Engine):
         self.num_nodes, self.num_ranks_per_node = 1, num_ranks
         self.layout_ = intranode.NormalLayout.of(num_ranks)
         least = self.layout_.control_bytes + intranode.ALIGNMENT
-        if 0 < num_nvl_bytes < least:  # 0: a low-latency-only buffer (normal-mode calls are refused)
+        if num_nvl_bytes < least:
             raise ValueError(
                 f"mtdeepep: the triton executor needs num_nvl_bytes >= {least}"
                 f" for {num_ranks} ranks (its control area is {self.layout_.control_bytes} bytes), got {num_nvl_bytes}"
@@ -81,7 +76,6 @@ class TritonEngine(Engine):
         self.region_table = torch.empty(0, dtype=torch.int64)
         self.poison_table = torch.empty(0, dtype=torch.int64)
         self.region = torch.empty(0, dtype=torch.uint8)
-        self.low_latency: LowLatencyKernels | None = None
 
     # ---- set-up and lifetime ----
 
@@ -92,38 +86,26 @@ class TritonEngine(Engine):
         fields = [entry.split("\t") for entry in entries]
         self.runtime.connect([name for name, _ in fields], [int(pid) for _, pid in fields], uid)
         self.uid, self.group = uid, group
-        if self.runtime.num_nvl_bytes() > 0:
-            self.region_table = torch.tensor(self.runtime.region_addresses(False), dtype=torch.int64)
-            self.poison_table = self.region_table + self.layout_.poison
-            self.region = self.runtime.get_local_buffer_tensor(torch.uint8, 0, False)
-            self.data_bytes = self.region.numel() - self.layout_.control_bytes
-        if low_latency and self.runtime.num_ll_bytes() > 0:
-            self.low_latency = LowLatencyKernels(
-                area=self.runtime.get_local_buffer_tensor(torch.uint8, 0, True),
-                peer_table=torch.tensor(self.runtime.region_addresses(True), dtype=torch.int64), rank=self.rank,
-                num_ranks=self.num_ranks, uid=uid, timeout_s=self.runtime.timeout_s(),
-            )  # fmt: skip
+        self.region_table = torch.tensor(self.runtime.region_addresses(False), dtype=torch.int64)
+        self.poison_table = self.region_table + self.layout_.poison
+        self.region = self.runtime.get_local_buffer_tensor(torch.uint8, 0, False)
+        self.data_bytes = self.region.numel() - self.layout_.control_bytes
 
     def set_timeout(self, timeout_s: float) -> None:
         self.runtime.set_timeout(timeout_s)
         self.bound = sync.WaitBound.for_timeout(timeout_s, self.device)
-        if self.low_latency is not None:
-            self.low_latency.set_timeout(timeout_s)
 
     def interrupt(self, reason: str) -> None:
         code = sync.encode_error(sync.KIND_ABORTED, 0, self.rank, self.rank)
         if self.region.numel():
             self.region[:8].view(torch.int64)[0] = code  # this rank's own waits end at their next spin
         self.status.fail(_C.CommError(f"mtdeepep: rank {self.rank} was interrupted: {reason}"))
-        if self.low_latency is not None:
-            self.low_latency.interrupt()
         self.runtime.interrupt(reason)
 
     def destroy(self) -> None:
         if os.getpid() != self._creator_pid:
             return  # a forked child: the C++ runtime abandons its copy without touching the parent's group
         self.region = torch.empty(0, dtype=torch.uint8)
-        self.low_latency = None  # its views of the low-latency area go before the segment
         self.runtime.destroy()
 
     def empty(self, sizes, dtype):
@@ -137,8 +119,6 @@ class TritonEngine(Engine):
     # ---- the protocol's steps ----
 
     def _begin(self, previous) -> None:
-        if self.region.numel() == 0:
-            raise ValueError("mtdeepep: this buffer has no normal region (num_nvl_bytes=0): normal-mode calls need one")
         self.status.check()
         if previous is not None:
             previous.wait()
@@ -408,34 +388,22 @@ class TritonEngine(Engine):
         src_rank = torch.repeat_interleave(torch.arange(self.num_ranks), per_source)
         return src_rank, recv_src_idx[: src_rank.numel()].long()
 
-    # ---- low-latency mode (mtdeepep.kernels.low_latency) ----
+    # ---- low-latency mode: not served yet ----
 
-    def _low_latency(self) -> LowLatencyKernels:
-        self.status.check()
-        if self.low_latency is None:
-            raise ValueError("mtdeepep: this buffer has no low-latency area (Buffer(..., low_latency_mode=True))")
-        return self.low_latency
+    def _no_low_latency(self):
+        raise _C.CommError(
+            "mtdeepep: the triton executor does not serve low-latency mode yet (its kernels are under way); use "
+            "MTDEEPEP_ENGINE=cpu for low-latency calls"
+        )
 
-    def ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_stats, wait_stats,
-                    use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook):  # fmt: skip
-        recv_x, recv_scales, recv_count, src_info, layout_range, seq, hook = self._low_latency().dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_stats, wait_stats, use_fp8,
-            round_scale, use_ue8m0, return_recv_hook,
-        )  # fmt: skip
-        handle = low_latency_handle(self, src_info, layout_range, seq, x, num_max_dispatch_tokens_per_rank, num_experts)
-        return recv_x, recv_scales, recv_count, handle, self._finish(async_finish), hook
+    def ll_dispatch(self, *args, **kwargs):
+        self._no_low_latency()
 
-    def ll_combine(self, x, topk_idx, topk_weights, record, handle, zero_copy, async_finish, return_recv_hook, out,
-                   wait_stats):  # fmt: skip
-        src_info, layout_range, num_max_dispatch_tokens_per_rank, _, num_experts = handle
-        combined, hook = self._low_latency().combine(
-            x, topk_idx, topk_weights, src_info, layout_range, num_max_dispatch_tokens_per_rank, num_experts,
-            record.uid, record.seq, zero_copy, return_recv_hook, out, wait_stats,
-        )  # fmt: skip
-        return combined, self._finish(async_finish), hook
+    def ll_combine(self, *args, **kwargs):
+        self._no_low_latency()
 
     def ll_clean(self, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> None:
-        self._low_latency().clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._no_low_latency()
 
     def ll_next_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-        return self._low_latency().next_combine_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._no_low_latency()

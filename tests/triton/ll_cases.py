@@ -12,7 +12,6 @@ so the GPU bound is the conformance cases' FP32 bound), and within that bound of
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -308,8 +307,3 @@ def missing_rank_times_out_then_clean_recovers(ctx, timeout_s=1.5):
     combine_both(ctx, kernels, cpu, y, topk_idx, weights, got, ref, t_max, num_experts)
     return outcome
 
-
-def on_triton(ctx, case, *args):
-    """Runs a conformance case with the buffers it creates on the triton executor (`MTDEEPEP_ENGINE=triton`)."""
-    os.environ["MTDEEPEP_ENGINE"] = "triton"
-    return case(ctx, *args)
