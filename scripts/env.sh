@@ -47,6 +47,13 @@ if ! "$VENV_PY" -c "import pyarrow" 2>/dev/null; then
     "$VENV_PY" -m pip install -q pyarrow
 fi
 
+# The Triton executor (mtdeepep/kernels, mtdeepep/engines/triton.py): its kernels run on the CPU under Triton's
+# interpreter in the tests. Triton declares no torch dependency, so it pulls no CUDA wheels.
+if ! "$VENV_PY" -c "import triton" 2>/dev/null; then
+    echo "[env] installing triton"
+    "$VENV_PY" -m pip install -q "triton==3.9.0"
+fi
+
 # Rebuild the extension only when its sources or the build script changed.
 stamp="$(cat setup.py $(find csrc -type f | sort) | sha256sum | cut -c1-16)"
 if [ "$(cat .venv/.mtdeepep-build 2>/dev/null)" != "$stamp" ] || ! "$VENV_PY" -c "import mtdeepep" 2>/dev/null; then

@@ -9,6 +9,8 @@ spawn costs seconds on this machine. What differs between folders is only the se
   rank or phase) before the pool's deadline kills the ranks with their stacks dumped.
 - `device="cuda"`: the ranks share GPU 0 and pick mtdeepep's CUDA executor (`MTDEEPEP_DEVICE=cuda`).
 - `world_size`: the fixture is that one pool instead of a `pools[world_size]` mapping.
+- `engine="triton"`: the ranks pick the Triton executor (`MTDEEPEP_ENGINE=triton`) under Triton's interpreter
+  (`TRITON_INTERPRET=1`, set before anything imports Triton).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from mtdeepep.utils.testing import RankPools
 
 def pool_settings(*, deadline_s: float | None = None, comm_timeout_s: float | None = None,
                   pg_timeout_s: float | None = None, threads: int | None = None, start_timeout_s: float | None = None,
-                  device: str | None = None) -> dict:  # fmt: skip
+                  device: str | None = None, engine: str | None = None) -> dict:  # fmt: skip
     """The keyword arguments of `RankPools` for these settings (see the module docstring)."""
     settings: dict = {}
     env: dict[str, str] = {}
@@ -43,6 +45,10 @@ def pool_settings(*, deadline_s: float | None = None, comm_timeout_s: float | No
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         env["MTDEEPEP_DEVICE"] = device
+    if engine is not None:
+        env["MTDEEPEP_ENGINE"] = engine
+        if engine == "triton":
+            env["TRITON_INTERPRET"] = "1"
     if env:
         settings["env"] = env
     return settings

@@ -86,6 +86,11 @@ def named_engine_class(name: str, device_type: str) -> Callable[..., Engine]:
                 "mtdeepep: MTDEEPEP_ENGINE=triton on CPU tensors runs Triton's interpreter: set TRITON_INTERPRET=1 "
                 "as well (Triton cannot compile for the CPU)"
             )
+        if device_type != "cpu":
+            raise _C.CommError(
+                f"mtdeepep: the triton executor's {device_type} path is not written yet (its peer table needs the "
+                "peers' IPC-opened buffers); on GPUs use the default executor for now"
+            )
         module_name, class_name = NAMED_ENGINE_MODULES[name]
         return getattr(importlib.import_module(module_name), class_name)
     if (name == "cpu") != (device_type == "cpu"):

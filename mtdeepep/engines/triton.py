@@ -5,10 +5,11 @@ Where the regions come from:
 - CPU (under Triton's interpreter, `TRITON_INTERPRET=1`): the shared-memory segments of the CPU executor's
   `_C.Runtime`, which also does the set-up, the liveness of the peers, the interruption and destroy;
   `Runtime.region_addresses` gives every rank's normal region as mapped in this process: the peer table.
-- GPU (CUDA, ROCm, MUSA): the same kernels over device buffers opened through CUDA IPC (`_C_cuda.DeviceBuffer`'s
-  `nvl_address` and its peers'), or torch's symmetric memory. That path is laid out here (`_device_regions`) but has
-  not run: no GPU was lent to the project while it was written. Until it has, the CUDA executor stays the default on
-  CUDA and this one is chosen with `MTDEEPEP_ENGINE=triton`.
+- GPU (CUDA, ROCm, MUSA): not written yet. The kernels take device pointers unchanged and their waits read the GPU
+  clocks (`sync.WaitBound`); what is missing is the peer table: the addresses of the peers' buffers opened through
+  CUDA IPC (`_C_cuda.DeviceBuffer` opens them but does not expose them to Python yet) or torch's symmetric memory,
+  and a status word the host reads without stopping the device. The registry refuses `MTDEEPEP_ENGINE=triton` on a
+  GPU with a message saying so; the CUDA executor stays the default there.
 
 The protocol (see `mtdeepep.kernels.intranode`): each operation begins with an all-to-all exchange that doubles as
 the entry barrier (the counts for a dispatch, a signature for a combine or cached dispatch), then the rows move in
@@ -17,9 +18,12 @@ Every wait is bounded (`mtdeepep.kernels.sync`) and ends in `CommTimeoutError` n
 and the phase, on every rank. The calls run on the caller's thread: `async_finish` returns a completed event, and
 `previous_event` is waited for first (as the CUDA executor treats a completed CPU event).
 
-Not served yet (raise a clear error): low-latency mode (the `i34-ll` kernels), operations larger than the region
-(the CPU executor moves them in rounds; this executor, as the CUDA one, asks for a larger `num_nvl_bytes`), groups
-spanning several nodes (the internode engine composes the CPU executor only).
+Low-latency mode runs `mtdeepep.kernels.low_latency` (its own control part, double buffer and hooks) on the
+runtime's low-latency areas (`Runtime.region_addresses(True)`).
+
+Not served yet (raise a clear error): operations larger than the region (the CPU executor moves them in rounds; this
+executor, as the CUDA one, asks for a larger `num_nvl_bytes`), groups spanning several nodes (the internode engine
+composes the CPU executor only), `async_finish` overlapping the caller (the kernels run on the caller's thread).
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ import torch
 from .. import _C
 from ..kernels import intranode, sync
 from ..kernels.layout import dispatch_layout
+from ..kernels.low_latency import LowLatencyKernels
 from .base import DispatchOutputs, Engine
-from .handles import DispatchRecord, attach
+from .handles import DispatchRecord, attach, low_latency_handle
 
 # Operation kinds in the exchanged signature (every rank of one operation must agree on it).
 _OP_DISPATCH, _OP_CACHED_DISPATCH, _OP_COMBINE = 1, 2, 3
@@ -60,7 +65,7 @@ class TritonEngine(Engine):
         self.num_nodes, self.num_ranks_per_node = 1, num_ranks
         self.layout_ = intranode.NormalLayout.of(num_ranks)
         least = self.layout_.control_bytes + intranode.ALIGNMENT
-        if num_nvl_bytes < least:
+        if 0 < num_nvl_bytes < least:
             raise ValueError(
                 f"mtdeepep: the triton executor needs num_nvl_bytes >= {least}"
                 f" for {num_ranks} ranks (its control area is {self.layout_.control_bytes} bytes), got {num_nvl_bytes}"
@@ -72,10 +77,12 @@ class TritonEngine(Engine):
         self.group: tuple[tuple[int, ...], int] = ((), rank)
         self._op = 0  # operation number: every rank counts the same operations in the same order
         self._seq = 0  # dispatch identities
+        self._operation = ""  # the call in progress, for the error messages
         self._creator_pid = os.getpid()
         self.region_table = torch.empty(0, dtype=torch.int64)
         self.poison_table = torch.empty(0, dtype=torch.int64)
         self.region = torch.empty(0, dtype=torch.uint8)
+        self.low_latency: LowLatencyKernels | None = None
 
     # ---- set-up and lifetime ----
 
@@ -90,16 +97,26 @@ class TritonEngine(Engine):
         self.poison_table = self.region_table + self.layout_.poison
         self.region = self.runtime.get_local_buffer_tensor(torch.uint8, 0, False)
         self.data_bytes = self.region.numel() - self.layout_.control_bytes
+        if low_latency:
+            self.low_latency = LowLatencyKernels(
+                area=self.runtime.get_local_buffer_tensor(torch.uint8, 0, True),
+                peer_table=torch.tensor(self.runtime.region_addresses(True), dtype=torch.int64), rank=self.rank,
+                num_ranks=self.num_ranks, uid=uid, timeout_s=self.runtime.timeout_s(),
+            )  # fmt: skip
 
     def set_timeout(self, timeout_s: float) -> None:
         self.runtime.set_timeout(timeout_s)
         self.bound = sync.WaitBound.for_timeout(timeout_s, self.device)
+        if self.low_latency is not None:
+            self.low_latency.set_timeout(timeout_s)
 
     def interrupt(self, reason: str) -> None:
         code = sync.encode_error(sync.KIND_ABORTED, 0, self.rank, self.rank)
         if self.region.numel():
             self.region[:8].view(torch.int64)[0] = code  # this rank's own waits end at their next spin
         self.status.fail(_C.CommError(f"mtdeepep: rank {self.rank} was interrupted: {reason}"))
+        if self.low_latency is not None:
+            self.low_latency.interrupt()
         self.runtime.interrupt(reason)
 
     def destroy(self) -> None:
@@ -119,6 +136,9 @@ class TritonEngine(Engine):
     # ---- the protocol's steps ----
 
     def _begin(self, previous) -> None:
+        """Before a normal-mode call: an earlier failure raises again; `previous` is waited for."""
+        if self.region.numel() < self.layout_.control_bytes + intranode.ALIGNMENT:
+            raise ValueError("mtdeepep: normal-mode calls need a buffer with num_nvl_bytes > 0")
         self.status.check()
         if previous is not None:
             previous.wait()
@@ -126,30 +146,49 @@ class TritonEngine(Engine):
     def _finish(self, async_finish: bool):
         return _C.EventHandle() if async_finish else None
 
-    def _next_op(self) -> int:
+    def _next_op(self, operation: str) -> int:
+        self._operation = operation
         self._op += 1
         return self._op
+
+    def _host_wait(self, flags_offset: int, op: int) -> int:
+        """The interpreter: the host sleeps until the flags are there (`sync.host_wait_flags`); returns the kernel
+        wait's bound (1 spin once the timeout ran out here: the kernel then reports whom it waited for)."""
+        if self.bound.clock != sync.CLOCK_SPINS or self.device.type != "cpu":
+            return self.bound.bound
+        flags = self.region[flags_offset : flags_offset + 8 * self.num_ranks].view(torch.int64)
+        left = sync.host_wait_flags(flags, op, self.region[:8].view(torch.int64), self.runtime.timeout_s())
+        return self.bound.bound if left > 0 else 1
 
     def _exchange(self, op: int, payload: torch.Tensor, flags_offset: int, phase: int) -> torch.Tensor:
         """`payload [R, n]` int32, row j for rank j -> `[R, n]`, row i from rank i (bounded; raises on failure)."""
         n = payload.size(1)
         out = torch.zeros_like(payload)
-        sync.exchange_kernel[(1,)](
-            self.region_table, self.poison_table, self.status.words, payload.contiguous(), out, self.layout_.mailbox,
-            flags_offset, op, self.bound.bound, phase, self.rank, self.num_ranks, n,
-            SLOT_BYTES=self.layout_.slot_bytes, BLOCK=sync.block_size(n), CLOCK=self.bound.clock,
-        )  # fmt: skip
-        self.status.check()
+        payload = payload.contiguous()
+
+        def launch(bound: int, send: bool, receive: bool) -> None:
+            sync.exchange_kernel[(1,)](
+                self.region_table, self.poison_table, self.status.words, payload, out, self.layout_.mailbox,
+                flags_offset, op, bound, phase, self.rank, self.num_ranks, n, SLOT_BYTES=self.layout_.slot_bytes,
+                BLOCK=sync.block_size(n), CLOCK=self.bound.clock, SEND=send, RECEIVE=receive,
+            )  # fmt: skip
+
+        if self.device.type == "cpu":
+            launch(self.bound.bound, True, False)
+            launch(self._host_wait(flags_offset, op), False, True)
+        else:
+            launch(self.bound.bound, True, True)
+        self.status.check(self._operation)
         return out
 
     def _signal_and_wait(self, op: int, flags_offset: int, phase: int) -> None:
         """After a launch wrote rows into the peers: tell every rank, then wait for every rank's rows."""
         sync.signal_all_kernel[(1,)](self.region_table, flags_offset, op, self.rank, self.num_ranks)
         sync.wait_all_kernel[(1,)](
-            self.region_table, self.poison_table, self.status.words, flags_offset, op, self.bound.bound, phase,
-            self.rank, self.num_ranks, CLOCK=self.bound.clock,
+            self.region_table, self.poison_table, self.status.words, flags_offset, op,
+            self._host_wait(flags_offset, op), phase, self.rank, self.num_ranks, CLOCK=self.bound.clock,
         )  # fmt: skip
-        self.status.check()
+        self.status.check(self._operation)
 
     def _agree(self, op: int, signature: list[int], what: str) -> None:
         """The barrier of a combine or cached dispatch: every rank's signature must be this one's."""
@@ -235,7 +274,9 @@ class TritonEngine(Engine):
     # ---- normal mode ----
 
     def layout(self, topk_idx, num_experts, previous, async_finish):
-        self._begin(previous)
+        self.status.check()
+        if previous is not None:
+            previous.wait()
         per_rank, per_expert, in_rank = dispatch_layout(topk_idx, num_experts, self.num_ranks)
         return per_rank, None, per_expert, in_rank, self._finish(async_finish)
 
@@ -276,7 +317,7 @@ class TritonEngine(Engine):
         payload[:, counts_at:experts_at] = in_rank.sum(0).to(torch.int32)
         payload[:, experts_at : experts_at + experts_per_rank] = num_tokens_per_expert.view(R, experts_per_rank)
         payload[:, channels_at : channels_at + num_channels] = channel_counts
-        op = self._next_op()
+        op = self._next_op("dispatch")
         everyone = self._exchange(op, payload, layout.notify_flags, sync.PHASE_NOTIFY)
         self._check_signatures(everyone, signature, "dispatch")
         traffic = everyone[:, counts_at:experts_at].long()
@@ -308,7 +349,7 @@ class TritonEngine(Engine):
         self._seq += 1
         record = DispatchRecord(
             kind=self.handle_kind, group=self.group, uid=self.uid, seq=self._seq, num_tokens=num_tokens,
-            num_recv=num_recv, state=(rank_prefix_matrix.clone(), send_head.clone()),
+            num_recv=rows, state=(rank_prefix_matrix.clone(), send_head.clone()),
         )  # fmt: skip
         attach(rank_prefix_matrix, record)
         return DispatchOutputs(recv_x, recv_scales, recv_idx, recv_weights, counts, handle, self._finish(async_finish))
@@ -320,7 +361,7 @@ class TritonEngine(Engine):
         self._check_worst(traffic, num_worst_tokens)
         x_bytes = data.size(1) * data.element_size()
         scale_bytes = 0 if scales is None else scales.size(1) * scales.element_size()
-        op = self._next_op()
+        op = self._next_op("cached dispatch")
         self._agree(op, [_OP_CACHED_DISPATCH, x_bytes, scale_bytes, num_worst_tokens, record.uid & 0x7FFFFFFF,
                          record.seq, self._checksum(rank_prefix_matrix)], "cached dispatch")  # fmt: skip
         num_recv = int(traffic[:, self.rank].sum())
@@ -348,7 +389,7 @@ class TritonEngine(Engine):
             raise ValueError(f"mtdeepep: x has {x.size(0)} rows but the handle's dispatch received {num_recv}")
         hidden, x_bytes = x.size(1), x.size(1) * x.element_size()
         num_topk = 0 if topk_weights is None else topk_weights.size(1)
-        op = self._next_op()
+        op = self._next_op("combine")
         self._agree(op, [_OP_COMBINE, x_bytes, _FLOAT_KIND[x.dtype], num_topk, record.uid & 0x7FFFFFFF, record.seq,
                          self._checksum(rank_prefix_matrix)], "combine")  # fmt: skip
         # Each rank gets back, in its area, the rows of every receiver j at (rows it sent to ranks < j) + position.
@@ -388,22 +429,33 @@ class TritonEngine(Engine):
         src_rank = torch.repeat_interleave(torch.arange(self.num_ranks), per_source)
         return src_rank, recv_src_idx[: src_rank.numel()].long()
 
-    # ---- low-latency mode: not served yet ----
+    # ---- low-latency mode: mtdeepep.kernels.low_latency on the runtime's low-latency areas ----
 
-    def _no_low_latency(self):
-        raise _C.CommError(
-            "mtdeepep: the triton executor does not serve low-latency mode yet (its kernels are under way); use "
-            "MTDEEPEP_ENGINE=cpu for low-latency calls"
-        )
+    def _ll(self) -> LowLatencyKernels:
+        if self.low_latency is None:
+            raise ValueError("mtdeepep: low-latency calls need a buffer made with low_latency_mode=True")
+        return self.low_latency
 
-    def ll_dispatch(self, *args, **kwargs):
-        self._no_low_latency()
+    def ll_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_stats, wait_stats,
+                    use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook):  # fmt: skip
+        recv_x, recv_scales, recv_count, src_info, layout_range, seq, hook = self._ll().dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_stats, wait_stats, use_fp8,
+            round_scale, use_ue8m0, return_recv_hook,
+        )  # fmt: skip
+        handle = low_latency_handle(self, src_info, layout_range, seq, x, num_max_dispatch_tokens_per_rank, num_experts)
+        return recv_x, recv_scales, recv_count, handle, self._finish(async_finish and hook is None), hook
 
-    def ll_combine(self, *args, **kwargs):
-        self._no_low_latency()
+    def ll_combine(self, x, topk_idx, topk_weights, record, handle, zero_copy, async_finish, return_recv_hook, out,
+                   wait_stats):  # fmt: skip
+        src_info, layout_range, num_max_dispatch_tokens_per_rank, _, num_experts = handle
+        combined, hook = self._ll().combine(
+            x, topk_idx, topk_weights, src_info, layout_range, num_max_dispatch_tokens_per_rank, num_experts,
+            record.uid, record.seq, zero_copy, return_recv_hook, out, wait_stats,
+        )  # fmt: skip
+        return combined, self._finish(async_finish and hook is None), hook
 
     def ll_clean(self, num_max_dispatch_tokens_per_rank, hidden, num_experts) -> None:
-        self._no_low_latency()
+        self._ll().clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def ll_next_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-        self._no_low_latency()
+        return self._ll().next_combine_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)

@@ -9,6 +9,9 @@ One module per operation family, each with its host launch wrappers:
 - `layout`: `get_dispatch_layout` (per-rank and per-expert counts, `is_token_in_rank`).
 - `intranode`: normal-mode dispatch (rows, scales, top-k into the peers' receive areas) and combine (rows sent back,
   summed in FP32 per source token).
+- `low_latency`: DeepEP's low-latency dispatch (BF16, FP8 cast in the kernel) and combine; `fp8`: the E4M3 casts.
+- `aot`: every module's `AOT_SPECS` compiled ahead of time for cuda:90 and hip:gfx942, the flags' memory ordering
+  checked in the machine code.
 
 Peers are reached through a table of int64 base addresses (every rank's region as mapped in this process): on the
 CPU the shared-memory segments of `mtdeepep._C.Runtime`, on a GPU the buffers opened through CUDA IPC.

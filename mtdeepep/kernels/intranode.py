@@ -193,13 +193,25 @@ def combine_send_kernel(region_table, data_offset, x, num_words, weights, dst_ra
 
 
 @triton.jit
+def bf16_bits(value):
+    """FP32 -> bf16 bits (int16), rounded to nearest even on the integer bits, NaN kept quiet: the CPU executor's
+    rounding. Not `.to(tl.bfloat16)`: Triton's interpreter truncates there (half the values one ulp low)."""
+    bits = value.to(tl.uint32, bitcast=True)
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    result = tl.where(is_nan, (bits >> 16) | 0x40, rounded)
+    return result.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
 def combine_reduce_kernel(area_x, area_weights, send_head, send_offset, num_tokens, num_ranks, hidden, bias0, bias1,
-                          out, out_weights, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr,
+                          out, out_weights, OUT_BF16: tl.constexpr, HAS_BIAS0: tl.constexpr, HAS_BIAS1: tl.constexpr,
                           NUM_TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                           TOPK: tl.constexpr):  # fmt: skip
     """One program per `BLOCK_T` tokens (local): token t's output is the FP32 sum, in rank order, of the rows rank j
     sent back (row `send_offset[j] + send_head[t, j]` of this rank's area, when >= 0), then `bias0`, then `bias1`,
-    rounded once to the output's dtype; its weights the FP32 sum of the rows' weights in rank order."""
+    rounded once to the output's dtype (`OUT_BF16`: `out` is the bf16 output viewed as int16, see `bf16_bits`); its
+    weights the FP32 sum of the rows' weights in rank order."""
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     token_mask = tokens < num_tokens
     for h0 in range(0, hidden, BLOCK_H):
@@ -215,7 +227,11 @@ def combine_reduce_kernel(area_x, area_weights, send_head, send_offset, num_toke
             acc += tl.load(bias0 + tokens[:, None] * hidden + h[None, :], mask=col_mask, other=0.0).to(tl.float32)
         if HAS_BIAS1:
             acc += tl.load(bias1 + tokens[:, None] * hidden + h[None, :], mask=col_mask, other=0.0).to(tl.float32)
-        tl.store(out + tokens[:, None] * hidden + h[None, :], acc.to(out.dtype.element_ty), mask=col_mask)
+        if OUT_BF16:
+            result = bf16_bits(acc)
+        else:
+            result = acc.to(out.dtype.element_ty)
+        tl.store(out + tokens[:, None] * hidden + h[None, :], result, mask=col_mask)
     if NUM_TOPK > 0:
         topk = tl.arange(0, TOPK)
         acc_w = tl.zeros([BLOCK_T, TOPK], dtype=tl.float32)
@@ -284,7 +300,117 @@ def launch_combine_reduce(area_x, area_weights, send_head, send_offset, bias0, b
     block_h = triton.next_power_of_2(hidden) if interpreted else min(1024, triton.next_power_of_2(hidden))
     combine_reduce_kernel[(triton.cdiv(num_tokens, block_t),)](
         area_x, out if area_weights is None else area_weights, send_head, send_offset, num_tokens, num_ranks,
-        hidden, out if bias0 is None else bias0, out if bias1 is None else bias1, out,
-        out if out_weights is None else out_weights, HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None,
+        hidden, out if bias0 is None else bias0, out if bias1 is None else bias1,
+        out.view(torch.int16) if out.dtype == torch.bfloat16 else out, out if out_weights is None else out_weights,
+        OUT_BF16=out.dtype == torch.bfloat16, HAS_BIAS0=bias0 is not None, HAS_BIAS1=bias1 is not None,
         NUM_TOPK=num_topk, BLOCK_T=block_t, BLOCK_H=block_h, TOPK=triton.next_power_of_2(max(1, num_topk)),
     )  # fmt: skip
+
+
+# Ahead-of-time compile specs (mtdeepep.kernels.aot): hidden 7168 (3584 int32 words of bf16, 1792 of FP8 with 56
+# scales), top-8, the GPU blocks of the launchers above.
+AOT_SPECS = [
+    *(
+        {
+            "name": f"intranode.dispatch_send_{kind}",
+            "fn": dispatch_send_kernel,
+            "signature": {
+                "region_table": "*i64",
+                "data_offset": "i64",
+                "x": "*i32",
+                "x_stride": "i64",
+                "num_words": "i32",
+                "scales": "*i32",
+                "scale_stride0": "i64",
+                "scale_stride1": "i64",
+                "num_scales": "i32",
+                "topk_idx": "*i64",
+                "topk_weights": "*fp32",
+                "send_head": "*i32",
+                "recv_offset": "*i32",
+                "num_tokens": "i32",
+                "num_ranks": "i32",
+                "experts_per_rank": "i32",
+                "off_x": "i64",
+                "off_scales": "i64",
+                "off_idx": "i64",
+                "off_weights": "i64",
+                "off_src": "i64",
+                "HAS_SCALES": "constexpr",
+                "NUM_TOPK": "constexpr",
+                "HAS_WEIGHTS": "constexpr",
+                "BLOCK_T": "constexpr",
+                "BLOCK_W": "constexpr",
+                "BLOCK_S": "constexpr",
+                "TOPK": "constexpr",
+            },  # fmt: skip
+            "constexprs": {
+                "HAS_SCALES": fp8,
+                "NUM_TOPK": 8,
+                "HAS_WEIGHTS": True,
+                "BLOCK_T": 4,
+                "BLOCK_W": 1024,
+                "BLOCK_S": 64,
+                "TOPK": 8,
+            },  # fmt: skip
+            "flags": False,
+        }
+        for kind, fp8 in (("bf16", False), ("fp8", True))
+    ),
+    {
+        "name": "intranode.combine_send",
+        "fn": combine_send_kernel,
+        "signature": {
+            "region_table": "*i64",
+            "data_offset": "i64",
+            "x": "*i32",
+            "num_words": "i32",
+            "weights": "*fp32",
+            "dst_rank": "*i32",
+            "dst_row": "*i32",
+            "num_rows": "i32",
+            "off_x": "i64",
+            "off_weights": "i64",
+            "NUM_TOPK": "constexpr",
+            "BLOCK_R": "constexpr",
+            "BLOCK_W": "constexpr",
+            "TOPK": "constexpr",
+        },  # fmt: skip
+        "constexprs": {"NUM_TOPK": 8, "BLOCK_R": 4, "BLOCK_W": 1024, "TOPK": 8},
+        "flags": False,
+    },
+    {
+        "name": "intranode.combine_reduce_bf16",
+        "fn": combine_reduce_kernel,
+        "signature": {
+            "area_x": "*bf16",
+            "area_weights": "*fp32",
+            "send_head": "*i32",
+            "send_offset": "*i32",
+            "num_tokens": "i32",
+            "num_ranks": "i32",
+            "hidden": "i32",
+            "bias0": "*bf16",
+            "bias1": "*bf16",
+            "out": "*i16",
+            "out_weights": "*fp32",
+            "OUT_BF16": "constexpr",
+            "HAS_BIAS0": "constexpr",
+            "HAS_BIAS1": "constexpr",
+            "NUM_TOPK": "constexpr",
+            "BLOCK_T": "constexpr",
+            "BLOCK_H": "constexpr",
+            "TOPK": "constexpr",
+        },  # fmt: skip
+        "constexprs": {
+            "OUT_BF16": True,
+            "HAS_BIAS0": True,
+            "HAS_BIAS1": False,
+            "NUM_TOPK": 8,
+            "BLOCK_T": 4,
+            "BLOCK_H": 1024,
+            "TOPK": 8,
+        },  # fmt: skip
+        "flags": False,
+    },
+]

@@ -51,3 +51,26 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
             NUM_TOPK=num_topk, RANKS=block_size(num_ranks), BLOCK_T=block,
         )  # fmt: skip
     return per_rank, per_expert, in_rank
+
+
+# Ahead-of-time compile spec (mtdeepep.kernels.aot): top-8 of 256 experts on 8 ranks, the GPU block.
+AOT_SPECS = [
+    {
+        "name": "layout.dispatch_layout",
+        "fn": layout_kernel,
+        "signature": {
+            "topk_idx": "*i64",
+            "num_tokens": "i32",
+            "experts_per_rank": "i32",
+            "num_ranks": "i32",
+            "per_rank": "*i32",
+            "per_expert": "*i32",
+            "in_rank": "*u8",
+            "NUM_TOPK": "constexpr",
+            "RANKS": "constexpr",
+            "BLOCK_T": "constexpr",
+        },  # fmt: skip
+        "constexprs": {"NUM_TOPK": 8, "RANKS": 8, "BLOCK_T": BLOCK_TOKENS},
+        "flags": False,
+    }
+]

@@ -83,26 +83,26 @@ def _own_failure(code: int) -> str:
     kind, phase, peer, rank = decode_error(code)
     phase_name = PHASE_NAMES.get(phase, "unknown phase")
     if kind == KIND_TIMEOUT:
-        return (
-            f"rank {rank} timed out waiting for rank {peer} in phase '{phase_name}' (ranks that did not arrive: "
-            f"[{peer}])"
-        )
+        # The CPU executor's wording of the missing ranks ("rank(s) [1] did not arrive"), which tools parse.
+        return f"rank {rank} timed out waiting for rank {peer} in phase '{phase_name}': rank(s) [{peer}] did not arrive"
     if kind == KIND_ABORTED:
         return f"rank {rank} was interrupted in phase '{phase_name}'"
     return f"rank {rank} failed with status {code:#x}"
 
 
-def error_message(code: int, cause: int = 0) -> str:
-    """The sentence of a status word: who failed, waiting for whom, in which phase. A rank stopped by a peer's
-    failure (`kPeerFailed`) names that peer's own failure (`cause`): the rank that did not arrive."""
+def error_message(code: int, cause: int = 0, operation: str = "") -> str:
+    """The sentence of a status word: who failed, waiting for whom, in which phase (of `operation`, e.g. 'combine',
+    when given). A rank stopped by a peer's failure (`kPeerFailed`) names that peer's own failure (`cause`): the rank
+    that did not arrive."""
     kind, phase, peer, rank = decode_error(code)
+    prefix = f"mtdeepep: {operation}: " if operation else "mtdeepep: "
     if kind == KIND_PEER_FAILED:
-        head = f"mtdeepep: rank {rank} stopped in phase '{PHASE_NAMES.get(phase, 'unknown phase')}' because "
+        head = f"{prefix}rank {rank} stopped in phase '{PHASE_NAMES.get(phase, 'unknown phase')}' because "
         return head + (_own_failure(cause) if cause != 0 else f"rank {peer} failed")
-    return "mtdeepep: " + _own_failure(code)
+    return prefix + _own_failure(code)
 
 
-def status_error(code: int, cause: int = 0) -> Exception | None:
+def status_error(code: int, cause: int = 0, operation: str = "") -> Exception | None:
     """The exception of a status word (None for 0): `CommTimeoutError` for a timeout, this rank's or the one that
     stopped it; `CommError` otherwise."""
     if code == 0:
@@ -111,7 +111,7 @@ def status_error(code: int, cause: int = 0) -> Exception | None:
     timed_out = kind == KIND_TIMEOUT or (
         kind == KIND_PEER_FAILED and cause != 0 and decode_error(cause)[0] == KIND_TIMEOUT
     )
-    return (_C.CommTimeoutError if timed_out else _C.CommError)(error_message(code, cause))
+    return (_C.CommTimeoutError if timed_out else _C.CommError)(error_message(code, cause, operation))
 
 
 class StatusWord:
@@ -123,12 +123,13 @@ class StatusWord:
         self.words = torch.zeros(2, dtype=torch.int64, device=device)
         self._failed: Exception | None = None
 
-    def check(self) -> None:
-        """Raises the recorded failure, if any (reads the word: a host synchronisation on a GPU)."""
+    def check(self, operation: str = "") -> None:
+        """Raises the recorded failure, if any (reads the word: a host synchronisation on a GPU); `operation` (e.g.
+        'combine') goes into the message."""
         if self._failed is not None:
             raise self._failed
         code, cause = self.words.tolist()
-        error = status_error(code, cause)
+        error = status_error(code, cause, operation)
         if error is not None:
             self._failed = error
             raise error
@@ -241,7 +242,7 @@ def wait_flag_geq(flag_ptr, target, bound, status_ptr, poison_table, phase, peer
 @triton.jit
 def exchange_kernel(region_table, poison_table, status_ptr, payload_ptr, out_ptr, mailbox_offset, flags_offset,
                     value, bound, phase, rank, num_ranks, n_words, SLOT_BYTES: tl.constexpr, BLOCK: tl.constexpr,
-                    CLOCK: tl.constexpr):  # fmt: skip
+                    CLOCK: tl.constexpr, SEND: tl.constexpr = True, RECEIVE: tl.constexpr = True):  # fmt: skip
     """An all-to-all of small int32 payloads that doubles as a barrier (one program).
 
     Row j of `payload_ptr` (`[R, n_words]` int32) goes to rank j's mailbox, slot (this rank, `value % 2`); then this
@@ -249,23 +250,27 @@ def exchange_kernel(region_table, poison_table, status_ptr, payload_ptr, out_ptr
     copies rank i's row for it into row i of `out_ptr` (`[R, n_words]`). The mailbox alternates between two halves
     by `value`: a rank that starts the next exchange has seen every rank enter this one, so the half it writes was
     read by everyone; the one after next needs this exchange complete everywhere, which it is.
+    `SEND` / `RECEIVE`: only the first or the second half (the interpreter's host waits in between, see
+    `host_wait_flags`).
     """
     offsets = tl.arange(0, BLOCK)
     mask = offsets < n_words
     half = (value % 2) * num_ranks * SLOT_BYTES
-    for j in range(num_ranks):
-        row = tl.load(payload_ptr + j * n_words + offsets, mask=mask)
-        slot = peer_pointer(region_table, j, mailbox_offset + half + rank * SLOT_BYTES, tl.int32)
-        tl.store(slot + offsets, row, mask=mask)
-        signal_flag(peer_pointer(region_table, j, flags_offset + rank * 8, tl.int64), value)
-    ok = tl.full([], 1, tl.int1)
-    for i in range(num_ranks):
-        if ok:
-            flag = peer_pointer(region_table, rank, flags_offset + i * 8, tl.int64)
-            ok = wait_flag_geq(flag, value, bound, status_ptr, poison_table, phase, i, rank, num_ranks, CLOCK)
+    if SEND:
+        for j in range(num_ranks):
+            row = tl.load(payload_ptr + j * n_words + offsets, mask=mask)
+            slot = peer_pointer(region_table, j, mailbox_offset + half + rank * SLOT_BYTES, tl.int32)
+            tl.store(slot + offsets, row, mask=mask)
+            signal_flag(peer_pointer(region_table, j, flags_offset + rank * 8, tl.int64), value)
+    if RECEIVE:
+        ok = tl.full([], 1, tl.int1)
+        for i in range(num_ranks):
             if ok:
-                slot = peer_pointer(region_table, rank, mailbox_offset + half + i * SLOT_BYTES, tl.int32)
-                tl.store(out_ptr + i * n_words + offsets, tl.load(slot + offsets, mask=mask), mask=mask)
+                flag = peer_pointer(region_table, rank, flags_offset + i * 8, tl.int64)
+                ok = wait_flag_geq(flag, value, bound, status_ptr, poison_table, phase, i, rank, num_ranks, CLOCK)
+                if ok:
+                    slot = peer_pointer(region_table, rank, mailbox_offset + half + i * SLOT_BYTES, tl.int32)
+                    tl.store(out_ptr + i * n_words + offsets, tl.load(slot + offsets, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -320,6 +325,23 @@ def seconds_per_spin() -> float:
     return _seconds_per_spin
 
 
+def host_wait_flags(flags: torch.Tensor, value: int, poison: torch.Tensor, timeout_s: float) -> float:
+    """The interpreter only: sleeps (with back-off) until every flag of `flags` (int64, this rank's own memory)
+    reached `value`, the poison word is set, or `timeout_s` ran out; returns the seconds left. The kernel's bounded
+    wait runs afterwards and does the real (acquire) wait and the reporting; this one only frees the core while the
+    peers are late: an interpreted spin costs a core for ~1 ms, which the late peers (the ranks share the cores)
+    need. Not used on a GPU, where the kernels wait alone."""
+    deadline = time.monotonic() + timeout_s
+    delay = 1e-4
+    while not bool((flags >= value).all()) and int(poison[0]) == 0:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return 0.0
+        time.sleep(min(delay, left))
+        delay = min(2 * delay, 2e-3)
+    return max(0.0, deadline - time.monotonic())
+
+
 @dataclass(frozen=True)
 class WaitBound:
     """How a timeout becomes a kernel's `bound` and `CLOCK` (see the module docstring)."""
@@ -347,3 +369,70 @@ class WaitBound:
 def block_size(n: int) -> int:
     """The power-of-two block that covers `n` elements (at least 16: Triton's smallest useful block)."""
     return max(16, triton.next_power_of_2(max(1, n)))
+
+
+# Ahead-of-time compile specs (mtdeepep.kernels.aot): 8 ranks (the exchange's slot as intranode.NormalLayout.of(8)),
+# each backend's clock.
+_CLOCKS = {"cuda": {"CLOCK": CLOCK_CUDA_NS}, "hip": {"CLOCK": CLOCK_HIP_100MHZ}}
+_TABLES = {"region_table": "*i64", "poison_table": "*i64", "status_ptr": "*i64"}
+AOT_SPECS = [
+    *(
+        {
+            "name": f"sync.exchange_{part}",
+            "fn": exchange_kernel,
+            "signature": {
+                **_TABLES,
+                "payload_ptr": "*i32",
+                "out_ptr": "*i32",
+                "mailbox_offset": "i64",
+                "flags_offset": "i64",
+                "value": "i64",
+                "bound": "i64",
+                "phase": "i32",
+                "rank": "i32",
+                "num_ranks": "i32",
+                "n_words": "i32",
+                "SLOT_BYTES": "constexpr",
+                "BLOCK": "constexpr",
+                "CLOCK": "constexpr",
+                "SEND": "constexpr",
+                "RECEIVE": "constexpr",
+            },  # fmt: skip
+            "constexprs": {"SLOT_BYTES": 4736, "BLOCK": 2048, "CLOCK": CLOCK_SPINS, "SEND": send, "RECEIVE": receive},
+            "backend_constexprs": _CLOCKS,
+            "flags": True,
+        }
+        for part, send, receive in (("both", True, True), ("send", True, False), ("receive", False, True))
+    ),
+    {
+        "name": "sync.signal_all",
+        "fn": signal_all_kernel,
+        "signature": {"region_table": "*i64", "flags_offset": "i64", "value": "i64", "rank": "i32", "num_ranks": "i32"},
+        "constexprs": {},
+        "flags": True,
+    },
+    {
+        "name": "sync.wait_all",
+        "fn": wait_all_kernel,
+        "signature": {
+            **_TABLES,
+            "flags_offset": "i64",
+            "value": "i64",
+            "bound": "i64",
+            "phase": "i32",
+            "rank": "i32",
+            "num_ranks": "i32",
+            "CLOCK": "constexpr",
+        },  # fmt: skip
+        "constexprs": {"CLOCK": CLOCK_SPINS},
+        "backend_constexprs": _CLOCKS,
+        "flags": True,
+    },
+    {
+        "name": "sync.spin_calibration",
+        "fn": _spin_kernel,
+        "signature": {"flag_ptr": "*i64", "bound": "i64", "status_ptr": "*i64", "poison_table": "*i64"},
+        "constexprs": {},
+        "flags": True,
+    },
+]

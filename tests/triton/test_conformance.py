@@ -1,0 +1,50 @@
+"""The normal-mode conformance cases (tests/conformance/normal_cases.py, unchanged) on the triton executor under
+Triton's interpreter, one process per rank: the intranode topologies (the triton executor serves one node).
+
+Run only the Triton cases: `pytest tests/triton` (the interpreter costs ~2.6 ms per program instance, so these are
+marked slow)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ..conformance import normal_cases as cases
+from ..conformance.test_normal import CASES, applies
+from ..conformance.topology import INTRANODE_2
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+# Cases of the CPU executor's normal mode that the triton executor does not serve yet, with the reason.
+NOT_SERVED = {
+    cases.small_buffer_moves_in_rounds: "moves one operation in one round (as the CUDA executor): no staging rounds",
+    cases.region_too_small_for_one_row_says_how_much: "its error asks for a larger num_nvl_bytes, not per row",
+    cases.async_runs_off_the_callers_thread: "the kernels run on the caller's thread (async_finish: a done event)",
+    cases.bad_inputs_raise_value_error_before_communicating: "builds a buffer of nodes of one rank (internode)",
+}
+
+
+@pytest.mark.parametrize(
+    "case, topology",
+    [pytest.param(case, INTRANODE_2, id=f"{case.__name__}-{INTRANODE_2}",
+                  marks=[pytest.mark.skip(reason=NOT_SERVED[case])] if case in NOT_SERVED else [])
+     for case in CASES if applies(case, INTRANODE_2)],
+)  # fmt: skip
+def test_case(pool, topology, case):
+    pool.run(case, topology)
+
+
+TIMEOUT_S = 1.5  # the buffers' timeout in the timeout cases (tests/conformance/test_normal.py's)
+
+
+@pytest.mark.parametrize("topology", [INTRANODE_2], ids=str)
+def test_bad_input_on_one_rank_times_out_the_others(pool, topology):
+    outcomes = pool.run(cases.bad_input_on_one_rank_times_out_the_others, topology, TIMEOUT_S)
+    assert outcomes == cases.bad_input_outcomes(topology)
+
+
+@pytest.mark.parametrize("topology", [INTRANODE_2], ids=str)
+def test_missing_rank_in_combine_times_out(pool, topology):
+    """Synchronous only: the triton executor runs on the caller's thread, an `async_finish` combine waits in the
+    call (the case's async variant asserts that it returns at once)."""
+    outcomes = pool.run(cases.missing_rank_in_combine_times_out, topology, TIMEOUT_S, False)
+    assert outcomes == cases.missing_in_combine_outcomes(topology)
