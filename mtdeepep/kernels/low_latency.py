@@ -532,7 +532,10 @@ class LowLatencyKernels:
         """Waits (`_wait_kernel`, bounded by the timeout) until every rank's flag reached `target`; raises the status
         word's error (`CommTimeoutError` naming the rank that did not arrive and the phase). With `wait_ns`, one
         launch per rank, each timed: `wait_ns[p]` gets the time spent waiting for rank p."""
-        spans = [(0, self.num_ranks)] if wait_ns is None else [(p, p + 1) for p in range(self.num_ranks)]
+        # This rank's own flag is already there (its own launches, in order): with `wait_ns`, not timed.
+        spans = (
+            [(0, self.num_ranks)] if wait_ns is None else [(p, p + 1) for p in range(self.num_ranks) if p != self.rank]
+        )
         waited = []
         for first, last in spans:
             start = time.perf_counter_ns()
@@ -543,6 +546,7 @@ class LowLatencyKernels:
             self.status.check()
             waited.append(time.perf_counter_ns() - start)
         if wait_ns is not None:
+            waited.insert(self.rank, 0)
             wait_ns += torch.tensor(waited, dtype=torch.int64, device=wait_ns.device)
 
     def _enter_and_wait_peers(self, call: _Call, wait_ns) -> None:
