@@ -59,6 +59,7 @@ SIGNAL_BYTES = 64  # seq (int64), then the call's signature (7 int64)
 SIGNATURE_FIELDS = 7  # kind, hidden, num_max_dispatch_tokens_per_rank, num_experts, flags, dispatch uid, dispatch seq
 FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4
 KIND_DISPATCH, KIND_COMBINE = 1, 2
+DESTROYED_PHASE = 0xFF  # the phase of the poison code a destroyed rank leaves in its peers (see `destroy`)
 
 
 def _align(value: int, alignment: int) -> int:
@@ -223,6 +224,16 @@ def _wait_kernel(table, poison_table, status_ptr, rank, num_ranks, first, last, 
 def _enter_kernel(table, rank, offset, seq):
     """This rank entered call `seq` (release, system scope): from now on its half of call seq - 2 may be written."""
     sync.signal_flag(sync.peer_pointer(table, rank, offset, tl.int64), seq)
+
+
+@triton.jit
+def _poison_peers_kernel(poison_table, rank, num_ranks, code):
+    """Writes `code` into every other rank's poison word (if none is there yet; release, system scope): their waits
+    end at once naming this rank (its buffer is being destroyed)."""
+    for r in range(num_ranks):
+        if r != rank:
+            poison = sync.peer_pointer(poison_table, r, 0, tl.int64)
+            tl.atomic_cas(poison, tl.full([], 0, tl.int64), code.to(tl.int64), sem="release", scope="sys")
 
 
 @triton.jit
@@ -543,11 +554,27 @@ class LowLatencyKernels:
                 self.peer_table, self.poison_table, self.status.words, self.rank, self.num_ranks, first, last, offset,
                 stride, target, self.bound.bound, phase, PEER_AREA=peer_area, CLOCK=self.bound.clock,
             )  # fmt: skip
-            self.status.check()
+            self._check_status()
             waited.append(time.perf_counter_ns() - start)
         if wait_ns is not None:
             waited.insert(self.rank, 0)
             wait_ns += torch.tensor(waited, dtype=torch.int64, device=wait_ns.device)
+
+    def _check_status(self) -> None:
+        """The status word's error; a peer that destroyed its buffer (its poison code has phase `DESTROYED_PHASE`)
+        is named as such."""
+        try:
+            self.status.check()
+        except _C.CommError as error:
+            code, cause = self.status.words.tolist()
+            kind, phase, culprit, _ = sync.decode_error(cause) if cause else (0, 0, -1, -1)
+            if kind == sync.KIND_PEER_FAILED and phase == DESTROYED_PHASE:
+                _, waited_in, _, _ = sync.decode_error(code)
+                raise _C.CommError(
+                    f"mtdeepep: rank {self.rank} stopped waiting in phase '{sync.PHASE_NAMES.get(waited_in, '?')}': "
+                    f"rank {culprit} failed: its buffer was destroyed"
+                ) from error
+            raise
 
     def _enter_and_wait_peers(self, call: _Call, wait_ns) -> None:
         """This rank entered call `seq`; waits until every peer did (its half of call seq - 2 is given up)."""
@@ -753,7 +780,13 @@ class LowLatencyKernels:
             self.peer_table, self.poison_table, self.status.words, self.control.barrier, self.barriers,
             self.bound.bound, sync.PHASE_BARRIER, self.rank, self.num_ranks, CLOCK=self.bound.clock,
         )  # fmt: skip
-        self.status.check()
+        self._check_status()
+
+    def destroy(self) -> None:
+        """This rank's buffer goes away: every peer's low-latency wait ends at once with `CommError` naming this rank
+        (call before the area is unmapped; the poison goes into the peers' areas)."""
+        code = sync.encode_error(sync.KIND_PEER_FAILED, DESTROYED_PHASE, self.rank, self.rank)
+        _poison_peers_kernel[(1,)](self.poison_table, self.rank, self.num_ranks, code)
 
     def interrupt(self) -> None:
         """Ends this rank's low-latency waits now (its poison word; they raise `CommError`)."""
@@ -848,6 +881,13 @@ def _aot_specs() -> list[dict]:
         "name": "ll_enter",
         "fn": _enter_kernel,
         "signature": {"table": "*i64", "rank": "i32", "offset": "i64", "seq": "i64"},
+        "constexprs": {},
+        "flags": True,
+    })  # fmt: skip
+    specs.append({
+        "name": "ll_poison_peers",
+        "fn": _poison_peers_kernel,
+        "signature": {"poison_table": "*i64", "rank": "i32", "num_ranks": "i32", "code": "i64"},
         "constexprs": {},
         "flags": True,
     })  # fmt: skip

@@ -288,7 +288,7 @@ def missing_rank_times_out_then_clean_recovers(ctx, timeout_s=1.5):
         try:
             kernels.dispatch(x, topk_idx, t_max, num_experts, None, None, False, False, False, False)
         except _C.CommTimeoutError as error:
-            assert "did not arrive: [1]" in str(error) and "dispatch" in str(error), error
+            assert "rank(s) [1] did not arrive" in str(error) and "dispatch" in str(error), error
             # Bounded, about the timeout: under the interpreter `sync` counts spins calibrated once per process, so
             # the time varies with the machine's load (2 loaded cores: seen from 0.8 x to several x the timeout).
             elapsed = time.perf_counter() - start
@@ -305,5 +305,18 @@ def missing_rank_times_out_then_clean_recovers(ctx, timeout_s=1.5):
     got, ref = dispatch_both(ctx, kernels, cpu, x, topk_idx, t_max, num_experts, MODES["fp8"])
     y = expert_outputs(ctx, got[0], got[1], experts_per_rank)
     combine_both(ctx, kernels, cpu, y, topk_idx, weights, got, ref, t_max, num_experts)
+    # Rank 1's buffer goes away: rank 0's next wait for it ends at once, naming it.
+    dist.barrier(group=ctx.group)
+    if ctx.rank == 1:
+        kernels.destroy()
+        outcome.append("destroyed")
+    dist.barrier(group=ctx.group)
+    if ctx.rank == 0:
+        start = time.perf_counter()
+        try:
+            kernels.dispatch(x, topk_idx, t_max, num_experts, None, None, False, False, False, False)
+        except _C.CommError as error:
+            assert "rank 1 failed" in str(error) and "destroyed" in str(error), error
+            assert time.perf_counter() - start < TIMEOUT_S
+            outcome.append("peer-destroyed")
     return outcome
-
