@@ -6,7 +6,7 @@ on the CPU the shared-memory segments `_C.Runtime.region_addresses(low_latency_a
 IPC-opened buffers. The area has the place and size of the CPU executor's (`csrc/runtime/cpu/low_latency_layout.hpp`),
 so `Buffer.get_low_latency_rdma_size_hint` sizes it, but its control part is this module's (`ControlLayout`):
 
-    [control: entered, barrier [R], signals [2][R], counters [2][MAX_LOCAL_EXPERTS]]  [half 0]  [half 1]
+    [control: entered, poison, barrier [R], signals [2][R], counters [2][MAX_LOCAL_EXPERTS]]  [half 0]  [half 1]
 
 Call n (dispatch or combine) uses half n % 2 of every area (the double buffer: two results alive at once). Before
 writing call n into a peer's half a sender waits until the peer *entered* call n (it gave up the results of call n - 2
@@ -17,15 +17,22 @@ release at system scope). The receiver waits for every source's signal (acquire)
 and resets its counters. The combine writes each expert output row into its source's `combine_recv[expert, token]`
 and signals; the receiver reduces over its top-k in FP32.
 
-Waits: a kernel never waits without bound. Every wait is a one-program kernel that polls the flags at most
-`max_spins` times and reports which ranks arrived; the host relaunches it until all did or the timeout passes, then
-raises `CommTimeoutError` naming the ranks that did not arrive (and the phase). Heavy kernels never wait (a wide grid
-that spun would hold the SMs a late peer needs).
+Waits: only in one-program kernels, through `sync.wait_flag_geq` (bounded by the timeout: spins calibrated once per
+process in the interpreter, the GPU clock otherwise); heavy kernels never wait (a wide grid that spun would hold the
+SMs a late peer needs). A wait that runs out records (kind, phase, peer, rank) in this mode's own status word and
+poisons the other ranks' low-latency waits (the poison words of their areas); the host raises `CommTimeoutError`
+naming the rank that did not arrive. `clean` clears both, so low-latency mode recovers without touching normal
+mode. A destroyed rank poisons its peers (`destroy`): their waits end at once naming it. With wait statistics, each
+peer is waited for in its own launch, timed on the host (the kernels have no clock in the interpreter).
+
+The calls are synchronous on the caller's thread (and the device's current stream): a hook-mode call sends in the
+call and receives in the hook. The FP8 sender casts once per (token, expert) row it writes, i.e. up to top-k times
+per token (simple, one launch; the CUDA executor casts once per token).
 
 Interpreter traps avoided (see `/work/shared/reference/triton_notes.md`): bfloat16 is upcast before arithmetic and
 rounded back to bfloat16 with integer operations (the interpreter truncates `.to(tl.bfloat16)`); E4M3 is cast with
-integer operations (the interpreter's `.to(tl.float8e4nv)` rounds wrongly); divisions are `div_rn` (a GPU's `/` is
-approximate).
+`mtdeepep.kernels.fp8`'s integer operations (the interpreter's `.to(tl.float8e4nv)` rounds wrongly); divisions are
+`div_rn` (a GPU's `/` is approximate).
 
 Legend: T tokens, K top-k, H hidden, S = H / 128 scale blocks, R ranks, E experts, L = E / R local experts,
 RT = R * T_max rows per local expert.
