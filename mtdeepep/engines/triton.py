@@ -79,8 +79,10 @@ class TritonEngine(Engine):
         self._seq = 0  # dispatch identities
         self._operation = ""  # the call in progress, for the error messages
         self._creator_pid = os.getpid()
-        self.region_table = torch.empty(0, dtype=torch.int64)
+        self.region_table = torch.empty(0, dtype=torch.int64)  # every rank's normal region (the data area at 0)
+        self.control_table = torch.empty(0, dtype=torch.int64)  # every rank's control area (the region's end)
         self.poison_table = torch.empty(0, dtype=torch.int64)
+        self.control_base = 0
         self.region = torch.empty(0, dtype=torch.uint8)
         self.low_latency: LowLatencyKernels | None = None
 
@@ -94,9 +96,15 @@ class TritonEngine(Engine):
         self.runtime.connect([name for name, _ in fields], [int(pid) for _, pid in fields], uid)
         self.uid, self.group = uid, group
         self.region_table = torch.tensor(self.runtime.region_addresses(False), dtype=torch.int64)
-        self.poison_table = self.region_table + self.layout_.poison
         self.region = self.runtime.get_local_buffer_tensor(torch.uint8, 0, False)
-        self.data_bytes = self.region.numel() - self.layout_.control_bytes
+        # The control area sits at the region's end (every rank's region has the same size): the start is where
+        # users write through get_local_buffer_tensor, and the data area is transient between calls anyway.
+        self.control_base = max(0, (self.region.numel() - self.layout_.control_bytes) // intranode.ALIGNMENT) * (
+            intranode.ALIGNMENT
+        )
+        self.control_table = self.region_table + self.control_base
+        self.poison_table = self.control_table + self.layout_.poison
+        self.data_bytes = self.control_base
         if low_latency:
             self.low_latency = LowLatencyKernels(
                 area=self.runtime.get_local_buffer_tensor(torch.uint8, 0, True),
@@ -113,7 +121,8 @@ class TritonEngine(Engine):
     def interrupt(self, reason: str) -> None:
         code = sync.encode_error(sync.KIND_ABORTED, 0, self.rank, self.rank)
         if self.region.numel():
-            self.region[:8].view(torch.int64)[0] = code  # this rank's own waits end at their next spin
+            at = self.control_base + self.layout_.poison
+            self.region[at : at + 8].view(torch.int64)[0] = code  # this rank's own waits end at their next spin
         self.status.fail(_C.CommError(f"mtdeepep: rank {self.rank} was interrupted: {reason}"))
         if self.low_latency is not None:
             self.low_latency.interrupt()
@@ -159,8 +168,10 @@ class TritonEngine(Engine):
         wait's bound (1 spin once the timeout ran out here: the kernel then reports whom it waited for)."""
         if self.bound.clock != sync.CLOCK_SPINS or self.device.type != "cpu":
             return self.bound.bound
-        flags = self.region[flags_offset : flags_offset + 8 * self.num_ranks].view(torch.int64)
-        left = sync.host_wait_flags(flags, op, self.region[:8].view(torch.int64), self.runtime.timeout_s())
+        base = self.control_base
+        flags = self.region[base + flags_offset : base + flags_offset + 8 * self.num_ranks].view(torch.int64)
+        poison = self.region[base + self.layout_.poison : base + self.layout_.poison + 8].view(torch.int64)
+        left = sync.host_wait_flags(flags, op, poison, self.runtime.timeout_s())
         return self.bound.bound if left > 0 else 1
 
     def _exchange(self, op: int, payload: torch.Tensor, flags_offset: int, phase: int) -> torch.Tensor:
@@ -171,7 +182,7 @@ class TritonEngine(Engine):
 
         def launch(bound: int, send: bool, receive: bool) -> None:
             sync.exchange_kernel[(1,)](
-                self.region_table, self.poison_table, self.status.words, payload, out, self.layout_.mailbox,
+                self.control_table, self.poison_table, self.status.words, payload, out, self.layout_.mailbox,
                 flags_offset, op, bound, phase, self.rank, self.num_ranks, n, SLOT_BYTES=self.layout_.slot_bytes,
                 BLOCK=sync.block_size(n), CLOCK=self.bound.clock, SEND=send, RECEIVE=receive,
             )  # fmt: skip
@@ -186,9 +197,9 @@ class TritonEngine(Engine):
 
     def _signal_and_wait(self, op: int, flags_offset: int, phase: int) -> None:
         """After a launch wrote rows into the peers: tell every rank, then wait for every rank's rows."""
-        sync.signal_all_kernel[(1,)](self.region_table, flags_offset, op, self.rank, self.num_ranks)
+        sync.signal_all_kernel[(1,)](self.control_table, flags_offset, op, self.rank, self.num_ranks)
         sync.wait_all_kernel[(1,)](
-            self.region_table, self.poison_table, self.status.words, flags_offset, op,
+            self.control_table, self.poison_table, self.status.words, flags_offset, op,
             self._host_wait(flags_offset, op), phase, self.rank, self.num_ranks, CLOCK=self.bound.clock,
         )  # fmt: skip
         self.status.check(self._operation)
@@ -208,8 +219,7 @@ class TritonEngine(Engine):
             )
 
     def _data(self, offset: int, num_bytes: int) -> torch.Tensor:
-        start = self.layout_.control_bytes + offset
-        return self.region[start : start + num_bytes]
+        return self.region[offset : offset + num_bytes]
 
     def _check_fits(self, fields: intranode.RowFields, what: str) -> None:
         if fields.total_bytes > self.data_bytes:
@@ -232,7 +242,7 @@ class TritonEngine(Engine):
     def _send_rows(self, op: int, data, scales, topk_idx, topk_weights, send_head, traffic, fields) -> None:
         recv_offset = traffic[: self.rank].sum(0).to(torch.int32)  # where this rank's rows start at each receiver
         intranode.launch_dispatch_send(
-            self.region_table, self.layout_.control_bytes, intranode.word_view(data), scales, topk_idx, topk_weights,
+            self.region_table, 0, intranode.word_view(data), scales, topk_idx, topk_weights,
             send_head.contiguous(), recv_offset, self.num_ranks,
             0 if topk_idx is None else self._experts_per_rank, fields, self.device.type == "cpu",
         )  # fmt: skip
@@ -406,7 +416,7 @@ class TritonEngine(Engine):
         rows = x[:num_recv].contiguous()
         weights = None if topk_weights is None else topk_weights[:num_recv].contiguous().float()
         intranode.launch_combine_send(
-            self.region_table, self.layout_.control_bytes, intranode.word_view(rows), weights,
+            self.region_table, 0, intranode.word_view(rows), weights,
             source.to(torch.int32), dst_row, fields, True,
         )  # fmt: skip
         self._signal_and_wait(op, self.layout_.combine_flags, sync.PHASE_COMBINE_RECEIVE)

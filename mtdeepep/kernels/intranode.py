@@ -1,7 +1,8 @@
 """Normal-mode dispatch and combine between the ranks of one node, in Triton.
 
-Every rank's normal region starts with a control area (`NormalLayout`: the poison word, four flag arrays, the
-mailbox of the count exchange), then the data area. One operation moves in one round, as on the CUDA executor:
+Every rank's normal region holds the data area from its start and a control area (`NormalLayout`: the poison word,
+four flag arrays, the mailbox of the count exchange) at its end, away from where users write through
+`get_local_buffer_tensor`. One operation moves in one round, as on the CUDA executor:
 
 - dispatch: the counts exchange (`sync.exchange_kernel`, phase notify: every rank's row counts, its per-expert counts
   and its channel counts for each receiver, and a signature of the call) doubles as the entry barrier. Each sender
