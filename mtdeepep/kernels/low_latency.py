@@ -40,6 +40,7 @@ RT = R * T_max rows per local expert.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -474,6 +475,7 @@ class LowLatencyKernels:
         self.area, self.peer_table = area, peer_table
         self.rank, self.num_ranks, self.uid = rank, num_ranks, uid
         self.device = area.device
+        self.timeout_s = float(timeout_s)
         self.bound = sync.WaitBound.for_timeout(timeout_s, self.device)
         self.status = sync.StatusWord(self.device)
         self.control = ControlLayout(num_ranks)
@@ -497,6 +499,7 @@ class LowLatencyKernels:
     # ---- helpers ----
 
     def set_timeout(self, timeout_s: float) -> None:
+        self.timeout_s = float(timeout_s)
         self.bound = sync.WaitBound.for_timeout(timeout_s, self.device)
 
     def _half_offset(self, seq: int) -> int:
@@ -549,23 +552,40 @@ class LowLatencyKernels:
               wait_ns: torch.Tensor | None) -> None:  # fmt: skip
         """Waits (`_wait_kernel`, bounded by the timeout) until every rank's flag reached `target`; raises the status
         word's error (`CommTimeoutError` naming the rank that did not arrive and the phase). With `wait_ns`, one
-        launch per rank, each timed: `wait_ns[p]` gets the time spent waiting for rank p."""
+        launch per rank, each timed: `wait_ns[p]` gets the time spent waiting for rank p. In the interpreter the host
+        first sleeps until the flags are there (`_host_wait`), so the timeout is wall-clock time there too."""
         # This rank's own flag is already there (its own launches, in order): with `wait_ns`, not timed.
         spans = (
             [(0, self.num_ranks)] if wait_ns is None else [(p, p + 1) for p in range(self.num_ranks) if p != self.rank]
         )
         waited = []
+        deadline = time.monotonic() + self.timeout_s
         for first, last in spans:
             start = time.perf_counter_ns()
+            bound = self._host_wait(offset, stride, target, peer_area, first, last, deadline)
             _wait_kernel[(1,)](
                 self.peer_table, self.poison_table, self.status.words, self.rank, self.num_ranks, first, last, offset,
-                stride, target, self.bound.bound, phase, PEER_AREA=peer_area, CLOCK=self.bound.clock,
+                stride, target, bound, phase, PEER_AREA=peer_area, CLOCK=self.bound.clock,
             )  # fmt: skip
             self._check_status()
             waited.append(time.perf_counter_ns() - start)
         if wait_ns is not None:
             waited.insert(self.rank, 0)
             wait_ns += torch.tensor(waited, dtype=torch.int64, device=wait_ns.device)
+
+    def _host_wait(self, offset, stride, target, peer_area, first, last, deadline) -> int:
+        """The interpreter: the host sleeps until the flags of ranks [first, last) are there, this rank's poison word
+        is set, or `deadline` passed (`sync.host_wait_flags`, which frees the core the late peers need); returns the
+        kernel wait's bound: 1 spin once the time ran out (the kernel then reports whom it waited for)."""
+        if self.bound.clock != sync.CLOCK_SPINS or self.device.type != "cpu":
+            return self.bound.bound
+        poison = self.area[self.control.poison : self.control.poison + 8].view(torch.int64)
+        for p in range(first, last):
+            address = int(self.peer_table[p if peer_area else self.rank]) + offset + p * stride
+            flag = torch.frombuffer(ctypes.c_int64.from_address(address), dtype=torch.int64)
+            if sync.host_wait_flags(flag, target, poison, max(0.0, deadline - time.monotonic())) <= 0:
+                return 1
+        return self.bound.bound
 
     def _check_status(self) -> None:
         """The status word's error; a peer that destroyed its buffer (its poison code has phase `DESTROYED_PHASE`)
@@ -785,7 +805,9 @@ class LowLatencyKernels:
         sync.signal_all_kernel[(1,)](self.peer_table, self.control.barrier, self.barriers, self.rank, self.num_ranks)
         sync.wait_all_kernel[(1,)](
             self.peer_table, self.poison_table, self.status.words, self.control.barrier, self.barriers,
-            self.bound.bound, sync.PHASE_BARRIER, self.rank, self.num_ranks, CLOCK=self.bound.clock,
+            self._host_wait(self.control.barrier, 8, self.barriers, False, 0, self.num_ranks,
+                            time.monotonic() + self.timeout_s),
+            sync.PHASE_BARRIER, self.rank, self.num_ranks, CLOCK=self.bound.clock,
         )  # fmt: skip
         self._check_status()
 

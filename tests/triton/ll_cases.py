@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from mtdeepep import _C
-from mtdeepep.kernels import sync as low_latency_sync
 from mtdeepep.kernels.low_latency import LowLatencyKernels
 
 COUNT_MASK = (1 << 32) - 1
@@ -289,10 +288,10 @@ def missing_rank_times_out_then_clean_recovers(ctx, timeout_s=1.5):
             kernels.dispatch(x, topk_idx, t_max, num_experts, None, None, False, False, False, False)
         except _C.CommTimeoutError as error:
             assert "rank(s) [1] did not arrive" in str(error) and "dispatch" in str(error), error
-            # Bounded, about the timeout: under the interpreter `sync` counts spins calibrated once per process, so
-            # the time varies with the machine's load (2 loaded cores: seen from 0.8 x to several x the timeout).
+            # Wall-clock time in the interpreter too: the host sleeps on the flags until the timeout, then the
+            # kernel's bounded wait reports whom it waited for.
             elapsed = time.perf_counter() - start
-            assert 0.3 * timeout_s <= elapsed < 20 * timeout_s, (elapsed, low_latency_sync.seconds_per_spin())
+            assert timeout_s <= elapsed < timeout_s + 5, elapsed
             outcome.append("timeout")
     dist.barrier(group=ctx.group)
     kernels.set_timeout(TIMEOUT_S)  # the recovery: the usual timeout (a loaded machine is slow)
