@@ -17,13 +17,14 @@ release at system scope). The receiver waits for every source's signal (acquire)
 and resets its counters. The combine writes each expert output row into its source's `combine_recv[expert, token]`
 and signals; the receiver reduces over its top-k in FP32.
 
-Waits: only in one-program kernels, through `sync.wait_flag_geq` (bounded by the timeout: spins calibrated once per
-process in the interpreter, the GPU clock otherwise); heavy kernels never wait (a wide grid that spun would hold the
-SMs a late peer needs). A wait that runs out records (kind, phase, peer, rank) in this mode's own status word and
-poisons the other ranks' low-latency waits (the poison words of their areas); the host raises `CommTimeoutError`
-naming the rank that did not arrive. `clean` clears both, so low-latency mode recovers without touching normal
-mode. A destroyed rank poisons its peers (`destroy`): their waits end at once naming it. With wait statistics, each
-peer is waited for in its own launch, timed on the host (the kernels have no clock in the interpreter).
+Waits: only in one-program kernels, through `sync.wait_flag_geq` (bounded by the timeout: the GPU clock; in the
+interpreter the host first sleeps on the flags until the timeout, `sync.host_wait_flags`, then the kernel spins);
+heavy kernels never wait (a wide grid that spun would hold the SMs a late peer needs). A wait that runs out records
+(kind, phase, peer, rank) in this mode's own status word and poisons the other ranks' low-latency waits (the poison
+words of their areas); the host raises `CommTimeoutError` naming the rank that did not arrive. `clean` clears both,
+so low-latency mode recovers without touching normal mode. A destroyed rank poisons its peers (`destroy`): their
+waits end at once naming it. With wait statistics, each peer is waited for in its own launch, timed on the host (the
+kernels have no clock in the interpreter).
 
 The calls are synchronous on the caller's thread (and the device's current stream): a hook-mode call sends in the
 call and receives in the hook. The FP8 sender casts once per (token, expert) row it writes, i.e. up to top-k times
