@@ -2,7 +2,8 @@
 Triton's interpreter, one process per rank: the intranode topologies (the triton executor serves one node).
 
 Run only the Triton cases: `pytest tests/triton` (the interpreter costs ~2.6 ms per program instance, so these are
-marked slow)."""
+marked slow). Measured on the shared 2-core machine (load average 6-8): this file, test_parity.py, test_sync.py and
+test_clients.py together 121 s (30 passed, 4 skipped); every case under 13 s."""
 
 from __future__ import annotations
 
