@@ -9,5 +9,7 @@ echo "[test] clang-format"
 clang-format --dry-run --Werror $(find csrc -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh')
 echo "[test] CUDA compile check"
 bash "$(dirname "${BASH_SOURCE[0]}")/check_cuda.sh"
+echo "[test] Triton compile check (cuda:90, hip:gfx942)"
+bash "$(dirname "${BASH_SOURCE[0]}")/check_triton.sh"
 echo "[test] pytest"
 python -m pytest -q "$@"

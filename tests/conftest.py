@@ -13,6 +13,12 @@ os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Triton's interpreter is chosen when Triton is first imported (its standard library, `tl.max` and the like, is
+# decorated then): on a machine without a GPU it is set here, before any test module imports Triton, so that every
+# in-process Triton kernel runs on CPU tensors whatever the collection order.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from .ranks import pool_fixture  # noqa: E402
 
 # A test's time limit catches a hang; it is no speed requirement. On a busy machine (CI beside other jobs) every test

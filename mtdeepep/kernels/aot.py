@@ -41,6 +41,13 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from mtdeepep import kernels as package
+
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CACHE = ROOT / "build" / "triton-aot-cache"
 TARGET_NAMES = ("cuda:90", "hip:gfx942")
@@ -49,8 +56,6 @@ OPTIONAL_SPEC_KEYS = {"options", "backend_constexprs"}
 
 
 def _target(name: str):
-    from triton.backends.compiler import GPUTarget
-
     backend, arch = name.split(":")
     return GPUTarget(backend, int(arch) if backend == "cuda" else arch, 32 if backend == "cuda" else 64)
 
@@ -115,6 +120,8 @@ def ordering_problems(requested: dict[str, int], emitted: dict[str, int], flags:
 
 # ---- resources ----
 
+# LLVM IR (the AMD path): a division or transcendental allowed to be approximate (fast-math flags).
+_LLIR_APPROX = re.compile(r"= (?:fdiv|call) (?:nnan |ninf |nsz |contract |reassoc )*(?:fast|afn|arcp)\b")
 _PTX_APPROX = re.compile(
     r"\b(?:div\.full\.f32|div\.approx\.\w+|rcp\.approx\.\w+|(?:ex2|lg2|sin|cos|sqrt|rsqrt)\.approx)"
 )
@@ -122,8 +129,6 @@ _PTX_APPROX = re.compile(
 
 def _cuda_resources(cubin: bytes) -> dict[str, int]:
     """Registers, spill (local) bytes and static shared memory of a cubin, by cuobjdump (shipped with Triton)."""
-    import triton
-
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
         file.write(cubin)
@@ -157,14 +162,14 @@ class AotResult:
     spill_bytes: int = -1
     shared: int = -1
     orderings: str = ""
-    approx_float_ops: int = 0  # PTX: approximate divisions / reciprocals / transcendentals (not bit-reproducible)
+    approx_float_ops: int = (
+        0  # approximate divisions / reciprocals / transcendentals (PTX; fast-math flags in AMD's IR)
+    )
     problems: list[str] = field(default_factory=list)
 
 
 def spec_modules() -> list[str]:
     """The kernel modules of this package (every module but this one)."""
-    import mtdeepep.kernels as package
-
     return [
         f"{package.__name__}.{info.name}"
         for info in pkgutil.iter_modules(package.__path__)
@@ -175,8 +180,6 @@ def spec_modules() -> list[str]:
 def load_specs() -> tuple[list[dict], list[str]]:
     """Every module's `AOT_SPECS` (checked), and the problems: a module without specs, a malformed spec, a module
     kernel (a JIT function named `*_kernel`) that no spec compiles."""
-    from triton.runtime.jit import JITFunction
-
     specs: list[dict] = []
     problems: list[str] = []
     for module_name in spec_modules():
@@ -210,9 +213,6 @@ def load_specs() -> tuple[list[dict], list[str]]:
 
 def compile_spec(spec: dict, target_name: str) -> AotResult:
     """Compiles one spec for one target and checks its memory ordering (never raises: a failure is a result)."""
-    import triton
-    from triton.compiler import ASTSource
-
     backend = target_name.split(":")[0]
     constexprs = {**spec["constexprs"], **spec.get("backend_constexprs", {}).get(backend, {})}
     begin = time.perf_counter()
@@ -231,7 +231,7 @@ def compile_spec(spec: dict, target_name: str) -> AotResult:
     else:
         resources = _hip_resources(kernel.asm["amdgcn"])
         emitted = amdgcn_orderings(kernel.asm["amdgcn"])
-        approx = 0
+        approx = len(_LLIR_APPROX.findall(kernel.asm["llir"]))
     problems = ordering_problems(requested, emitted, spec["flags"])
     orderings = (
         f"rel {requested['release']}->{emitted['release']} acq {requested['acquire']}->{emitted['acquire']}"

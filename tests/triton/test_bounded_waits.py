@@ -2,9 +2,9 @@
 
 - `test_every_spin_loop_is_a_bounded_helper_of_sync`: an AST scan of every `@triton.jit` function of
   `mtdeepep/kernels/*.py`. A `while` loop (the only way a Triton kernel can spin: `for` loops have static trip
-  counts) may appear only in `sync.py`, inside a helper that takes a `bound`, and the loop must end on it: an `if`
-  in the body compares a quantity the loop advances (spins, elapsed clock) with `bound` and then assigns a variable
-  of the loop's condition.
+  counts) may appear only in `sync.py`, inside a helper that takes a bound (`bound` / `max_spins`), and the loop must
+  end on it: its condition, or an `if` in its body that then assigns a variable of the condition, compares a
+  quantity the loop advances (spins, elapsed clock) with the bound.
 - The scan catches what it should: fixture kernels with an unbounded spin (outside sync.py, and in sync.py without a
   bound or with a bound that does not end the loop) are flagged.
 - `test_a_wait_that_runs_out_reports_kind_phase_peer_rank`: sync.py's `wait_all_kernel` on flags that never arrive
@@ -54,21 +54,33 @@ def _assigned(nodes: list[ast.stmt]) -> set[str]:
     return names
 
 
+BOUND_NAMES = {"bound", "max_spins"}  # the parameter that carries a wait's limit (spins or clock ticks)
+
+
+def _compares_advanced_with_bound(test: ast.expr, advanced: set[str]) -> bool:
+    """`test` holds a comparison of a quantity the loop advances (spins, elapsed clock) with a bound parameter."""
+    for node in ast.walk(test):
+        if isinstance(node, ast.Compare):
+            names = [o.id for o in (node.left, *node.comparators) if isinstance(o, ast.Name)]
+            if any(n in BOUND_NAMES for n in names) and any(n not in BOUND_NAMES and n in advanced for n in names):
+                return True
+    return False
+
+
 def _ends_on_bound(function: ast.FunctionDef, loop: ast.While) -> bool:
-    """The loop has an exit on `bound`: an `if <advanced quantity> <cmp> bound` whose body assigns a name of the
-    loop's condition, where the quantity is assigned inside the loop (it moves)."""
-    if "bound" not in {a.arg for a in function.args.args}:
+    """The loop ends on a bound parameter of its function: either its condition compares a quantity the loop advances
+    with the bound, or an `if` in its body does and then assigns a name of the loop's condition (`stopped = 1`)."""
+    if not BOUND_NAMES & {a.arg for a in function.args.args}:
         return False
     condition, advanced = _names(loop.test), _assigned(loop.body)
-    for node in ast.walk(loop):
-        if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)):
-            continue
-        operands = [node.test.left, *node.test.comparators]
-        names = [o.id for o in operands if isinstance(o, ast.Name)]
-        moves = any(n != "bound" and n in advanced for n in names)
-        if "bound" in names and moves and _assigned(node.body) & condition:
-            return True
-    return False
+    if _compares_advanced_with_bound(loop.test, advanced):
+        return True
+    return any(
+        isinstance(node, ast.If)
+        and _compares_advanced_with_bound(node.test, advanced)
+        and bool(_assigned(node.body) & condition)
+        for node in ast.walk(loop)
+    )
 
 
 def unbounded_spins(source: str, filename: str) -> list[str]:
@@ -136,12 +148,34 @@ BOUNDED = BOUND_NEVER_ENDS_THE_LOOP.replace(
 ).replace("tl.store(status, 1)  # records the timeout, but keeps spinning", "stopped = 1")
 
 
+BOUND_IN_CONDITION = textwrap.dedent(
+    """
+    import triton
+    import triton.language as tl
+
+
+    @triton.jit
+    def poll_flag(flag, target, max_spins):
+        value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+        spins = 0
+        while (value < target) & (spins < max_spins):
+            value = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+            spins += 1
+    """
+)
+
+
 def test_the_scan_flags_unbounded_spins():
     assert "spins outside sync.py" in unbounded_spins(UNBOUNDED, "mtdeepep/kernels/intranode.py")[0]
     assert "no exit on a `bound`" in unbounded_spins(UNBOUNDED, "mtdeepep/kernels/sync.py")[0]
     assert "no exit on a `bound`" in unbounded_spins(BOUND_NEVER_ENDS_THE_LOOP, "mtdeepep/kernels/sync.py")[0]
     assert unbounded_spins(BOUNDED, "mtdeepep/kernels/sync.py") == []
     assert unbounded_spins(BOUNDED, "mtdeepep/kernels/low_latency.py")  # bounded, but outside sync.py
+    assert unbounded_spins(BOUND_IN_CONDITION, "mtdeepep/kernels/sync.py") == []
+    # A limit that never moves is no bound: the loop advances `value`, not `spins`, towards `max_spins`.
+    frozen = BOUND_IN_CONDITION.replace("        spins += 1\n", "")
+    assert frozen != BOUND_IN_CONDITION
+    assert "no exit on a `bound`" in unbounded_spins(frozen, "mtdeepep/kernels/sync.py")[0]
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the ranks' regions are CPU tensors")
