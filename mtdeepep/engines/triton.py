@@ -132,6 +132,9 @@ class TritonEngine(Engine):
         if os.getpid() != self._creator_pid:
             return  # a forked child: the C++ runtime abandons its copy without touching the parent's group
         self.region = torch.empty(0, dtype=torch.uint8)
+        if self.low_latency is not None:
+            self.low_latency.destroy()  # the peers' low-latency waits end at once, naming this rank
+            self.low_latency = None
         self.runtime.destroy()
 
     def empty(self, sizes, dtype):

@@ -6,7 +6,7 @@ on the CPU the shared-memory segments `_C.Runtime.region_addresses(low_latency_a
 IPC-opened buffers. The area has the place and size of the CPU executor's (`csrc/runtime/cpu/low_latency_layout.hpp`),
 so `Buffer.get_low_latency_rdma_size_hint` sizes it, but its control part is this module's (`ControlLayout`):
 
-    [control: entered, barrier [R], signals [2][R], counters [2][MAX_LOCAL_EXPERTS]]  [half 0]  [half 1]
+    [control: entered, poison, barrier [R], signals [2][R], counters [2][MAX_LOCAL_EXPERTS]]  [half 0]  [half 1]
 
 Call n (dispatch or combine) uses half n % 2 of every area (the double buffer: two results alive at once). Before
 writing call n into a peer's half a sender waits until the peer *entered* call n (it gave up the results of call n - 2
@@ -17,15 +17,23 @@ release at system scope). The receiver waits for every source's signal (acquire)
 and resets its counters. The combine writes each expert output row into its source's `combine_recv[expert, token]`
 and signals; the receiver reduces over its top-k in FP32.
 
-Waits: a kernel never waits without bound. Every wait is a one-program kernel that polls the flags at most
-`max_spins` times and reports which ranks arrived; the host relaunches it until all did or the timeout passes, then
-raises `CommTimeoutError` naming the ranks that did not arrive (and the phase). Heavy kernels never wait (a wide grid
-that spun would hold the SMs a late peer needs).
+Waits: only in one-program kernels, through `sync.wait_flag_geq` (bounded by the timeout: the GPU clock; in the
+interpreter the host first sleeps on the flags until the timeout, `sync.host_wait_flags`, then the kernel spins);
+heavy kernels never wait (a wide grid that spun would hold the SMs a late peer needs). A wait that runs out records
+(kind, phase, peer, rank) in this mode's own status word and poisons the other ranks' low-latency waits (the poison
+words of their areas); the host raises `CommTimeoutError` naming the rank that did not arrive. `clean` clears both,
+so low-latency mode recovers without touching normal mode. A destroyed rank poisons its peers (`destroy`): their
+waits end at once naming it. With wait statistics, each peer is waited for in its own launch, timed on the host (the
+kernels have no clock in the interpreter).
+
+The calls are synchronous on the caller's thread (and the device's current stream): a hook-mode call sends in the
+call and receives in the hook. The FP8 sender casts once per (token, expert) row it writes, i.e. up to top-k times
+per token (simple, one launch; the CUDA executor casts once per token).
 
 Interpreter traps avoided (see `/work/shared/reference/triton_notes.md`): bfloat16 is upcast before arithmetic and
 rounded back to bfloat16 with integer operations (the interpreter truncates `.to(tl.bfloat16)`); E4M3 is cast with
-integer operations (the interpreter's `.to(tl.float8e4nv)` rounds wrongly); divisions are `div_rn` (a GPU's `/` is
-approximate).
+`mtdeepep.kernels.fp8`'s integer operations (the interpreter's `.to(tl.float8e4nv)` rounds wrongly); divisions are
+`div_rn` (a GPU's `/` is approximate).
 
 Legend: T tokens, K top-k, H hidden, S = H / 128 scale blocks, R ranks, E experts, L = E / R local experts,
 RT = R * T_max rows per local expert.
@@ -33,6 +41,7 @@ RT = R * T_max rows per local expert.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +68,7 @@ SIGNAL_BYTES = 64  # seq (int64), then the call's signature (7 int64)
 SIGNATURE_FIELDS = 7  # kind, hidden, num_max_dispatch_tokens_per_rank, num_experts, flags, dispatch uid, dispatch seq
 FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4
 KIND_DISPATCH, KIND_COMBINE = 1, 2
+DESTROYED_PHASE = 0xFF  # the phase of the poison code a destroyed rank leaves in its peers (see `destroy`)
 
 
 def _align(value: int, alignment: int) -> int:
@@ -223,6 +233,16 @@ def _wait_kernel(table, poison_table, status_ptr, rank, num_ranks, first, last, 
 def _enter_kernel(table, rank, offset, seq):
     """This rank entered call `seq` (release, system scope): from now on its half of call seq - 2 may be written."""
     sync.signal_flag(sync.peer_pointer(table, rank, offset, tl.int64), seq)
+
+
+@triton.jit
+def _poison_peers_kernel(poison_table, rank, num_ranks, code):
+    """Writes `code` into every other rank's poison word (if none is there yet; release, system scope): their waits
+    end at once naming this rank (its buffer is being destroyed)."""
+    for r in range(num_ranks):
+        if r != rank:
+            poison = sync.peer_pointer(poison_table, r, 0, tl.int64)
+            tl.atomic_cas(poison, tl.full([], 0, tl.int64), code.to(tl.int64), sem="release", scope="sys")
 
 
 @triton.jit
@@ -456,6 +476,7 @@ class LowLatencyKernels:
         self.area, self.peer_table = area, peer_table
         self.rank, self.num_ranks, self.uid = rank, num_ranks, uid
         self.device = area.device
+        self.timeout_s = float(timeout_s)
         self.bound = sync.WaitBound.for_timeout(timeout_s, self.device)
         self.status = sync.StatusWord(self.device)
         self.control = ControlLayout(num_ranks)
@@ -479,6 +500,7 @@ class LowLatencyKernels:
     # ---- helpers ----
 
     def set_timeout(self, timeout_s: float) -> None:
+        self.timeout_s = float(timeout_s)
         self.bound = sync.WaitBound.for_timeout(timeout_s, self.device)
 
     def _half_offset(self, seq: int) -> int:
@@ -531,19 +553,56 @@ class LowLatencyKernels:
               wait_ns: torch.Tensor | None) -> None:  # fmt: skip
         """Waits (`_wait_kernel`, bounded by the timeout) until every rank's flag reached `target`; raises the status
         word's error (`CommTimeoutError` naming the rank that did not arrive and the phase). With `wait_ns`, one
-        launch per rank, each timed: `wait_ns[p]` gets the time spent waiting for rank p."""
-        spans = [(0, self.num_ranks)] if wait_ns is None else [(p, p + 1) for p in range(self.num_ranks)]
+        launch per rank, each timed: `wait_ns[p]` gets the time spent waiting for rank p. In the interpreter the host
+        first sleeps until the flags are there (`_host_wait`), so the timeout is wall-clock time there too."""
+        # This rank's own flag is already there (its own launches, in order): with `wait_ns`, not timed.
+        spans = (
+            [(0, self.num_ranks)] if wait_ns is None else [(p, p + 1) for p in range(self.num_ranks) if p != self.rank]
+        )
         waited = []
+        deadline = time.monotonic() + self.timeout_s
         for first, last in spans:
             start = time.perf_counter_ns()
+            bound = self._host_wait(offset, stride, target, peer_area, first, last, deadline)
             _wait_kernel[(1,)](
                 self.peer_table, self.poison_table, self.status.words, self.rank, self.num_ranks, first, last, offset,
-                stride, target, self.bound.bound, phase, PEER_AREA=peer_area, CLOCK=self.bound.clock,
+                stride, target, bound, phase, PEER_AREA=peer_area, CLOCK=self.bound.clock,
             )  # fmt: skip
-            self.status.check()
+            self._check_status()
             waited.append(time.perf_counter_ns() - start)
         if wait_ns is not None:
+            waited.insert(self.rank, 0)
             wait_ns += torch.tensor(waited, dtype=torch.int64, device=wait_ns.device)
+
+    def _host_wait(self, offset, stride, target, peer_area, first, last, deadline) -> int:
+        """The interpreter: the host sleeps until the flags of ranks [first, last) are there, this rank's poison word
+        is set, or `deadline` passed (`sync.host_wait_flags`, which frees the core the late peers need); returns the
+        kernel wait's bound: 1 spin once the time ran out (the kernel then reports whom it waited for)."""
+        if self.bound.clock != sync.CLOCK_SPINS or self.device.type != "cpu":
+            return self.bound.bound
+        poison = self.area[self.control.poison : self.control.poison + 8].view(torch.int64)
+        for p in range(first, last):
+            address = int(self.peer_table[p if peer_area else self.rank]) + offset + p * stride
+            flag = torch.frombuffer(ctypes.c_int64.from_address(address), dtype=torch.int64)
+            if sync.host_wait_flags(flag, target, poison, max(0.0, deadline - time.monotonic())) <= 0:
+                return 1
+        return self.bound.bound
+
+    def _check_status(self) -> None:
+        """The status word's error; a peer that destroyed its buffer (its poison code has phase `DESTROYED_PHASE`)
+        is named as such."""
+        try:
+            self.status.check()
+        except _C.CommError as error:
+            code, cause = self.status.words.tolist()
+            kind, phase, culprit, _ = sync.decode_error(cause) if cause else (0, 0, -1, -1)
+            if kind == sync.KIND_PEER_FAILED and phase == DESTROYED_PHASE:
+                _, waited_in, _, _ = sync.decode_error(code)
+                raise _C.CommError(
+                    f"mtdeepep: rank {self.rank} stopped waiting in phase '{sync.PHASE_NAMES.get(waited_in, '?')}': "
+                    f"rank {culprit} failed: its buffer was destroyed"
+                ) from error
+            raise
 
     def _enter_and_wait_peers(self, call: _Call, wait_ns) -> None:
         """This rank entered call `seq`; waits until every peer did (its half of call seq - 2 is given up)."""
@@ -747,9 +806,17 @@ class LowLatencyKernels:
         sync.signal_all_kernel[(1,)](self.peer_table, self.control.barrier, self.barriers, self.rank, self.num_ranks)
         sync.wait_all_kernel[(1,)](
             self.peer_table, self.poison_table, self.status.words, self.control.barrier, self.barriers,
-            self.bound.bound, sync.PHASE_BARRIER, self.rank, self.num_ranks, CLOCK=self.bound.clock,
+            self._host_wait(self.control.barrier, 8, self.barriers, False, 0, self.num_ranks,
+                            time.monotonic() + self.timeout_s),
+            sync.PHASE_BARRIER, self.rank, self.num_ranks, CLOCK=self.bound.clock,
         )  # fmt: skip
-        self.status.check()
+        self._check_status()
+
+    def destroy(self) -> None:
+        """This rank's buffer goes away: every peer's low-latency wait ends at once with `CommError` naming this rank
+        (call before the area is unmapped; the poison goes into the peers' areas)."""
+        code = sync.encode_error(sync.KIND_PEER_FAILED, DESTROYED_PHASE, self.rank, self.rank)
+        _poison_peers_kernel[(1,)](self.poison_table, self.rank, self.num_ranks, code)
 
     def interrupt(self) -> None:
         """Ends this rank's low-latency waits now (its poison word; they raise `CommError`)."""
@@ -844,6 +911,13 @@ def _aot_specs() -> list[dict]:
         "name": "ll_enter",
         "fn": _enter_kernel,
         "signature": {"table": "*i64", "rank": "i32", "offset": "i64", "seq": "i64"},
+        "constexprs": {},
+        "flags": True,
+    })  # fmt: skip
+    specs.append({
+        "name": "ll_poison_peers",
+        "fn": _poison_peers_kernel,
+        "signature": {"poison_table": "*i64", "rank": "i32", "num_ranks": "i32", "code": "i64"},
         "constexprs": {},
         "flags": True,
     })  # fmt: skip
