@@ -84,6 +84,7 @@ def test_randomised_kill_times_never_wait_for_the_timeout():
     assert latencies[-1] < REPORT_WITHIN_S, latencies[-5:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_job_restarted_in_the_same_store_is_not_misled_by_the_records_of_the_killed_one():
     """Job A's ranks leave a live record (rank 1) and a published set-up failure (rank 0, its 2nd buffer) and are
