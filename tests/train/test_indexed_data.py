@@ -194,7 +194,6 @@ def test_an_out_of_vocabulary_id_is_named_before_training(tmp_path, blend):
     document and the position, and caches a clean verdict."""
     import torch as _torch
 
-    from moe.data import vocab_check
     from tests.clients.clients_env import import_megatron
 
     data_path, tokenizer = blend
@@ -214,6 +213,8 @@ def test_an_out_of_vocabulary_id_is_named_before_training(tmp_path, blend):
         prepare_run_data(cfg, 512, seed=0, build=True)
     clean = _training(data_path=data_path, tokenizer=str(tokenizer), cache_dir=str(tmp_path / "c"))
     prepare_run_data(clean, 512, seed=0, build=True)
+    from moe.data import vocab_check
+
     scanned = []
     real = vocab_check.IndexedDataset
     vocab_check.IndexedDataset = lambda prefix: scanned.append(prefix) or real(prefix)
