@@ -50,6 +50,7 @@ ALLOWED = {
     ("moe/data/tokenizer.py", "tokenizers"): "only to train or load a tokenizer",
     ("moe/data/tokenizer.py", "transformers"): "only for a tokenizer directory without tokenizer.json",
     ("moe/data/tokenize.py", "tqdm.auto"): "only for the progress bar",
+    ("moe/data/vocab_check.py", "tqdm.auto"): "only for the progress bar of a scan past a second: tqdm is optional",
     ("moe/pipeline/timeline.py", "matplotlib.backends.backend_agg"): "plots only: matplotlib is optional",
     ("moe/pipeline/timeline.py", "matplotlib.figure"): "plots only: matplotlib is optional",
     ("moe/pipeline/timeline.py", "matplotlib.patches"): "plots only: matplotlib is optional",

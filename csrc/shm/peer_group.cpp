@@ -35,6 +35,13 @@ void copy_label(char* dst, size_t capacity, const std::string& text) {
     dst[n] = '\0';
 }
 
+// This host's name: the peers of a group share its memory, so they run here (named with their pid when they exit).
+std::string host_name() {
+    char name[256] = {};
+    if (gethostname(name, sizeof(name) - 1) != 0) return "?";
+    return name;
+}
+
 }  // namespace
 
 MailboxLayout::MailboxLayout(int num_ranks) : num_ranks(num_ranks) {
@@ -147,7 +154,7 @@ void PeerGroup::wait_for(std::vector<int> peers, const std::function<bool(int)>&
         for (int peer : peers) {
             if (!process_alive(pids_[peer]))
                 throw CommError(concat("mtdeepep: rank ", rank_, " stopped waiting in ", where, ": rank ", peer,
-                                       " (pid ", pids_[peer], ") exited without arriving"));
+                                       " (pid ", pids_[peer], ", host ", host_name(), ") exited without arriving"));
         }
         if (std::chrono::duration<double>(now - start).count() > timeout_s_) {
             std::string missing, detail;

@@ -22,7 +22,8 @@ every MoE layer's experts and decodes a block of the prompts (moe/models/deepsee
 prefill dispatches on normal mode ('flex'); the decode steps on the low-latency kernels ('flex_ll', bfloat16 rows,
 or with `--fp8-dispatch` E4M3 rows with 1x128 scales; the combine sums in FP32). The low-latency kernels move no
 float32, so a float32 model decodes on 'flex' (`--decode-dispatcher` picks another). `--overlap` splits each rank's
-batch in two micro-batches interleaved at their MoE communications; `--timeline PATH` draws the last step.
+batch in two micro-batches interleaved at their MoE communications (a batch below 2 per rank runs unsplit, and
+says so); `--timeline PATH` draws the last step.
 `--chunked-prefill-size N` runs the prompts' prefill N positions at a time (its attention scores and MoE rows stay
 bounded for long prompts).
 """
@@ -187,7 +188,8 @@ def _run(args, prompts, plan, group, rank, device, eos, tokenizer, temperature, 
         rate = "n/a" if t["tokens_per_second"] is None else f"{t['tokens_per_second']:.1f}"
         print(f"{phase}: {t['tokens']} tokens in {t['seconds']:.3f} s, {rate} tokens/s")
     layout = f"ep {args.ep}: prefill on {plan.prefill}, decode on {plan.decode}{' (fp8)' if plan.fp8 else ''}"
-    print(f"{layout}{', two micro-batches overlapped' if args.overlap else ''}")
+    overlap = ", two micro-batches overlapped" if trace.events else ", unsplit (a rank's batch is below 2)"
+    print(f"{layout}{overlap if args.overlap else ''}")
     if args.timeline and all(rank_events):
         title = f"decode step, ep {args.ep}, {plan.decode}"
         decode_timeline.plot_step(args.timeline + ".png", rank_events, title)

@@ -257,6 +257,13 @@ class BlendedWindows:
                         hint = " (give the prefix, without .bin / .idx)"
                     raise ValueError(f"data_path entry {position} ({entry.prefix!r}): {path} does not exist{hint}")
             dataset = IndexedDataset(entry.prefix)
+            if (
+                dataset.num_documents == 0
+            ):  # an empty output of a preprocessing run, usually: refused whatever its weight
+                raise ValueError(
+                    f"data_path entry {position} ({entry.prefix!r}): the dataset has no documents "
+                    f"({idx_path(entry.prefix)} indexes none)"
+                )
             info = np.iinfo(dataset.dtype)
             if eod_id is not None and not info.min <= eod_id <= info.max:
                 raise ValueError(f"eod_id={eod_id} does not fit {entry.prefix}'s token dtype {dataset.dtype.name}")

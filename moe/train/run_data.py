@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe.data.blend import BlendedWindows
+from moe.data.blend import BlendedWindows, parse_data_path
 from moe.data.corpus import Corpus
 from moe.data.indexed import best_dtype
 from moe.data.tokenize import DEFAULT_SHARD_TOKENS, cache_key, load_tokenized, tokenize_corpus
 from moe.data.tokenizer import load_tokenizer, resolve_tokenizer, tokenizer_key
+from moe.data.vocab_check import check_token_ids
 from moe.train.blended import BlendedBatches
 from moe.train.config import TrainingConfig
 from moe.train.data import TokenBatches, default_cache_dir, prepare_tokens
@@ -79,7 +80,9 @@ def prepare_run_data(cfg: TrainingConfig, vocab_size: int, *, seed: int, build: 
     meta.update(tokenizer=data.tokenizer, eos_token=tok.eos_token, eos_id=tok.eos_id)
     if prepare_only:
         return RunData(None, files, tok.eos_id, meta, f"{tokenizer_dir} ({meta.get('num_tokens', '?')} tokens)")
-    batches = _blended_batches(cfg, prefixes, seed, tok.eos_id, vocab_size)
+    batches = _blended_batches(cfg, prefixes, seed, tok.eos_id, vocab_size)  # the blend's files checked first
+    # Every id of every dataset against the vocabulary, before any process group exists (cached once clean).
+    check_token_ids([e.prefix for e in parse_data_path(prefixes)], vocab_size, cache)
     meta["datasets"] = batches.summary()
     tokens = sum(d["train_windows"] for d in meta["datasets"]) * cfg.seq_len
     summary = f"{len(prefixes)} indexed datasets, {tokens} training tokens in windows of {cfg.seq_len}"

@@ -183,7 +183,7 @@ def create_engine(
         try:
             node_engine.connect(node_entries, uid, node_group if internode else group_key(group),
                                 low_latency=low_latency and not internode)  # fmt: skip
-        except Exception as error:  # noqa: BLE001 - a peer's published failure explains it better, if there is one
+        except Exception as error:  # noqa: BLE001 - a peer's published failure or its exit explains it better
             culprit = setup.peer_failure(grace_s=_PEER_FAILURE_GRACE_S)
             if culprit is None:
                 raise

@@ -10,11 +10,13 @@ with its own (long) timeout and report no rank.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import socket
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -26,6 +28,10 @@ from .. import _C
 _GENERATIONS: defaultdict[str, int] = defaultdict(int)
 _POLL_S = 0.002
 _WATCH_S = 0.2  # how often a waiting rank looks for a missing rank's published failure, or its death
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# A record of this host written this long before this process started is from an earlier job (see `_stale`): the
+# margin covers /proc's start time, counted in clock ticks.
+_STALE_MARGIN_S = 0.05
 
 
 def group_ranks(group: dist.ProcessGroup) -> tuple[int, ...]:
@@ -42,9 +48,31 @@ def _store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
-def process_alive(pid: int) -> bool:
+def setup_prefix(ranks: tuple[int, ...]) -> str:
+    """Where the set-up records of the group of these global ranks live in the store."""
+    return f"mtdeepep/setup/{hashlib.blake2b(','.join(map(str, ranks)).encode(), digest_size=8).hexdigest()}"
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat, field 22), or None if there is no such
+    process. With the pid it names one process: a pid the kernel reuses gets another start time."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            line = stat.read()
+    except OSError:
+        return None
+    return int(line[line.rfind(")") + 2 :].split()[19])
+
+
+def _since_boot_s() -> float:
+    """Now, on the clock /proc's start times count on (seconds since boot, suspend included)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def process_alive(pid: int, start_ticks: int | None = None) -> bool:
     """Whether process `pid` of this host still runs (a killed child its parent has not reaped yet is a zombie: not
-    alive); the same test as the C++ peer group's."""
+    alive); the same test as the C++ peer group's. With `start_ticks` (see `_start_ticks`), a process that reuses
+    the pid of an exited one is not taken for it."""
     if pid <= 0:
         return False
     try:
@@ -58,38 +86,95 @@ def process_alive(pid: int) -> bool:
             line = stat.read()
     except OSError:
         return True
-    state = line[line.rfind(")") + 2 : line.rfind(")") + 3]
-    return state not in ("Z", "X")
+    fields = line[line.rfind(")") + 2 :].split()
+    return fields[0] not in ("Z", "X") and (start_ticks is None or int(fields[19]) == start_ticks)
+
+
+@functools.cache
+def _process_start_s(pid: int) -> float:
+    """When process `pid` started, in seconds since boot (this process's: by pid, so that a forked child has its
+    own)."""
+    return _start_ticks(pid) / _CLOCK_TICKS
+
+
+@dataclass(frozen=True)
+class LiveRecord:
+    """What a rank publishes about itself for a group at each of its set-ups (`mtdeepep/setup/<group>/live/<rank>`),
+    kept between set-ups, so that its peers can tell that it exited whichever set-up they are in: its host, pid and
+    the pid's start time (`_start_ticks`), when it wrote the record (seconds since boot) and the group's set-up it
+    was building then (its generation, from 1)."""
+
+    host: str
+    pid: int
+    start_ticks: int
+    written_s: float
+    generation: int
+
+    def encode(self) -> str:
+        return f"{self.host} {self.pid} {self.start_ticks} {self.written_s!r} {self.generation}"
+
+    @classmethod
+    def decode(cls, text: str) -> LiveRecord:
+        host, pid, start_ticks, written_s, generation = text.rsplit(" ", 4)
+        return cls(host, int(pid), int(start_ticks), float(written_s), int(generation))
+
+    def stale(self, host: str) -> bool:
+        """Whether this record was left by a process of an earlier job in the same store: written on this host
+        before this process started, by a process that is gone. No rank of this job can have written it then (a
+        peer sets up buffers only once every rank joined the process group, this one included)."""
+        return (
+            self.host == host
+            and self.written_s < _process_start_s(os.getpid()) - _STALE_MARGIN_S
+            and not process_alive(self.pid, self.start_ticks)
+        )
+
+    def gone(self, host: str) -> bool:
+        """Whether the process of this record runs on `host` (this one: pids of other hosts cannot be checked) and
+        has exited."""
+        return self.host == host and not process_alive(self.pid, self.start_ticks)
 
 
 class SetupRendezvous:
     """One buffer set-up of a group, through the rendezvous store (see the module docstring).
 
     Created first thing by every rank of the set-up, whatever happens after: it takes the group's next set-up number
-    (so a rank whose set-up fails early stays in step with its peers for the next buffer of the group) and publishes
-    this rank's host and pid. Then:
+    (its generation: so a rank whose set-up fails early stays in step with its peers for the next buffer of the
+    group) and publishes this rank's `LiveRecord` for the group (host, pid, generation). The record outlives the
+    set-up: a peer killed between two set-ups (after its destroy(), before its next Buffer) published nothing for
+    the next one, and its record of the last one is what names it. Then:
 
     - `exchange(value)` all-gathers the set-up strings with a deadline. While it waits it watches the ranks that have
       not arrived: one that published a failure is named with its reason at once ("rank 0 failed its set-up: ..."),
-      one of this host whose process is gone is named with its pid at once; the others, at the deadline.
+      one of this host whose process is gone is named with its pid and host at once, one already building a later
+      buffer of the group (the ranks' generations diverged: a rank skipped a buffer) is named with both generations
+      at once; the others, at the deadline.
     - `fail(error)` publishes this rank's failure, so that its peers report it instead of a timeout or a symptom
       (a segment that no longer exists).
     - `peer_failure(grace_s)`: a failure a peer published (waiting up to `grace_s` for one), for the message of an
       error this rank met after the exchange.
+
+    Records a killed process of an earlier job left in the same store (its live record, its failures) are cleared
+    by the first rank of this host that reads them (`LiveRecord.stale`), so a restarted job never reports them.
     """
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float, phase: str) -> None:
         self.ranks = group_ranks(group)
-        digest = hashlib.blake2b(",".join(map(str, self.ranks)).encode(), digest_size=8).hexdigest()
-        _GENERATIONS[digest] += 1
-        self.prefix = f"mtdeepep/setup/{digest}/{_GENERATIONS[digest]}"
+        self.group_prefix = setup_prefix(self.ranks)
+        _GENERATIONS[self.group_prefix] += 1
+        self.generation = _GENERATIONS[self.group_prefix]
+        self.prefix = f"{self.group_prefix}/{self.generation}"
         self.rank, self.timeout_s, self.phase = group.rank(), timeout_s, phase
         self.host = socket.gethostname()
         self._store = _store()
-        self._guard(lambda: self._store.set(self._key("pid", self.rank), f"{self.host} {os.getpid()}"))
+        pid = os.getpid()
+        record = LiveRecord(self.host, pid, _start_ticks(pid), _since_boot_s(), self.generation)
+        self._guard(lambda: self._store.set(self._live_key(self.rank), record.encode()))
 
     def _key(self, kind: str, rank: int) -> str:
         return f"{self.prefix}/{kind}/{rank}"
+
+    def _live_key(self, rank: int) -> str:
+        return f"{self.group_prefix}/live/{rank}"
 
     def _guard(self, call):
         """Runs a store call; a lost store (its host, usually global rank 0, exited) is a CommError naming it."""
@@ -101,10 +186,32 @@ class SetupRendezvous:
                 f"0, may have exited): {error}"
             ) from error
 
+    def _read(self, key: str) -> str | None:
+        """The text under `key`, or None when there is none or it is cleared (empty)."""
+        if not self._guard(lambda: self._store.check([key])):
+            return None
+        return self._guard(lambda: self._store.get(key)).decode() or None
+
+    def _clear_if_stale(self, key: str, text: str, writer: LiveRecord) -> bool:
+        """Clears `key` (atomically, only if it still holds `text`) when its writer's record is stale."""
+        if not writer.stale(self.host):
+            return False
+        self._guard(lambda: self._store.compare_set(key, text, ""))
+        return True
+
+    def _live(self, rank: int) -> LiveRecord | None:
+        """`rank`'s live record for this group, or None (not published yet, or a stale one, then cleared)."""
+        key = self._live_key(rank)
+        text = self._read(key)
+        if text is None:
+            return None
+        record = LiveRecord.decode(text)
+        return None if self._clear_if_stale(key, text, record) else record
+
     def exchange(self, value: str) -> list[str]:
         """Every rank's string (this rank's is `value`), by group rank; CommTimeoutError naming the ranks whose
-        strings did not arrive in time, CommError naming a rank that failed or exited. Keys are removed once every
-        rank has read them."""
+        strings did not arrive in time, CommError naming a rank that failed, exited, or builds another buffer of the
+        group. The set-up's keys are removed once every rank has read them (the live records stay)."""
         keys = [self._key("value", r) for r in range(len(self.ranks))]
         deadline = time.monotonic() + self.timeout_s
         self._guard(lambda: self._store.set(keys[self.rank], value))
@@ -114,7 +221,7 @@ class SetupRendezvous:
             if not missing:
                 break
             now = time.monotonic()
-            if now >= next_watch:  # the missing ranks' failures and liveness, a few times a second
+            if now >= next_watch:  # the missing ranks' failures, liveness and generations, a few times a second
                 self._stop_for(missing)
                 next_watch = now + _WATCH_S
             if now > deadline:
@@ -125,62 +232,102 @@ class SetupRendezvous:
                 )
             time.sleep(_POLL_S)
         values = [self._guard(lambda k=k: self._store.get(k)).decode() for k in keys]
-        # The last rank to have read everything removes the keys (the values and the pids).
+        # The last rank to have read everything removes the set-up's keys.
         if self._guard(lambda: self._store.add(f"{self.prefix}/read", 1)) == len(self.ranks):
-            for key in (*keys, *(self._key("pid", r) for r in range(len(self.ranks))), f"{self.prefix}/read"):
+            for key in (*keys, f"{self.prefix}/read"):
                 self._guard(lambda key=key: self._store.delete_key(key))
         return values
 
     def _stop_for(self, missing: list[int]) -> None:
-        """Raises for the first of `missing` that published a failure or whose process is gone."""
-        for r in missing:
-            reason = self._published_failure(r)
-            if reason is not None:
-                raise _C.CommError(self._failed_message(r, reason))
-        for r in missing:
-            if self._gone(r):
-                pid = self._guard(lambda r=r: self._store.get(self._key("pid", r))).decode().rsplit(" ", 1)[1]
-                raise _C.CommError(
-                    f"mtdeepep: rank {self.rank} stopped in {self.phase}: group rank {r} (global {self.ranks[r]}, "
-                    f"pid {pid}) exited without arriving"
-                )
+        """Raises for the first of `missing` that builds a later buffer of the group than this rank (the ranks'
+        generations diverged), published a failure, or whose process is gone."""
+        records = {r: self._live(r) for r in missing}
+        for r, record in records.items():
+            message = self._failure_of(r, record, missing=True)
+            if message is not None:
+                raise _C.CommError(message)
+        for r, record in records.items():
+            if record is not None and record.gone(self.host):
+                raise _C.CommError(self._exited_message(r, record, "without arriving"))
 
-    def _published_failure(self, rank: int) -> str | None:
-        key = self._key("failed", rank)
-        if not self._guard(lambda: self._store.check([key])):
+    def _failure_of(self, rank: int, record: LiveRecord | None, missing: bool) -> str | None:
+        """The message for `rank` (its live record `record`) when it published a failure of this set-up or, while
+        `missing` from this set-up's exchange, builds a later buffer of the group than this rank; else None."""
+        reason = self._published_failure(rank)
+        ahead = record is not None and record.generation > self.generation
+        # A peer that timed out in this set-up and went on to its next buffer gave up on this one before this rank
+        # arrived: its timeout is old news, the divergence is the problem. A peer missing here that moved on without
+        # a failure skipped this buffer. (A peer that failed here for another reason, or completed the exchange, may
+        # legitimately be at its next buffer already.)
+        gave_up = reason is not None and reason.startswith(f"{_C.CommTimeoutError.__name__}:")
+        if ahead and (gave_up or (missing and reason is None)):
+            return self._diverged_message(rank, record, reason)
+        return None if reason is None else self._failed_message(rank, reason)
+
+    def _diverged_message(self, rank: int, record: LiveRecord, earlier: str | None) -> str:
+        """Rank `rank` already builds buffer #`record.generation` of the group, this rank #`self.generation`: it
+        will never arrive at this one."""
+        message = (
+            f"mtdeepep: rank {self.rank} stopped in {self.phase}: the ranks are at different buffer generations of "
+            f"this group: this rank is building the group's buffer #{self.generation}, group rank {rank} (global "
+            f"{self.ranks[rank]}, pid {record.pid}, host {record.host}) is building #{record.generation} (a rank "
+            "created fewer buffers of the group than its peers, e.g. it skipped one, or came to one after its peers "
+            "had given up on it; every rank must create the group's buffers in the same order)"
+        )
+        current = self._published_failure(rank, record.generation)
+        if current is not None:
+            message += f"; its set-up of #{record.generation} failed: {current}"
+        if earlier is not None:
+            message += f"; it had given up on #{self.generation}: {earlier}"
+        return message
+
+    def _published_failure(self, rank: int, generation: int | None = None) -> str | None:
+        """The failure `rank` published for this set-up (or for its set-up #`generation` of the group), or None."""
+        prefix = self.prefix if generation is None else f"{self.group_prefix}/{generation}"
+        key = f"{prefix}/failed/{rank}"
+        text = self._read(key)
+        if text is None:
             return None
-        return self._guard(lambda: self._store.get(key)).decode()
+        writer, _, reason = text.partition("\n")
+        return None if self._clear_if_stale(key, text, LiveRecord.decode(writer)) else reason
 
     def _failed_message(self, rank: int, reason: str) -> str:
         return (f"mtdeepep: rank {self.rank} stopped in {self.phase}: group rank {rank} (global {self.ranks[rank]}) "
                 f"failed its set-up: {reason}")  # fmt: skip
 
     def fail(self, error: BaseException) -> None:
-        """Publishes this rank's failure for its peers (best effort: the store may be gone)."""
+        """Publishes this rank's failure for its peers (best effort: the store may be gone), with this process's
+        record (so that a job restarted in the same store can tell it is not its own)."""
+        pid = os.getpid()
+        writer = LiveRecord(self.host, pid, _start_ticks(pid), _since_boot_s(), self.generation)
         with contextlib.suppress(Exception):  # the original error is what the caller raises
-            self._store.set(self._key("failed", self.rank), f"{type(error).__name__}: {error}")
+            self._store.set(self._key("failed", self.rank), f"{writer.encode()}\n{type(error).__name__}: {error}")
 
     def peer_failure(self, grace_s: float) -> str | None:
-        """The message naming the first peer that published a failure, waiting up to `grace_s` for one; None at once
-        when a peer of this host is gone (a dead process publishes nothing, and this rank's own error names it)."""
+        """The message naming the first peer that published a failure (or builds a later buffer of the group),
+        waiting up to `grace_s` for one, or at once the first peer of this host whose process is gone (a dead process
+        publishes nothing), with its pid and host; None if neither."""
         deadline = time.monotonic() + grace_s
         peers = [r for r in range(len(self.ranks)) if r != self.rank]
         while True:
-            for r in peers:
-                reason = self._published_failure(r)
-                if reason is not None:
-                    return self._failed_message(r, reason)
-            if time.monotonic() >= deadline or any(self._gone(r) for r in peers):
+            records = {r: self._live(r) for r in peers}
+            for r, record in records.items():
+                message = self._failure_of(r, record, missing=False)
+                if message is not None:
+                    return message
+            for r, record in records.items():
+                if record is not None and record.gone(self.host):
+                    return self._exited_message(r, record, "during the set-up")
+            if time.monotonic() >= deadline:
                 return None
             time.sleep(_WATCH_S / 4)
 
-    def _gone(self, rank: int) -> bool:
-        """Whether `rank` published its pid, runs on this host, and its process is gone."""
-        key = self._key("pid", rank)
-        if not self._guard(lambda: self._store.check([key])):
-            return False
-        host, pid = self._guard(lambda: self._store.get(key)).decode().rsplit(" ", 1)
-        return host == self.host and not process_alive(int(pid))
+    def _exited_message(self, rank: int, record: LiveRecord, when: str) -> str:
+        return (
+            f"mtdeepep: rank {self.rank} stopped in {self.phase}: group rank {rank} (global {self.ranks[rank]}, pid "
+            f"{record.pid}, host {record.host}) exited {when} (at the group's buffer set-up #{record.generation}; "
+            f"this rank is at #{self.generation})"
+        )
 
 
 def exchange_strings(group: dist.ProcessGroup, value: str, timeout_s: float, phase: str) -> list[str]:

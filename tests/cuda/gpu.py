@@ -132,11 +132,11 @@ def rank_ids(num_ranks: int) -> str:
 def named_ranks(message: str) -> list[int]:
     """The ranks an error message names as missing: the CPU executor's timeouts (`rank(s) [1] did not arrive`, see
     `named_missing_ranks`), the CUDA executor's (`ranks that did not arrive: [1]`), or a dead peer
-    (`rank 1 (pid 123) exited without arriving`). Empty if it names none."""
+    (`rank 1 (pid 123, host h) exited without arriving`). Empty if it names none."""
     named = named_missing_ranks(message)
     if named:
         return named
     listed = re.search(r"did not arrive: \[([0-9, ]+)\]", message)
     if listed:
         return [int(r) for r in listed.group(1).split(",")]
-    return [int(r) for r in re.findall(r"rank (\d+) \(pid \d+\) exited", message)]
+    return [int(r) for r in re.findall(r"rank (\d+) \(pid \d+[^)]*\) exited", message)]

@@ -206,6 +206,19 @@ def test_bad_blends_are_refused_naming_the_entry(three, tmp_path):
     )
 
 
+@pytest.mark.parametrize("held_out", [0, 0.01])
+def test_an_empty_dataset_is_named_as_such(three, tmp_path, held_out):
+    """Issue 38, item 4 (before: "held_out=0.01 asks for 1 of 0 documents", or "0 training tokens, less than one
+    window"). Written by megatron-core's own builder: this project's writer refuses to publish an empty dataset."""
+    indexed_dataset = import_megatron("megatron.core.datasets.indexed_dataset")
+    empty = str(tmp_path / "empty")
+    builder = indexed_dataset.IndexedDatasetBuilder(f"{empty}.bin", dtype=np.int32)
+    builder.finalize(f"{empty}.idx")
+    named = r"\('.*empty'\): the dataset has no documents \(.*empty\.idx indexes none\)"
+    _error(f"entry 3 {named}", ["0.7", three[0], "0.3", empty], held_out=held_out)
+    _error(f"entry 1 {named}", [three[0], empty], held_out=held_out)
+
+
 def test_corrupt_dataset_is_refused_naming_the_file(three, tmp_path):
     prefix = _write(tmp_path / "bad", _tagged_docs(1, 5, seed=0))
     with open(f"{prefix}.bin", "r+b") as f:

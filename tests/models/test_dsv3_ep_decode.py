@@ -188,3 +188,18 @@ def test_generate_script_under_torchrun(model, tmp_path):
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
     assert {e["name"] for e in trace["traceEvents"] if e.get("cat") == "comm"} >= {"A dispatch", "B combine"}
     assert (tmp_path / "step.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_generate_script_overlap_with_one_prompt_per_rank_runs_unsplit(model, tmp_path):
+    """Issue 38, item 2: --ep 2 --overlap with 2 prompts (1 per rank) runs unsplit on both ranks (they step together:
+    no hang), with the tokens of the in-process EP 1 run without the overlap."""
+    model_dir, _, _ = model
+    argv = ["--checkpoint", model_dir, "--max-new-tokens", "16", "--dtype", "bfloat16", "--ep", "2", "--overlap",
+            "--output-json", str(tmp_path / "out.json")]  # fmt: skip
+    for p in PROMPTS[:2]:
+        argv += ["--prompt-ids", ",".join(map(str, p))]
+    run_processes(tc.torchrun_rank, 2, (argv, "generate"), timeout_s=240)
+    doc = json.loads((tmp_path / "out.json").read_text())
+    alone = generate_case(None, model_dir, PROMPTS[:2], 16, "bfloat16", None, False, False, False)
+    assert [r["generated_ids"] for r in doc["results"]] == alone["ids"]

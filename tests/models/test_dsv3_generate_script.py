@@ -143,6 +143,21 @@ def test_sampling_is_reproducible(tmp_path):
     assert first == [r.tolist() for r in reference]
 
 
+def test_overlap_with_a_batch_below_two_runs_unsplit(tmp_path, capsys, caplog):
+    """Issue 38, item 2 (before: "--overlap splits each rank's batch in two micro-batches: 1 prompts over 1 ranks
+    leave 1 per rank, it needs >= 2", exit 2): the same tokens as without --overlap, and one log line saying so."""
+    model_dir = tmp_path / "ckpt"
+    _write(model_dir, tiny_config())
+    argv = ["--checkpoint", str(model_dir), "--max-new-tokens", str(NEW), "--prompt-ids", "5,17,99", "--greedy"]
+    plain = _run(argv, tmp_path / "plain.json")
+    caplog.clear()
+    overlapped = _run([*argv, "--overlap"], tmp_path / "overlap.json")
+    assert overlapped["results"] == plain["results"]
+    lines = [r.getMessage() for r in caplog.records if "too small to split" in r.getMessage()]
+    assert len(lines) == 1, caplog.records
+    assert "unsplit (a rank's batch is below 2)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -163,7 +178,6 @@ def test_sampling_is_reproducible(tmp_path):
             ["--prompt-ids", "1", "--dtype", "bfloat16", "--decode-dispatcher", "flex", "--fp8-dispatch"],
             "FP8 dispatch runs on the low-latency dispatcher",
         ),
-        (["--prompt-ids", "1", "--overlap"], "leave 1 per rank, it needs >= 2"),
         (
             [
                 "--prompt-ids",

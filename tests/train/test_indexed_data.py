@@ -186,3 +186,40 @@ def test_a_bad_jsonl_record_names_its_file_and_line_before_training(tmp_path):
                     cache_dir=str(tmp_path / "cache"))  # fmt: skip
     with pytest.raises(ValueError, match=r"docs\.jsonl:1: no field 'txt'"):
         prepare_run_data(cfg, 512, seed=0, build=True)
+
+
+def test_an_out_of_vocabulary_id_is_named_before_training(tmp_path, blend):
+    """Issue 38, item 1 (before: the run trained step 1, committed it and died at step 2 with a traceback): the
+    check phase (`prepare_run_data`, before any process group) scans every id of the blend, names the file, the
+    document and the position, and caches a clean verdict."""
+    import torch as _torch
+
+    from tests.clients.clients_env import import_megatron
+
+    data_path, tokenizer = blend
+    builder_module = import_megatron("megatron.core.datasets.indexed_dataset")
+    oov = str(tmp_path / "oov_text_document")
+    builder = builder_module.IndexedDatasetBuilder(f"{oov}.bin", dtype=np.int32)
+    rng = np.random.default_rng(0)
+    for d in range(4):
+        doc = rng.integers(1, 256, size=40)
+        if d == 1:
+            doc[7] = 700  # the issue's case: one token of the second document, a 512-id model
+        builder.add_document(_torch.tensor(doc), [doc.size])
+    builder.finalize(f"{oov}.idx")
+    cfg = _training(data_path=[0.7, data_path[1], 0.3, oov], tokenizer=str(tokenizer), cache_dir=str(tmp_path / "c"))
+    with pytest.raises(ValueError, match=r"oov_text_document\.bin: document 1, position 7 .* holds id 700, outside "
+                                         r"the model's vocabulary \[0, 512\)"):  # fmt: skip
+        prepare_run_data(cfg, 512, seed=0, build=True)
+    clean = _training(data_path=data_path, tokenizer=str(tokenizer), cache_dir=str(tmp_path / "c"))
+    prepare_run_data(clean, 512, seed=0, build=True)
+    from moe.data import vocab_check
+
+    scanned = []
+    real = vocab_check.IndexedDataset
+    vocab_check.IndexedDataset = lambda prefix: scanned.append(prefix) or real(prefix)
+    try:
+        prepare_run_data(clean, 512, seed=0, build=True)  # a second run: the cached verdict, no rescan
+    finally:
+        vocab_check.IndexedDataset = real
+    assert scanned == []

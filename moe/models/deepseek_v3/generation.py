@@ -8,6 +8,7 @@ interleaved at their MoE communications (moe/interleave.py), as DeepSeek's infer
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from moe.models.deepseek_v3.decode import check_decodable, check_prompt_ids, for
 from moe.models.deepseek_v3.decode_dispatch import DecodeDispatchers, check_decode_batch
 from moe.models.deepseek_v3.kv_cache import MLACache
 from moe.models.deepseek_v3.model import DeepseekV3ForCausalLM
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -183,7 +186,10 @@ def generate(
         times: when given, this call's prefill and decode tokens and seconds are added to it.
         dispatchers: with an expert-parallel model, the decode steps' dispatchers (decode_dispatch.py; the prefill
             runs on the model's own). None: every phase on the model's own.
-        overlap: split the batch in two halves and interleave them at every MoE communication (needs >= 2 prompts).
+        overlap: split the batch in two halves and interleave them at every MoE communication. With fewer than 2
+            prompts on some rank of the EP group the whole group runs unsplit (as SGLang's two-batch overlap does
+            with a batch too small to split; the ranks keep stepping together), the same tokens as without it, and
+            a warning says so.
         trace: when given, each decode step's wall time (and with `overlap` its interleaver events) is appended.
         prefill_chunk_size: run the prompts' prefill in chunks of this many positions (decode.py `prefill`);
             None: one forward.
@@ -198,8 +204,11 @@ def generate(
     check_decodable(model)
     prompts = check_generation(model.config, prompts, max_new_tokens, temperature, top_p)
     B = len(prompts)
-    if overlap and B < 2:
-        raise ValueError(f"the two-micro-batch overlap splits the batch in two halves: it needs >= 2 prompts, got {B}")
+    if overlap and _reduce_over_ranks(B, dist.ReduceOp.MIN, model.ep_group) < 2:
+        overlap = False  # every rank decides alike: the split ranks' MoE layers would communicate twice per step
+        if model.ep_group is None or model.ep_group.rank() == 0:
+            logger.warning("overlap: a rank's decode batch is below 2 sequences, too small to split in two "
+                           "micro-batches: the decode steps run unsplit")  # fmt: skip
     if dispatchers is not None:  # before any communication: a low-latency buffer too small for this batch
         check_decode_batch(B, dispatchers.plan, overlap)
     if isinstance(generator, Sequence) and len(generator) != B:

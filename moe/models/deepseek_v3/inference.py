@@ -86,8 +86,9 @@ def check_parallel_options(
 ) -> DecodeDispatch:
     """The resolved `DecodeDispatch` of these options; ValueError (needing only the config) for an expert-parallel
     size that is not positive, does not divide `n_routed_experts` or differs from the number of processes, a
-    dispatcher plan the model dtype cannot run (decode_dispatch.py), an overlap without two prompts per rank, or a
-    per-rank decode batch above `num_max_dispatch_tokens_per_rank`."""
+    dispatcher plan the model dtype cannot run (decode_dispatch.py), or a per-rank decode batch above
+    `num_max_dispatch_tokens_per_rank` (an overlap with fewer than two prompts per rank is no error: `generate`
+    runs it unsplit)."""
     if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
         raise ValueError(f"--ep must be a positive int, got {ep!r}")
     if config.n_routed_experts % ep:
@@ -102,12 +103,7 @@ def check_parallel_options(
     if ep == 1 and decode_dispatcher is None and not fp8_dispatch:
         plan = dataclasses.replace(plan, decode="flex")  # one process: nothing travels; the model's own dispatcher
     plan = plan.resolved(dtype, config.hidden_size)
-    per_rank = -(-num_prompts // ep)
-    if overlap and per_rank < 2:
-        raise ValueError(
-            f"--overlap splits each rank's batch in two micro-batches: {num_prompts} prompts over {ep} ranks leave "
-            f"{per_rank} per rank, it needs >= 2"
-        )
+    per_rank = -(-num_prompts // ep)  # below 2 with overlap: generate runs unsplit (and says so)
     check_decode_batch(per_rank, plan, overlap)
     return plan
 
