@@ -521,7 +521,7 @@ class InternodeEngine(Engine):
                 num_worst_tokens, num_channels, seq,
             )  # fmt: skip
             notify(outputs)
-            recv, handle = (*outputs[:2], placed), outputs[5]
+            recv, handle = (*_unversioned(*outputs[:2]), placed), outputs[5]
             self._move_tokens(data, scales, _record_of(handle).state, recv, num_channels, "dispatch")
 
         outputs, event = self._run(full_dispatch, previous, async_finish)
@@ -534,9 +534,10 @@ class InternodeEngine(Engine):
 
         def cached(notify: Callable[[tuple], None]) -> None:
             num_out = self._output_rows(record.state.num_received, num_worst_tokens, "cached dispatch")
-            recv = self._new_recv(data, scales, num_out, record.state.num_topk)
-            notify(recv[:2])
+            recv_data, recv_scales, placed = self._new_recv(data, scales, num_out, record.state.num_topk)
+            notify((recv_data, recv_scales))
             self._agree("cached dispatch", record.uid, record.seq)  # before any row moves; raised by the event if async
+            recv = (*_unversioned(recv_data, recv_scales), placed)
             self._move_tokens(data, scales, record.state, recv, num_channels, "cached dispatch")
 
         (recv_data, recv_scales), event = self._run(cached, previous, async_finish)
@@ -580,12 +581,14 @@ class InternodeEngine(Engine):
         delivered = {}
         for n in self._steps():
             rows_n = rows_M[recv_blocks[n][0] : recv_blocks[n][1]]
-            node_in_rank = _columns(rows_n, fmt.routing_offset, L, torch.bool).contiguous()
+            # Copies, never views of the scratch rows (`.contiguous()` returns a block of 0 or 1 rows as the view it
+            # is): the node stage's handle keeps `node_in_rank`, and the next call overwrites the scratch rows.
+            node_in_rank = _columns(rows_n, fmt.routing_offset, L, torch.bool).clone()
             node_topk_idx = node_weights = None
             if topk_idx is not None:
                 node_topk_idx = self._node_local_ids(_columns(rows_n, 0, 8 * fmt.num_topk, torch.int64), per_expert)
             if topk_weights is not None:
-                node_weights = _columns(rows_n, fmt.weights_offset, 4 * fmt.num_topk, torch.float32).contiguous()
+                node_weights = _columns(rows_n, fmt.weights_offset, 4 * fmt.num_topk, torch.float32).clone()
             with self._node_stage("dispatch"):
                 # The source node's count per expert of this node; aligned once, over all steps, below.
                 delivered[n] = self.node.dispatch(
@@ -776,7 +779,9 @@ class InternodeEngine(Engine):
             combined_w = None if topk_weights is None else torch.empty(num_tokens, topk_weights.size(1))
             notify((combined, combined_w))
             self._agree("combine", record.uid, record.seq)  # before any row moves; raised by the event if async
-            self._combine(x, record.state, topk_weights, (bias0, bias1), num_channels, combined, combined_w)
+            self._combine(
+                x, record.state, topk_weights, (bias0, bias1), num_channels, *_unversioned(combined, combined_w)
+            )
 
         (combined, combined_w), event = self._run(combine, previous, async_finish)
         return combined, combined_w, event
@@ -960,6 +965,15 @@ def _blocks(counts: list[int]) -> list[tuple[int, int]]:
     """`[begin, end)` of each consecutive block of rows, from the blocks' sizes."""
     ends = list(itertools.accumulate(counts))
     return list(zip([0, *ends[:-1]], ends))
+
+
+def _unversioned(*outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Aliases of outputs already handed to the caller, for the worker to write their contents through, as a device's
+    comm stream writes through pointers: the same memory under a version counter of its own (`Tensor.data`), so that
+    autograd never sees an in-place change of what the caller holds. (The caller may have made views of them inside
+    an autograd Function before the rows arrived, as moe's dispatcher does: an in-place change of their base makes
+    those views unusable, "Output 0 of ... is a view and its base ... has been modified inplace".)"""
+    return tuple(None if output is None else output.data for output in outputs)
 
 
 def _padded(rows: torch.Tensor, num_out: int, fill: float) -> torch.Tensor:
