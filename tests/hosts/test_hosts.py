@@ -1,0 +1,103 @@
+"""Several machines for real: namespace hosts on this machine (`mtdeepep.utils.hosts`: own network, `/dev/shm` and
+hostname each, on a private bridge), one `torchrun --nnodes N --rdzv-backend c10d` agent per host, as users launch on
+real machines; the internode engine's network stage goes over TCP between the hosts' veth addresses.
+
+Needs root and namespaces: skipped with the reason otherwise. Slow (a torchrun start per test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mtdeepep.utils.hosts import Hosts, HostsUnavailable, check_available
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "hosts" / "host_worker.py"
+PORT = 29411
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+@pytest.fixture
+def hosts2():
+    try:
+        check_available()
+        hosts = Hosts(2)
+    except HostsUnavailable as error:
+        pytest.skip(str(error))
+    try:
+        yield hosts
+    finally:
+        hosts.close()
+
+
+def torchrun(hosts: Hosts, index: int, ranks_per_host: int, args: list[str], report_dir: Path, timeout_s: float,
+             delay_s: float = 0.0) -> subprocess.Popen:  # fmt: skip
+    """One agent of the run in host `index`, c10d rendezvous on host 0's address."""
+    env = hosts.env(index)
+    env.update(PYTHONPATH=str(ROOT), REPORT_DIR=str(report_dir), MTDEEPEP_TIMEOUT_S=str(timeout_s), OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(hosts)}", f"--nproc-per-node={ranks_per_host}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts.hosts[0].address}:{PORT}", "--rdzv-id=mtdeepep-hosts",
+        "--max-restarts=0", str(WORKER), *args,
+    ]  # fmt: skip
+    if delay_s:
+        cmd = ["sh", "-c", f'sleep {delay_s} && exec "$@"', "--", *cmd]
+    log = open(report_dir / f"agent{index}.log", "w")  # noqa: SIM115 - closed with the process
+    return hosts.run(index, cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_all(procs: list[subprocess.Popen], report_dir: Path, timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    codes = []
+    for i, proc in enumerate(procs):
+        try:
+            codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            logs = "\n".join((report_dir / f"agent{j}.log").read_text()[-3000:] for j in range(len(procs)))
+            raise AssertionError(f"agent {i} still running after {timeout_s} s:\n{logs}") from None
+    return codes
+
+
+def logs(report_dir: Path, num: int) -> str:
+    return "\n".join(f"--- agent {j} ---\n" + (report_dir / f"agent{j}.log").read_text()[-4000:] for j in range(num))
+
+
+def test_conformance_across_two_hosts(hosts2, tmp_path):
+    """Normal mode (BF16, FP8, cached), low latency and V2 on 2 hosts x 2 ranks: right results; each host's
+    segments are in its own /dev/shm only (the root namespace's gains none), and the rows crossed the hosts'
+    network interfaces."""
+    shm_before = set(os.listdir("/dev/shm"))
+    cases = ["normal:dispatch_matches_reference", "normal:combine_matches_reference", "normal:fp8_dispatch_passes_through",
+             "normal:cached_dispatch_matches", "low_latency:dispatch_matches_upstream_checks",
+             "low_latency:combine_matches_reference", "v2:elastic_dispatch_matches_reference"]  # fmt: skip
+    procs = [torchrun(hosts2, i, 2, cases, tmp_path, 30) for i in range(2)]
+    codes = wait_all(procs, tmp_path, 300)
+    assert codes == [0, 0], logs(tmp_path, 2)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    by_host: dict[str, list[dict]] = {}
+    for report in reports:
+        by_host.setdefault(report["hostname"], []).append(report)
+    assert sorted(by_host) == ["host0", "host1"] and all(len(v) == 2 for v in by_host.values()), by_host
+    root_device = os.stat("/dev/shm").st_dev
+    root_device = f"{os.major(root_device):02x}:{os.minor(root_device):02x}"
+    devices = {host: {r["shm_device"] for r in ranks} for host, ranks in by_host.items()}
+    assert all(len(d) == 1 for d in devices.values()), f"one /dev/shm per host: {devices}"
+    assert len({*devices["host0"], *devices["host1"], root_device}) == 3, f"each host its own /dev/shm: {devices}"
+    for host, ranks in by_host.items():
+        for r in ranks:
+            # The node stage maps segments, all on its own host's /dev/shm: none of another host's (or the root's).
+            assert r["shm_mappings"], f"rank {r['rank']} on {host} mapped no /dev/shm segment"
+            assert {dev for dev, _ in r["shm_mappings"]} == {r["shm_device"]}, (host, r["shm_mappings"], devices)
+            # Its rows to the other host crossed its network interface.
+            assert r["interface_bytes"] > 1_000_000, (host, r["interface_bytes"])
+    assert not {n for n in set(os.listdir("/dev/shm")) - shm_before if "mtdeepep" in n}, (
+        "a segment in the root /dev/shm"
+    )
