@@ -25,7 +25,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,7 +103,8 @@ class Hosts:
             _sh("ip", "-n", netns, "link", "set", "lo", "up")
             # The holder: a private mount namespace with its own /dev/shm, and its own hostname.
             script = (
-                f"mount -t tmpfs -o size={shm_mib}m,mode=1777 tmpfs /dev/shm && mount --bind {self._hosts_file} /etc/hosts && "
+                f"mount -t tmpfs -o size={shm_mib}m,mode=1777 tmpfs /dev/shm && "
+                f"mount --bind {self._hosts_file} /etc/hosts && "
                 f"hostname {name} && echo ready && "
                 "exec sleep infinity"
             )

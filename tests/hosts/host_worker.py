@@ -1,7 +1,8 @@
 """One rank of a multi-host run, started by `torchrun --nnodes N --rdzv-backend c10d` inside a namespace host
 (test_hosts.py): joins the group torchrun set up, runs the named conformance cases on the internode topology of
 `LOCAL_WORLD_SIZE` ranks per host, and writes a JSON report to `$REPORT_DIR/rank{r}.json`: the hostname, the bytes
-that crossed this host's network interface during the cases, its `/dev/shm`'s device and the /dev/shm files it has mapped while the buffers live.
+that crossed this host's network interface during the cases, its `/dev/shm`'s device and the /dev/shm files it has
+mapped while the buffers live.
 
     python tests/hosts/host_worker.py CASE [CASE...]      CASE: normal:NAME | low_latency:NAME | v2:NAME | hold:SECONDS
 """

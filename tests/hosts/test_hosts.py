@@ -75,9 +75,11 @@ def test_conformance_across_two_hosts(hosts2, tmp_path):
     segments are in its own /dev/shm only (the root namespace's gains none), and the rows crossed the hosts'
     network interfaces."""
     shm_before = set(os.listdir("/dev/shm"))
-    cases = ["normal:dispatch_matches_reference", "normal:combine_matches_reference", "normal:fp8_dispatch_passes_through",
-             "normal:cached_dispatch_matches", "low_latency:dispatch_matches_upstream_checks",
-             "low_latency:combine_matches_reference", "v2:elastic_dispatch_matches_reference"]  # fmt: skip
+    cases = [
+        "normal:dispatch_matches_reference", "normal:combine_matches_reference", "normal:fp8_dispatch_passes_through",
+        "normal:cached_dispatch_matches", "low_latency:dispatch_matches_upstream_checks",
+        "low_latency:combine_matches_reference", "v2:elastic_dispatch_matches_reference",
+    ]  # fmt: skip
     procs = [torchrun(hosts2, i, 2, cases, tmp_path, 30) for i in range(2)]
     codes = wait_all(procs, tmp_path, 300)
     assert codes == [0, 0], logs(tmp_path, 2)
