@@ -44,6 +44,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -54,10 +55,13 @@ import torch.distributed as dist
 from .. import _C
 from .base import DispatchOutputs, Engine, Event
 from .handles import DispatchRecord, InternodeHandle, attach, low_latency_handle
+from .peers import BoundedStore, PeerTable, StoreUnreachable
 from .setup import group_key, group_ranks, new_group
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _ROW_ALIGNMENT = 16  # network rows are padded to this many bytes (int64 views, float32 view for the node stage)
+_NOTIFY_MARGIN_S = 30.0  # the caller's wait for an operation's outputs: this beyond the timeouts of those ahead
+_STORE_REPORT_S = 5.0  # publishing a failure in the store waits at most this (the store may be unreachable)
 _WAIT_SLICE_S = 0.05  # network waits check for failures (this rank's, or published by a peer) this often
 
 # Every internode engine of this process that was not destroyed, for the exit hook (`shutdown_all_engines`).
@@ -198,13 +202,17 @@ class InternodeEngine(Engine):
         self._creator_pid = os.getpid()
         self._dispatches = 0  # dispatches agreed by every rank (the worker's): the next one's number is one more
         self._ops = 0  # operations started on the worker, recorded in the store for timeout reports
-        self._store = dist.distributed_c10d._get_default_store()
+        # Every store call is bounded (a host that dropped off the network blocks them for minutes otherwise).
+        self._store = BoundedStore(dist.distributed_c10d._get_default_store(), f"mtdeepep/alive/{uid}/{self.rank}",
+                                   f"mtdeepep-store-{self.rank}")  # fmt: skip
         self._progress_prefix = f"mtdeepep/progress/{uid}"
         self._failure_key = f"mtdeepep/failed/{uid}"
         self._failure: str | None = None  # set once the ranks may be out of step: no further work
         self._busy = 0  # operations queued on the worker and not finished
         self._scratch = _Scratch()  # used by the worker only
         self.node_group, self.rdma_group, self.world_group = self._new_groups(group)
+        self.peers = PeerTable(self.world_group, self._store, f"mtdeepep/alive/{uid}")  # hosts, for error messages
+        weakref.finalize(self, self._store.close)  # its heartbeat thread ends with the engine
         self.low_latency = None
         if low_latency:
             self.low_latency = _C.LowLatencyProtocol(node.runtime, self.rank, self.num_ranks, False)
@@ -244,6 +252,7 @@ class InternodeEngine(Engine):
             return
         _LIVE_ENGINES.discard(self)
         self._worker.shutdown(wait=True)
+        self._store.close()
         self._scratch.clear()
         self.node.destroy()
         for group in (self.node_group, self.rdma_group, self.world_group):
@@ -282,8 +291,8 @@ class InternodeEngine(Engine):
         def run() -> None:
             self._check_usable()
             self._ops += 1
-            self._store.set(f"{self._progress_prefix}/{self.rank}", str(self._ops))
             try:
+                self._store.call(self.timeout_s, "set", f"{self._progress_prefix}/{self.rank}", str(self._ops))
                 with torch.no_grad():  # communication is not differentiable (see mtdeepep.autograd)
                     body()
             except _C.GroupMismatchError:
@@ -320,9 +329,22 @@ class InternodeEngine(Engine):
                 error = None
             done.complete(error)
 
+        # The worker runs the operations queued before this one first, each bounded by the timeout, then this one's
+        # notify part: waited for at most that long (plus a margin), so a stuck worker cannot hang the caller.
+        deadline = self.timeout_s * (self._busy + 1) + _NOTIFY_MARGIN_S
         self._queue(body, finished)
         try:
-            outputs = notified.result()
+            try:
+                outputs = notified.result(timeout=deadline)
+            except FutureTimeout:
+                if notified.done():  # the operation's own error (a CommTimeoutError is a TimeoutError too)
+                    raise
+                message = (
+                    f"mtdeepep: rank {self.rank}: internode operation #{self._ops + 1}: its outputs were not ready "
+                    f"within {deadline:.1f} s (the worker is stuck in an earlier operation)"
+                )
+                self.interrupt(message)
+                raise _C.CommTimeoutError(message) from None
             if not async_finish:
                 done.wait()
                 return outputs, None
@@ -366,17 +388,23 @@ class InternodeEngine(Engine):
         self._failure = reason
         if not reason.startswith("mtdeepep: rank"):
             reason = f"rank {self.rank}: {reason}"
-        with contextlib.suppress(Exception):  # the store may be gone (its host exited)
-            self._store.compare_set(self._failure_key, "", ("T|" if timed_out else "E|") + reason)
+        with contextlib.suppress(Exception):  # the store may be gone (its host exited or is unreachable)
+            self._store.call(min(self.timeout_s, _STORE_REPORT_S), "compare_set", self._failure_key, "",
+                             ("T|" if timed_out else "E|") + reason)  # fmt: skip
 
-    def _peer_failure(self) -> tuple[str, bool] | None:
-        """A failure some rank published, and whether it was a timeout (None if none)."""
+    def _peer_failure(self, timeout_s: float | None = None) -> tuple[str, bool] | None:
+        """A failure some rank published, and whether it was a timeout (None if none); each store call waited for at
+        most `timeout_s` (default: the buffer's timeout)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            if self._store.check([self._failure_key]):
-                kind, _, reason = self._store.get(self._failure_key).decode().partition("|")
+            if self._store.call(timeout_s, "check", [self._failure_key]):
+                kind, _, reason = self._store.call(timeout_s, "get", self._failure_key).decode().partition("|")
                 return reason, kind == "T"
+        except StoreUnreachable:
+            return self.peers.explain("", self.timeout_s), False
         except (RuntimeError, dist.DistError) as error:
-            return f"the rendezvous store is lost (its host, usually global rank 0, may have exited: {error})", False
+            lost = self.peers.explain(str(error), self.timeout_s)
+            return f"the rendezvous store is lost ({lost or error})", False
         return None
 
     def _exchange(self, output: torch.Tensor, input_: torch.Tensor, output_splits: list[int],
@@ -402,7 +430,7 @@ class InternodeEngine(Engine):
                 if "timed out" not in str(error).lower():
                     failure = str(error)
                     break
-            stop = (self._failure, False) if self._failure is not None else self._peer_failure()
+            stop = (self._failure, False) if self._failure is not None else self._peer_failure(remaining)
             if stop is not None or remaining <= 0:
                 break
         # A pending operation must not outlive this call in the frames of the exception raised below: its process
@@ -414,12 +442,17 @@ class InternodeEngine(Engine):
             if culprit is not None:  # the collective broke because a peer failed: what that peer reported
                 reason, timed_out = culprit
                 raise (_C.CommTimeoutError if timed_out else _C.CommError)(f"{where} stopped: {reason}")
-            raise _C.CommError(f"{where} failed: {failure}")
+            lost = self.peers.explain(failure, self.timeout_s)
+            message = f"{where} failed: {lost}" if lost else f"{where} failed: {failure}"
+            raise _C.CommError(message + (f" (gloo: {failure})" if lost else ""))
         if stop is not None:
             reason, timed_out = stop
             # Another rank already timed out waiting for the same missing rank: the same error, sooner.
             raise (_C.CommTimeoutError if timed_out else _C.CommError)(f"{where} stopped: {reason}")
-        message = f"{where} did not finish within {self.timeout_s} s: {self._missing_ranks()}"
+        missing = self._missing_ranks()
+        if missing.startswith("every rank reached"):  # someone stopped inside it: which ranks are gone
+            missing = self.peers.explain("", self.timeout_s) or missing
+        message = f"{where} did not finish within {self.timeout_s} s: {missing}"
         self._fail(message, timed_out=True)
         raise _C.CommTimeoutError(message)
 
@@ -429,7 +462,8 @@ class InternodeEngine(Engine):
         try:
             for r in range(self.num_ranks):
                 key = f"{self._progress_prefix}/{r}"
-                reached = int(self._store.get(key)) if self._store.check([key]) else 0
+                reached = int(self._store.call(self.timeout_s, "get", key)) if self._store.call(
+                    self.timeout_s, "check", [key]) else 0  # fmt: skip
                 if reached < self._ops:
                     behind.append(f"{r} (at operation #{reached})")
         except (RuntimeError, ValueError) as error:
