@@ -512,9 +512,12 @@ class InternodeEngine(Engine):
             yield
         except _C.CommError as error:
             first = self.node_index * self.num_ranks_per_node
+            # A node peer that stopped (or exited) because of a failure elsewhere published it: say that, too.
+            culprit = self._peer_failure(min(self.timeout_s, _STORE_REPORT_S))
+            cause = f"; the first failure: {culprit[0]}" if culprit is not None else ""
             raise type(error)(
                 f"mtdeepep: rank {self.rank}: internode {phase}, node-local stage on node {self.node_index} (its local "
-                f"rank i is group rank {first} + i): {error}"
+                f"rank i is group rank {first} + i): {error}{cause}"
             ) from error
 
     def _node_of_rank(self, is_token_in_rank: torch.Tensor) -> torch.Tensor:

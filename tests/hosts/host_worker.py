@@ -52,6 +52,25 @@ def _shm_mappings() -> list[tuple[str, str]]:
     return sorted(found)
 
 
+def _loop(ctx: RankContext, topo: Topology, seconds: float) -> None:
+    """Dispatch and combine for `seconds`, after writing `started-rank{r}.json` (rank, hostname); an error is written
+    to `error-rank{r}.txt` with the seconds it took from the last successful step, and ends the process (exit 1)."""
+    report_dir = Path(os.environ["REPORT_DIR"])
+    buffer = topo.buffer(ctx, 16 << 20)
+    x, topk_idx, topk_weights = normal_cases.make_inputs(ctx, 512, 1024, 16, 4, seed=7)
+    (report_dir / f"started-rank{ctx.rank}.json").write_text(json.dumps([ctx.rank, socket.gethostname()]))
+    end = time.monotonic() + seconds
+    last = time.monotonic()
+    try:
+        while time.monotonic() < end:
+            recv_x, _, recv_w, _, handle, _ = normal_cases.layout_and_dispatch(buffer, x, topk_idx, topk_weights, 16)
+            buffer.combine(recv_x, handle, topk_weights=recv_w)
+            last = time.monotonic()
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        (report_dir / f"error-rank{ctx.rank}.txt").write_text(f"{time.monotonic() - last:.1f}\n{error}")
+        os._exit(1)
+
+
 def main(names: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("MTDEEPEP_TIMEOUT_S", "60"))))
@@ -61,8 +80,8 @@ def main(names: list[str]) -> None:
     before = _interface_bytes()
     for name in names:
         kind, _, case = name.partition(":")
-        if kind == "hold":  # a pause inside a run (the fault tests act meanwhile)
-            time.sleep(float(case))
+        if kind == "loop":  # dispatch + combine until an error (the fault tests cut a host off meanwhile)
+            _loop(ctx, topo, float(case))
         elif kind == "normal":
             getattr(normal_cases, case)(ctx, topo)
         elif kind == "low_latency":

@@ -46,7 +46,7 @@ def torchrun(hosts: Hosts, index: int, ranks_per_host: int, args: list[str], rep
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(hosts)}", f"--nproc-per-node={ranks_per_host}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts.hosts[0].address}:{PORT}", "--rdzv-id=mtdeepep-hosts",
-        "--max-restarts=0", str(WORKER), *args,
+        "--max-restarts=0", "--rdzv-conf=read_timeout=10", str(WORKER), *args,
     ]  # fmt: skip
     if delay_s:
         cmd = ["sh", "-c", f'sleep {delay_s} && exec "$@"', "--", *cmd]
@@ -64,6 +64,13 @@ def wait_all(procs: list[subprocess.Popen], report_dir: Path, timeout_s: float) 
             logs = "\n".join((report_dir / f"agent{j}.log").read_text()[-3000:] for j in range(len(procs)))
             raise AssertionError(f"agent {i} still running after {timeout_s} s:\n{logs}") from None
     return codes
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def logs(report_dir: Path, num: int) -> str:
@@ -103,3 +110,50 @@ def test_conformance_across_two_hosts(hosts2, tmp_path):
     assert not {n for n in set(os.listdir("/dev/shm")) - shm_before if "mtdeepep" in n}, (
         "a segment in the root /dev/shm"
     )
+
+
+@pytest.mark.parametrize("fault", ["link_down", "sigkill"])
+def test_lost_host_is_named_and_nothing_hangs(hosts2, tmp_path, fault):
+    """2 hosts x 2 ranks in a dispatch/combine loop (timeout 10 s); host 1 drops off the network (its link set down)
+    or all its processes are SIGKILLed. Every surviving rank raises within the timeout (+ slack), naming the lost
+    ranks, their host and the phase; with the link down, host 1's own ranks raise too, saying they are cut off; every
+    rank has exited and host 0's launch exits non-zero within timeout + 30 s."""
+    timeout_s = 10
+    procs = [torchrun(hosts2, i, 2, ["loop:150"], tmp_path, timeout_s) for i in range(2)]
+    deadline = time.monotonic() + 150
+    while len(list(tmp_path.glob("started-rank*.json"))) < 4:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs(tmp_path, 2)
+        time.sleep(0.2)
+    started = dict(json.loads(f.read_text()) for f in tmp_path.glob("started-rank*.json"))
+    lost = sorted(r for r, host in started.items() if host == "host1")
+    survivors = sorted(r for r, host in started.items() if host == "host0")
+    assert len(lost) == 2 and len(survivors) == 2, started
+    time.sleep(1.0)  # in the middle of the loop
+    cut = time.monotonic()
+    if fault == "link_down":
+        hosts2.set_link(1, up=False)
+    else:
+        hosts2.kill(1)
+    # Host 0's launch ends; the cut-off host's ranks end too (below), but its torchrun agent (torch's code, not
+    # mtdeepep's) then blocks on the rendezvous store it cannot reach: the fixture's teardown kills it.
+    codes = wait_all(procs[:1], tmp_path, timeout_s + 30)
+    elapsed = time.monotonic() - cut
+    assert all(code != 0 for code in codes), (codes, logs(tmp_path, 2))
+    assert elapsed < timeout_s + 30, elapsed
+    for r in survivors:
+        error = tmp_path / f"error-rank{r}.txt"
+        assert error.exists(), f"rank {r} did not raise:\n{logs(tmp_path, 2)}"
+        waited, message = error.read_text().split("\n", 1)
+        assert float(waited) < 2 * timeout_s + 5, (r, waited, message)
+        assert "host host1" in message and all(str(x) in message for x in lost), message
+        assert "internode" in message and ("dispatch" in message or "combine" in message), message
+    if fault == "link_down":
+        while any("host_worker.py" in _cmdline(pid) and "torch.distributed.run" not in _cmdline(pid)
+                  for pid in hosts2.pids(1)):  # fmt: skip
+            assert time.monotonic() - cut < timeout_s + 30, "a cut-off rank is still running"
+            time.sleep(0.5)
+        for r in lost:
+            error = tmp_path / f"error-rank{r}.txt"
+            assert error.exists(), f"cut-off rank {r} did not raise:\n{logs(tmp_path, 2)}"
+            message = error.read_text().split("\n", 1)[1]
+            assert "cut off" in message or "host host0" in message, message
