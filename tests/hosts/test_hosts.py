@@ -78,7 +78,8 @@ def logs(report_dir: Path, num: int) -> str:
 
 
 def test_conformance_across_two_hosts(hosts2, tmp_path):
-    """Normal mode (BF16, FP8, cached), low latency and V2 on 2 hosts x 2 ranks: right results; each host's
+    """Normal mode (BF16, FP8, cached), low latency and V2 on 2 hosts x 2 ranks, the second host starting 20 s
+    after the first: right results; each host's
     segments are in its own /dev/shm only (the root namespace's gains none), and the rows crossed the hosts'
     network interfaces."""
     shm_before = set(os.listdir("/dev/shm"))
@@ -87,7 +88,8 @@ def test_conformance_across_two_hosts(hosts2, tmp_path):
         "normal:cached_dispatch_matches", "low_latency:dispatch_matches_upstream_checks",
         "low_latency:combine_matches_reference", "v2:elastic_dispatch_matches_reference",
     ]  # fmt: skip
-    procs = [torchrun(hosts2, i, 2, cases, tmp_path, 30) for i in range(2)]
+    # Host 1 joins 20 s late: the rendezvous waits for it.
+    procs = [torchrun(hosts2, i, 2, cases, tmp_path, 30, delay_s=20 * i) for i in range(2)]
     codes = wait_all(procs, tmp_path, 300)
     assert codes == [0, 0], logs(tmp_path, 2)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
