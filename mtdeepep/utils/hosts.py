@@ -63,7 +63,7 @@ def check_available() -> None:
 class Hosts:
     """`num_hosts` namespace hosts (see the module docstring); a context manager that always tears them down."""
 
-    def __init__(self, num_hosts: int, *, tag: str | None = None, shm_mib: int = 1024) -> None:
+    def __init__(self, num_hosts: int, *, tag: str | None = None, shm_mib: int = 4096) -> None:
         check_available()
         if not 1 <= num_hosts <= 200:
             raise ValueError(f"num_hosts must be in [1, 200], got {num_hosts}")
@@ -138,14 +138,16 @@ class Hosts:
         env.update(GLOO_SOCKET_IFNAME=INTERFACE, MASTER_ADDR=self.hosts[0].address)
         return env
 
-    def command(self, index: int, argv: list[str]) -> list[str]:
-        """`argv` wrapped to run inside host `index` (network, mount and UTS namespaces)."""
-        return ["nsenter", "-t", str(self.hosts[index].holder_pid), "-n", "-m", "-u", "--", *argv]
+    def command(self, index: int, argv: list[str], cwd: str | os.PathLike | None = None) -> list[str]:
+        """`argv` wrapped to run inside host `index` (network, mount and UTS namespaces), in `cwd` (default: this
+        process's working directory; entering a mount namespace would otherwise start it in `/`)."""
+        wd = os.fspath(cwd) if cwd is not None else os.getcwd()
+        return ["nsenter", "-t", str(self.hosts[index].holder_pid), "-n", "-m", "-u", f"--wd={wd}", "--", *argv]
 
     def run(self, index: int, argv: list[str], **popen_kwargs) -> subprocess.Popen:
         """Starts `argv` in host `index` (its own session, so that `close` can end its whole tree)."""
         popen_kwargs.setdefault("start_new_session", True)
-        proc = subprocess.Popen(self.command(index, argv), **popen_kwargs)
+        proc = subprocess.Popen(self.command(index, argv, popen_kwargs.get("cwd")), **popen_kwargs)
         self._procs.append(proc)
         return proc
 
