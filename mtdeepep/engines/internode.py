@@ -450,8 +450,12 @@ class InternodeEngine(Engine):
             # Another rank already timed out waiting for the same missing rank: the same error, sooner.
             raise (_C.CommTimeoutError if timed_out else _C.CommError)(f"{where} stopped: {reason}")
         missing = self._missing_ranks()
-        if missing.startswith("every rank reached"):  # someone stopped inside it: which ranks are gone
-            missing = self.peers.explain("", self.timeout_s) or missing
+        if self.peers.multi_host or missing.startswith("every rank reached"):
+            # Across hosts, a rank behind may only wait for a lost host itself: the ranks whose heartbeat stopped (or
+            # this host's own isolation) come first. On one host, ranks that stopped inside the operation.
+            lost = self.peers.explain("", self.timeout_s)
+            if lost:
+                missing = lost if missing.startswith("every rank reached") else f"{lost}; {missing}"
         message = f"{where} did not finish within {self.timeout_s} s: {missing}"
         self._fail(message, timed_out=True)
         raise _C.CommTimeoutError(message)

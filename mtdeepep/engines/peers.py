@@ -114,6 +114,10 @@ class PeerTable:
         self._store = store
         self._prefix = heartbeat_prefix
 
+    @property
+    def multi_host(self) -> bool:
+        return len(set(self.hostnames)) > 1
+
     def describe(self, ranks: list[int]) -> str:
         """'rank(s) 2, 3 on host host1 (10.77.0.2)', one clause per host."""
         by_host: dict[str, list[int]] = {}
