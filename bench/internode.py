@@ -25,14 +25,23 @@ Run (about 2 minutes on a 2-core machine):
     .venv/bin/python bench/internode.py            # table + bench/results/internode.json
     .venv/bin/python bench/internode.py --num-tokens 1024 --ranks-per-node 1
 
+Across real hosts (`--torchrun`: every rank started by torchrun, one agent per host; rank 0 prints and saves), e.g.
+2 namespace hosts x 2 ranks (scripts/hosts.sh, root), the network stage over TCP between the hosts' veths:
+
+    scripts/hosts.sh each 2 -- .venv/bin/python -m torch.distributed.run --nnodes 2 --nproc-per-node 2 \
+        --rdzv-backend c10d --rdzv-endpoint 10.77.0.1:29400 --rdzv-id bench bench/internode.py --torchrun \
+        --num-tokens 1024 --json bench/results/internode_hosts.json
+
 Legend: T tokens per rank, H hidden, K top-k, E experts, R ranks, N nodes, L ranks per node.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -178,7 +187,23 @@ def parse_args() -> argparse.Namespace:
     add_config_arguments(parser, BenchConfig(), helps={**CONFIG_HELP, "num_nodes": "simulated nodes"})
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed for the whole run")
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "internode.json")
+    parser.add_argument("--torchrun", action="store_true", help="ranks started by torchrun (several hosts)")
     return parser.parse_args()
+
+
+def _torchrun_ranks(cfg: BenchConfig, timeout_s: float) -> list[dict[str, Any]] | None:
+    """This rank's part of a torchrun launch: every rank's results on rank 0, None elsewhere."""
+    torch.set_num_threads(threads_per_rank(cfg.num_ranks))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    if dist.get_world_size() != cfg.num_ranks or int(os.environ["LOCAL_WORLD_SIZE"]) != cfg.ranks_per_node:
+        raise SystemExit(f"torchrun started {dist.get_world_size()} ranks, {os.environ['LOCAL_WORLD_SIZE']} per host; "
+                         f"the config wants {cfg.num_nodes} x {cfg.ranks_per_node}")  # fmt: skip
+    mine = bench_rank(dist.get_rank(), cfg.num_ranks, dist.group.WORLD, cfg)
+    everyone: list = [None] * cfg.num_ranks
+    dist.all_gather_object(everyone, mine)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return everyone if rank == 0 else None
 
 
 def main() -> None:
@@ -186,12 +211,19 @@ def main() -> None:
     cfg = config_from_args(BenchConfig, args)
     if cfg.num_nodes < 2:
         raise SystemExit("--num-nodes must be at least 2 (one node is bench/intranode.py)")
-    per_rank = run_ranks(bench_rank, cfg.num_ranks, (cfg,), timeout_s=args.timeout)
+    where, network = "on one host", "gloo over loopback"
+    if args.torchrun:
+        per_rank = _torchrun_ranks(cfg, args.timeout)
+        if per_rank is None:  # not rank 0
+            return
+        where, network = "on separate hosts (torchrun)", f"gloo over {os.environ.get('GLOO_SOCKET_IFNAME', 'TCP')}"
+    else:
+        per_rank = run_ranks(bench_rank, cfg.num_ranks, (cfg,), timeout_s=args.timeout)
     rows = summarize(cfg, per_rank)
     print(
         f"T={cfg.num_tokens} H={cfg.hidden} E={cfg.num_experts} K={cfg.num_topk}; {cfg.num_nodes} nodes x "
-        f"{cfg.ranks_per_node} ranks on one host ({num_cores()} cores, {threads_per_rank(cfg.num_ranks)} thread(s) per "
-        f"rank); network stage: gloo over loopback; median of {cfg.iters} iterations"
+        f"{cfg.ranks_per_node} ranks {where} ({num_cores()} cores, {threads_per_rank(cfg.num_ranks)} thread(s) per "
+        f"rank); network stage: {network}; median of {cfg.iters} iterations"
     )
     print_table(TABLE_HEADERS, [table_row(row) for row in rows], TABLE_NOTE, parity_line(rows))
     save_results(args.json, {"config": asdict(cfg), "environment": environment(), "rows": rows})

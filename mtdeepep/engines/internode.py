@@ -44,6 +44,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -54,10 +55,13 @@ import torch.distributed as dist
 from .. import _C
 from .base import DispatchOutputs, Engine, Event
 from .handles import DispatchRecord, InternodeHandle, attach, low_latency_handle
+from .peers import BoundedStore, PeerTable, StoreUnreachable
 from .setup import group_key, group_ranks, new_group
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _ROW_ALIGNMENT = 16  # network rows are padded to this many bytes (int64 views, float32 view for the node stage)
+_NOTIFY_MARGIN_S = 30.0  # the caller's wait for an operation's outputs: this beyond the timeouts of those ahead
+_STORE_REPORT_S = 5.0  # publishing a failure in the store waits at most this (the store may be unreachable)
 _WAIT_SLICE_S = 0.05  # network waits check for failures (this rank's, or published by a peer) this often
 
 # Every internode engine of this process that was not destroyed, for the exit hook (`shutdown_all_engines`).
@@ -198,13 +202,17 @@ class InternodeEngine(Engine):
         self._creator_pid = os.getpid()
         self._dispatches = 0  # dispatches agreed by every rank (the worker's): the next one's number is one more
         self._ops = 0  # operations started on the worker, recorded in the store for timeout reports
-        self._store = dist.distributed_c10d._get_default_store()
+        # Every store call is bounded (a host that dropped off the network blocks them for minutes otherwise).
+        self._store = BoundedStore(dist.distributed_c10d._get_default_store(), f"mtdeepep/alive/{uid}/{self.rank}",
+                                   f"mtdeepep-store-{self.rank}")  # fmt: skip
         self._progress_prefix = f"mtdeepep/progress/{uid}"
         self._failure_key = f"mtdeepep/failed/{uid}"
         self._failure: str | None = None  # set once the ranks may be out of step: no further work
         self._busy = 0  # operations queued on the worker and not finished
         self._scratch = _Scratch()  # used by the worker only
         self.node_group, self.rdma_group, self.world_group = self._new_groups(group)
+        self.peers = PeerTable(self.world_group, self._store, f"mtdeepep/alive/{uid}")  # hosts, for error messages
+        weakref.finalize(self, self._store.close)  # its heartbeat thread ends with the engine
         self.low_latency = None
         if low_latency:
             self.low_latency = _C.LowLatencyProtocol(node.runtime, self.rank, self.num_ranks, False)
@@ -244,6 +252,7 @@ class InternodeEngine(Engine):
             return
         _LIVE_ENGINES.discard(self)
         self._worker.shutdown(wait=True)
+        self._store.close()
         self._scratch.clear()
         self.node.destroy()
         for group in (self.node_group, self.rdma_group, self.world_group):
@@ -282,8 +291,8 @@ class InternodeEngine(Engine):
         def run() -> None:
             self._check_usable()
             self._ops += 1
-            self._store.set(f"{self._progress_prefix}/{self.rank}", str(self._ops))
             try:
+                self._store.call(self.timeout_s, "set", f"{self._progress_prefix}/{self.rank}", str(self._ops))
                 with torch.no_grad():  # communication is not differentiable (see mtdeepep.autograd)
                     body()
             except _C.GroupMismatchError:
@@ -320,9 +329,22 @@ class InternodeEngine(Engine):
                 error = None
             done.complete(error)
 
+        # The worker runs the operations queued before this one first, each bounded by the timeout, then this one's
+        # notify part: waited for at most that long (plus a margin), so a stuck worker cannot hang the caller.
+        deadline = self.timeout_s * (self._busy + 1) + _NOTIFY_MARGIN_S
         self._queue(body, finished)
         try:
-            outputs = notified.result()
+            try:
+                outputs = notified.result(timeout=deadline)
+            except FutureTimeout:
+                if notified.done():  # the operation's own error (a CommTimeoutError is a TimeoutError too)
+                    raise
+                message = (
+                    f"mtdeepep: rank {self.rank}: internode operation #{self._ops + 1}: its outputs were not ready "
+                    f"within {deadline:.1f} s (the worker is stuck in an earlier operation)"
+                )
+                self.interrupt(message)
+                raise _C.CommTimeoutError(message) from None
             if not async_finish:
                 done.wait()
                 return outputs, None
@@ -366,17 +388,23 @@ class InternodeEngine(Engine):
         self._failure = reason
         if not reason.startswith("mtdeepep: rank"):
             reason = f"rank {self.rank}: {reason}"
-        with contextlib.suppress(Exception):  # the store may be gone (its host exited)
-            self._store.compare_set(self._failure_key, "", ("T|" if timed_out else "E|") + reason)
+        with contextlib.suppress(Exception):  # the store may be gone (its host exited or is unreachable)
+            self._store.call(min(self.timeout_s, _STORE_REPORT_S), "compare_set", self._failure_key, "",
+                             ("T|" if timed_out else "E|") + reason)  # fmt: skip
 
-    def _peer_failure(self) -> tuple[str, bool] | None:
-        """A failure some rank published, and whether it was a timeout (None if none)."""
+    def _peer_failure(self, timeout_s: float | None = None) -> tuple[str, bool] | None:
+        """A failure some rank published, and whether it was a timeout (None if none); each store call waited for at
+        most `timeout_s` (default: the buffer's timeout)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            if self._store.check([self._failure_key]):
-                kind, _, reason = self._store.get(self._failure_key).decode().partition("|")
+            if self._store.call(timeout_s, "check", [self._failure_key]):
+                kind, _, reason = self._store.call(timeout_s, "get", self._failure_key).decode().partition("|")
                 return reason, kind == "T"
+        except StoreUnreachable:
+            return self.peers.explain("", self.timeout_s), False
         except (RuntimeError, dist.DistError) as error:
-            return f"the rendezvous store is lost (its host, usually global rank 0, may have exited: {error})", False
+            lost = self.peers.explain(str(error), self.timeout_s)
+            return f"the rendezvous store is lost ({lost or error})", False
         return None
 
     def _exchange(self, output: torch.Tensor, input_: torch.Tensor, output_splits: list[int],
@@ -402,7 +430,7 @@ class InternodeEngine(Engine):
                 if "timed out" not in str(error).lower():
                     failure = str(error)
                     break
-            stop = (self._failure, False) if self._failure is not None else self._peer_failure()
+            stop = (self._failure, False) if self._failure is not None else self._peer_failure(remaining)
             if stop is not None or remaining <= 0:
                 break
         # A pending operation must not outlive this call in the frames of the exception raised below: its process
@@ -414,12 +442,21 @@ class InternodeEngine(Engine):
             if culprit is not None:  # the collective broke because a peer failed: what that peer reported
                 reason, timed_out = culprit
                 raise (_C.CommTimeoutError if timed_out else _C.CommError)(f"{where} stopped: {reason}")
-            raise _C.CommError(f"{where} failed: {failure}")
+            lost = self.peers.explain(failure, self.timeout_s)
+            message = f"{where} failed: {lost}" if lost else f"{where} failed: {failure}"
+            raise _C.CommError(message + (f" (gloo: {failure})" if lost else ""))
         if stop is not None:
             reason, timed_out = stop
             # Another rank already timed out waiting for the same missing rank: the same error, sooner.
             raise (_C.CommTimeoutError if timed_out else _C.CommError)(f"{where} stopped: {reason}")
-        message = f"{where} did not finish within {self.timeout_s} s: {self._missing_ranks()}"
+        missing = self._missing_ranks()
+        if self.peers.multi_host or missing.startswith("every rank reached"):
+            # Across hosts, a rank behind may only wait for a lost host itself: the ranks whose heartbeat stopped (or
+            # this host's own isolation) come first. On one host, ranks that stopped inside the operation.
+            lost = self.peers.explain("", self.timeout_s)
+            if lost:
+                missing = lost if missing.startswith("every rank reached") else f"{lost}; {missing}"
+        message = f"{where} did not finish within {self.timeout_s} s: {missing}"
         self._fail(message, timed_out=True)
         raise _C.CommTimeoutError(message)
 
@@ -429,7 +466,8 @@ class InternodeEngine(Engine):
         try:
             for r in range(self.num_ranks):
                 key = f"{self._progress_prefix}/{r}"
-                reached = int(self._store.get(key)) if self._store.check([key]) else 0
+                reached = int(self._store.call(self.timeout_s, "get", key)) if self._store.call(
+                    self.timeout_s, "check", [key]) else 0  # fmt: skip
                 if reached < self._ops:
                     behind.append(f"{r} (at operation #{reached})")
         except (RuntimeError, ValueError) as error:
@@ -478,9 +516,12 @@ class InternodeEngine(Engine):
             yield
         except _C.CommError as error:
             first = self.node_index * self.num_ranks_per_node
+            # A node peer that stopped (or exited) because of a failure elsewhere published it: say that, too.
+            culprit = self._peer_failure(min(self.timeout_s, _STORE_REPORT_S))
+            cause = f"; the first failure: {culprit[0]}" if culprit is not None else ""
             raise type(error)(
                 f"mtdeepep: rank {self.rank}: internode {phase}, node-local stage on node {self.node_index} (its local "
-                f"rank i is group rank {first} + i): {error}"
+                f"rank i is group rank {first} + i): {error}{cause}"
             ) from error
 
     def _node_of_rank(self, is_token_in_rank: torch.Tensor) -> torch.Tensor:
@@ -521,7 +562,7 @@ class InternodeEngine(Engine):
                 num_worst_tokens, num_channels, seq,
             )  # fmt: skip
             notify(outputs)
-            recv, handle = (*outputs[:2], placed), outputs[5]
+            recv, handle = (*_unversioned(*outputs[:2]), placed), outputs[5]
             self._move_tokens(data, scales, _record_of(handle).state, recv, num_channels, "dispatch")
 
         outputs, event = self._run(full_dispatch, previous, async_finish)
@@ -534,9 +575,10 @@ class InternodeEngine(Engine):
 
         def cached(notify: Callable[[tuple], None]) -> None:
             num_out = self._output_rows(record.state.num_received, num_worst_tokens, "cached dispatch")
-            recv = self._new_recv(data, scales, num_out, record.state.num_topk)
-            notify(recv[:2])
+            recv_data, recv_scales, placed = self._new_recv(data, scales, num_out, record.state.num_topk)
+            notify((recv_data, recv_scales))
             self._agree("cached dispatch", record.uid, record.seq)  # before any row moves; raised by the event if async
+            recv = (*_unversioned(recv_data, recv_scales), placed)
             self._move_tokens(data, scales, record.state, recv, num_channels, "cached dispatch")
 
         (recv_data, recv_scales), event = self._run(cached, previous, async_finish)
@@ -580,12 +622,14 @@ class InternodeEngine(Engine):
         delivered = {}
         for n in self._steps():
             rows_n = rows_M[recv_blocks[n][0] : recv_blocks[n][1]]
-            node_in_rank = _columns(rows_n, fmt.routing_offset, L, torch.bool).contiguous()
+            # Copies, never views of the scratch rows (`.contiguous()` returns a block of 0 or 1 rows as the view it
+            # is): the node stage's handle keeps `node_in_rank`, and the next call overwrites the scratch rows.
+            node_in_rank = _columns(rows_n, fmt.routing_offset, L, torch.bool).clone()
             node_topk_idx = node_weights = None
             if topk_idx is not None:
                 node_topk_idx = self._node_local_ids(_columns(rows_n, 0, 8 * fmt.num_topk, torch.int64), per_expert)
             if topk_weights is not None:
-                node_weights = _columns(rows_n, fmt.weights_offset, 4 * fmt.num_topk, torch.float32).contiguous()
+                node_weights = _columns(rows_n, fmt.weights_offset, 4 * fmt.num_topk, torch.float32).clone()
             with self._node_stage("dispatch"):
                 # The source node's count per expert of this node; aligned once, over all steps, below.
                 delivered[n] = self.node.dispatch(
@@ -778,7 +822,9 @@ class InternodeEngine(Engine):
             )
             notify((combined, combined_w))
             self._agree("combine", record.uid, record.seq)  # before any row moves; raised by the event if async
-            self._combine(x, record.state, topk_weights, (bias0, bias1), num_channels, combined, combined_w)
+            self._combine(
+                x, record.state, topk_weights, (bias0, bias1), num_channels, *_unversioned(combined, combined_w)
+            )
 
         (combined, combined_w), event = self._run(combine, previous, async_finish)
         return combined, combined_w, event
@@ -966,6 +1012,15 @@ def _blocks(counts: list[int]) -> list[tuple[int, int]]:
     """`[begin, end)` of each consecutive block of rows, from the blocks' sizes."""
     ends = list(itertools.accumulate(counts))
     return list(zip([0, *ends[:-1]], ends))
+
+
+def _unversioned(*outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Aliases of outputs already handed to the caller, for the worker to write their contents through, as a device's
+    comm stream writes through pointers: the same memory under a version counter of its own (`Tensor.data`), so that
+    autograd never sees an in-place change of what the caller holds. (The caller may have made views of them inside
+    an autograd Function before the rows arrived, as moe's dispatcher does: an in-place change of their base makes
+    those views unusable, "Output 0 of ... is a view and its base ... has been modified inplace".)"""
+    return tuple(None if output is None else output.data for output in outputs)
 
 
 def _padded(rows: torch.Tensor, num_out: int, fill: float) -> torch.Tensor:

@@ -427,6 +427,75 @@ def async_finish_overlaps_the_transfer(ctx, topo):
 # Rounds, edge cases
 
 
+class _ReceivedView(torch.autograd.Function):
+    """What a MoE layer does with an async dispatch's outputs before they are complete (moe/dispatcher/deepep.py's
+    `_DispatchGrad`): forward returns views of them, made inside a custom Function."""
+
+    @staticmethod
+    def forward(ctx, x, recv_x):
+        return recv_x.view_as(recv_x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.sum(dim=0, keepdim=True).expand(1, grad.size(1)).clone(), None
+
+
+def async_outputs_are_not_modified_in_place_after_return(ctx, topo):
+    """The outputs an async dispatch or combine hands out are written later by the transfer, as a comm stream would
+    write them: autograd never sees an in-place change of them (their version counter stays), so a view of them made
+    in a custom Function right away is still usable after the wait (the trainer's use, which failed with "Output 0 of
+    _DispatchGrad is a view and its base ... has been modified inplace"). Both output placements: in the shared region
+    (default buffer) and allocated (a region too small to hold them)."""
+    for buffer in (topo.buffer(ctx), topo.buffer(ctx, num_nvl_bytes=4096)):
+        x, topk_idx, topk_weights = make_inputs(ctx, 384, 256, 16, 4, seed=97)
+        ref = reference_dispatch(ctx, x, topk_idx, topk_weights, 16)
+        source = torch.zeros(1, x.size(1), requires_grad=True)
+        recv_x, _, recv_w, _, handle, event = layout_and_dispatch(buffer, x, topk_idx, topk_weights, 16,
+                                                                  async_finish=True)  # fmt: skip
+        viewed = _ReceivedView.apply(source, recv_x)  # before the rows arrived (or not: either way the same)
+        event.current_stream_wait()
+        # Fresh outputs: any in-place write, before or after the return, would have counted.
+        assert (recv_x._version, recv_w._version) == (0, 0), "an async dispatch output was modified in place"
+        assert torch.equal(recv_x, ref.recv_x)
+        viewed.index_select(0, torch.arange(recv_x.size(0) - 1, -1, -1)).float().sum().backward()
+        assert source.grad is not None
+        combined, combined_w, event = buffer.combine(recv_x, handle, topk_weights=recv_w, async_finish=True)
+        event.current_stream_wait()
+        assert (combined._version, combined_w._version) == (0, 0), "an async combine output was modified in place"
+        assert_combine_close(combined, identity_partials(topo, x, tokens_in_rank(ctx, topk_idx, 16)), torch.bfloat16)
+
+
+def sparse_node_traffic_keeps_its_handle(ctx, topo):
+    """Internode, a source node that sends one row or none to a node (the trainer's skewed routing at step 4): the
+    differentiable dispatch op accepts the outputs (no two of them share memory) and the handle stays right after
+    later dispatches reuse the engine's scratch rows: the combine of the first dispatch equals its reference."""
+    from mtdeepep import autograd as ep_autograd
+
+    buffer = topo.buffer(ctx)
+    E, K, T, H = 4 * ctx.world_size, 2, 24, 64
+    experts_per_node = E // topo.num_nodes
+    node = ctx.rank // topo.node_size
+    generator = torch.Generator().manual_seed(3000 + ctx.rank)
+    # Every token to two experts of its own node, except rank 0's first token, which also goes to the next node.
+    own = node * experts_per_node + torch.stack([torch.randperm(experts_per_node, generator=generator)[:K]
+                                                 for _ in range(T)])  # fmt: skip
+    topk_idx = own.long()
+    if ctx.rank == 0:
+        topk_idx[0, 1] = experts_per_node  # an expert of node 1
+    x = torch.randn(T, H, generator=generator).bfloat16().requires_grad_()
+    topk_weights = torch.rand(T, K, generator=generator).requires_grad_()
+    recv_x, _, recv_w, _, handle = ep_autograd.dispatch(buffer, x, topk_idx, topk_weights, E)
+    # Other dispatches, with other routing, in between: they overwrite the engine's temporaries.
+    for seed in range(2):
+        other_x, other_idx, other_w = make_inputs(ctx, 96, H, E, K, seed=300 + seed)
+        layout_and_dispatch(buffer, other_x, other_idx, other_w, E)
+    combined, _ = ep_autograd.combine(buffer, recv_x.float(), handle)
+    in_rank = tokens_in_rank(ctx, topk_idx, E)
+    assert_combine_close(combined.bfloat16(), identity_partials(topo, x.detach(), in_rank), torch.bfloat16)
+    (combined.sum() + recv_w.sum()).backward()
+    assert x.grad is not None and topk_weights.grad is not None
+
+
 def small_buffer_moves_in_rounds(ctx, topo):
     """A region that holds a few rows forces many rounds; results equal the single-round ones."""
     small = topo.buffer(ctx, num_nvl_bytes=4096)

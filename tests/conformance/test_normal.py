@@ -35,6 +35,7 @@ CASES = [
     cases.combine_adds_bias,
     cases.async_and_previous_event,
     cases.async_runs_off_the_callers_thread,
+    cases.async_outputs_are_not_modified_in_place_after_return,
     cases.small_buffer_moves_in_rounds,
     cases.region_too_small_for_one_row_says_how_much,
     cases.edge_cases,
@@ -68,6 +69,11 @@ def test_single_rank_group(pool, topology):
 @pytest.mark.parametrize("topology", INTERNODE, ids=str)
 def test_node_layout_is_validated(pool, topology):
     pool.run(cases.node_layout_is_validated, topology)
+
+
+@pytest.mark.parametrize("topology", INTERNODE, ids=str)
+def test_sparse_node_traffic_keeps_its_handle(pool, topology):
+    pool.run(cases.sparse_node_traffic_keeps_its_handle, topology)
 
 
 @pytest.mark.parametrize("topology", slow_except(INTRANODE_2))

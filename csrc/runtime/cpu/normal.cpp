@@ -799,7 +799,9 @@ void NormalProtocol::run_combine(CombineArgs& a) {
     // Several rounds: accumulate each round's rows into an FP32 buffer, then cast once.
     const SendPlan plan = send_plan_from_head(a.send_head.data_ptr<int32_t>(), num_tokens, num_ranks_, 1);
     auto acc = at::zeros({num_tokens, hidden}, at::kFloat);
-    if (with_weights) a.combined_topk_weights->zero_();
+    // Through the pointer, as a device kernel would write: `zero_()` would record an in-place change of an output
+    // the caller already holds (and may have viewed inside an autograd Function).
+    if (with_weights) std::memset(out_weights, 0, a.combined_topk_weights->nbytes());
     accumulate_rows(kind, x_rows + traffic.recv_offset(rank_, rank_) * format.x_bytes,
                     with_weights ? weight_rows + traffic.recv_offset(rank_, rank_) * num_topk : nullptr,
                     plan.tokens_per_rank[rank_].data(), traffic.at(rank_, rank_), hidden, num_topk,

@@ -1,0 +1,164 @@
+"""Several machines for real: namespace hosts on this machine (`mtdeepep.utils.hosts`: own network, `/dev/shm` and
+hostname each, on a private bridge), one `torchrun --nnodes N --rdzv-backend c10d` agent per host, as users launch on
+real machines; the internode engine's network stage goes over TCP between the hosts' veth addresses.
+
+Needs root and namespaces: skipped with the reason otherwise. Slow (a torchrun start per test).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mtdeepep.utils.hosts import Hosts, HostsUnavailable, check_available
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "hosts" / "host_worker.py"
+PORT = 29411
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+@pytest.fixture
+def hosts2():
+    try:
+        check_available()
+        hosts = Hosts(2)
+    except HostsUnavailable as error:
+        pytest.skip(str(error))
+    try:
+        yield hosts
+    finally:
+        hosts.close()
+
+
+def torchrun(hosts: Hosts, index: int, ranks_per_host: int, args: list[str], report_dir: Path, timeout_s: float,
+             delay_s: float = 0.0) -> subprocess.Popen:  # fmt: skip
+    """One agent of the run in host `index`, c10d rendezvous on host 0's address."""
+    env = hosts.env(index)
+    env.update(PYTHONPATH=str(ROOT), REPORT_DIR=str(report_dir), MTDEEPEP_TIMEOUT_S=str(timeout_s), OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(hosts)}", f"--nproc-per-node={ranks_per_host}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts.hosts[0].address}:{PORT}", "--rdzv-id=mtdeepep-hosts",
+        "--max-restarts=0", "--rdzv-conf=read_timeout=10", str(WORKER), *args,
+    ]  # fmt: skip
+    if delay_s:
+        cmd = ["sh", "-c", f'sleep {delay_s} && exec "$@"', "--", *cmd]
+    log = open(report_dir / f"agent{index}.log", "w")  # noqa: SIM115 - closed with the process
+    return hosts.run(index, cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_all(procs: list[subprocess.Popen], report_dir: Path, timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    codes = []
+    for i, proc in enumerate(procs):
+        try:
+            codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            logs = "\n".join((report_dir / f"agent{j}.log").read_text()[-3000:] for j in range(len(procs)))
+            raise AssertionError(f"agent {i} still running after {timeout_s} s:\n{logs}") from None
+    return codes
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def logs(report_dir: Path, num: int) -> str:
+    return "\n".join(f"--- agent {j} ---\n" + (report_dir / f"agent{j}.log").read_text()[-4000:] for j in range(num))
+
+
+def test_conformance_across_two_hosts(hosts2, tmp_path):
+    """Normal mode (BF16, FP8, cached), low latency and V2 on 2 hosts x 2 ranks, the second host starting 20 s
+    after the first: right results; each host's
+    segments are in its own /dev/shm only (the root namespace's gains none), and the rows crossed the hosts'
+    network interfaces."""
+    shm_before = set(os.listdir("/dev/shm"))
+    cases = [
+        "normal:dispatch_matches_reference", "normal:combine_matches_reference", "normal:fp8_dispatch_passes_through",
+        "normal:cached_dispatch_matches", "low_latency:dispatch_matches_upstream_checks",
+        "low_latency:combine_matches_reference", "v2:elastic_dispatch_matches_reference",
+    ]  # fmt: skip
+    # Host 1 joins 20 s late: the rendezvous waits for it.
+    procs = [torchrun(hosts2, i, 2, cases, tmp_path, 30, delay_s=20 * i) for i in range(2)]
+    codes = wait_all(procs, tmp_path, 300)
+    assert codes == [0, 0], logs(tmp_path, 2)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    by_host: dict[str, list[dict]] = {}
+    for report in reports:
+        by_host.setdefault(report["hostname"], []).append(report)
+    assert sorted(by_host) == ["host0", "host1"] and all(len(v) == 2 for v in by_host.values()), by_host
+    root_device = os.stat("/dev/shm").st_dev
+    root_device = f"{os.major(root_device):02x}:{os.minor(root_device):02x}"
+    devices = {host: {r["shm_device"] for r in ranks} for host, ranks in by_host.items()}
+    assert all(len(d) == 1 for d in devices.values()), f"one /dev/shm per host: {devices}"
+    assert len({*devices["host0"], *devices["host1"], root_device}) == 3, f"each host its own /dev/shm: {devices}"
+    for host, ranks in by_host.items():
+        for r in ranks:
+            # The node stage maps segments, all on its own host's /dev/shm: none of another host's (or the root's).
+            assert r["shm_mappings"], f"rank {r['rank']} on {host} mapped no /dev/shm segment"
+            assert {dev for dev, _ in r["shm_mappings"]} == {r["shm_device"]}, (host, r["shm_mappings"], devices)
+            # Its rows to the other host crossed its network interface.
+            assert r["interface_bytes"] > 1_000_000, (host, r["interface_bytes"])
+    # None of them in the machine's own /dev/shm (other programs may add their own there meanwhile).
+    mapped = {Path(path.removesuffix(" (deleted)")).name for r in reports for _, path in r["shm_mappings"]}
+    assert not mapped & (set(os.listdir("/dev/shm")) - shm_before), "a host's segment in the root /dev/shm"
+
+
+@pytest.mark.parametrize("fault", ["link_down", "sigkill"])
+def test_lost_host_is_named_and_nothing_hangs(hosts2, tmp_path, fault):
+    """2 hosts x 2 ranks in a dispatch/combine loop (timeout 10 s); host 1 drops off the network (its link set down)
+    or all its processes are SIGKILLed. The surviving ranks raise within the timeout (+ slack), naming the lost
+    ranks, their host and the phase (a rank whose host peer raised first may be ended by torchrun instead); with
+    the link down, host 1's own ranks raise too, saying they are cut off; every rank has exited and host 0's launch
+    exits non-zero within timeout + 30 s."""
+    timeout_s = 10
+    procs = [torchrun(hosts2, i, 2, ["loop:150"], tmp_path, timeout_s) for i in range(2)]
+    deadline = time.monotonic() + 150
+    while len(list(tmp_path.glob("started-rank*.json"))) < 4:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs(tmp_path, 2)
+        time.sleep(0.2)
+    started = dict(json.loads(f.read_text()) for f in tmp_path.glob("started-rank*.json"))
+    lost = sorted(r for r, host in started.items() if host == "host1")
+    survivors = sorted(r for r, host in started.items() if host == "host0")
+    assert len(lost) == 2 and len(survivors) == 2, started
+    time.sleep(1.0)  # in the middle of the loop
+    cut = time.monotonic()
+    if fault == "link_down":
+        hosts2.set_link(1, up=False)
+    else:
+        hosts2.kill(1)
+    # Host 0's launch ends; the cut-off host's ranks end too (below), but its torchrun agent (torch's code, not
+    # mtdeepep's) then blocks on the rendezvous store it cannot reach: the fixture's teardown kills it.
+    codes = wait_all(procs[:1], tmp_path, timeout_s + 30)
+    elapsed = time.monotonic() - cut
+    assert all(code != 0 for code in codes), (codes, logs(tmp_path, 2))
+    assert elapsed < timeout_s + 30, elapsed
+    # Each survivor raised, or was ended by its agent once its host peer raised (torchrun ends a failed run's
+    # other local ranks): at least one raised, and every one that did names the lost ranks and host.
+    raised = [r for r in survivors if (tmp_path / f"error-rank{r}.txt").exists()]
+    assert raised, f"no surviving rank raised:\n{logs(tmp_path, 2)}"
+    for r in raised:
+        waited, message = (tmp_path / f"error-rank{r}.txt").read_text().split("\n", 1)
+        assert float(waited) < 2 * timeout_s + 5, (r, waited, message)
+        assert "host host1" in message and all(str(x) in message for x in lost), message
+        assert "internode" in message and ("dispatch" in message or "combine" in message), message
+    if fault == "link_down":
+        while any("host_worker.py" in _cmdline(pid) and "torch.distributed.run" not in _cmdline(pid)
+                  for pid in hosts2.pids(1)):  # fmt: skip
+            assert time.monotonic() - cut < timeout_s + 30, "a cut-off rank is still running"
+            time.sleep(0.5)
+        cut_off = [r for r in lost if (tmp_path / f"error-rank{r}.txt").exists()]
+        assert cut_off, f"no cut-off rank raised:\n{logs(tmp_path, 2)}"
+        for r in cut_off:
+            message = (tmp_path / f"error-rank{r}.txt").read_text().split("\n", 1)[1]
+            assert "cut off" in message or "host host0" in message, message
