@@ -190,16 +190,12 @@ def test_generate_script_under_torchrun(model, tmp_path):
     assert (tmp_path / "step.png").stat().st_size > 10_000
 
 
-@pytest.mark.slow
-def test_generate_script_overlap_with_one_prompt_per_rank_runs_unsplit(model, tmp_path):
-    """Issue 38, item 2: --ep 2 --overlap with 2 prompts (1 per rank) runs unsplit on both ranks (they step together:
-    no hang), with the tokens of the in-process EP 1 run without the overlap."""
+def test_overlap_with_one_prompt_per_rank_runs_unsplit(ep_pools, model):
+    """Issue 38, item 2: EP 2 with the overlap and 2 prompts (1 per rank) runs unsplit on both ranks (they step
+    together: no hang), with the tokens of the run without the overlap. (The script's own path, one process, is
+    tests/models/test_dsv3_generate_script.py's; ranks in the suite's pool instead of a torchrun launch: seconds.)"""
     model_dir, _, _ = model
-    argv = ["--checkpoint", model_dir, "--max-new-tokens", "16", "--dtype", "bfloat16", "--ep", "2", "--overlap",
-            "--output-json", str(tmp_path / "out.json")]  # fmt: skip
-    for p in PROMPTS[:2]:
-        argv += ["--prompt-ids", ",".join(map(str, p))]
-    run_processes(tc.torchrun_rank, 2, (argv, "generate"), timeout_s=240)
-    doc = json.loads((tmp_path / "out.json").read_text())
-    alone = generate_case(None, model_dir, PROMPTS[:2], 16, "bfloat16", None, False, False, False)
-    assert [r["generated_ids"] for r in doc["results"]] == alone["ids"]
+    overlapped = _run(ep_pools, 2, model_dir, PROMPTS[:2], 16, "bfloat16", None, False, True, False)
+    plain = _run(ep_pools, 2, model_dir, PROMPTS[:2], 16, "bfloat16", None, False, False, False)
+    assert overlapped["ids"] == plain["ids"]
+    assert overlapped["step_events"] == 0  # unsplit: no interleaved step
