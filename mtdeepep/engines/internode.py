@@ -519,6 +519,11 @@ class InternodeEngine(Engine):
             # A node peer that stopped (or exited) because of a failure elsewhere published it: say that, too.
             culprit = self._peer_failure(min(self.timeout_s, _STORE_REPORT_S))
             cause = f"; the first failure: {culprit[0]}" if culprit is not None else ""
+            if culprit is None and self.peers.multi_host:
+                # A node peer may still be waiting in the network stage for a lost host (both time out together):
+                # the ranks whose heartbeat stopped are the cause, whichever wait ran out first.
+                lost = self.peers.explain("", self.timeout_s)
+                cause = f"; {lost}" if lost else ""
             raise type(error)(
                 f"mtdeepep: rank {self.rank}: internode {phase}, node-local stage on node {self.node_index} (its local "
                 f"rank i is group rank {first} + i): {error}{cause}"
