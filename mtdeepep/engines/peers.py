@@ -12,10 +12,12 @@ Errors then name the lost ranks, their host and the address gloo reported, rathe
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import queue
 import re
 import socket
+import struct
 import threading
 import time
 from concurrent.futures import Future
@@ -91,13 +93,9 @@ def local_addresses() -> list[str]:
             found.append(info[4][0])
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
     if ifname:
-        with contextlib.suppress(OSError, ImportError):
-            import fcntl
-            import struct
-
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-                packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
-                found.append(socket.inet_ntoa(packed[20:24]))
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
+            found.append(socket.inet_ntoa(packed[20:24]))
     return sorted(set(found))
 
 
