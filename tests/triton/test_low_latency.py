@@ -52,14 +52,17 @@ def test_layout_matches_the_cpu_executor_and_fits_its_size_hint():
         assert control.halves + 2 * layout.bytes == _C.LowLatencyProtocol.size_hint(*args)
 
 
+@pytest.mark.slow  # 2 interpreted ranks: keeps `-m 'not slow'` under 5 minutes
 def test_dispatch_and_combine_match_cpu(pool):
     assert pool.run(cases.dispatch_and_combine_match_cpu) == ["ok", "ok"]
 
 
+@pytest.mark.slow  # 2 interpreted ranks: keeps `-m 'not slow'` under 5 minutes
 def test_zero_copy_and_out(pool):
     assert pool.run(cases.zero_copy_and_out) == ["ok", "ok"]
 
 
+@pytest.mark.slow  # 2 interpreted ranks: keeps `-m 'not slow'` under 5 minutes
 def test_two_results_alive(pool):
     assert pool.run(cases.two_results_alive) == ["ok", "ok"]
 
@@ -70,6 +73,7 @@ def test_peer_runs_ahead_double_buffer(pool):
     assert seqs[0] == seqs[1] and seqs[0] >= 48
 
 
+@pytest.mark.slow  # 2 interpreted ranks: keeps `-m 'not slow'` under 5 minutes
 def test_missing_rank_times_out_then_clean_recovers(pool):
     outcomes = pool.run(cases.missing_rank_times_out_then_clean_recovers)
     assert outcomes == [["timeout", "mismatch", "peer-destroyed"], ["mismatch", "destroyed"]]
