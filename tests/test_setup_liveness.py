@@ -48,6 +48,7 @@ POSITIONS = ["after_setup", "after_destroy"]
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow  # forks and kills rank pairs: ~20 s
 def test_a_peer_killed_between_setups_is_named_at_once():
     """Rank 1 SIGKILLed right after a completed set-up (before any call on the buffer) or right after its destroy()
     (before its next set-up): after the 3rd round's set-up (a low-latency buffer), after the 2nd round's destroy()."""
@@ -113,6 +114,7 @@ def test_a_job_restarted_in_the_same_store_is_not_misled_by_the_records_of_the_k
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_ranks_at_different_buffer_generations_are_told_so_with_the_current_failure():
     """Issue 38, item 3 (before: rank 1 reported rank 0's timeout of the first round, "group rank 0 (global 0)
     failed its set-up: CommTimeoutError: ... rank 0 timed out after 3.0 s", as if it were the current failure)."""

@@ -10,7 +10,7 @@ from ..ranks import pool_fixture
 from . import v2_grid_cases as grid_cases
 from . import v21_cases as cases
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # rank pools of 2 and 4: keeps `-m "not slow"` under 5 min
 
 # Rank pools of 2 and 4 ranks; mtdeepep's and gloo's timeouts (30 s) end before the pool's deadline (120 s).
 v21_pools = pool_fixture(comm_timeout_s=30, deadline_s=120)

@@ -79,7 +79,7 @@ def test_size_hint_covers_every_part():
 
 
 @pytest.mark.parametrize(
-    "topology", [pytest.param(t, id=str(t), marks=[pytest.mark.slow] if t is INTRANODE_4 else []) for t in NORMAL]
+    "topology", [pytest.param(t, id=str(t), marks=[pytest.mark.slow]) for t in NORMAL]
 )
 def test_combine_under_bfloat16_default_dtype(pool, topology):
     """DeepEP's harnesses set bfloat16 as the default dtype: the outputs keep their documented dtypes."""

@@ -107,7 +107,7 @@ DEFAULT_DTYPE_CASES = {cases.combine_matches_reference: (("bfloat16",),), cases.
 
 @pytest.mark.parametrize(
     "case, topology",
-    [pytest.param(c, t, id=f"{c.__name__}-{t}", marks=[pytest.mark.slow] if t is INTRANODE_4 else [])
+    [pytest.param(c, t, id=f"{c.__name__}-{t}", marks=[pytest.mark.slow])
      for c in DEFAULT_DTYPE_CASES for t in NORMAL],
 )  # fmt: skip
 def test_case_under_bfloat16_default_dtype(pool, case, topology):
