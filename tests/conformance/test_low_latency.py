@@ -14,7 +14,7 @@ from mtdeepep import Buffer
 
 from . import low_latency_cases as cases
 from .default_dtype import under_default_dtype
-from .topology import INTRANODE, INTRANODE_4, NORMAL
+from .topology import INTRANODE, NORMAL
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,7 +13,7 @@ from mtdeepep.utils.testing import num_cores
 
 from . import normal_cases as cases
 from .default_dtype import under_default_dtype
-from .topology import INTERNODE, INTRANODE, INTRANODE_2, INTRANODE_4, NORMAL, slow_except
+from .topology import INTERNODE, INTRANODE, INTRANODE_2, NORMAL, slow_except
 
 pytestmark = pytest.mark.timeout(300)
 
