@@ -78,9 +78,7 @@ def test_size_hint_covers_every_part():
         Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 250)
 
 
-@pytest.mark.parametrize(
-    "topology", [pytest.param(t, id=str(t), marks=[pytest.mark.slow]) for t in NORMAL]
-)
+@pytest.mark.parametrize("topology", [pytest.param(t, id=str(t), marks=[pytest.mark.slow]) for t in NORMAL])
 def test_combine_under_bfloat16_default_dtype(pool, topology):
     """DeepEP's harnesses set bfloat16 as the default dtype: the outputs keep their documented dtypes."""
     pool.run(under_default_dtype, "bfloat16", cases.combine_matches_reference, topology)
