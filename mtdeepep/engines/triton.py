@@ -249,28 +249,24 @@ class TritonEngine(Engine):
         self._signal_and_wait(op, self.layout_.dispatch_flags, sync.PHASE_DISPATCH_RECEIVE)
 
     def _receive_rows(self, data, scales, num_topk, with_weights, fields, num_recv, rows):
-        """This rank's received rows, copied out of its data area into `rows`-row outputs (padding: -1 / 0)."""
+        """This rank's received rows, copied out of its data area into `rows`-row outputs (padding: -1 / 0). Each
+        output is a fresh tensor, never written in place after it is made: a caller's autograd views of an async
+        dispatch's outputs stay usable (tests/conformance's async_outputs case)."""
         hidden, x_bytes = data.size(1), data.size(1) * data.element_size()
-        recv_x = torch.empty((rows, hidden), dtype=data.dtype)
-        recv_x[:num_recv] = self._data(fields.x, num_recv * x_bytes).view(data.dtype).view(num_recv, hidden)
+        recv_x = _padded_copy(self._data(fields.x, num_recv * x_bytes).view(data.dtype).view(num_recv, hidden), rows, 0)
         recv_scales = None
         if scales is not None:
             num_scales = scales.size(1)
-            recv_scales = torch.empty((rows, num_scales), dtype=scales.dtype)
             area = self._data(fields.scales, num_recv * num_scales * 4).view(scales.dtype)
-            recv_scales[:num_recv] = area.view(num_recv, num_scales)
-        recv_src = torch.full((rows,), -1, dtype=torch.int32)
-        recv_src[:num_recv] = self._data(fields.src_idx, 4 * num_recv).view(torch.int32)
+            recv_scales = _padded_copy(area.view(num_recv, num_scales), rows, 0)
+        recv_src = _padded_copy(self._data(fields.src_idx, 4 * num_recv).view(torch.int32), rows, -1)
         recv_idx = recv_weights = None
         if num_topk > 0:
-            recv_idx = torch.full((rows, num_topk), -1, dtype=torch.int64)
-            recv_idx[:num_recv] = (
-                self._data(fields.topk_idx, 8 * num_topk * num_recv).view(torch.int64).view(num_recv, num_topk)
-            )
+            area = self._data(fields.topk_idx, 8 * num_topk * num_recv).view(torch.int64)
+            recv_idx = _padded_copy(area.view(num_recv, num_topk), rows, -1)
             if with_weights:
-                recv_weights = torch.zeros((rows, num_topk), dtype=torch.float32)
                 area = self._data(fields.topk_weights, 4 * num_topk * num_recv).view(torch.float32)
-                recv_weights[:num_recv] = area.view(num_recv, num_topk)
+                recv_weights = _padded_copy(area.view(num_recv, num_topk), rows, 0)
         return recv_x, recv_scales, recv_idx, recv_weights, recv_src
 
     def _check_worst(self, traffic: torch.Tensor, num_worst_tokens: int) -> None:
@@ -472,3 +468,9 @@ class TritonEngine(Engine):
 
     def ll_next_combine_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         return self._ll().next_combine_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+
+def _padded_copy(rows: torch.Tensor, num_out: int, fill: int) -> torch.Tensor:
+    """A fresh copy of `rows` (out of the shared region) with rows of `fill` appended up to `num_out` rows."""
+    padding = rows.new_full((num_out - rows.size(0), *rows.shape[1:]), fill)
+    return torch.cat([rows, padding])

@@ -36,6 +36,7 @@ CASES = [
     cases.async_and_previous_event,
     cases.async_runs_off_the_callers_thread,
     cases.async_outputs_are_not_modified_in_place_after_return,
+    cases.async_outputs_staged_in_rounds_are_not_modified_in_place,
     cases.small_buffer_moves_in_rounds,
     cases.region_too_small_for_one_row_says_how_much,
     cases.edge_cases,
