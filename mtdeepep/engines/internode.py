@@ -703,27 +703,23 @@ class InternodeEngine(Engine):
         def deliver(step: int, rows_n: torch.Tensor) -> None:
             chunk = state.chunks[step]
             out = slice(chunk.out_begin, chunk.out_begin + chunk.out_rows)
+            # The network rows' x and scales columns go to the node stage as they are (strided views), whether this
+            # rank's outputs are placed or not: the node stage's ranks must agree on the row format, and `placed` is
+            # this rank's own (a rank that receives no row, or whose region is full, has no placed outputs).
+            x_n = _columns(rows_n, fmt.x_offset, fmt.x_bytes, data.dtype)
+            scales_n = None if scales is None else _columns(rows_n, fmt.scales_offset, fmt.scale_bytes, scales.dtype)
             if placed:
-                # The network rows' x and scales columns go to the node stage as they are (strided views).
-                x_n = _columns(rows_n, fmt.x_offset, fmt.x_bytes, data.dtype)
-                scales_n = (
-                    None if scales is None else _columns(rows_n, fmt.scales_offset, fmt.scale_bytes, scales.dtype)
-                )
                 out_scales = None if recv_scales is None else recv_scales[out]
                 with self._node_stage(phase):
                     self.node.cached_dispatch(x_n, scales_n, chunk.node_record, 0, num_channels, None, False,
                                               out=(recv_data[out], out_scales))  # fmt: skip
                 return
             with self._node_stage(phase):
-                node_rows, _, _ = self.node.cached_dispatch(rows_n.view(torch.float32), None, chunk.node_record, 0,
-                                                            num_channels, None, False)  # fmt: skip
-            node_rows = node_rows.view(torch.uint8)
-
-            recv_data.view(torch.uint8)[out].copy_(node_rows[:, fmt.x_offset : fmt.x_offset + fmt.x_bytes])
+                node_x, node_scales, _ = self.node.cached_dispatch(x_n, scales_n, chunk.node_record, 0, num_channels,
+                                                                   None, False)  # fmt: skip
+            recv_data[out].copy_(node_x)
             if recv_scales is not None:
-                recv_scales.view(torch.uint8)[out].copy_(
-                    node_rows[:, fmt.scales_offset : fmt.scales_offset + fmt.scale_bytes]
-                )
+                recv_scales[out].copy_(node_scales)
 
         self._in_steps(len(state.chunks), transfer, deliver, f"{phase}: token exchange")
         if recv_data.size(0) > state.num_received:  # num_worst_tokens padding

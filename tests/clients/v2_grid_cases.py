@@ -23,6 +23,7 @@ import itertools
 
 import torch
 
+import mtdeepep as deep_ep
 from mtdeepep.elastic import ElasticBuffer
 from mtdeepep.utils import fp8 as fp8_utils
 from mtdeepep.utils import refs
@@ -252,15 +253,48 @@ def v2_mode_grid_matches_reference(ctx, num_ranks_per_node=None, mode_stride: in
 
 def fp8_internode_dispatch_with_an_idle_rank(ctx):
     """2 nodes x 2 ranks, FP8 dispatch, routing that sends nothing to rank 3 (as the grid's unbalanced routing of
-    mode 5 does): the node-local stage's ranks disagree on the row format (a known defect of the internode engine,
-    V1 and V2 alike). On a group of its own with a 2 s timeout, so that the failure stays cheap and isolated."""
+    mode 5 does), through V2's `ElasticBuffer` and V1's `Buffer`: the received E4M3 bytes and scales bitwise against
+    the reference, rank 3 receiving none. (A rank whose outputs could not be placed in its region, as one with no
+    rows, used to hand the node-local stage rows of another format than its peers: GroupMismatchError.) On a group
+    of its own with a 2 s timeout, so that a failure stays cheap and isolated."""
+    num_tokens, num_experts = 32, 16
+    everyone = []
+    for rank in range(ctx.world_size):
+        generator = torch.Generator().manual_seed(rank)
+        x = torch.randn(num_tokens, HIDDEN, generator=generator, dtype=torch.float32).bfloat16()
+        topk_idx = torch.stack([torch.randperm(12, generator=generator)[:NUM_TOPK] for _ in range(num_tokens)])
+        everyone.append((fp8_utils.per_token_cast_to_fp8(x), topk_idx))  # experts 0-11: ranks 0-2 only
+    (x_e4m3, x_scales), topk_idx = everyone[ctx.rank]
+    topks = [e[1] for e in everyone]
+    ref_bytes = refs.ref_dispatch([e[0][0].view(torch.uint8) for e in everyone], topks, None, num_experts, ctx.rank)
+    ref_scales = refs.ref_dispatch([e[0][1] for e in everyone], topks, None, num_experts, ctx.rank).recv_x
+    assert (ref_bytes.recv_x.size(0) == 0) == (ctx.rank == 3)
+
     group = torch.distributed.new_group(list(range(ctx.world_size)))
-    buffer = ElasticBuffer(group, num_max_tokens_per_rank=32, hidden=HIDDEN, num_topk=NUM_TOPK, use_fp8_dispatch=True,
-                           num_ranks_per_node=2, num_cpu_timeout_secs=2, explicitly_destroy=True)  # fmt: skip
+    elastic = ElasticBuffer(group, num_max_tokens_per_rank=num_tokens, hidden=HIDDEN, num_topk=NUM_TOPK,
+                            use_fp8_dispatch=True, num_ranks_per_node=2, num_cpu_timeout_secs=2,
+                            explicitly_destroy=True)  # fmt: skip
     try:
-        generator = torch.Generator().manual_seed(ctx.rank)
-        x = torch.randn(32, HIDDEN, generator=generator, dtype=torch.float32).bfloat16()
-        topk_idx = torch.stack([torch.randperm(12, generator=generator)[:NUM_TOPK] for _ in range(32)])  # ranks 0-2
-        buffer.dispatch(fp8_utils.per_token_cast_to_fp8(x), topk_idx=topk_idx, num_experts=16)
+        (recv_x, recv_scales), recv_idx, _, handle, _ = elastic.dispatch(
+            (x_e4m3, x_scales), topk_idx=topk_idx, num_experts=num_experts
+        )
+        num_recv = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])
+        order = torch.sort(handle.recv_src_metadata[:num_recv, 0].long()).indices
+        assert torch.equal(recv_x[:num_recv][order].view(torch.uint8), ref_bytes.recv_x), f"rank {ctx.rank}: V2"
+        assert torch.equal(recv_scales[:num_recv][order], ref_scales), f"rank {ctx.rank}: V2 scales"
+        assert torch.equal(recv_idx[:num_recv][order], ref_bytes.recv_topk_idx), f"rank {ctx.rank}: V2 top-k"
+    finally:
+        elastic.destroy()
+
+    buffer = deep_ep.Buffer(group, 1 << 22, num_ranks_per_node=2, timeout_s=2, explicitly_destroy=True)
+    try:
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+        (recv_x, recv_scales), recv_idx, _, counts, _, _ = buffer.dispatch(
+            (x_e4m3, x_scales), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+        )  # fmt: skip
+        assert torch.equal(recv_x.view(torch.uint8), ref_bytes.recv_x), f"rank {ctx.rank}: V1"
+        assert torch.equal(recv_scales, ref_scales), f"rank {ctx.rank}: V1 scales"
+        assert torch.equal(recv_idx, ref_bytes.recv_topk_idx) and counts == ref_bytes.num_recv_tokens_per_expert
     finally:
         buffer.destroy()
