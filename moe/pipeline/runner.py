@@ -44,6 +44,7 @@ from torch.distributed.pipelining import (
 from moe import wgrad
 from moe.phase_timer import PhaseTimer, phase
 from moe.pipeline.overlap import install_overlapped_forward_backward
+from moe.pipeline.p2p import P2P_TRANSPORTS, BufferP2P
 from moe.pipeline.split import StageSplit, check_schedule, stages_of_rank, stages_per_rank
 from moe.pipeline.stages import DeepseekV3Stage, StageLoss, keep_stages
 from moe.pipeline.timeline import (
@@ -85,6 +86,7 @@ class TimedStage(PipelineStage):
     recorder: TimelineRecorder | None = None
     phase_timer: PhaseTimer | None = None
     weight_grads_done: Callable[[int], None] | None = None
+    transport: BufferP2P | None = None  # None: torch.distributed's P2P (see moe/pipeline/p2p.py)
 
     def __init__(self, *args, split_weight_grads: bool = False, **kwargs):
         super().__init__(*args, dw_builder=wgrad.take_weight_grads if split_weight_grads else None, **kwargs)
@@ -103,6 +105,22 @@ class TimedStage(PipelineStage):
                     super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         if full_backward and last_backward:  # an I action leaves the weight gradients to its W
             self._weight_grads_done()
+
+    # The P2P seam: torch's ops of this stage, pointed at the transport when there is one.
+    def get_fwd_recv_ops(self, fwd_chunk_id):
+        return self._adopt(super().get_fwd_recv_ops(fwd_chunk_id))
+
+    def get_bwd_recv_ops(self, bwd_chunk_id):
+        return self._adopt(super().get_bwd_recv_ops(bwd_chunk_id))
+
+    def get_fwd_send_ops(self, fwd_chunk_id):
+        return self._adopt(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id):
+        return self._adopt(super().get_bwd_send_ops(bwd_chunk_id))
+
+    def _adopt(self, ops):
+        return ops if self.transport is None else self.transport.adopt(ops)
 
     def _split_gemms(self):
         return wgrad.split_gemms() if self.split_weight_grads else contextlib.nullcontext()
@@ -149,6 +167,10 @@ class PipelineRunner:
             dispatch / combine runs while the other micro-batch computes (moe/pipeline/overlap.py; Megatron's
             `overlap_moe_expert_parallel_comm`). Same losses and gradients bit for bit. `self.overlap` holds it.
         virtual_stages: V, the stages this rank holds round-robin under 1f1b / zbh1 (interleaved; 1: one stage).
+        p2p_transport: how activations and gradients move between the ranks (moe/pipeline/p2p.py): 'torch'
+            (torch.distributed's P2P) or 'deepep' (`pp_send` / `pp_recv` of an `mtdeepep.ElasticBuffer` over the
+            pipeline group, built here, collectively; `close()` releases it). The same bytes either way.
+        p2p_timeout_s: the deepep transport's bound on every wait (None: mtdeepep's default).
     """
 
     def __init__(
@@ -166,8 +188,12 @@ class PipelineRunner:
         recorder: TimelineRecorder | None = None,
         overlap_moe_comm: bool = False,
         virtual_stages: int = 1,
+        p2p_transport: str = "torch",
+        p2p_timeout_s: float | None = None,
     ) -> None:
         pp, pp_rank = parallel.layout.pp, parallel.pp_rank
+        if p2p_transport not in P2P_TRANSPORTS:
+            raise ValueError(f"p2p_transport must be one of {P2P_TRANSPORTS}, got {p2p_transport!r}")
         check_schedule(schedule, pp, micro_batches, virtual_stages)
         num_stages = pp * stages_per_rank(schedule, virtual_stages)
         if split.num_stages != num_stages:
@@ -223,6 +249,18 @@ class PipelineRunner:
             stage.recorder = recorder
             stage.weight_grads_done = self._stage_weight_grads_done
             self.stages.append(stage)
+        self.transport = None
+        if p2p_transport == "deepep" and pp > 1:
+            # A slot for every tensor of a step a rank may send to one neighbour (both stage directions), so that a
+            # send never waits for its receiver, as torch's isend does not; the largest is an activation.
+            inputs, outputs = self._example_args(self.modules[0], micro_rows, seq_len, device)
+            activations = outputs if isinstance(outputs, tuple) else inputs
+            self.transport = BufferP2P(
+                self.pp_group, max_tensor_bytes=max(t.numel() * t.element_size() for t in activations),
+                max_inflight=2 * len(activations) * micro_batches * len(self.stage_ids), timeout_s=p2p_timeout_s,
+            )  # fmt: skip
+            for stage in self.stages:
+                stage.transport = self.transport
         kw = dict(n_microbatches=micro_batches, loss_fn=_identity_loss, scale_grads=False)
         if schedule == "1f1b" and virtual_stages > 1:
             self.schedule = ScheduleInterleaved1F1B(self.stages, **kw)
@@ -249,6 +287,15 @@ class PipelineRunner:
         inputs = torch.empty(rows, seq_len, dtype=torch.int64, device=device) if module.is_first else activations
         outputs = torch.empty(1, dtype=torch.float32, device=device) if module.is_last else activations
         return inputs, outputs
+
+    @property
+    def p2p_transport(self) -> str:
+        return "torch" if self.transport is None else "deepep"
+
+    def close(self) -> None:
+        """Releases the deepep transport's buffer (nothing with torch's). Idempotent."""
+        if self.transport is not None:
+            self.transport.destroy()
 
     def set_phase_timer(self, timer: PhaseTimer | None) -> None:
         """Time this rank's pipeline actions on `timer`: F as 'forward', B / I / W as 'backward', the rest of the
