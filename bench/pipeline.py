@@ -4,6 +4,13 @@ placed round-robin) on the same model, micro-batches and ranks, in one run: step
 bubble of the DualPipe table from the measured F / B / W times, Megatron's formula for (interleaved) 1F1B, and the
 peak memory of a step per rank.
 
+Each schedule runs with each P2P transport of `--transports` (moe/pipeline/p2p.py): `torch` (torch.distributed's
+isend / irecv, as torch's schedules post them) and `deepep` (`pp_send` / `pp_recv` of an `mtdeepep.ElasticBuffer`
+over the pipeline group); the rows of one schedule compare them: step time against the torch transport's, and the P2P
+share, the `p2p` phase (moe/phase_timer.py: the schedule's step outside its F / B / I / W actions, i.e. posting the
+sends and receives and waiting for them and for the neighbours) over the step, the mean over the ranks. The two
+transports move the same bytes: each schedule's gradients after the last step are compared between them, bitwise.
+
 Setting: a DeepSeek-V3 config (default `tiny`), `--pp` processes (gloo on 127.0.0.1, one per pipeline rank, no data
 or expert parallelism), `--micro-batches` micro-batches of `--rows` sequences of `--seq-len` random tokens per step
 (the same tokens for every schedule). Each schedule gets a fresh model from the same seed, `--warmup` steps, then
@@ -38,7 +45,8 @@ activation or gradient page-faults in fresh zeroed pages: a cost of the CPU allo
 falls unevenly on the schedules (it grows with the memory held between actions: ZB-H1's queued weight-gradient
 operands). `--allocator glibc` keeps glibc's defaults.
 
-    .venv/bin/python bench/pipeline.py                       # PP 2, 8 micro-batches, tiny; ~2 minutes
+    .venv/bin/python bench/pipeline.py                       # PP 2, 8 micro-batches, tiny; ~4 minutes
+    .venv/bin/python bench/pipeline.py --schedules 1f1b,dualpipev --transports torch,deepep
     .venv/bin/python bench/pipeline.py --pp 4 --micro-batches 8
     .venv/bin/python bench/pipeline.py --config bench/configs/pipeline8.toml   # equal stages for every schedule
     .venv/bin/python bench/pipeline.py --config bench/configs/pipeline8.toml --pp 4 --schedules 1f1b,1f1b-v2,zbh1-v2
@@ -61,6 +69,7 @@ from _common import (
     add_pipeline_run_arguments,
     environment_variables,
     make_parser,
+    parse_choices,
     print_table,
     run_ranks,
     save_run,
@@ -68,6 +77,7 @@ from _common import (
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEDULES = ("1f1b", "zbh1", "dualpipev", "1f1b-v2", "zbh1-v2")
+TRANSPORTS = ("torch", "deepep")  # moe.pipeline.p2p.P2P_TRANSPORTS (main checks it; moe is imported lazily here)
 # glibc's environment for `--allocator caching`: no block is ever handed back to the system (read when a process
 # starts: the spawned ranks inherit it).
 CACHING_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_TOP_PAD_": str(1 << 28)}
@@ -88,11 +98,14 @@ def schedule_of(name: str) -> tuple[str, int]:
     return schedule, int(virtual or 1)
 
 
-def _build(name: str, args):
-    """A fresh model from the seed, pruned to this rank's stages of schedule `name`, and its runner."""
+def _build(name: str, transport: str, args):
+    """A fresh model from the seed, pruned to this rank's stages of schedule `name`, and its runner on `transport`."""
     from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+    from moe.phase_timer import PHASES, PhaseTimer
     from moe.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options
     from moe.pipeline.split import split_layers, stages_per_rank
+
+    assert "p2p" in PHASES
     from moe.train.parallel import Layout, ParallelState
 
     schedule, virtual = schedule_of(name)
@@ -107,11 +120,13 @@ def _build(name: str, args):
     runner = PipelineRunner(model, parallel, schedule=schedule, split=split, micro_batches=args.micro_batches,
                             micro_rows=args.rows, seq_len=args.seq_len, mtp_loss_weight=cfg.mtp_loss_weight,
                             num_mtp=cfg.num_nextn_predict_layers, recorder=TimelineRecorder(parallel.pp_rank),
-                            virtual_stages=virtual)  # fmt: skip
+                            virtual_stages=virtual, p2p_transport=transport)  # fmt: skip
+    runner.set_phase_timer(PhaseTimer())
     return cfg, parallel, model, runner
 
 
 def _one_step(group, name: str, built, tokens, counts, step: int, args) -> dict:
+    from moe.phase_timer import PHASES
     from moe.pipeline import bubble_fraction, gather_timelines
     from moe.pipeline.timeline import analytic_bubble, analytic_bubble_fraction, expected_bubble_fraction
 
@@ -121,10 +136,15 @@ def _one_step(group, name: str, built, tokens, counts, step: int, args) -> dict:
     # .grad per step would put its first-touch allocation into the first micro-batches' backward.
     model.zero_grad(set_to_none=False)
     torch.distributed.barrier(group=group)
+    runner.phase_timer.take()
     start = time.perf_counter()
     runner.step(tokens, counts, step)
-    measured = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    elapsed = time.perf_counter() - start
+    seconds = runner.phase_timer.take()[0]
+    measured = torch.tensor([elapsed], dtype=torch.float64)
     torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX, group=group)
+    p2p_share = torch.tensor([seconds[PHASES.index("p2p")] / elapsed], dtype=torch.float64)
+    torch.distributed.all_reduce(p2p_share, group=group)
     timelines = gather_timelines(runner.recorder, parallel.pp_group)
     report = bubble_fraction(timelines)
     units = report.unit_times()
@@ -136,7 +156,8 @@ def _one_step(group, name: str, built, tokens, counts, step: int, args) -> dict:
     ]  # fmt: skip
     formula = expected_bubble_fraction(args.pp, args.micro_batches, virtual) if schedule == "1f1b" else None
     return {
-        "step_s": float(measured[0]), "bubble": report.fraction, "formula_bubble": formula,
+        "step_s": float(measured[0]), "p2p_share": float(p2p_share[0]) / group.size(),
+        "bubble": report.fraction, "formula_bubble": formula,
         "analytic_bubble": statistics.mean(analytic), "units": units, "timelines": timelines,
         "analytic_bubble_s": analytic_bubble(schedule, args.pp, units["F"], units["B"], w, units["F_and_B"]),
     }  # fmt: skip
@@ -155,10 +176,10 @@ def _memory_worker(rank: int, world: int, group, args) -> dict[str, float]:
     from moe.memory import peak_memory_bytes
 
     del rank, world
-    built = {schedule: _build(schedule, args) for schedule in args.schedules}
+    built = {run: _build(*run, args) for run in _runs(args)}
     tokens, counts = _inputs(next(iter(built.values()))[0], args)
     peaks = {}
-    for schedule, (_, _, model, runner) in built.items():
+    for run, (_, _, model, runner) in built.items():
         for step in (1, 2):
             for p in model.parameters():
                 p.grad = None
@@ -166,8 +187,24 @@ def _memory_worker(rank: int, world: int, group, args) -> dict[str, float]:
             peak = peak_memory_bytes(functools.partial(runner.step, tokens, counts, step))
         measured = torch.tensor([float(peak)], dtype=torch.float64)
         torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX, group=group)
-        peaks[schedule] = float(measured[0])
+        peaks[_label(*run)] = float(measured[0])
+    for _, _, _, runner in built.values():
+        runner.close()
     return peaks
+
+
+def _runs(args) -> list[tuple[str, str]]:
+    """(schedule, transport) of every run, a schedule's transports side by side."""
+    return [(schedule, transport) for schedule in args.schedules for transport in args.transports]
+
+
+def _label(schedule: str, transport: str) -> str:
+    return schedule if transport == "torch" else f"{schedule}/{transport}"
+
+
+def _grads_digest(model) -> torch.Tensor:
+    """This rank's gradients as one float64 vector (the transports' comparison, bitwise)."""
+    return torch.cat([p.grad.detach().reshape(-1).double() for p in model.parameters() if p.grad is not None])
 
 
 def _worker(rank: int, world: int, group, args) -> dict:
@@ -176,20 +213,26 @@ def _worker(rank: int, world: int, group, args) -> dict:
     from moe.pipeline.timeline import plot_timeline, write_chrome_trace
 
     del rank, world
-    built = {schedule: _build(schedule, args) for schedule in args.schedules}
+    built = {run: _build(*run, args) for run in _runs(args)}
     tokens, counts = _inputs(next(iter(built.values()))[0], args)
-    steps: dict[str, list[dict]] = {schedule: [] for schedule in args.schedules}
+    steps: dict[tuple[str, str], list[dict]] = {run: [] for run in built}
     for index in range(args.warmup + args.steps):
-        for schedule in args.schedules:
-            record = _one_step(group, schedule, built[schedule], tokens, counts, index + 1, args)
+        for run in built:
+            record = _one_step(group, run[0], built[run], tokens, counts, index + 1, args)
             if index >= args.warmup:
-                steps[schedule].append(record)
+                steps[run].append(record)
+    # The same steps from the same weights: each transport's gradients after the last one are the torch transport's.
+    digests = {run: _grads_digest(built[run][2]) for run in built}
+    same = {run: bool(torch.equal(digests[run], digests[(run[0], args.transports[0])])) for run in built}
+    agreed = torch.tensor([all(same.values())], dtype=torch.int32)
+    torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=group)
     out = {}
-    for schedule, records in steps.items():
+    for run, records in steps.items():
+        schedule, transport = run
         median = sorted(records, key=lambda s: s["step_s"])[len(records) // 2]
-        runner = built[schedule][3]
-        if built[schedule][1].pp_rank == 0:
-            path = args.out_dir / f"pipeline_{schedule}_pp{args.pp}"
+        runner = built[run][3]
+        if built[run][1].pp_rank == 0:
+            path = args.out_dir / f"pipeline_{_label(*run).replace('/', '_')}_pp{args.pp}"
             meta = {"schedule": schedule, "pp": args.pp, "micro_batches": args.micro_batches,
                     "virtual_stages": runner.virtual_stages}  # fmt: skip
             write_chrome_trace(path.with_suffix(".json"), median["timelines"], metadata=meta)
@@ -198,12 +241,20 @@ def _worker(rank: int, world: int, group, args) -> dict:
         median["bubble_all_steps"] = [r["bubble"] for r in records]
         median["bubble_of_median_step"] = median["bubble"]
         median["bubble"] = statistics.median(median["bubble_all_steps"])
-        out[schedule] = median
+        median["step_s_all_steps"] = [r["step_s"] for r in records]
+        median["p2p_share"] = statistics.median(r["p2p_share"] for r in records)
+        median["schedule"], median["transport"] = schedule, transport
+        median["grads_equal_to_first_transport"] = bool(agreed[0])
+        out[_label(*run)] = median
+        runner.close()
     return out
 
 
 def main() -> None:
+    from moe.pipeline.p2p import P2P_TRANSPORTS
     from moe.pipeline.split import check_schedule
+
+    assert TRANSPORTS == P2P_TRANSPORTS
 
     parser = make_parser(__doc__)
     parser.add_argument("--config", default="tiny", help="a name of examples/deepseek_v3/configs/ or a .toml path")
@@ -214,6 +265,8 @@ def main() -> None:
                         "DualPipeV's V puts the first and last stage on one rank")  # fmt: skip
     parser.add_argument("--schedules", default=",".join(SCHEDULES),
                         help="comma-separated: 1f1b, zbh1, dualpipev, 1f1b-vN, zbh1-vN (N stages a rank)")  # fmt: skip
+    parser.add_argument("--transports", type=lambda text: parse_choices(text, TRANSPORTS), default=TRANSPORTS,
+                        help="comma-separated P2P transports, each schedule runs on each: torch, deepep")  # fmt: skip
     parser.add_argument("--allocator", choices=("caching", "glibc"), default="caching",
                         help="the timed ranks' glibc settings (see the docstring)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "pipeline.json")
@@ -229,14 +282,17 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with environment_variables(CACHING_MALLOC_ENV if args.allocator == "caching" else {}):
         results = run_ranks(_worker, args.pp, (args,), timeout_s=1800)[0]
-    for schedule, peak in run_ranks(_memory_worker, args.pp, (args,), timeout_s=1800)[0].items():
-        results[schedule]["peak_bytes"] = peak
+    for label, peak in run_ranks(_memory_worker, args.pp, (args,), timeout_s=1800)[0].items():
+        results[label]["peak_bytes"] = peak
     base = results.get("1f1b")
     rows = []
-    for schedule, r in results.items():
+    for r in results.values():
         vs = f"{r['bubble'] / base['bubble']:.2f}x" if base and base["bubble"] > 0 else "-"
+        first = results[_label(r["schedule"], args.transports[0])]
+        r["step_vs_first_transport"] = r["step_s"] / first["step_s"]
         rows.append([
-            schedule, f"{r['step_s'] * 1e3:.0f}", f"{100 * r['bubble']:.1f}%", vs,
+            r["schedule"], r["transport"], f"{r['step_s'] * 1e3:.0f}", f"{r['step_vs_first_transport']:.2f}x",
+            f"{100 * r['p2p_share']:.1f}%", f"{100 * r['bubble']:.1f}%", vs,
             f"{100 * r['analytic_bubble']:.1f}%",
             "-" if r["formula_bubble"] is None else f"{100 * r['formula_bubble']:.1f}%",
             f"{r['analytic_bubble_s'] * 1e3:.1f}",
@@ -247,12 +303,16 @@ def main() -> None:
           f"first stage layers {args.decoder_first_pipeline_num_layers or 'even'}, "
           f"allocator {args.allocator}")  # fmt: skip
     print_table(
-        ("schedule", "step ms", "bubble", "vs 1f1b", "analytic", "formula", "analytic ms/rank", "F ms", "B ms",
-         "W ms", "peak MiB"),
+        ("schedule", "p2p", "step ms", f"vs {args.transports[0]}", "p2p share", "bubble", "vs 1f1b", "analytic",
+         "formula", "analytic ms/rank", "F ms", "B ms", "W ms", "peak MiB"),
         rows,
+        f"vs {args.transports[0]}: step time over the same schedule's on the {args.transports[0]} transport; "
+        "p2p share: the schedule's step outside its compute actions over the step (sends, receives, waits; median "
+        "over the steps, mean over the ranks); gradients after the last step equal across the transports: "
+        f"{all(r['grads_equal_to_first_transport'] for r in results.values())}",
         "bubble: idle / span over all ranks (median over the steps); analytic: DualPipe's formula from the measured "
         "F/B/W (per chunk); formula: (P-1)/(V m) of (interleaved) 1F1B as a share of the step, (P-1)/(V m + P-1); "
-        f"traces and PNGs in {args.out_dir}/pipeline_<schedule>_pp{args.pp}.*",
+        f"traces and PNGs in {args.out_dir}/pipeline_<schedule>[_deepep]_pp{args.pp}.*",
     )  # fmt: skip
     save_run(args.json, args, results=results)
 
