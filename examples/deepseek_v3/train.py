@@ -155,6 +155,8 @@ class BuiltRun:
 
     def close(self) -> None:
         self.ep_buffers.destroy()  # after the last backward, which communicates on them
+        if self.pipeline is not None:
+            self.pipeline.close()  # the pipeline's P2P buffer (use_deepep_p2p)
         self.parallel.destroy()
 
 
@@ -210,7 +212,9 @@ def build(args, checked: CheckedJob) -> BuiltRun:
                                   mtp_loss_weight=model_cfg.mtp_loss_weight,
                                   num_mtp=model_cfg.num_nextn_predict_layers, recorder=recorder,
                                   overlap_moe_comm=job.parallel.overlap_moe_expert_parallel_comm,
-                                  virtual_stages=layout.vpp)  # fmt: skip
+                                  virtual_stages=layout.vpp,
+                                  p2p_transport="deepep" if job.parallel.use_deepep_p2p else "torch",
+                                  p2p_timeout_s=args.timeout)  # fmt: skip
 
     # The checkpoints' config.json names the data's end-of-text token (generate.py stops there; transformers too).
     eos_token_id = checked.data.eos_id
@@ -390,6 +394,7 @@ def _write_run_json(run_dir: Path, args, job: job_config.Job, data, mfu_basis: d
         "title": _title(args, job.layout),
         "layout": {**job.layout.to_dict(), "dtype": job.training.dtype},
         "overlap_moe_expert_parallel_comm": job.parallel.overlap_moe_expert_parallel_comm,
+        "pipeline_p2p": "deepep" if job.parallel.use_deepep_p2p else "torch",
         "config": {"path": str(args.config), **job.tables},
         "seed": args.seed,
         "init": args.init,

@@ -56,6 +56,10 @@ class ParallelConfig:
         overlap_moe_expert_parallel_comm: DualPipeV's overlapped chunks run one micro-batch's MoE dispatch /
         combine beside the other's compute. pipeline_timeline: record the last step's pipeline actions (Perfetto
         JSON and PNG in the run directory). fp8: the FP8 recipe ('none', 'delayed', 'blockwise').
+        use_deepep_p2p: the pipeline's activations and gradients move through `pp_send` / `pp_recv` of an
+        `mtdeepep.ElasticBuffer` over the pipeline group instead of torch.distributed's P2P (moe/pipeline/p2p.py;
+        named after Megatron's `use_ring_exchange_p2p`, its other P2P transport). Off by default: measured slower on
+        this CPU executor (bench/pipeline.py).
     """
 
     tp: int = 1
@@ -69,6 +73,7 @@ class ParallelConfig:
     overlap_moe_expert_parallel_comm: bool = False
     pipeline_timeline: bool = False
     fp8: str = "none"
+    use_deepep_p2p: bool = False
 
     def layout(self, world: int) -> Layout:
         return Layout(world=world, tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, pp_schedule=self.pp_schedule,
@@ -204,6 +209,9 @@ def add_tree_options(p: argparse.ArgumentParser) -> None:
     alias("--pipeline-timeline", dest="parallel.pipeline_timeline", action="store_const", const=True,
           help="record every pipeline action; write RUN_DIR/pipeline_timeline.json (Perfetto) and .png of the last "
           "step, with the measured bubble")  # fmt: skip
+    alias("--use-deepep-p2p", dest="parallel.use_deepep_p2p", action="store_const", const=True,
+          help="pipeline activations and gradients through mtdeepep's pp_send / pp_recv instead of torch.distributed's "
+          "P2P (default: [parallel] use_deepep_p2p, false)")  # fmt: skip
     alias("--fp8", "--fp8-recipe", dest="parallel.fp8", choices=FP8_RECIPES, help="FP8 recipe (default none)")
     alias("--tensorboard-dir", dest="metrics.tensorboard_dir",
           help="write every metrics.jsonl number as TensorBoard scalars here, from rank 0 (a resumed run continues "
@@ -275,6 +283,8 @@ def pipeline_split(model_cfg, train_cfg: TrainingConfig, layout: Layout, paralle
     if layout.pp == 1:
         if any(v is not None for v in outer):
             raise ValueError("--decoder-first/last-pipeline-num-layers need --pp > 1")
+        if parallel.use_deepep_p2p:
+            raise ValueError("--use-deepep-p2p moves the pipeline's activations and gradients: it needs --pp > 1")
         return None
     check_schedule(layout.pp_schedule, layout.pp, train_cfg.micro_batches, layout.vpp)
     if model_cfg.tie_word_embeddings and layout.pp_schedule != "dualpipev":

@@ -175,10 +175,12 @@ LAYOUTS = {
         (4, 2, 2, 2, 2),
         True,
     ),
-    # Pipeline parallelism (moe/pipeline): each schedule at PP2 and PP4, with DP, EP and ZeRO-1.
+    # Pipeline parallelism (moe/pipeline): each schedule at PP2 and PP4, with DP, EP and ZeRO-1. One layout of each
+    # schedule (1F1B, ZB-H1, interleaved 1F1B, DualPipeV) moves its activations and gradients through mtdeepep's
+    # pp_send / pp_recv (--use-deepep-p2p, moe/pipeline/p2p.py), the others through torch.distributed's P2P.
     "pp2_1f1b": (["--pp", "2"], 2, (2, 1, 1, 1, 1), False),
     "pp2_zbh1_ep2_dp2": (
-        ["--pp", "2", "--pp-schedule", "zbh1", "--ep", "2", "--pipeline-timeline"],
+        ["--pp", "2", "--pp-schedule", "zbh1", "--ep", "2", "--pipeline-timeline", "--use-deepep-p2p"],
         4,
         (4, 2, 1, 2, 1),
         False,
@@ -211,6 +213,7 @@ LAYOUTS = {
             "2",
             "--decoder-last-pipeline-num-layers",
             "0",
+            "--use-deepep-p2p",
         ],
         4,
         (4, 1, 1, 1, 1),
@@ -221,7 +224,7 @@ LAYOUTS = {
     # rank 0 holding stages 0 (embedding) and 2, rank 1 stages 1 and 3 (head, MTP): torch's interleaved 1F1B and
     # interleaved zero bubble over 2 micro-batches (a multiple of pp).
     "pp2_1f1b_v2": (
-        ["--pp", "2", "--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-timeline"],
+        ["--pp", "2", "--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-timeline", "--use-deepep-p2p"],
         2,
         (2, 1, 1, 1, 1),
         False,
@@ -244,7 +247,12 @@ LAYOUTS = {
     ),
     "tp2_etp2": (["--tp", "2", "--etp", "2"], 2, (2, 1, 2, 1, 1), False),
     # 8 stages for 4 layers: stages 4-7 are placeholders; rank 0 holds stage 0 (embedding) and 7 (head, MTP).
-    "pp4_dualpipev": (["--pp", "4", "--pp-schedule", "dualpipev", "--micro-batches", "8"], 4, (4, 1, 1, 1, 1), False),
+    "pp4_dualpipev": (
+        ["--pp", "4", "--pp-schedule", "dualpipev", "--micro-batches", "8", "--use-deepep-p2p"],
+        4,
+        (4, 1, 1, 1, 1),
+        False,
+    ),
 }
 
 
@@ -290,6 +298,7 @@ def test_layout_matches_one_process(config, one_process_run, layout_run, layout)
         for name, v in a["expert_load_max_over_mean"].items():
             assert b["expert_load_max_over_mean"][name] == pytest.approx(v, rel=1e-6)  # the same routing
     assert info["overlap_moe_expert_parallel_comm"] is ("--overlap-moe-expert-parallel-comm" in flags)
+    assert info["pipeline_p2p"] == ("deepep" if "--use-deepep-p2p" in flags else "torch")
     if "--overlap-moe-expert-parallel-comm" in flags:  # one F&B slot per overlapped chunk, MoE comm slots inside
         trace = json.loads((run_dir / "pipeline_timeline.json").read_text())
         slots = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
@@ -612,6 +621,7 @@ def test_bias_update_balances_the_expert_load(tmp_path, corpus_and_cache):
         ),
         ({"tie_word_embeddings": True}, {}, {}, ["--pp", "2"], 2, "tie_word_embeddings with --pp 2 --pp-schedule 1f1b"),
         ({}, {}, {}, ["--decoder-last-pipeline-num-layers", "1"], 1, "need --pp > 1"),
+        ({}, {}, {}, ["--use-deepep-p2p"], 1, "--use-deepep-p2p moves the pipeline's .* needs --pp > 1"),
         ({}, {"global_batch": 12, "micro_batches": 2}, {}, [], 4, "not divisible by dp \\* micro_batches"),
         ({}, {"seq_len": 1024}, {}, [], 1, "exceeds max_position_embeddings=512"),
     ],
