@@ -269,6 +269,7 @@ def main() -> None:
                         help="comma-separated P2P transports, each schedule runs on each: torch, deepep")  # fmt: skip
     parser.add_argument("--allocator", choices=("caching", "glibc"), default="caching",
                         help="the timed ranks' glibc settings (see the docstring)")  # fmt: skip
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes (a quick run)")
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "pipeline.json")
     args = parser.parse_args()
     args.schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
@@ -282,8 +283,9 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     with environment_variables(CACHING_MALLOC_ENV if args.allocator == "caching" else {}):
         results = run_ranks(_worker, args.pp, (args,), timeout_s=1800)[0]
-    for label, peak in run_ranks(_memory_worker, args.pp, (args,), timeout_s=1800)[0].items():
-        results[label]["peak_bytes"] = peak
+    peaks = {} if args.no_memory else run_ranks(_memory_worker, args.pp, (args,), timeout_s=1800)[0]
+    for label, r in results.items():
+        r["peak_bytes"] = peaks.get(label)
     base = results.get("1f1b")
     rows = []
     for r in results.values():
@@ -297,7 +299,8 @@ def main() -> None:
             "-" if r["formula_bubble"] is None else f"{100 * r['formula_bubble']:.1f}%",
             f"{r['analytic_bubble_s'] * 1e3:.1f}",
             f"{r['units']['F'] * 1e3:.1f}", f"{r['units']['B'] * 1e3:.1f}",
-            "-" if r["units"]["W"] is None else f"{r['units']['W'] * 1e3:.1f}", f"{r['peak_bytes'] / 2**20:.1f}",
+            "-" if r["units"]["W"] is None else f"{r['units']['W'] * 1e3:.1f}",
+            "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f}",
         ])  # fmt: skip
     print(f"{args.config}, pp {args.pp}, {args.micro_batches} micro-batches of {args.rows} x {args.seq_len} tokens, "
           f"first stage layers {args.decoder_first_pipeline_num_layers or 'even'}, "
