@@ -134,6 +134,12 @@ class BufferP2P:
             head.done = True
         self.wait_s += time.perf_counter() - start
 
+    def check_drained(self, where: str) -> None:
+        """Every posted receive was received (RuntimeError otherwise: a later step would match the wrong message)."""
+        left = {peer: len(queue) for peer, queue in self._queued.items() if queue}
+        if left:
+            raise RuntimeError(f"{where}: receives posted and never waited on, per pipeline peer: {left}")
+
     def reset_wait(self) -> None:
         self.wait_s = 0.0
 

@@ -378,6 +378,8 @@ class PipelineRunner:
             with phase(self.phase_timer, "p2p"):
                 self.schedule.step(*args, target=target, tokens=tokens_BS, **extra)
             self.schedule_span = (start, time.perf_counter())
+            if self.transport is not None:
+                self.transport.check_drained("the pipeline schedule's step")
         except Exception as exc:
             raise RuntimeError(
                 f"step {step}: pipeline rank {self.parallel.pp_rank} (stages {self.stage_ids} of {self.num_stages}, "

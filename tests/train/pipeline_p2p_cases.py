@@ -31,7 +31,8 @@ def _step(parallel: ParallelState, schedule: str, vpp: int, transport: str, toke
         assert runner.p2p_transport == transport
         sums, _ = runner.step(tokens_BS, counts, step=1)
         if transport == "deepep":  # every activation and gradient went through the buffer
-            assert runner.transport.wait_s > 0 and not any(runner.transport._queued.values())
+            assert runner.transport.wait_s > 0
+            runner.transport.check_drained("after the step")
     finally:
         runner.close()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
