@@ -1,8 +1,8 @@
 """The pipeline's P2P transports (moe/pipeline/p2p.py): with `p2p_transport='deepep'` the activations and gradients
-move through `pp_send` / `pp_recv` of an `mtdeepep.ElasticBuffer` over the pipeline group, and one step of 1F1B
-and DualPipeV gives the loss sums and gradients of torch.distributed's P2P bit for bit (PP2). The trainer's runs with
-the option against the one-process run (1F1B, ZB-H1, interleaved 1F1B, DualPipeV): test_train.py's layouts. A bad
-name is refused before anything is built."""
+move through `pp_send` / `pp_recv` of an `mtdeepep.ElasticBuffer` over the pipeline group, and one step of DualPipeV
+gives the loss sums and gradients of torch.distributed's P2P bit for bit (PP2; 1F1B's: test_bench_pipeline.py). The
+trainer's runs with the option against the one-process run (1F1B, ZB-H1, interleaved 1F1B, DualPipeV): test_train.py's
+layouts. A bad name is refused before anything is built."""
 
 from __future__ import annotations
 
@@ -20,11 +20,10 @@ rank_pools = pool_fixture(comm_timeout_s=60, deadline_s=240)
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_deepep_transport_is_bit_identical_to_torch_p2p(rank_pools):
-    # Schedule1F1B posts mixed send + receive batches; DualPipeV runs torch's action runtime (which interleaved 1F1B
-    # and ZB-H1 share), with two stages of a rank passing activations without P2P at the V's bottom.
-    schedules = [("1f1b", 1), ("dualpipev", 1)]
-    results = rank_pools[2].run(cases.transports_agree_case, schedules)
-    assert results == [["1f1b-v1", "dualpipev-v1"]] * 2
+    # DualPipeV runs torch's action runtime (which interleaved 1F1B and ZB-H1 share), with two stages of a rank passing
+    # activations without P2P at the V's bottom; Schedule1F1B's mixed send + receive batches: test_bench_pipeline.py.
+    results = rank_pools[2].run(cases.transports_agree_case, [("dualpipev", 1)])
+    assert results == [["dualpipev-v1"]] * 2
 
 
 def test_unknown_transport_is_refused_before_anything_is_built():
