@@ -26,16 +26,28 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 @pytest.fixture
-def hosts2():
+def make_hosts():
+    """`make_hosts(n)`: n namespace hosts, torn down after the test (skips when this machine cannot make them)."""
+    made = []
+
+    def make(num_hosts: int) -> Hosts:
+        try:
+            check_available()
+            made.append(Hosts(num_hosts))
+        except HostsUnavailable as error:
+            pytest.skip(str(error))
+        return made[-1]
+
     try:
-        check_available()
-        hosts = Hosts(2)
-    except HostsUnavailable as error:
-        pytest.skip(str(error))
-    try:
-        yield hosts
+        yield make
     finally:
-        hosts.close()
+        for hosts in made:
+            hosts.close()
+
+
+@pytest.fixture
+def hosts2(make_hosts):
+    return make_hosts(2)
 
 
 def torchrun(hosts: Hosts, index: int, ranks_per_host: int, args: list[str], report_dir: Path, timeout_s: float,
@@ -77,37 +89,42 @@ def logs(report_dir: Path, num: int) -> str:
     return "\n".join(f"--- agent {j} ---\n" + (report_dir / f"agent{j}.log").read_text()[-4000:] for j in range(num))
 
 
-def test_conformance_across_two_hosts(hosts2, tmp_path):
-    """Normal mode (BF16, FP8, cached), low latency and V2 on 2 hosts x 2 ranks, the second host starting 20 s
-    after the first: right results; each host's
-    segments are in its own /dev/shm only (the root namespace's gains none), and the rows crossed the hosts'
-    network interfaces."""
+@pytest.mark.parametrize("num_hosts, ranks_per_host", [(2, 2), (4, 1)], ids=["2x2", "4x1"])
+def test_conformance_across_hosts(make_hosts, tmp_path, num_hosts, ranks_per_host):
+    """Normal mode (BF16, FP8, cached), low latency and V2 on 2 hosts x 2 ranks and on 4 hosts x 1 rank (there the
+    last host starts 20 s after the others: the rendezvous waits for it): right results; each host's segments are
+    in its own /dev/shm only (the root namespace's gains none), and the rows crossed the hosts' network
+    interfaces."""
+    hosts = make_hosts(num_hosts)
     shm_before = set(os.listdir("/dev/shm"))
     cases = [
         "normal:dispatch_matches_reference", "normal:combine_matches_reference", "normal:fp8_dispatch_passes_through",
         "normal:cached_dispatch_matches", "low_latency:dispatch_matches_upstream_checks",
         "low_latency:combine_matches_reference", "v2:elastic_dispatch_matches_reference",
     ]  # fmt: skip
-    # Host 1 joins 20 s late: the rendezvous waits for it.
-    procs = [torchrun(hosts2, i, 2, cases, tmp_path, 30, delay_s=20 * i) for i in range(2)]
+    late = 20 if num_hosts == 4 else 0  # one late join per run of the suite (it costs its 20 s)
+    delays = [0.0] * (num_hosts - 1) + [late]
+    procs = [torchrun(hosts, i, ranks_per_host, cases, tmp_path, 30, delay_s=delays[i]) for i in range(num_hosts)]
     codes = wait_all(procs, tmp_path, 300)
-    assert codes == [0, 0], logs(tmp_path, 2)
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert codes == [0] * num_hosts, logs(tmp_path, num_hosts)
+    world = num_hosts * ranks_per_host
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     by_host: dict[str, list[dict]] = {}
     for report in reports:
         by_host.setdefault(report["hostname"], []).append(report)
-    assert sorted(by_host) == ["host0", "host1"] and all(len(v) == 2 for v in by_host.values()), by_host
+    assert sorted(by_host) == [f"host{i}" for i in range(num_hosts)], by_host
+    assert all(len(v) == ranks_per_host for v in by_host.values()), by_host
     root_device = os.stat("/dev/shm").st_dev
     root_device = f"{os.major(root_device):02x}:{os.minor(root_device):02x}"
     devices = {host: {r["shm_device"] for r in ranks} for host, ranks in by_host.items()}
     assert all(len(d) == 1 for d in devices.values()), f"one /dev/shm per host: {devices}"
-    assert len({*devices["host0"], *devices["host1"], root_device}) == 3, f"each host its own /dev/shm: {devices}"
+    assert len(set().union(*devices.values(), {root_device})) == num_hosts + 1, f"each host its own /dev/shm: {devices}"
     for host, ranks in by_host.items():
         for r in ranks:
             # The node stage maps segments, all on its own host's /dev/shm: none of another host's (or the root's).
             assert r["shm_mappings"], f"rank {r['rank']} on {host} mapped no /dev/shm segment"
             assert {dev for dev, _ in r["shm_mappings"]} == {r["shm_device"]}, (host, r["shm_mappings"], devices)
-            # Its rows to the other host crossed its network interface.
+            # Its rows to the other hosts crossed its network interface.
             assert r["interface_bytes"] > 1_000_000, (host, r["interface_bytes"])
     # None of them in the machine's own /dev/shm (other programs may add their own there meanwhile).
     mapped = {Path(path.removesuffix(" (deleted)")).name for r in reports for _, path in r["shm_mappings"]}
