@@ -51,6 +51,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -82,6 +83,7 @@ from moe.train.profiling import StepProfiler  # noqa: E402
 from moe.train.rewind import TrainingStopped  # noqa: E402
 from moe.train.run_data import RunData, prepare_run_data  # noqa: E402
 from moe.train.trainer import Trainer  # noqa: E402
+from mtdeepep.engines.peers import GroupWatch  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -356,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         run.close()
         return 2
     t0 = time.perf_counter()
+    # Across machines, a lost host fails the trainer's own collectives with gloo's words (an address, a timeout):
+    # the watch names the lost ranks and their host instead (mtdeepep's dispatch and combine name them already).
+    watch = GroupWatch(timeout_s=args.timeout) if run.parallel.layout.world > 1 else None
     try:
         run.trainer.fit(start_step)
     except TrainingStopped as stop:  # every rank stops at the same step (the decision is all-reduced)
@@ -363,9 +368,27 @@ def main(argv: list[str] | None = None) -> int:
             print(f"train.py: stopped: {stop}", file=sys.stderr)
         run.close()
         return 3
+    except Exception as error:
+        lost = watch.explain(error) if watch is not None and "on host" not in str(error) else ""
+        if not lost:
+            raise
+        raise RuntimeError(f"train.py: rank {run.parallel.rank}: {_failure_site(error)} failed: {lost}") from error
+    finally:
+        if watch is not None:
+            watch.close()
     report(checked, run, time.perf_counter() - t0)
     run.close()
     return 0
+
+
+def _failure_site(error: BaseException) -> str:
+    """'step N, train_step > all_reduce_sum': the step and the innermost calls of the project's code where `error`
+    was raised (the phase of a failed collective)."""
+    frames = [f for f, _ in traceback.walk_tb(error.__traceback__)]
+    ours = [f for f in frames if "/moe/" in f.f_code.co_filename or "/mtdeepep/" in f.f_code.co_filename]
+    step = next((f.f_locals["step"] for f in reversed(frames) if isinstance(f.f_locals.get("step"), int)), None)
+    calls = " > ".join(f.f_code.co_name for f in ours[-2:]) or "training"
+    return f"step {step}, {calls}" if step is not None else calls
 
 
 def _read_model(read_model_dir, path: Path):

@@ -8,7 +8,8 @@ The plan comes from the environment variable `MTDEEPEP_TRAIN_FAULTS`, a JSON lis
      {"kind": "loss_spike",    "step": 6, "rank": 0, "factor": 50.0},
      {"kind": "sleep",         "steps": [1, 4], "rank": 2, "phase": "backward", "seconds": 0.05},
      {"kind": "kill_at_step",  "step": 6, "rank": 1},
-     {"kind": "kill_in_write", "step": 8, "rank": 0}]
+     {"kind": "kill_in_write", "step": 8, "rank": 0},
+     {"kind": "pause_in_write", "step": 4, "rank": 2, "seconds": 20}]
 
 - nan_loss: the rank's first micro-batch loss (its LM loss sum) is multiplied by NaN: the step's loss and
   gradients are NaN.
@@ -21,6 +22,8 @@ The plan comes from the environment variable `MTDEEPEP_TRAIN_FAULTS`, a JSON lis
   write has finished (so the checkpoint before the step is on disk and the run dies in training).
 - kill_in_write: the rank SIGKILLs itself in the middle of writing its shard of the checkpoint of step `step`
   (half of its sharded bytes written).
+- pause_in_write: the rank's checkpoint writer stops for `seconds` halfway through its shard of step `step`, once,
+  after printing "fault injection: pause ..." (a test cuts the host off the network meanwhile).
 SIGKILL runs no handler, no `finally` and no atexit: what is on disk is what a real crash leaves.
 
 `MTDEEPEP_CRASH_FAULT=KIND:RANK:STEP` (e.g. `kill_at_step:1:6`) is the older spelling of one kill fault; it is
@@ -34,7 +37,8 @@ Hook points (`FaultPlan.at(point, step=, rank=, ...)`, each kind acts at one of 
 - "step_start" (sleep): `timer=` the rank's `PhaseTimer`, given the step's delays.
 - "before_step" (kill_at_step): `drain=` called before the kill (waits for the pending checkpoint write).
 - "loss" (nan_loss, nan_grad, loss_spike): `value=` the first micro-batch's LM loss sum; returns it, corrupted.
-- "checkpoint_write" (kill_in_write): `written=`, `total=` bytes of the rank's shard, `what=` for the message.
+- "checkpoint_write" (kill_in_write, pause_in_write): `written=`, `total=` bytes of the rank's shard, `what=` for
+  the message.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import math
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,9 +60,10 @@ ENV = "MTDEEPEP_TRAIN_FAULTS"
 CRASH_ENV = "MTDEEPEP_CRASH_FAULT"
 LOSS_KINDS = ("nan_loss", "nan_grad", "loss_spike")
 KILL_KINDS = ("kill_at_step", "kill_in_write")
-KINDS = (*LOSS_KINDS, "sleep", *KILL_KINDS)
+KINDS = (*LOSS_KINDS, "sleep", *KILL_KINDS, "pause_in_write")
 POINT = {"nan_loss": "loss", "nan_grad": "loss", "loss_spike": "loss", "sleep": "step_start",
-         "kill_at_step": "before_step", "kill_in_write": "checkpoint_write"}  # fmt: skip
+         "kill_at_step": "before_step", "kill_in_write": "checkpoint_write",
+         "pause_in_write": "checkpoint_write"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -69,7 +75,7 @@ class Fault:
     step: int = 0  # loss and kill faults
     factor: float = 1.0  # loss_spike
     phase: str = ""  # sleep
-    seconds: float = 0.0  # sleep
+    seconds: float = 0.0  # sleep, pause_in_write
     first: int = 0  # sleep: steps first..last
     last: int = 0
 
@@ -116,6 +122,7 @@ class FaultPlan:
 
     def __init__(self, faults: list[Fault] | tuple[Fault, ...] = ()) -> None:
         self.faults = list(faults)
+        self._paused: set[Fault] = set()  # pause_in_write faults that have fired (each pauses once)
 
     @classmethod
     def from_env(cls, environ=None) -> FaultPlan | None:
@@ -155,7 +162,13 @@ class FaultPlan:
         if point == "before_step" and fired:
             context["drain"]()
             kill_self(f"rank {rank} before step {step}")
-        if point == "checkpoint_write" and fired and context["written"] >= context["total"] // 2:
+        halfway = point == "checkpoint_write" and context["written"] >= context["total"] // 2
+        for fault in [f for f in fired if f.kind == "pause_in_write" and halfway and f not in self._paused]:
+            self._paused.add(fault)
+            print(f"fault injection: pause rank {rank} writing {context['what']} of step {step} for "
+                  f"{fault.seconds:g} s", file=sys.stderr, flush=True)  # fmt: skip
+            time.sleep(fault.seconds)
+        if halfway and any(f.kind == "kill_in_write" for f in fired):
             kill_self(f"rank {rank} writing {context['what']} of step {step} ({context['written']} of about "
                       f"{context['total']} bytes of its shard written)")  # fmt: skip
         return None
@@ -185,7 +198,8 @@ def _parse(item: object) -> Fault:
     if kind not in KINDS:
         raise ValueError(f"{ENV}: kind must be one of {KINDS}, got {kind!r}")
     allowed = {"kind", "rank"} | {"loss_spike": {"step", "factor"}, "sleep": {"steps", "phase", "seconds"}}.get(
-        kind, {"step"} if kind in KILL_KINDS else {"step", "factor"}
+        kind,
+        {"step"} if kind in KILL_KINDS else {"step", "seconds"} if kind == "pause_in_write" else {"step", "factor"},
     )
     unknown = sorted(set(item) - allowed)
     if unknown:
@@ -197,6 +211,11 @@ def _parse(item: object) -> Fault:
         step = item.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise ValueError(f"{ENV}: {kind} needs a step >= 1, got {step!r}")
+        if kind == "pause_in_write":
+            seconds = item.get("seconds")
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 600:
+                raise ValueError(f"{ENV}: pause_in_write seconds must be in [0, 600], got {seconds!r}")
+            return Fault(kind, rank, step=step, seconds=float(seconds))
         factor = item.get("factor", 1.0 if kind != "loss_spike" else None)
         if kind == "loss_spike" and (not isinstance(factor, (int, float)) or not math.isfinite(factor)):
             raise ValueError(f"{ENV}: loss_spike needs a finite factor, got {factor!r}")

@@ -292,7 +292,13 @@ class InternodeEngine(Engine):
             self._check_usable()
             self._ops += 1
             try:
-                self._store.call(self.timeout_s, "set", f"{self._progress_prefix}/{self.rank}", str(self._ops))
+                try:
+                    self._store.call(self.timeout_s, "set", f"{self._progress_prefix}/{self.rank}", str(self._ops))
+                except StoreUnreachable as error:  # this host is cut off (or the store's host is gone): say which
+                    cause = self.peers.explain("", self.timeout_s) or str(error)
+                    raise _C.CommError(
+                        f"mtdeepep: rank {self.rank}: internode operation #{self._ops}: {cause}"
+                    ) from error
                 with torch.no_grad():  # communication is not differentiable (see mtdeepep.autograd)
                     body()
             except _C.GroupMismatchError:

@@ -168,3 +168,30 @@ class PeerTable:
             if ranks and not (lost and set(ranks) <= set(lost)):
                 clauses.append(f"the connection to {self.describe(ranks)} broke")
         return "; ".join(clauses)
+
+
+class GroupWatch:
+    """The hosts and heartbeats of a whole group, for code outside the engines whose own collectives (a trainer's
+    gradient all-reduce over gloo) fail naming an address at best: `explain(error)` names the lost ranks and their
+    hosts instead. Collective to create (one all-gather over `group`); `close` ends its heartbeat thread."""
+
+    _created = 0  # per process: every rank creates its watches in the same order, so the keys agree
+
+    def __init__(self, group: dist.ProcessGroup | None = None, timeout_s: float = 60.0) -> None:
+        group = dist.group.WORLD if group is None else group
+        GroupWatch._created += 1
+        prefix = f"mtdeepep/watch/{GroupWatch._created}"
+        self.timeout_s = timeout_s
+        self._store = BoundedStore(dist.distributed_c10d._get_default_store(), f"{prefix}/{group.rank()}",
+                                   f"mtdeepep-watch-{group.rank()}")  # fmt: skip
+        self.peers = PeerTable(group, self._store, prefix)
+
+    def explain(self, error: BaseException) -> str:
+        """The lost ranks and their hosts (or this host's isolation) behind `error`; '' on one host or when every
+        peer is alive."""
+        if not self.peers.multi_host:
+            return ""
+        return self.peers.explain(str(error), self.timeout_s)
+
+    def close(self) -> None:
+        self._store.close()

@@ -4,7 +4,9 @@
 that crossed this host's network interface during the cases, its `/dev/shm`'s device and the /dev/shm files it has
 mapped while the buffers live.
 
-    python tests/hosts/host_worker.py CASE [CASE...]      CASE: normal:NAME | low_latency:NAME | v2:NAME | hold:SECONDS
+    python tests/hosts/host_worker.py CASE [CASE...]
+
+CASE: normal:NAME | low_latency:NAME | v2:NAME | loop:SECONDS | combine_cut:SECONDS
 """
 
 from __future__ import annotations
@@ -71,9 +73,33 @@ def _loop(ctx: RankContext, topo: Topology, seconds: float) -> None:
         os._exit(1)
 
 
+def _combine_cut(ctx: RankContext, topo: Topology, hold_s: float) -> None:
+    """One dispatch; then host0's ranks go straight into the combine and wait there for the others, while every
+    other host's ranks write `held-rank{r}.json` and hold for `hold_s` before theirs: the fault test cuts a holding
+    host off the network meanwhile, in the middle of host0's combine. An error is written to `error-rank{r}.txt`
+    with the seconds since the rank entered the combine, and ends the process (exit 1)."""
+    report_dir = Path(os.environ["REPORT_DIR"])
+    buffer = topo.buffer(ctx, 16 << 20)
+    x, topk_idx, topk_weights = normal_cases.make_inputs(ctx, 512, 1024, 16, 4, seed=7)
+    recv_x, _, recv_w, _, handle, _ = normal_cases.layout_and_dispatch(buffer, x, topk_idx, topk_weights, 16)
+    (report_dir / f"started-rank{ctx.rank}.json").write_text(json.dumps([ctx.rank, socket.gethostname()]))
+    if socket.gethostname() != "host0":
+        (report_dir / f"held-rank{ctx.rank}.json").write_text(json.dumps([ctx.rank, socket.gethostname()]))
+        time.sleep(hold_s)
+    entered = time.monotonic()
+    try:
+        buffer.combine(recv_x, handle, topk_weights=recv_w)
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        (report_dir / f"error-rank{ctx.rank}.txt").write_text(f"{time.monotonic() - entered:.1f}\n{error}")
+        os._exit(1)
+    raise AssertionError(f"rank {ctx.rank}: the combine finished although a host was cut off")
+
+
 def main(names: list[str]) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("MTDEEPEP_TIMEOUT_S", "60"))))
+    # The group's own set-up gets its time under a loaded machine (the ranks start seconds apart); the buffers'
+    # waits, what the fault tests time, are bounded by MTDEEPEP_TIMEOUT_S.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     ctx = RankContext(rank, world, dist.group.WORLD)
     topo = Topology(world, ranks_per_node=int(os.environ["LOCAL_WORLD_SIZE"]))
@@ -82,6 +108,8 @@ def main(names: list[str]) -> None:
         kind, _, case = name.partition(":")
         if kind == "loop":  # dispatch + combine until an error (the fault tests cut a host off meanwhile)
             _loop(ctx, topo, float(case))
+        elif kind == "combine_cut":  # host0 waits inside a combine while the test cuts another host off
+            _combine_cut(ctx, topo, float(case))
         elif kind == "normal":
             getattr(normal_cases, case)(ctx, topo)
         elif kind == "low_latency":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -26,32 +27,48 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 @pytest.fixture
-def hosts2():
+def make_hosts():
+    """`make_hosts(n)`: n namespace hosts, torn down after the test (skips when this machine cannot make them)."""
+    made = []
+
+    def make(num_hosts: int) -> Hosts:
+        try:
+            check_available()
+            made.append(Hosts(num_hosts))
+        except HostsUnavailable as error:
+            pytest.skip(str(error))
+        return made[-1]
+
     try:
-        check_available()
-        hosts = Hosts(2)
-    except HostsUnavailable as error:
-        pytest.skip(str(error))
-    try:
-        yield hosts
+        yield make
     finally:
-        hosts.close()
+        for hosts in made:
+            hosts.close()
+
+
+@pytest.fixture
+def hosts2(make_hosts):
+    return make_hosts(2)
 
 
 def torchrun(hosts: Hosts, index: int, ranks_per_host: int, args: list[str], report_dir: Path, timeout_s: float,
-             delay_s: float = 0.0) -> subprocess.Popen:  # fmt: skip
-    """One agent of the run in host `index`, c10d rendezvous on host 0's address."""
-    env = hosts.env(index)
-    env.update(PYTHONPATH=str(ROOT), REPORT_DIR=str(report_dir), MTDEEPEP_TIMEOUT_S=str(timeout_s), OMP_NUM_THREADS="1")
+             delay_s: float = 0.0, *, script: Path = WORKER, nnodes: int | None = None, port: int = PORT,
+             env: dict[str, str] | None = None) -> subprocess.Popen:  # fmt: skip
+    """One agent of the run of `script` in host `index` (of `nnodes`, default every host), c10d rendezvous on host 0's
+    address; its output in `report_dir/agent{index}.log`."""
+    run_env = hosts.env(index)
+    run_env.update(PYTHONPATH=str(ROOT), REPORT_DIR=str(report_dir), MTDEEPEP_TIMEOUT_S=str(timeout_s),
+                   OMP_NUM_THREADS="1", **(env or {}))  # fmt: skip
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(hosts)}", f"--nproc-per-node={ranks_per_host}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts.hosts[0].address}:{PORT}", "--rdzv-id=mtdeepep-hosts",
-        "--max-restarts=0", "--rdzv-conf=read_timeout=10", str(WORKER), *args,
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes or len(hosts)}",
+        f"--nproc-per-node={ranks_per_host}", "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts.hosts[0].address}:{port}",
+        "--rdzv-id=mtdeepep-hosts", "--max-restarts=0", "--rdzv-conf=read_timeout=10", str(script), *args,
     ]  # fmt: skip
     if delay_s:
         cmd = ["sh", "-c", f'sleep {delay_s} && exec "$@"', "--", *cmd]
+    report_dir.mkdir(parents=True, exist_ok=True)
     log = open(report_dir / f"agent{index}.log", "w")  # noqa: SIM115 - closed with the process
-    return hosts.run(index, cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    return hosts.run(index, cmd, env=run_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
 def wait_all(procs: list[subprocess.Popen], report_dir: Path, timeout_s: float) -> list[int]:
@@ -77,37 +94,42 @@ def logs(report_dir: Path, num: int) -> str:
     return "\n".join(f"--- agent {j} ---\n" + (report_dir / f"agent{j}.log").read_text()[-4000:] for j in range(num))
 
 
-def test_conformance_across_two_hosts(hosts2, tmp_path):
-    """Normal mode (BF16, FP8, cached), low latency and V2 on 2 hosts x 2 ranks, the second host starting 20 s
-    after the first: right results; each host's
-    segments are in its own /dev/shm only (the root namespace's gains none), and the rows crossed the hosts'
-    network interfaces."""
+@pytest.mark.parametrize("num_hosts, ranks_per_host", [(2, 2), (4, 1)], ids=["2x2", "4x1"])
+def test_conformance_across_hosts(make_hosts, tmp_path, num_hosts, ranks_per_host):
+    """Normal mode (BF16, FP8, cached), low latency and V2 on 2 hosts x 2 ranks and on 4 hosts x 1 rank (there the
+    last host starts 20 s after the others: the rendezvous waits for it): right results; each host's segments are
+    in its own /dev/shm only (the root namespace's gains none), and the rows crossed the hosts' network
+    interfaces."""
+    hosts = make_hosts(num_hosts)
     shm_before = set(os.listdir("/dev/shm"))
     cases = [
         "normal:dispatch_matches_reference", "normal:combine_matches_reference", "normal:fp8_dispatch_passes_through",
         "normal:cached_dispatch_matches", "low_latency:dispatch_matches_upstream_checks",
         "low_latency:combine_matches_reference", "v2:elastic_dispatch_matches_reference",
     ]  # fmt: skip
-    # Host 1 joins 20 s late: the rendezvous waits for it.
-    procs = [torchrun(hosts2, i, 2, cases, tmp_path, 30, delay_s=20 * i) for i in range(2)]
+    late = 20 if num_hosts == 4 else 0  # one late join per run of the suite (it costs its 20 s)
+    delays = [0.0] * (num_hosts - 1) + [late]
+    procs = [torchrun(hosts, i, ranks_per_host, cases, tmp_path, 30, delay_s=delays[i]) for i in range(num_hosts)]
     codes = wait_all(procs, tmp_path, 300)
-    assert codes == [0, 0], logs(tmp_path, 2)
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert codes == [0] * num_hosts, logs(tmp_path, num_hosts)
+    world = num_hosts * ranks_per_host
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     by_host: dict[str, list[dict]] = {}
     for report in reports:
         by_host.setdefault(report["hostname"], []).append(report)
-    assert sorted(by_host) == ["host0", "host1"] and all(len(v) == 2 for v in by_host.values()), by_host
+    assert sorted(by_host) == [f"host{i}" for i in range(num_hosts)], by_host
+    assert all(len(v) == ranks_per_host for v in by_host.values()), by_host
     root_device = os.stat("/dev/shm").st_dev
     root_device = f"{os.major(root_device):02x}:{os.minor(root_device):02x}"
     devices = {host: {r["shm_device"] for r in ranks} for host, ranks in by_host.items()}
     assert all(len(d) == 1 for d in devices.values()), f"one /dev/shm per host: {devices}"
-    assert len({*devices["host0"], *devices["host1"], root_device}) == 3, f"each host its own /dev/shm: {devices}"
+    assert len(set().union(*devices.values(), {root_device})) == num_hosts + 1, f"each host its own /dev/shm: {devices}"
     for host, ranks in by_host.items():
         for r in ranks:
             # The node stage maps segments, all on its own host's /dev/shm: none of another host's (or the root's).
             assert r["shm_mappings"], f"rank {r['rank']} on {host} mapped no /dev/shm segment"
             assert {dev for dev, _ in r["shm_mappings"]} == {r["shm_device"]}, (host, r["shm_mappings"], devices)
-            # Its rows to the other host crossed its network interface.
+            # Its rows to the other hosts crossed its network interface.
             assert r["interface_bytes"] > 1_000_000, (host, r["interface_bytes"])
     # None of them in the machine's own /dev/shm (other programs may add their own there meanwhile).
     mapped = {Path(path.removesuffix(" (deleted)")).name for r in reports for _, path in r["shm_mappings"]}
@@ -162,3 +184,41 @@ def test_lost_host_is_named_and_nothing_hangs(hosts2, tmp_path, fault):
         for r in cut_off:
             message = (tmp_path / f"error-rank{r}.txt").read_text().split("\n", 1)[1]
             assert "cut off" in message or "host host0" in message, message
+
+
+def test_link_down_in_the_middle_of_a_combine(hosts2, tmp_path):
+    """2 hosts x 2 ranks, one dispatch; host 0's ranks enter the combine and wait for host 1's, whose ranks hold
+    before theirs; host 1's link goes down then. Host 0's ranks raise within their timeout (10 s) naming the lost
+    ranks, their host and the combine; host 0's launch exits non-zero within timeout + 30 s; host 1's ranks, once
+    they enter their combine, find themselves cut off and exit too."""
+    timeout_s = 10
+    procs = [torchrun(hosts2, i, 2, ["combine_cut:3"], tmp_path, timeout_s) for i in range(2)]
+    deadline = time.monotonic() + 150
+    while len(list(tmp_path.glob("held-rank*.json"))) < 2 or len(list(tmp_path.glob("started-rank*.json"))) < 4:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs(tmp_path, 2)
+        time.sleep(0.1)
+    started = dict(json.loads(f.read_text()) for f in tmp_path.glob("started-rank*.json"))
+    lost = sorted(json.loads(f.read_text())[0] for f in tmp_path.glob("held-rank*.json"))
+    survivors = sorted(r for r, host in started.items() if host == "host0")
+    assert lost == [2, 3] and survivors == [0, 1], started  # c10d ranks the agents by hostname
+    time.sleep(0.5)  # host 0's ranks are inside their combine
+    cut = time.monotonic()
+    hosts2.set_link(1, up=False)
+    codes = wait_all(procs[:1], tmp_path, timeout_s + 30)
+    assert codes[0] != 0 and time.monotonic() - cut < timeout_s + 30, (codes, logs(tmp_path, 2))
+    raised = [r for r in survivors if (tmp_path / f"error-rank{r}.txt").exists()]
+    assert raised, f"no surviving rank raised:\n{logs(tmp_path, 2)}"
+    for r in raised:
+        waited, message = (tmp_path / f"error-rank{r}.txt").read_text().split("\n", 1)
+        assert float(waited) < timeout_s + 5, (r, waited, message)
+        assert "internode combine" in message and "host host1" in message, message
+        assert re.search(r"ranks? 2, 3\b", message), message
+    # Host 1's ranks enter their combine 3 s after the cut and raise, cut off; its torchrun agent then blocks on the
+    # rendezvous store it cannot reach (torch's code): the fixture's teardown kills it.
+    while any("host_worker.py" in _cmdline(pid) and "torch.distributed.run" not in _cmdline(pid)
+              for pid in hosts2.pids(1)):  # fmt: skip
+        assert time.monotonic() - cut < timeout_s + 30, "a cut-off rank is still running"
+        time.sleep(0.5)
+    for r in lost:
+        message = (tmp_path / f"error-rank{r}.txt").read_text().split("\n", 1)[1]
+        assert "cut off" in message or "host host0" in message, message

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -228,6 +229,17 @@ def test_fault_specs_are_checked():
     environ = {faults.ENV: '[{"kind": "kill_at_step", "step": 6, "rank": 1}]', faults.CRASH_ENV: "kill_in_write:0:8"}
     assert faults.FaultPlan.from_env(environ).faults == [faults.Fault("kill_at_step", 1, step=6),
                                                          faults.Fault("kill_in_write", 0, step=8)]  # fmt: skip
+    # pause_in_write: once, halfway through the rank's shard of its step, for its seconds.
+    plan = faults.FaultPlan.from_json('[{"kind": "pause_in_write", "step": 4, "rank": 2, "seconds": 0.2}]')
+    assert plan.faults == [faults.Fault("pause_in_write", 2, step=4, seconds=0.2)]
+    took = []
+    for written, step, rank in [(10, 4, 2), (60, 3, 2), (60, 4, 1), (60, 4, 2), (100, 4, 2)]:
+        start = time.monotonic()
+        plan.at("checkpoint_write", step=step, rank=rank, written=written, total=100, what="model")
+        took.append(time.monotonic() - start >= 0.2)
+    assert took == [False, False, False, True, False]
+    with pytest.raises(ValueError, match="pause_in_write seconds"):
+        faults.FaultPlan.from_json('[{"kind": "pause_in_write", "step": 4, "seconds": -1}]')
 
 
 def _state_list(model: nn.Module, opt: MasterAdamW, seed: int = 0) -> ts.TrainState:
