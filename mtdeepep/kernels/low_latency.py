@@ -241,8 +241,7 @@ def _poison_peers_kernel(poison_table, rank, num_ranks, code):
     end at once naming this rank (its buffer is being destroyed)."""
     for r in range(num_ranks):
         if r != rank:
-            poison = sync.peer_pointer(poison_table, r, 0, tl.int64)
-            tl.atomic_cas(poison, tl.full([], 0, tl.int64), code.to(tl.int64), sem="release", scope="sys")
+            sync.poison_word(sync.peer_pointer(poison_table, r, 0, tl.int64), code.to(tl.int64), sync.HAS_ATOMIC_CAS)
 
 
 @triton.jit
@@ -594,7 +593,7 @@ class LowLatencyKernels:
         try:
             self.status.check()
         except _C.CommError as error:
-            code, cause = self.status.words.tolist()
+            code, cause = self.status.read()
             kind, phase, culprit, _ = sync.decode_error(cause) if cause else (0, 0, -1, -1)
             if kind == sync.KIND_PEER_FAILED and phase == DESTROYED_PHASE:
                 _, waited_in, _, _ = sync.decode_error(code)
