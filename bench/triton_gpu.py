@@ -96,13 +96,48 @@ class Timer:
         return self.seconds(lambda: dst.copy_(src))[0]
 
 
+def measure_routing(buffer, timer: Timer, cfg: Config, x, topk_idx, topk_weights, name: str) -> list[tuple]:
+    """(op, routing, seconds, bytes) of every operation under one routing (bytes 0: timed in microseconds only)."""
+    from mtdeepep.kernels.fp8 import per_token_cast_to_fp8
+
+    rows = []
+    t, layout = timer.seconds(lambda: buffer.get_dispatch_layout(topk_idx, cfg.experts))
+    rows.append(("layout", name, t, nbytes(topk_idx)))
+    per_rank, _, per_expert, in_rank, _ = layout
+
+    def dispatch(data):
+        return buffer.dispatch(
+            data, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=topk_idx, topk_weights=topk_weights,
+        )  # fmt: skip
+
+    t, out = timer.seconds(lambda: dispatch(x))
+    recv_x, _, recv_weights, _, handle, _ = out
+    rows.append(("dispatch_bf16", name, t, nbytes(recv_x)))
+    fp8 = per_token_cast_to_fp8(x)
+    t, out8 = timer.seconds(lambda: dispatch(fp8))
+    rows.append(("dispatch_fp8", name, t, nbytes(out8[0])))
+    t, _ = timer.seconds(lambda: buffer.combine(recv_x, handle, topk_weights=recv_weights))
+    rows.append(("combine", name, t, nbytes(recv_x)))
+    t, _ = timer.seconds(lambda: per_token_cast_to_fp8(x))
+    rows.append(("cast", name, t, nbytes(x)))
+    ll_x, ll_idx, ll_w = x[: cfg.ll_tokens], topk_idx[: cfg.ll_tokens], topk_weights[: cfg.ll_tokens]
+    t, ll = timer.seconds(lambda: buffer.low_latency_dispatch(ll_x, ll_idx, cfg.ll_tokens, cfg.experts))
+    rows.append(("ll_dispatch", name, t, 0))
+    ll_recv, _, ll_handle, _, _ = ll
+    # The combine's input: the received rows as bfloat16 (the values do not matter to the timing).
+    y = ll_recv[0].float().to(torch.bfloat16) if isinstance(ll_recv, tuple) else ll_recv
+    t, _ = timer.seconds(lambda: buffer.low_latency_combine(y, ll_idx, ll_w, ll_handle))
+    rows.append(("ll_combine", name, t, 0))
+    return rows
+
+
 def bench_rank(rank: int, cfg: Config, port: int, results: dict) -> None:
     os.environ.update(MTDEEPEP_ENGINE="triton", MTDEEPEP_DEVICE=cfg.device)
     if cfg.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.ranks)
     import mtdeepep
-    from mtdeepep.kernels.fp8 import per_token_cast_to_fp8
 
     device = torch.device("cpu") if cfg.device == "cpu" else torch.device("cuda", 0)
     if device.type == "cuda":
@@ -119,33 +154,8 @@ def bench_rank(rank: int, cfg: Config, port: int, results: dict) -> None:
     try:
         x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank)).to(device, torch.bfloat16)
         for skewed in (False, True):
-            name = "skewed" if skewed else "uniform"
             topk_idx, topk_weights = routing(cfg, rank, skewed, device)
-            t, layout = timer.seconds(lambda: buffer.get_dispatch_layout(topk_idx, cfg.experts))
-            rows.append(("layout", name, t, nbytes(topk_idx)))
-            per_rank, _, per_expert, in_rank, _ = layout
-
-            def dispatch(data):
-                return buffer.dispatch(data, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                       num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights)  # fmt: skip
-
-            t, out = timer.seconds(lambda: dispatch(x))
-            recv_x, _, recv_weights, _, handle, _ = out
-            rows.append(("dispatch_bf16", name, t, nbytes(recv_x)))
-            fp8 = per_token_cast_to_fp8(x)
-            t, out8 = timer.seconds(lambda: dispatch(fp8))
-            rows.append(("dispatch_fp8", name, t, nbytes(out8[0])))
-            t, _ = timer.seconds(lambda: buffer.combine(recv_x, handle, topk_weights=recv_weights))
-            rows.append(("combine", name, t, nbytes(recv_x)))
-            t, _ = timer.seconds(lambda: per_token_cast_to_fp8(x))
-            rows.append(("cast", name, t, nbytes(x)))
-            ll_x, ll_idx, ll_w = x[: cfg.ll_tokens], topk_idx[: cfg.ll_tokens], topk_weights[: cfg.ll_tokens]
-            t, ll = timer.seconds(lambda: buffer.low_latency_dispatch(ll_x, ll_idx, cfg.ll_tokens, cfg.experts))
-            rows.append(("ll_dispatch", name, t, 0))
-            ll_recv, _, ll_handle, _, _ = ll
-            y = ll_recv[0].float().to(torch.bfloat16) if isinstance(ll_recv, tuple) else ll_recv
-            t, _ = timer.seconds(lambda: buffer.low_latency_combine(y, ll_idx, ll_w, ll_handle))
-            rows.append(("ll_combine", name, t, 0))
+            rows += measure_routing(buffer, timer, cfg, x, topk_idx, topk_weights, "skewed" if skewed else "uniform")
         measured = []
         for op, name, seconds, num_bytes in rows:
             copy = timer.copy_seconds(num_bytes) if num_bytes else None

@@ -11,8 +11,9 @@
   torch.distributed. It never goes through a facade.
 
 `create_engine` chooses the node engine once, from the device (`default_engine_name`) or `MTDEEPEP_ENGINE`, by name in
-the registry below (`NODE_ENGINES`, `GPU_ENGINE_MODULES`, `NAMED_ENGINE_MODULES`). The modules form a layered graph: `handles` <- `base` <- executors <- this registry; no
-executor imports the registry, so none needs a deferred import (tests/test_import_layers.py checks it).
+the registry below (`NODE_ENGINES`, `GPU_ENGINE_MODULES`, `NAMED_ENGINE_MODULES`). The modules form a layered
+graph: `handles` <- `base` <- executors <- this registry; no executor imports the registry, so none needs a deferred
+import (tests/test_import_layers.py checks it).
 """
 
 from __future__ import annotations
@@ -162,9 +163,7 @@ def create_engine(
     device = engine_device(group)
     name = engine_name() or default_engine_name(device.type)
     node_engine_type = named_engine_class(name, device.type)
-    if name != "cpu" and resolve_num_ranks_per_node(
-        num_ranks_per_node, group.size()
-    ) < group.size():
+    if name != "cpu" and resolve_num_ranks_per_node(num_ranks_per_node, group.size()) < group.size():
         raise ValueError(
             f"mtdeepep: the {name} executor serves the ranks of one node; groups spanning several nodes "
             "run on the CPU executor only for now"

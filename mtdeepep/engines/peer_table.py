@@ -62,7 +62,9 @@ class PeerTable:
         if len(region_addresses) != layout.num_ranks:
             raise ValueError(f"mtdeepep: {len(region_addresses)} region addresses for {layout.num_ranks} ranks")
         if low_latency_addresses is not None and len(low_latency_addresses) != layout.num_ranks:
-            raise ValueError(f"mtdeepep: {len(low_latency_addresses)} low-latency addresses for {layout.num_ranks} ranks")
+            raise ValueError(
+                f"mtdeepep: {len(low_latency_addresses)} low-latency addresses for {layout.num_ranks} ranks"
+            )
         control_base = PeerTable.control_offset(region_bytes, layout)
         regions = torch.tensor(region_addresses, dtype=torch.int64, device=device)
         control = regions + control_base

@@ -433,9 +433,9 @@ class TritonEngine(Engine):
 
         num_tokens = record.num_tokens
         combined = torch.empty((num_tokens, hidden), dtype=x.dtype, device=self.device)
-        combined_weights = (
-            None if topk_weights is None else torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device)
-        )
+        combined_weights = None
+        if topk_weights is not None:
+            combined_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device)
         area_x = self._data(fields.x, capacity * x_bytes).view(x.dtype).view(capacity, hidden)
         area_w = None
         if topk_weights is not None:
