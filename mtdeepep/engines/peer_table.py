@@ -29,6 +29,7 @@ import pickle
 from dataclasses import dataclass
 
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from .. import _C
 from ..kernels.intranode import ALIGNMENT, NormalLayout
@@ -149,8 +150,6 @@ def encode_ipc(tensor: torch.Tensor | None) -> str:
     The entries travel within the group's own set-up exchange (trusted peers of one job)."""
     if tensor is None:
         return "-"
-    from torch.multiprocessing.reductions import reduce_tensor
-
     _, arguments = reduce_tensor(tensor)
     return base64.b64encode(pickle.dumps(arguments)).decode("ascii")
 
@@ -159,8 +158,6 @@ def open_ipc(text: str) -> torch.Tensor | None:
     """The peer's tensor of `encode_ipc`, mapped into this process (None for "-")."""
     if text == "-":
         return None
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
     return rebuild_cuda_tensor(*pickle.loads(base64.b64decode(text)))
 
 

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
-import pytest
-import torch
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported: as the other modules of tests/triton
 
-from mtdeepep import _C, engines
-from mtdeepep.engines import default_engine_name, named_engine_class
-from mtdeepep.engines.peer_table import IpcRegions, PeerTable, open_regions
-from mtdeepep.kernels.intranode import ALIGNMENT, NormalLayout
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from mtdeepep import _C, engines  # noqa: E402
+from mtdeepep.engines import default_engine_name, named_engine_class  # noqa: E402
+from mtdeepep.engines.peer_table import IpcRegions, PeerTable, open_regions  # noqa: E402
+from mtdeepep.kernels.intranode import ALIGNMENT, NormalLayout  # noqa: E402
 
 
 def test_default_executor_per_device(monkeypatch):
