@@ -138,12 +138,12 @@ stage() {
 CORE_K='not times_out and not killed and (uniform or test_case or graph or hooks or flex) and not float32'
 T_NORMAL=tests/cuda/test_normal.py T_LL=tests/cuda/test_low_latency.py
 T_MP="$T_NORMAL $T_LL tests/cuda/test_moe_ep.py"
-# pytest_stage NAME LIMIT FILES K: the pytest stage (dry run: collect only, and an empty selection fails).
+# pytest_stage NAME LIMIT FILES K: the pytest stage (dry run: collect only, once, and an empty selection fails).
 pytest_stage() {
     local name="$1" limit="$2" files="$3" k="$4" per_test="${5:-120}"
     if [ "$DRY" = 1 ]; then
         stage "$name" "$limit" tests.log \
-            "${PYTEST[*]} --collect-only $files -k \"$k\" | tail -n 3; ${PYTEST[*]} --collect-only $files -k \"$k\" | grep -q '::'"
+            "collected=\$(${PYTEST[*]} --collect-only $files -k \"$k\"); echo \"\$collected\" | tail -n 3; echo \"\$collected\" | grep -q '::'"
     else
         stage "$name" "$limit" tests.log "${PYTEST[*]} --timeout $per_test $files -k \"$k\""
     fi
