@@ -137,6 +137,27 @@ def status_error(code: int, cause: int = 0, operation: str = "") -> Exception | 
     return (_C.CommTimeoutError if timed_out else _C.CommError)(error_message(code, cause, operation))
 
 
+class _MappedHostMemory:
+    """Pinned host memory as `__cuda_array_interface__` (its device address is its host address under unified
+    addressing), so that `torch.as_tensor` gives a device tensor over it; it keeps the pinned tensor alive."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host
+        self.__cuda_array_interface__ = {
+            "shape": tuple(host.shape), "typestr": "<i8", "data": (host.data_ptr(), False), "version": 3,
+            "strides": None,
+        }  # fmt: skip
+
+
+def _device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (pinned int64) as a tensor of `device`, for the kernels' pointer arguments; where torch cannot view it so
+    (no `__cuda_array_interface__` for the device type), the pinned tensor itself (Triton takes its address)."""
+    try:
+        return torch.as_tensor(_MappedHostMemory(host), device=device)
+    except (RuntimeError, TypeError, ValueError):
+        return host
+
+
 class StatusWord:
     """This rank's `[code, cause, tickets]` int64 status word (see the module docstring). The kernels write it; the
     host reads it after the call. The first failure sticks: the executor is unusable afterwards (as the CUDA
@@ -148,18 +169,20 @@ class StatusWord:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        pinned = device.type != "cpu"
-        self.words = torch.zeros(STATUS_WORDS, dtype=torch.int64, pin_memory=pinned)
+        # `host`: the words as the host reads them; `words`: what the kernels take (on a GPU the same memory, seen as
+        # a device tensor through its mapped address).
+        self.host = torch.zeros(STATUS_WORDS, dtype=torch.int64, pin_memory=device.type != "cpu")
+        self.words = self.host if device.type == "cpu" else _device_alias(self.host, device)
         self._failed: Exception | None = None
 
     def read(self) -> tuple[int, int]:
         """`(code, cause)` as the device last wrote them (no synchronisation)."""
-        code, cause, _ = self.words.tolist()
+        code, cause, _ = self.host.tolist()
         return code, cause
 
     def clear(self) -> None:
         """Clears the word (after every kernel that might write it finished)."""
-        self.words.zero_()
+        self.host.zero_()
 
     def check(self, operation: str = "") -> None:
         """Raises the recorded failure, if any (on a GPU after the current stream's kernels finished); `operation`
