@@ -10,12 +10,20 @@
 #   facts       GPU, driver, compute mode, torch, nvcc, whether nvidia-cuda-mps-control and compute-sanitizer exist
 #   build       mtdeepep._C and _C_cuda with the device's torch; fails hard if _C_cuda does not import. Extensions whose
 #               sources match a carried prebuilt/ (from an earlier run's prebuilt.tar) are reused, not rebuilt
+#   triton      the Triton executor (the GPU default; never run on a GPU before): the 2-rank core cases of
+#               tests/cuda (normal, low latency, MoE layer) with MTDEEPEP_ENGINE=triton, ranks as processes sharing
+#               the GPU through CUDA IPC (its peer table: mtdeepep/engines/peer_table.py); CUDA graphs left out (its
+#               host reads the counts)
+#   measure     bench/triton_gpu.py (issue 34, point 5): layout, dispatch BF16 / FP8, combine and the FP8 cast as
+#               fractions of a device-to-device copy of the same bytes at 4096 tokens x 7168, top-8 of 256, uniform
+#               and skewed; low-latency dispatch / combine at 128 tokens in microseconds (into bench.json)
 #   smoke       every kernel once with R = 1 then R = 2 ranks in one process (scripts/gpu_smoke.py), PASS/FAIL + time
 #   local       tests/cuda/test_local_ranks.py: the GPU cases with the ranks as threads of one process (real
 #               concurrency), the 200-round race case, the timeouts and their poison semantics at 3 and 4 ranks
 #   sanitizer   compute-sanitizer memcheck, racecheck, synccheck on the smoke at small sizes (2 ranks, one process)
 #   bench       bench/cuda_kernels.py (single-process harness: fraction of a copy, SM counts, low latency) and
 #               bench/moe_layer_gpu.py (the MoE layer forward+backward: grouped BF16, FP8, against per-expert loops)
+#   (the stages below check the hand-written CUDA executor: MTDEEPEP_ENGINE=cuda)
 #   core2       the 2-rank core cases with ranks as processes (CUDA IPC): normal, low latency, graphs, MoE layer
 #   gemm        tests/cuda/test_moe_cuda.py: grouped GEMM and FP8 experts (torch._grouped_mm, torch._scaled_mm)
 #   fail2       2-rank failure paths: a missing rank in dispatch, combine, low latency; a killed peer
@@ -73,7 +81,8 @@ fi
 # MTDEEPEP_INSTAFAIL: a failing test's report is printed when it fails (tests/cuda/conftest.py), not at the end.
 # CUDA_MODULE_LOADING=EAGER: ranks as threads of one process wait for each other's kernels, and a lazily loaded
 # kernel's first launch synchronises the context (seen on the H200: every rank stopped until its timeout).
-export PYTHONUNBUFFERED=1 MTDEEPEP_DEVICE=cuda MTDEEPEP_INSTAFAIL=1 CUDA_MODULE_LOADING=EAGER
+# MTDEEPEP_ENGINE=cuda: the default on a GPU is the Triton executor; the stages after `measure` check the CUDA one.
+export PYTHONUNBUFFERED=1 MTDEEPEP_DEVICE=cuda MTDEEPEP_INSTAFAIL=1 CUDA_MODULE_LOADING=EAGER MTDEEPEP_ENGINE=cuda
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 PYTEST=("$PY" -m pytest -q -rfE -p no:cacheprovider ${GPU_CHECK_PYTEST_ARGS:-})
 SUMMARY=()
@@ -129,12 +138,12 @@ stage() {
 CORE_K='not times_out and not killed and (uniform or test_case or graph or hooks or flex) and not float32'
 T_NORMAL=tests/cuda/test_normal.py T_LL=tests/cuda/test_low_latency.py
 T_MP="$T_NORMAL $T_LL tests/cuda/test_moe_ep.py"
-# pytest_stage NAME LIMIT FILES K: the pytest stage (dry run: collect only, and an empty selection fails).
+# pytest_stage NAME LIMIT FILES K: the pytest stage (dry run: collect only, once, and an empty selection fails).
 pytest_stage() {
     local name="$1" limit="$2" files="$3" k="$4" per_test="${5:-120}"
     if [ "$DRY" = 1 ]; then
         stage "$name" "$limit" tests.log \
-            "${PYTEST[*]} --collect-only $files -k \"$k\" | tail -n 3; ${PYTEST[*]} --collect-only $files -k \"$k\" | grep -q '::'"
+            "collected=\$(${PYTEST[*]} --collect-only $files -k \"$k\"); echo \"\$collected\" | tail -n 3; echo \"\$collected\" | grep -q '::'"
     else
         stage "$name" "$limit" tests.log "${PYTEST[*]} --timeout $per_test $files -k \"$k\""
     fi
@@ -209,6 +218,17 @@ if [ "$DRY" = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 
 # ---- the stages ----
+# The Triton executor first: it is the GPU default, and nothing of it has run on a GPU yet.
+TRITON_K="R2 and not times_out and not killed and not graph and (uniform or test_case or hooks or flex) and not float32"
+if [ "$DRY" = 1 ]; then
+    pytest_stage triton 120 "$T_MP" "$TRITON_K"
+    stage measure 120 bench.log "$PY -m py_compile bench/triton_gpu.py && echo 'every step passed (compiled; dry run)'"
+else
+    MTDEEPEP_ENGINE=triton pytest_stage triton 120 "$T_MP" "$TRITON_K"
+    stage measure 120 bench.log "$PY bench/triton_gpu.py ${GPU_CHECK_TRITON_BENCH_ARGS:-} --json $WORK/triton_gpu.json \
+&& $PY -c \"import json, os; p='$OUT/bench.json'; a=json.load(open(p)) if os.path.exists(p) else {}; \
+a['triton_gpu']=json.load(open('$WORK/triton_gpu.json')); json.dump(a, open(p, 'w'), indent=1)\""
+fi
 if [ "$DRY" = 1 ]; then
     stage smoke 60 smoke.log "$PY -m py_compile scripts/gpu_smoke.py && echo 'every step passed (compiled; dry run)'"
 else
@@ -240,6 +260,12 @@ pytest_stage fail2 60 "$T_NORMAL $T_LL tests/cuda/test_killed_peer.py" "R2 and (
 pytest_stage torchtitan 60 tests/cuda/test_torchtitan.py "test_"
 pytest_stage core4 90 "$T_MP" "R4 and $CORE_K"
 pytest_stage fail4 90 "$T_NORMAL $T_LL tests/cuda/test_killed_peer.py" "(R4 and times_out) or (R3 and killed)"
+
+# The bench stage rewrote bench.json: the Triton figures go back in.
+if [ -f "$WORK/triton_gpu.json" ]; then
+    "$PY" -c "import json, os; p='$OUT/bench.json'; a=json.load(open(p)) if os.path.exists(p) else {}; \
+a['triton_gpu']=json.load(open('$WORK/triton_gpu.json')); json.dump(a, open(p, 'w'), indent=1)"
+fi
 
 # ---- summary ----
 {

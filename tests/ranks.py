@@ -47,7 +47,7 @@ def pool_settings(*, deadline_s: float | None = None, comm_timeout_s: float | No
         env["MTDEEPEP_DEVICE"] = device
     if engine is not None:
         env["MTDEEPEP_ENGINE"] = engine
-        if engine == "triton":
+        if engine == "triton" and device != "cuda":  # CPU tensors: Triton's interpreter
             env["TRITON_INTERPRET"] = "1"
     if env:
         settings["env"] = env

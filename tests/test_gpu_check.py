@@ -19,9 +19,10 @@ pytestmark = pytest.mark.slow  # slow: dry runs of the staged GPU check
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 STAGES = [
-    "facts", "build", "smoke", "local", "sanitizer", "bench", "core2", "gemm", "fail2", "torchtitan", "core4", "fail4",
+    "facts", "build", "triton", "measure", "smoke", "local", "sanitizer", "bench", "core2", "gemm", "fail2",
+    "torchtitan", "core4", "fail4",
 ]  # fmt: skip
-PYTEST_STAGES = ["local", "core2", "gemm", "fail2", "torchtitan", "core4", "fail4"]
+PYTEST_STAGES = ["triton", "local", "core2", "gemm", "fail2", "torchtitan", "core4", "fail4"]
 # The files the script documents in $OUT (at most 8).
 OUT_FILES = {
     "summary.txt", "build.log", "smoke.log", "tests.log", "sanitizer.log", "bench.log", "bench.json", "prebuilt.tar",

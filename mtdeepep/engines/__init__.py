@@ -3,19 +3,24 @@
 - `base`: the seam (`Engine`), what an executor implements; `handles`: the dispatch identity a handle carries;
   `setup`: the bounded set-up exchange every engine goes through.
 - `CpuEngine` (`cpu`): the ranks of one host through shared memory (the CPU executor).
-- `CudaEngine` (`cuda`): the ranks of one node through GPU buffers opened with CUDA IPC (the same sources built for
-  MUSA).
+- `TritonEngine` (`triton`): the Triton kernels of `mtdeepep.kernels` over a table of the peers' regions
+  (`peer_table`): the default on GPUs (CUDA, ROCm, MUSA), and on CPU tensors under Triton's interpreter by name.
+- `CudaEngine` (`cuda`): the ranks of one node through GPU buffers opened with CUDA IPC, with the hand-written CUDA
+  kernels (the same sources built for MUSA), by name (`MTDEEPEP_ENGINE=cuda`).
 - `InternodeEngine` (`internode`): several nodes; composes one node engine (any executor) with a network stage over
   torch.distributed. It never goes through a facade.
 
-`create_engine` chooses the node engine once, from the device, by name in the registry below (`NODE_ENGINES`,
-`GPU_ENGINE_MODULES`). The modules form a layered graph: `handles` <- `base` <- executors <- this registry; no
-executor imports the registry, so none needs a deferred import (tests/test_import_layers.py checks it).
+`create_engine` chooses the node engine once, from the device (`default_engine_name`) or `MTDEEPEP_ENGINE`, by name in
+the registry below (`NODE_ENGINES`, `GPU_ENGINE_MODULES`, `NAMED_ENGINE_MODULES`). The modules form a layered
+graph: `handles` <- `base` <- executors <- this registry; no executor imports the registry, so none needs a deferred
+import (tests/test_import_layers.py checks it).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
 import os
 import socket
 from collections.abc import Callable
@@ -42,6 +47,7 @@ __all__ = [
     "NODE_ENGINES",
     "Engine",
     "create_engine",
+    "default_engine_name",
     "engine_device",
     "engine_name",
     "node_engine_class",
@@ -77,22 +83,29 @@ def engine_name() -> str | None:
     return name
 
 
+def default_engine_name(device_type: str) -> str:
+    """The executor a group on `device_type` gets without `MTDEEPEP_ENGINE`: the CPU executor on CPU tensors; on a GPU
+    (torch's `cuda` device, which ROCm builds report too, or `musa` with torch_musa) the Triton executor when Triton
+    is installed, else the CUDA executor (its kernels are built from csrc/ when nvcc or MUSA's toolkit was there)."""
+    if device_type == "cpu":
+        return "cpu"
+    return "triton" if importlib.util.find_spec("triton") is not None else "cuda"
+
+
 def named_engine_class(name: str, device_type: str) -> Callable[..., Engine]:
     """The engine class of executor `name` for a group on `device_type`: the Triton executor on any device (on the
-    CPU it needs TRITON_INTERPRET=1), the CPU executor on CPU tensors only, the CUDA executor on GPUs only."""
+    CPU it needs TRITON_INTERPRET=1; on a GPU it runs on the process's current device), the CPU executor on CPU
+    tensors only, the CUDA executor on GPUs only."""
     if name == "triton":
         if device_type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
             raise ValueError(
                 "mtdeepep: MTDEEPEP_ENGINE=triton on CPU tensors runs Triton's interpreter: set TRITON_INTERPRET=1 "
                 "as well (Triton cannot compile for the CPU)"
             )
-        if device_type != "cpu":
-            raise _C.CommError(
-                f"mtdeepep: the triton executor's {device_type} path is not written yet (its peer table needs the "
-                "peers' IPC-opened buffers); on GPUs use the default executor for now"
-            )
         module_name, class_name = NAMED_ENGINE_MODULES[name]
-        return getattr(importlib.import_module(module_name), class_name)
+        engine_type = getattr(importlib.import_module(module_name), class_name)
+        # The device type as a name: `torch.device("musa")` exists only once torch_musa is imported.
+        return functools.partial(engine_type, device=device_type)
     if (name == "cpu") != (device_type == "cpu"):
         raise ValueError(f"mtdeepep: MTDEEPEP_ENGINE={name} cannot serve a group on {device_type} tensors")
     engine_type = node_engine_class(device_type)
@@ -148,15 +161,11 @@ def create_engine(
     and its reason ("group rank 0 failed its set-up: ...") at once, instead of a timeout or of a symptom such as a
     segment that no longer exists; a rank whose process is gone is named with its pid at once."""
     device = engine_device(group)
-    name = engine_name()
-    node_engine_type = named_engine_class(name, device.type) if name else node_engine_class(device.type)
-    if node_engine_type is None:
-        raise _C.CommError(f"mtdeepep: this build has no {device.type} executor (mtdeepep._C_cuda is missing)")
-    if (device.type != "cpu" or name == "triton") and resolve_num_ranks_per_node(
-        num_ranks_per_node, group.size()
-    ) < group.size():
+    name = engine_name() or default_engine_name(device.type)
+    node_engine_type = named_engine_class(name, device.type)
+    if name != "cpu" and resolve_num_ranks_per_node(num_ranks_per_node, group.size()) < group.size():
         raise ValueError(
-            f"mtdeepep: the {name or device.type} executor serves the ranks of one node; groups spanning several nodes "
+            f"mtdeepep: the {name} executor serves the ranks of one node; groups spanning several nodes "
             "run on the CPU executor only for now"
         )
     num_ranks = group.size()

@@ -5,11 +5,11 @@ Where the regions come from:
 - CPU (under Triton's interpreter, `TRITON_INTERPRET=1`): the shared-memory segments of the CPU executor's
   `_C.Runtime`, which also does the set-up, the liveness of the peers, the interruption and destroy;
   `Runtime.region_addresses` gives every rank's normal region as mapped in this process: the peer table.
-- GPU (CUDA, ROCm, MUSA): not written yet. The kernels take device pointers unchanged and their waits read the GPU
-  clocks (`sync.WaitBound`); what is missing is the peer table: the addresses of the peers' buffers opened through
-  CUDA IPC (`_C_cuda.DeviceBuffer` opens them but does not expose them to Python yet) or torch's symmetric memory,
-  and a status word the host reads without stopping the device. The registry refuses `MTDEEPEP_ENGINE=triton` on a
-  GPU with a message saying so; the CUDA executor stays the default there.
+- GPU (CUDA, ROCm): device memory of each rank shared through CUDA IPC handles (`peer_table.IpcRegions`); the
+  kernels' waits read the GPU clocks (`sync.WaitBound`) and report into a status word in pinned host memory
+  (`sync.StatusWord`). The host-side bookkeeping (counts, prefixes, signatures) stays on the CPU: one small copy per
+  exchange. Not yet run on a GPU (no GPU was lent when it was written): scripts/gpu_check.sh runs it first.
+The table the kernels index: `peer_table.PeerTable`.
 
 The protocol (see `mtdeepep.kernels.intranode`): each operation begins with an all-to-all exchange that doubles as
 the entry barrier (the counts for a dispatch, a signature for a combine or cached dispatch), then the rows move in
@@ -38,6 +38,7 @@ from ..kernels.layout import dispatch_layout
 from ..kernels.low_latency import LowLatencyKernels
 from .base import DispatchOutputs, Engine
 from .handles import DispatchRecord, attach, low_latency_handle
+from .peer_table import PeerTable, open_regions
 
 # Operation kinds in the exchanged signature (every rank of one operation must agree on it).
 _OP_DISPATCH, _OP_CACHED_DISPATCH, _OP_COMBINE = 1, 2, 3
@@ -53,13 +54,18 @@ def _check_interpreter(device: torch.device) -> None:
 
 
 class TritonEngine(Engine):
-    """Normal mode for the `num_ranks` ranks of one node (this rank is `rank` among them), on the CPU under Triton's
-    interpreter. Set-up as the CPU executor: `setup_entry()`, then `connect(entries, uid, group)`."""
+    """Normal and low-latency mode for the `num_ranks` ranks of one node (this rank is `rank` among them), on
+    `device`: the CPU under Triton's interpreter (the default), or this process's current GPU of a device type
+    (`torch.device("cuda")`). Set-up as the CPU executor: `setup_entry()`, then `connect(entries, uid, group)`."""
 
     handle_kind = "intranode"
 
-    def __init__(self, *, rank: int, num_ranks: int, num_nvl_bytes: int, num_ll_bytes: int, timeout_s: float) -> None:
-        self.device = torch.device("cpu")
+    def __init__(self, *, rank: int, num_ranks: int, num_nvl_bytes: int, num_ll_bytes: int, timeout_s: float,
+                 device: torch.device | str | None = None) -> None:  # fmt: skip
+        device = torch.device("cpu") if device is None else torch.device(device)
+        if device.type != "cpu" and device.index is None:
+            device = torch.device(device.type, getattr(torch, device.type).current_device())
+        self.device = device
         _check_interpreter(self.device)
         self.rank, self.num_ranks = rank, num_ranks
         self.num_nodes, self.num_ranks_per_node = 1, num_ranks
@@ -70,7 +76,8 @@ class TritonEngine(Engine):
                 f"mtdeepep: the triton executor needs num_nvl_bytes >= {least}"
                 f" for {num_ranks} ranks (its control area is {self.layout_.control_bytes} bytes), got {num_nvl_bytes}"
             )
-        self.runtime = _C.Runtime(rank, num_ranks, num_nvl_bytes, num_ll_bytes, timeout_s, torch.get_num_threads())
+        # The regions every rank maps (`peer_table.Regions`: the CPU runtime's segments, or IPC-shared GPU memory).
+        self.runtime = open_regions(rank, num_ranks, num_nvl_bytes, num_ll_bytes, timeout_s, self.device)
         self.status = sync.StatusWord(self.device)
         self.bound = sync.WaitBound.for_timeout(timeout_s, self.device)
         self.uid = 0
@@ -89,26 +96,25 @@ class TritonEngine(Engine):
     # ---- set-up and lifetime ----
 
     def setup_entry(self) -> str:
-        return f"{self.runtime.segment_name()}\t{self.runtime.pid()}"
+        return self.runtime.setup_entry()
 
     def connect(self, entries: list[str], uid: int, group: tuple[tuple[int, ...], int], *, low_latency: bool) -> None:
-        fields = [entry.split("\t") for entry in entries]
-        self.runtime.connect([name for name, _ in fields], [int(pid) for _, pid in fields], uid)
+        self.runtime.connect(list(entries), uid)
         self.uid, self.group = uid, group
-        self.region_table = torch.tensor(self.runtime.region_addresses(False), dtype=torch.int64)
         self.region = self.runtime.get_local_buffer_tensor(torch.uint8, 0, False)
         # The control area sits at the region's end (every rank's region has the same size): the start is where
         # users write through get_local_buffer_tensor, and the data area is transient between calls anyway.
-        self.control_base = max(0, (self.region.numel() - self.layout_.control_bytes) // intranode.ALIGNMENT) * (
-            intranode.ALIGNMENT
-        )
-        self.control_table = self.region_table + self.control_base
-        self.poison_table = self.control_table + self.layout_.poison
-        self.data_bytes = self.control_base
+        table = PeerTable.of(
+            self.runtime.region_addresses(False), self.runtime.region_addresses(True) if low_latency else None,
+            self.region.numel(), self.layout_, self.device,
+        )  # fmt: skip
+        self.peer_table = table
+        self.region_table, self.control_table, self.poison_table = table.regions, table.control, table.poison
+        self.control_base = self.data_bytes = table.control_base
         if low_latency:
             self.low_latency = LowLatencyKernels(
                 area=self.runtime.get_local_buffer_tensor(torch.uint8, 0, True),
-                peer_table=torch.tensor(self.runtime.region_addresses(True), dtype=torch.int64), rank=self.rank,
+                peer_table=table.low_latency, rank=self.rank,
                 num_ranks=self.num_ranks, uid=uid, timeout_s=self.runtime.timeout_s(),
             )  # fmt: skip
 
@@ -122,7 +128,14 @@ class TritonEngine(Engine):
         code = sync.encode_error(sync.KIND_ABORTED, 0, self.rank, self.rank)
         if self.region.numel():
             at = self.control_base + self.layout_.poison
-            self.region[at : at + 8].view(torch.int64)[0] = code  # this rank's own waits end at their next spin
+            poison = torch.tensor([code], dtype=torch.int64)
+            if self.device.type == "cpu":
+                self.region[at : at + 8].view(torch.int64).copy_(poison)  # this rank's waits end at their next spin
+            else:  # on a stream of its own: never queued behind the kernel that waits
+                side = getattr(torch, self.device.type).Stream(self.device)
+                with getattr(torch, self.device.type).stream(side):
+                    self.region[at : at + 8].view(torch.int64).copy_(poison, non_blocking=False)
+                side.synchronize()
         self.status.fail(_C.CommError(f"mtdeepep: rank {self.rank} was interrupted: {reason}"))
         if self.low_latency is not None:
             self.low_latency.interrupt()
@@ -177,8 +190,8 @@ class TritonEngine(Engine):
     def _exchange(self, op: int, payload: torch.Tensor, flags_offset: int, phase: int) -> torch.Tensor:
         """`payload [R, n]` int32, row j for rank j -> `[R, n]`, row i from rank i (bounded; raises on failure)."""
         n = payload.size(1)
+        payload = payload.to(self.device).contiguous()
         out = torch.zeros_like(payload)
-        payload = payload.contiguous()
 
         def launch(bound: int, send: bool, receive: bool) -> None:
             sync.exchange_kernel[(1,)](
@@ -193,7 +206,7 @@ class TritonEngine(Engine):
         else:
             launch(self.bound.bound, True, True)
         self.status.check(self._operation)
-        return out
+        return out.cpu()  # the host's bookkeeping (counts, prefixes, signatures) runs on the CPU
 
     def _signal_and_wait(self, op: int, flags_offset: int, phase: int) -> None:
         """After a launch wrote rows into the peers: tell every rank, then wait for every rank's rows."""
@@ -310,8 +323,9 @@ class TritonEngine(Engine):
         in_rank = is_token_in_rank.to(torch.int32)
         send_head = torch.where(is_token_in_rank, in_rank.cumsum(0) - 1, -1).to(torch.int32)
         per_channel = max(1, -(-num_tokens // num_channels))
-        channel = torch.clamp(torch.arange(num_tokens) // per_channel, max=num_channels - 1)
-        channel_counts = torch.zeros((num_channels, R), dtype=torch.int32).index_add_(0, channel, in_rank).T
+        channel = torch.clamp(torch.arange(num_tokens, device=self.device) // per_channel, max=num_channels - 1)
+        channel_counts = torch.zeros((num_channels, R), dtype=torch.int32, device=self.device)
+        channel_counts = channel_counts.index_add_(0, channel, in_rank).T.cpu()
 
         # Phase notify: counts (and the call's signature) to every rank; every rank then holds the traffic matrix.
         layout = self.layout_
@@ -413,13 +427,15 @@ class TritonEngine(Engine):
         weights = None if topk_weights is None else topk_weights[:num_recv].contiguous().float()
         intranode.launch_combine_send(
             self.region_table, 0, intranode.word_view(rows), weights,
-            source.to(torch.int32), dst_row, fields, True,
+            source.to(torch.int32), dst_row, fields, self.device.type == "cpu",
         )  # fmt: skip
         self._signal_and_wait(op, self.layout_.combine_flags, sync.PHASE_COMBINE_RECEIVE)
 
         num_tokens = record.num_tokens
-        combined = torch.empty((num_tokens, hidden), dtype=x.dtype)
-        combined_weights = None if topk_weights is None else torch.empty((num_tokens, num_topk), dtype=torch.float32)
+        combined = torch.empty((num_tokens, hidden), dtype=x.dtype, device=self.device)
+        combined_weights = None
+        if topk_weights is not None:
+            combined_weights = torch.empty((num_tokens, num_topk), dtype=torch.float32, device=self.device)
         area_x = self._data(fields.x, capacity * x_bytes).view(x.dtype).view(capacity, hidden)
         area_w = None
         if topk_weights is not None:
@@ -427,7 +443,7 @@ class TritonEngine(Engine):
         send_offset = (traffic[me].cumsum(0) - traffic[me]).to(torch.int32)
         intranode.launch_combine_reduce(
             area_x, area_w, send_head.contiguous(), send_offset, None if bias0 is None else bias0.contiguous(),
-            None if bias1 is None else bias1.contiguous(), combined, combined_weights, True,
+            None if bias1 is None else bias1.contiguous(), combined, combined_weights, self.device.type == "cpu",
         )  # fmt: skip
         return combined, combined_weights, self._finish(async_finish)
 

@@ -2,7 +2,8 @@
 
 Each kernel module lists its kernels in `AOT_SPECS`: dicts `{"name", "fn", "signature", "constexprs", "flags"}`
 (optional: `"options"`, e.g. `{"num_warps": 8}`; `"backend_constexprs"`, `{"cuda": {...}, "hip": {...}}` merged over
-`constexprs` for that backend, e.g. a clock selector), with the production block sizes. Every spec is compiled for
+`constexprs` for that backend, e.g. a clock selector; `"max_registers"`: a budget of registers per thread, over which
+the compile fails the check), with the production block sizes. Every spec is compiled for
 `TARGETS` (H100/H200: `cuda` sm_90; MI300X: `hip` gfx942) by `triton.compile`, which needs no driver; this must run
 in a process without `TRITON_INTERPRET=1` (the kernels are then JIT functions, not interpreted ones).
 
@@ -52,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CACHE = ROOT / "build" / "triton-aot-cache"
 TARGET_NAMES = ("cuda:90", "hip:gfx942")
 SPEC_KEYS = {"name", "fn", "signature", "constexprs", "flags"}
-OPTIONAL_SPEC_KEYS = {"options", "backend_constexprs"}
+OPTIONAL_SPEC_KEYS = {"options", "backend_constexprs", "max_registers"}
 
 
 def _target(name: str):
@@ -233,6 +234,9 @@ def compile_spec(spec: dict, target_name: str) -> AotResult:
         emitted = amdgcn_orderings(kernel.asm["amdgcn"])
         approx = len(_LLIR_APPROX.findall(kernel.asm["llir"]))
     problems = ordering_problems(requested, emitted, spec["flags"])
+    budget = spec.get("max_registers")
+    if budget is not None and resources["registers"] > budget:
+        problems.append(f"{resources['registers']} registers per thread, over its budget of {budget}")
     orderings = (
         f"rel {requested['release']}->{emitted['release']} acq {requested['acquire']}->{emitted['acquire']}"
         if spec["flags"] or requested["release"] or requested["acquire"]

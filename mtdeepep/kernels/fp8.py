@@ -18,8 +18,8 @@ Every result is bit-identical to torch and to the project's quantiser `mtdeepep/
   torch, but the kernel does not promise torch's exact NaN placement).
 - `per_token_cast_back(e4m3, scales)`: `[T, H]` float32, `e4m3 * scale`.
 
-The device functions `e4m3_bits_from_f32`, `f32_from_e4m3_bits`, `block_scale` and `ceil_pow2_f32` are imported by
-the kernels that cast on the way (low-latency dispatch).
+The device functions `quantize_blocks`, `e4m3_bits_from_f32`, `f32_from_e4m3_bits`, `block_scale` and
+`ceil_pow2_f32` are imported by the kernels that cast on the way (low-latency dispatch).
 
 Legend: T tokens, H hidden, G = H / 128 channel groups, R the rows of a block: (token, group) pairs of 128 values.
 """
@@ -108,6 +108,26 @@ def block_scale(amax, ROUND_SCALE: tl.constexpr):
 
 
 @triton.jit
+def quantize_blocks(x, ROUND_SCALE: tl.constexpr):
+    """float32 `x [..., 128]`, one block of 128 values per last-axis row -> `(e4m3 bits [..., 128] uint8, float32
+    scales [...])`: `scale = block_scale(amax)`, `bits = cast(clamp(x / scale, -448, 448))` (an exact division)."""
+    scale = block_scale(tl.max(tl.abs(x), axis=len(x.shape) - 1), ROUND_SCALE)
+    scaled = tl.math.div_rn(x, tl.broadcast_to(tl.expand_dims(scale, len(x.shape) - 1), x.shape))
+    return e4m3_bits_from_f32(tl.minimum(tl.maximum(scaled, -_E4M3_MAX), _E4M3_MAX)), scale
+
+
+@triton.jit
+def _group_rows(num_rows, groups, BLOCK_R: tl.constexpr, GROUP: tl.constexpr):
+    """This program's BLOCK_R (token, group) rows of 128 channels: `(token int64 [BLOCK_R], channel offset of the
+    group [BLOCK_R], row mask [BLOCK_R], element mask [BLOCK_R, GROUP], channels [GROUP])`."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # int32: T * G < 2^31
+    row_ok = rows < num_rows
+    cols = tl.arange(0, GROUP)
+    mask = row_ok[:, None] & (cols[None, :] < GROUP)
+    return (rows // groups).to(tl.int64), (rows % groups) * GROUP, row_ok, mask, cols
+
+
+@triton.jit
 def _cast_elements_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
@@ -131,20 +151,11 @@ def _per_token_cast_kernel(
     GROUP: tl.constexpr,
 ):
     # One program: BLOCK_R rows, each the 128 channels of one (token, group); a scale per row.
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # int32: T * G < 2^31
-    row_ok = rows < num_rows
-    token = (rows // groups).to(tl.int64)
-    group = rows % groups
-    cols = tl.arange(0, GROUP)
-    mask = row_ok[:, None] & (cols[None, :] < GROUP)
-    x = tl.load(x_ptr + (token * x_stride + group * GROUP)[:, None] + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = block_scale(amax, ROUND_SCALE)
-    scaled = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -_E4M3_MAX), _E4M3_MAX)
-    q_offsets = (token * q_stride + group * GROUP)[:, None] + cols[None, :]
-    tl.store(q_ptr + q_offsets, e4m3_bits_from_f32(scaled), mask=mask)
-    tl.store(scale_ptr + token * scale_stride_t + group * scale_stride_g, scale, mask=row_ok)
+    token, column, row_ok, mask, cols = _group_rows(num_rows, groups, BLOCK_R, GROUP)
+    x = tl.load(x_ptr + (token * x_stride + column)[:, None] + cols[None, :], mask=mask, other=0.0)
+    bits, scale = quantize_blocks(x.to(tl.float32), ROUND_SCALE)
+    tl.store(q_ptr + (token * q_stride + column)[:, None] + cols[None, :], bits, mask=mask)
+    tl.store(scale_ptr + token * scale_stride_t + (column // GROUP) * scale_stride_g, scale, mask=row_ok)
 
 
 @triton.jit
@@ -161,16 +172,11 @@ def _per_token_cast_back_kernel(
     BLOCK_R: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # int32: T * G < 2^31
-    row_ok = rows < num_rows
-    token = (rows // groups).to(tl.int64)
-    group = rows % groups
-    cols = tl.arange(0, GROUP)
-    mask = row_ok[:, None] & (cols[None, :] < GROUP)
-    q = tl.load(q_ptr + (token * q_stride + group * GROUP)[:, None] + cols[None, :], mask=mask, other=0)
-    scale = tl.load(scale_ptr + token * scale_stride_t + group * scale_stride_g, mask=row_ok, other=1.0)
+    token, column, row_ok, mask, cols = _group_rows(num_rows, groups, BLOCK_R, GROUP)
+    q = tl.load(q_ptr + (token * q_stride + column)[:, None] + cols[None, :], mask=mask, other=0)
+    scale = tl.load(scale_ptr + token * scale_stride_t + (column // GROUP) * scale_stride_g, mask=row_ok, other=1.0)
     out = f32_from_e4m3_bits(q) * scale[:, None]
-    tl.store(out_ptr + (token * out_stride + group * GROUP)[:, None] + cols[None, :], out, mask=mask)
+    tl.store(out_ptr + (token * out_stride + column)[:, None] + cols[None, :], out, mask=mask)
 
 
 def _check_rows(x_TH: torch.Tensor, what: str) -> None:
@@ -318,4 +324,5 @@ __all__ = [
     "f32_from_e4m3_bits",
     "per_token_cast_back",
     "per_token_cast_to_fp8",
+    "quantize_blocks",
 ]

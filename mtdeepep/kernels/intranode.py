@@ -247,7 +247,9 @@ def combine_reduce_kernel(area_x, area_weights, send_head, send_offset, num_toke
 
 def launch_dispatch_send(region_table, data_offset, x_words, scales, topk_idx, topk_weights, send_head, recv_offset,
                          num_ranks, experts_per_rank, fields: RowFields, interpreted: bool) -> None:  # fmt: skip
-    """Writes this rank's rows into every receiver's data area (see `dispatch_send_kernel`)."""
+    """Writes this rank's rows into every receiver's data area (see `dispatch_send_kernel`). The host's index tensors
+    may be CPU tensors: they move to the table's device."""
+    recv_offset = recv_offset.to(region_table.device)
     num_tokens, num_words = x_words.shape
     if num_tokens == 0:
         return
@@ -275,7 +277,9 @@ def launch_dispatch_send(region_table, data_offset, x_words, scales, topk_idx, t
 
 def launch_combine_send(region_table, data_offset, x_words, weights, dst_rank, dst_row, fields: RowFields,
                         interpreted: bool) -> None:  # fmt: skip
-    """Sends every received row (and its weights) back to its source (see `combine_send_kernel`)."""
+    """Sends every received row (and its weights) back to its source (see `combine_send_kernel`); `dst_rank` and
+    `dst_row` may be CPU tensors (they move to the table's device)."""
+    dst_rank, dst_row = dst_rank.to(region_table.device), dst_row.to(region_table.device)
     num_rows, num_words = x_words.shape
     if num_rows == 0:
         return
@@ -291,7 +295,8 @@ def launch_combine_send(region_table, data_offset, x_words, weights, dst_rank, d
 
 def launch_combine_reduce(area_x, area_weights, send_head, send_offset, bias0, bias1, out, out_weights,
                           interpreted: bool) -> None:  # fmt: skip
-    """Sums the rows sent back per token (see `combine_reduce_kernel`)."""
+    """Sums the rows sent back per token (see `combine_reduce_kernel`); `send_offset` may be a CPU tensor."""
+    send_offset = send_offset.to(out.device)
     num_tokens, hidden = out.shape
     if num_tokens == 0:
         return

@@ -6,9 +6,10 @@ Protocol (the CUDA executor's, csrc/kernels/cuda/device.cuh, in Triton):
   atomic exchange with release order at system scope); a reader `wait_flag_geq` (atomic loads with acquire order at
   system scope) until the flag reaches the operation's number, then reads the data.
 - Every wait is bounded. When it runs out it records `(kind, phase, peer, rank)` in this rank's status word (the
-  first failure wins, compare-and-swap) and poisons every other rank except the one it waited for (that one is
-  probably dead; its memory is not written): their waits end at once and record `kPeerFailed` with this rank's word
-  as the cause, so every rank's error names the rank that did not arrive and the phase. A wait also ends when this
+  first failure wins: a compare-and-swap, or a ticket where the backend has none, see `HAS_ATOMIC_CAS`) and poisons
+  every other rank except the one it waited for (that one is probably dead; its memory is not written): their
+  waits end at once and record `kPeerFailed` with this rank's word as the cause, so every rank's error names the
+  rank that did not arrive and the phase. A wait also ends when this
   rank's status is already set (an earlier wait of the same call failed) or its poison word is set (a peer failed,
   or the host interrupted this rank).
 - The host reads the status word after the call (`StatusWord.check`) and raises `CommTimeoutError` or `CommError`.
@@ -19,8 +20,16 @@ wait last longer, never shorter, than asked for). On a GPU the constexpr `CLOCK`
 `%globaltimer` in nanoseconds on CUDA (`CLOCK_CUDA_NS`), `s_memrealtime` at 100 MHz on ROCm (`CLOCK_HIP_100MHZ`).
 MUSA has neither in Triton: it counts spins with a fixed conservative rate (`MUSA_SPINS_PER_SECOND`).
 
-Layout of a status word: `[code, cause]` int64 in this rank's memory. `code` is kind (bits 56..63), phase (48..55),
-peer + 1 (24..47), rank + 1 (0..23), as `encode_error` in csrc/kernels/cuda/api.hpp; never 0 for an error.
+Layout of a status word: `[code, cause, tickets]` int64. `code` is kind (bits 56..63), phase (48..55), peer + 1
+(24..47), rank + 1 (0..23), as `encode_error` in csrc/kernels/cuda/api.hpp; never 0 for an error. `tickets` counts
+the reports of the CAS-free form. On a GPU the word lives in pinned host memory mapped into the device (`StatusWord`):
+the host reads it without a copy queued behind a stuck kernel; its atomics come from this rank's device alone, which
+mapped memory keeps atomic (only host-side or other-device atomics on it would not be).
+
+Backends without `atomic_cas` (FlagTree's `mthreads`, MUSA: no `AtomicCASOp` lowering): `HAS_ATOMIC_CAS` is false
+there (chosen at import from torch's device report) and the first failure is claimed with a ticket instead
+(`atomic_add` on `tickets`: the caller that draws 0 publishes its code with a release `atomic_xchg`); a poison word
+takes `atomic_max` of the codes (any failure suffices there: every code names a real failure).
 """
 
 from __future__ import annotations
@@ -65,6 +74,20 @@ CLOCK_SPINS = 0  # the interpreter, MUSA: the bound counts spins
 CLOCK_CUDA_NS = 1  # %globaltimer, nanoseconds
 CLOCK_HIP_100MHZ = 2  # s_memrealtime, 100 MHz on CDNA
 MUSA_SPINS_PER_SECOND = 20_000_000  # no clock in FlagTree's mthreads backend: a fixed, generous spin rate
+
+STATUS_WORDS = 3  # [code, cause, tickets]
+
+
+def musa_reported() -> bool:
+    """Whether torch reports a MUSA device (torch_musa imported and a device present): FlagTree's `mthreads` backend
+    compiles the kernels there."""
+    musa = getattr(torch, "musa", None)
+    return musa is not None and bool(musa.is_available())
+
+
+# Whether the backend lowers `tl.atomic_cas` (see the module docstring). A constexpr: the kernels' choice is made at
+# compile time, and the interpreter and the AOT check compile both forms (`report_kernel`).
+HAS_ATOMIC_CAS = tl.constexpr(not musa_reported())
 
 
 def encode_error(kind: int, phase: int, peer: int, rank: int) -> int:
@@ -114,21 +137,61 @@ def status_error(code: int, cause: int = 0, operation: str = "") -> Exception | 
     return (_C.CommTimeoutError if timed_out else _C.CommError)(error_message(code, cause, operation))
 
 
+class _MappedHostMemory:
+    """Pinned host memory as `__cuda_array_interface__` (its device address is its host address under unified
+    addressing), so that `torch.as_tensor` gives a device tensor over it; it keeps the pinned tensor alive."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host
+        self.__cuda_array_interface__ = {
+            "shape": tuple(host.shape), "typestr": "<i8", "data": (host.data_ptr(), False), "version": 3,
+            "strides": None,
+        }  # fmt: skip
+
+
+def _device_alias(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (pinned int64) as a tensor of `device`, for the kernels' pointer arguments; where torch cannot view it so
+    (no `__cuda_array_interface__` for the device type), the pinned tensor itself (Triton takes its address)."""
+    try:
+        return torch.as_tensor(_MappedHostMemory(host), device=device)
+    except (RuntimeError, TypeError, ValueError):
+        return host
+
+
 class StatusWord:
-    """This rank's `[code, cause]` int64 status in its own memory (device memory on a GPU). The kernels write it; the
+    """This rank's `[code, cause, tickets]` int64 status word (see the module docstring). The kernels write it; the
     host reads it after the call. The first failure sticks: the executor is unusable afterwards (as the CUDA
-    executor after a device-side failure)."""
+    executor after a device-side failure).
+
+    On a GPU the words are pinned host memory mapped into the device (the kernels take the tensor as a pointer: a
+    pinned tensor's address is its device address under unified addressing), so `read()` never queues behind a
+    stuck kernel; `check()` first waits for the device's current stream (the kernels that may write it)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.words = torch.zeros(2, dtype=torch.int64, device=device)
+        self.device = device
+        # `host`: the words as the host reads them; `words`: what the kernels take (on a GPU the same memory, seen as
+        # a device tensor through its mapped address).
+        self.host = torch.zeros(STATUS_WORDS, dtype=torch.int64, pin_memory=device.type != "cpu")
+        self.words = self.host if device.type == "cpu" else _device_alias(self.host, device)
         self._failed: Exception | None = None
 
+    def read(self) -> tuple[int, int]:
+        """`(code, cause)` as the device last wrote them (no synchronisation)."""
+        code, cause, _ = self.host.tolist()
+        return code, cause
+
+    def clear(self) -> None:
+        """Clears the word (after every kernel that might write it finished)."""
+        self.host.zero_()
+
     def check(self, operation: str = "") -> None:
-        """Raises the recorded failure, if any (reads the word: a host synchronisation on a GPU); `operation` (e.g.
-        'combine') goes into the message."""
+        """Raises the recorded failure, if any (on a GPU after the current stream's kernels finished); `operation`
+        (e.g. 'combine') goes into the message."""
         if self._failed is not None:
             raise self._failed
-        code, cause = self.words.tolist()
+        if self.device.type != "cpu":
+            getattr(torch, self.device.type).current_stream(self.device).synchronize()
+        code, cause = self.read()
         error = status_error(code, cause, operation)
         if error is not None:
             self._failed = error
@@ -179,16 +242,41 @@ def signal_flag(flag_ptr, value):
 
 
 @triton.jit
+def claim_status(status_ptr, code, CAS: tl.constexpr):
+    """Writes `code` into the status word at `status_ptr` if no failure is there yet; returns whether this call was
+    the first. `CAS`: a compare-and-swap; otherwise a ticket on the word's third int64 (drawn 0: the first), then the
+    code published with a release exchange."""
+    if CAS:
+        previous = tl.atomic_cas(status_ptr, tl.full([], 0, tl.int64), code, sem="acq_rel", scope="sys")
+        first = previous == 0
+    else:
+        ticket = tl.atomic_add(status_ptr + 2, tl.full([], 1, tl.int64), sem="acq_rel", scope="sys")
+        first = ticket == 0
+        if first:
+            tl.atomic_xchg(status_ptr, code, sem="release", scope="sys")
+    return first
+
+
+@triton.jit
+def poison_word(poison_ptr, code, CAS: tl.constexpr):
+    """Puts a failure `code` into a poison word (release, system scope): with `CAS` only when none is there (the first
+    wins); otherwise the largest code wins (`atomic_max`; codes are positive int64, every one a real failure)."""
+    if CAS:
+        tl.atomic_cas(poison_ptr, tl.full([], 0, tl.int64), code, sem="release", scope="sys")
+    else:
+        tl.atomic_max(poison_ptr, code, sem="release", scope="sys")
+
+
+@triton.jit
 def report_error(status_ptr, poison_table, code, suspect, rank, num_ranks):
     """Records `code` in this rank's status word if it is the first failure; a first timeout or abort poisons every
     other rank but `suspect` (the rank this one waited for: probably dead, its memory must not be written)."""
-    previous = tl.atomic_cas(status_ptr, tl.full([], 0, tl.int64), code, sem="acq_rel", scope="sys")
+    first = claim_status(status_ptr, code, HAS_ATOMIC_CAS)
     kind = (code >> 56) & 0xFF
-    if (previous == 0) & ((kind == 1) | (kind == 3)):
+    if first & ((kind == 1) | (kind == 3)):
         for r in range(num_ranks):
             if (r != rank) & (r != suspect):
-                poison = peer_pointer(poison_table, r, 0, tl.int64)
-                tl.atomic_cas(poison, tl.full([], 0, tl.int64), code, sem="release", scope="sys")
+                poison_word(peer_pointer(poison_table, r, 0, tl.int64), code, HAS_ATOMIC_CAS)
 
 
 @triton.jit
@@ -292,6 +380,16 @@ def wait_all_kernel(region_table, poison_table, status_ptr, flags_offset, value,
 
 
 @triton.jit
+def report_kernel(status_ptr, poison_ptr, codes_ptr, n_codes, CAS: tl.constexpr):
+    """Reports `codes_ptr[:n_codes]` one after another into one status word and one poison word, in the form `CAS`
+    chooses (both forms are tested in the interpreter and compiled by the AOT check, whatever the backend)."""
+    for i in range(n_codes):
+        code = tl.load(codes_ptr + i)
+        claim_status(status_ptr, code, CAS)
+        poison_word(poison_ptr, code, CAS)
+
+
+@triton.jit
 def _spin_kernel(flag_ptr, bound, status_ptr, poison_table):
     # Calibration: a wait on a flag that never arrives, `bound` spins (its timeout is recorded in status_ptr).
     wait_flag_geq(flag_ptr, 1, bound, status_ptr, poison_table, 0, 0, 0, 1, 0)
@@ -313,7 +411,7 @@ def seconds_per_spin() -> float:
     global _seconds_per_spin
     if _seconds_per_spin is None:
         flag = torch.zeros(1, dtype=torch.int64)
-        status = torch.zeros(2, dtype=torch.int64)
+        status = torch.zeros(STATUS_WORDS, dtype=torch.int64)
         poison = torch.zeros(1, dtype=torch.int64)
         table = torch.tensor([poison.data_ptr()], dtype=torch.int64)
         spins = 200
@@ -428,6 +526,22 @@ AOT_SPECS = [
         "backend_constexprs": _CLOCKS,
         "flags": True,
     },
+    *(
+        {
+            "name": f"sync.report_{form}",
+            "fn": report_kernel,
+            "signature": {
+                "status_ptr": "*i64",
+                "poison_ptr": "*i64",
+                "codes_ptr": "*i64",
+                "n_codes": "i32",
+                "CAS": "constexpr",
+            },  # fmt: skip
+            "constexprs": {"CAS": cas},
+            "flags": True,
+        }
+        for form, cas in (("cas", True), ("rmw", False))
+    ),
     {
         "name": "sync.spin_calibration",
         "fn": _spin_kernel,

@@ -52,8 +52,9 @@ def pytest_runtest_makereport(item, call):
 
 # `cuda_pools[n]`: the module's pool of `n` rank processes on GPU 0 (spawned at first use). Two intra-op threads per
 # rank for the host-side references; the process group waits twice mtdeepep's timeout, so a stuck kernel's own
-# CommTimeoutError comes first.
+# CommTimeoutError comes first. The executor: the CUDA one these cases were written for, unless MTDEEPEP_ENGINE names
+# another (scripts/gpu_check.sh's `triton` stage runs them on the Triton executor, the GPU default).
 cuda_pools = pool_fixture(
     comm_timeout_s=TIMEOUT_S, deadline_s=4 * TIMEOUT_S, pg_timeout_s=2 * TIMEOUT_S, threads=2, start_timeout_s=120,
-    device="cuda",
+    device="cuda", engine=os.environ.get("MTDEEPEP_ENGINE", "cuda"),
 )  # fmt: skip

@@ -83,6 +83,9 @@ FIXTURE = textwrap.dedent(
         {"name": name, "fn": fn, "signature": SIGNATURE, "constexprs": {"BLOCK": 256}, "flags": True}
         for name, fn in (("good", signal_then_wait_kernel), ("gpu_scope", device_scope_only_kernel))
     ]
+    # A register budget no kernel meets: the check fails it (what keeps the low-latency FP8 cast's tile small).
+    AOT_SPECS.append({"name": "over_budget", "fn": signal_then_wait_kernel, "signature": SIGNATURE,
+                      "constexprs": {"BLOCK": 256}, "flags": True, "max_registers": 1})
     """
 )
 
@@ -110,6 +113,8 @@ def test_ordering_check_on_real_compiles(tmp_path):
         assert good["ok"] and good["orderings"].startswith("rel 1->") and " acq 1->" in good["orderings"], good
         assert not good["orderings"].endswith("->0") and "rel 1->0" not in good["orderings"], good
         assert not bad["ok"] and "no atomic asks for release or acquire at system scope" in bad["problems"][0], bad
+        over = rows[("over_budget", target)]
+        assert not over["ok"] and over["problems"][-1].endswith("registers per thread, over its budget of 1"), over
 
 
 def test_ptx_forms_triton_emits():

@@ -11,7 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from mtdeepep.kernels import low_latency  # noqa: E402
+from mtdeepep.kernels import fp8, low_latency  # noqa: E402
 from tests.ranks import pool_fixture  # noqa: E402
 
 from . import ll_cases as cases  # noqa: E402
@@ -85,5 +85,7 @@ def test_dispatch_kernel_uses_the_fp8_module_cast():
     import inspect
 
     source = inspect.getsource(low_latency)
-    assert "fp8.e4m3_bits_from_f32(" in source and "fp8.block_scale(" in source
+    assert "fp8.quantize_blocks(" in source
+    quantize = inspect.getsource(fp8.quantize_blocks.fn)
+    assert "e4m3_bits_from_f32(" in quantize and "block_scale(" in quantize
     assert "float8e4nv" not in source.replace("`.to(tl.float8e4nv)`", "")

@@ -17,8 +17,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
     """
+    import sys
     import torch
+    import triton.language as tl
     from mtdeepep.kernels import sync
+    # The form of the first-failure claim: compare-and-swap, or the ticket form of backends without it (MUSA).
+    sync.HAS_ATOMIC_CAS = tl.constexpr(sys.argv[1] == "cas")
     R = 3
     regions = [torch.zeros(16384, dtype=torch.uint8) for _ in range(R)]
     table = torch.tensor([r.data_ptr() for r in regions], dtype=torch.int64)
@@ -50,9 +54,10 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_wait_times_out_naming_the_rank_and_poisons_the_others():
+@pytest.mark.parametrize("form", ["cas", "rmw"])
+def test_wait_times_out_naming_the_rank_and_poisons_the_others(form):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, form], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert (
@@ -65,6 +70,34 @@ def test_wait_times_out_naming_the_rank_and_poisons_the_others():
         for line in lines
     ), out.stdout
     assert "OK" in lines
+
+
+REPORT_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from mtdeepep.kernels import sync
+    codes = torch.tensor([sync.encode_error(1, 3, 1, 0), sync.encode_error(3, 0, 0, 0), sync.encode_error(2, 4, 2, 0)])
+    for cas in (True, False):
+        status = sync.StatusWord(torch.device("cpu"))
+        poison = torch.zeros(1, dtype=torch.int64)
+        sync.report_kernel[(1,)](status.words, poison, codes, 3, CAS=cas)
+        print("CAS" if cas else "RMW", *status.words.tolist(), int(poison[0]))
+    """
+)
+
+
+def test_first_failure_claim_with_and_without_compare_and_swap():
+    """Both forms keep the first code in the status word; the ticket form counts every report, and its poison word
+    keeps the largest code (the CAS form the first)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", REPORT_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    from mtdeepep.kernels.sync import encode_error
+
+    first, abort, third = encode_error(1, 3, 1, 0), encode_error(3, 0, 0, 0), encode_error(2, 4, 2, 0)
+    lines = out.stdout.splitlines()
+    assert f"CAS {first} 0 0 {first}" in lines, out.stdout
+    assert f"RMW {first} 0 3 {max(first, abort, third)}" in lines, out.stdout
 
 
 def test_engine_names(monkeypatch):
