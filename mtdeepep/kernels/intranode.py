@@ -1,18 +1,21 @@
 """Normal-mode dispatch and combine between the ranks of one node, in Triton.
 
-Every rank's normal region holds the data area from its start and a control area (`NormalLayout`: the poison word,
-four flag arrays, the mailbox of the count exchange) at its end, away from where users write through
-`get_local_buffer_tensor`. One operation moves in one round, as on the CUDA executor:
+Every rank's normal region is its data area (the `num_nvl_bytes` users see through `get_local_buffer_tensor`),
+followed by a control area (`NormalLayout`: the poison word, five flag arrays, the mailbox of the count exchange).
+An operation moves in rounds when the receivers' data areas cannot hold all its rows at once (as the CPU executor
+stages them; one round when they can):
 
 - dispatch: the counts exchange (`sync.exchange_kernel`, phase notify: every rank's row counts, its per-expert counts
-  and its channel counts for each receiver, and a signature of the call) doubles as the entry barrier. Each sender
-  then writes its rows (x, scales, local top-k, source index) into each receiver's data area at the receiver's rows
-  for that source (`dispatch_send_kernel`), signals, and waits for every sender (phase dispatch receive); the
-  receiver copies its rows out of its own area.
-- combine: a barrier exchange with the call's signature (phase barrier), then each rank sends every received row back
-  into its source's data area at the source's position for it (`combine_send_kernel`), signals and waits (phase
-  combine receive); each source sums the rows of every token in rank order in FP32, then the biases, and rounds
-  once (`combine_reduce_kernel`), as the CPU executor does.
+  and its channel counts for each receiver, and a signature of the call) doubles as the entry barrier. In each round
+  every sender writes the rows of that round (rows `[lo, lo + capacity)` of each receiver's output order) into each
+  receiver's data area (`dispatch_send_kernel`, the round's rows picked by the host through `send_head` and
+  `recv_offset`), signals, and waits for every sender (phase dispatch receive); the receiver copies its rows out of
+  its own area, and every rank signals that before the next round writes (the round flags).
+- combine: a barrier exchange with the call's signature (phase barrier), then, round by round, each rank sends the
+  received rows back into their source's data area at the source's position for them (`combine_send_kernel`),
+  signals and waits (phase combine receive); each source sums the rows of every token in rank order in FP32, then
+  the biases, and rounds once (`combine_reduce_kernel`), as the CPU executor does (over several rounds: each round's
+  FP32 partial sums are added in FP32 and rounded once at the end).
 
 The data area's layout depends only on the traffic matrix every rank holds after the exchange, so every rank agrees
 on every receiver's field offsets without another exchange.
@@ -39,6 +42,8 @@ def _align(value: int, alignment: int) -> int:
 @dataclass(frozen=True)
 class NormalLayout:
     """Byte offsets of the control area of a normal region; they depend on the rank count only (every rank agrees).
+    Flags: `notify_flags` and `barrier_flags` take the operation's exchange number; `dispatch_flags` (rows written),
+    `combine_flags` (rows written) and `round_flags` (a staging round consumed) take step numbers, one per round.
     The notify payload of rank i for rank j: `[signature (16) | rows i sends to every rank (R) | i's token counts of
     j's experts (MAX_LOCAL_EXPERTS) | i's channel counts for j (MAX_CHANNELS)]` int32."""
 
@@ -48,6 +53,7 @@ class NormalLayout:
     barrier_flags: int = 0
     dispatch_flags: int = 0
     combine_flags: int = 0
+    round_flags: int = 0
     mailbox: int = 0
     slot_words: int = 0
     control_bytes: int = 0
@@ -57,10 +63,10 @@ class NormalLayout:
         flags = _align(8 * num_ranks, 64)
         slot_words = SIGNATURE_WORDS + num_ranks + MAX_LOCAL_EXPERTS + MAX_CHANNELS
         slot_bytes = _align(4 * slot_words, 64)
-        mailbox = 64 + 4 * flags
+        mailbox = 64 + 5 * flags
         return NormalLayout(
             num_ranks=num_ranks, poison=0, notify_flags=64, barrier_flags=64 + flags, dispatch_flags=64 + 2 * flags,
-            combine_flags=64 + 3 * flags, mailbox=mailbox, slot_words=slot_words,
+            combine_flags=64 + 3 * flags, round_flags=64 + 4 * flags, mailbox=mailbox, slot_words=slot_words,
             control_bytes=_align(mailbox + 2 * num_ranks * slot_bytes, ALIGNMENT),
         )  # fmt: skip
 

@@ -17,10 +17,6 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 # Cases of the CPU executor's normal mode that the triton executor does not serve yet, with the reason.
 NOT_SERVED = {
-    cases.small_buffer_moves_in_rounds: "moves one operation in one round (as the CUDA executor): no staging rounds",
-    cases.async_outputs_staged_in_rounds_are_not_modified_in_place: "no staging rounds (as above)",
-    cases.region_too_small_for_one_row_says_how_much: "its error asks for a larger num_nvl_bytes, not per row",
-    cases.async_runs_off_the_callers_thread: "the kernels run on the caller's thread (async_finish: a done event)",
     cases.bad_inputs_raise_value_error_before_communicating: "builds a buffer of nodes of one rank (internode)",
 }
 
