@@ -362,6 +362,23 @@ class TritonEngine(Engine):
             f"cannot hold one token row; {what} needs at least {one_row} bytes"
         )
 
+    def _plan(self, traffic: torch.Tensor, x_bytes: int, scale_bytes: int, num_topk: int, with_src: bool,
+              what: str) -> tuple[intranode.RowFields | None, bool]:  # fmt: skip
+        """How an operation's rows move (`traffic [R, R]`: rows rank i sends rank j). `(fields, own_apart)`: when
+        every receiver's rows fit in its data area, all of them in one round (`own_apart` False); else each rank's
+        own rows are copied apart (no peer needs them) and the others move in rounds of `fields.capacity` rows
+        (`fields` None: there are none). The same on every rank (it depends on the exchanged counts only)."""
+        most = int(traffic.sum(0).max())
+        if most == 0:
+            return None, False
+        fields = intranode.RowFields.of(most, x_bytes, scale_bytes, num_topk, with_src=with_src)
+        if fields.total_bytes <= self.data_bytes:
+            return fields, False
+        most_remote = int(_remote(traffic).sum(0).max())
+        if most_remote == 0:
+            return None, True
+        return self._staging(most_remote, x_bytes, scale_bytes, num_topk, with_src, what), True
+
     @staticmethod
     def _traffic(rank_prefix_matrix: torch.Tensor) -> torch.Tensor:
         """`[R, R]` int64: rows rank i sends to rank j, from the handle's inclusive prefix over source ranks."""
@@ -374,53 +391,77 @@ class TritonEngine(Engine):
 
     def _move_dispatch_rows(self, data, scales, topk_idx, topk_weights, send_head, traffic, experts_per_rank,
                             outputs: tuple, what: str) -> None:  # fmt: skip
-        """This rank's rows into every receiver's outputs, round by round through the data areas: round r carries
-        rows `[r * capacity, (r + 1) * capacity)` of each receiver's output order (by source rank, then position).
-        `outputs`: `(recv_x, recv_scales, recv_idx, recv_weights, recv_src)`, aliases the worker writes through."""
+        """This rank's rows into every receiver's outputs through the data areas (see `_plan`), round by round:
+        round r carries rows `[r * capacity, (r + 1) * capacity)` of each receiver's area order (by source rank, then
+        position). `outputs`: `(recv_x, recv_scales, recv_idx, recv_weights, recv_src)`, aliases the worker writes
+        through."""
+        me = self.rank
         recv_x, recv_scales, recv_idx, recv_weights, recv_src = outputs
         num_topk = 0 if topk_idx is None else topk_idx.size(1)
         x_bytes = data.size(1) * data.element_size()
         scale_bytes = 0 if scales is None else scales.size(1) * scales.element_size()
-        received = traffic.sum(0)
-        most, num_recv = int(received.max()), int(received[self.rank])
-        if most == 0:
-            return
-        fields = self._staging(most, x_bytes, scale_bytes, num_topk, True, what)
-        capacity = fields.capacity
-        num_rounds = -(-most // capacity)
-        recv_offset = traffic[: self.rank].sum(0)  # where this rank's rows start at each receiver
+        fields, own_apart = self._plan(traffic, x_bytes, scale_bytes, num_topk, True, what)
         head = send_head.long()
-        dest_row = torch.where(head >= 0, recv_offset + head, -1)  # [T, R]: the row of each receiver's order
-        words = intranode.word_view(data)
-        hidden = data.size(1)
+        words, recv_words = intranode.word_view(data), intranode.word_view(recv_x)
+        out_start = traffic[:, me].cumsum(0) - traffic[:, me]  # where source i's rows start in this rank's outputs
+        if own_apart:  # this rank's rows for itself, straight into its outputs
+            own = (head[:, me] >= 0).nonzero().flatten()
+            out_rows = out_start[me] + head[own, me]
+            recv_words.index_copy_(0, out_rows, words[own])
+            if recv_scales is not None:
+                recv_scales.index_copy_(0, out_rows, scales[own])
+            if recv_src is not None:
+                recv_src.index_copy_(0, out_rows, own.to(torch.int32))
+            if recv_idx is not None:
+                ids = topk_idx[own]
+                local = ids - me * experts_per_rank
+                is_local = (ids >= 0) & (local >= 0) & (local < experts_per_rank)
+                recv_idx.index_copy_(0, out_rows, torch.where(is_local, local, -1))
+                if recv_weights is not None:
+                    recv_weights.index_copy_(0, out_rows, torch.where(is_local, topk_weights[own].float(), 0.0))
+        if fields is None:
+            return
+        area_traffic = _remote(traffic) if own_apart else traffic
+        capacity = fields.capacity
+        num_rounds = -(-int(area_traffic.sum(0).max()) // capacity)
+        recv_offset = area_traffic[:me].sum(0)  # where this rank's rows start in each receiver's area order
+        dest_row = torch.where(head >= 0, recv_offset + head, -1)  # [T, R]: the row of each receiver's area order
+        if own_apart:
+            dest_row[:, me] = -1
+        # This rank's area order -> its output rows.
+        order = torch.cat([torch.arange(int(out_start[i]), int(out_start[i] + area_traffic[i, me]))
+                           for i in range(self.num_ranks)])  # fmt: skip
         for round_ in range(num_rounds):
             lo = round_ * capacity
-            if num_rounds == 1:
-                round_head = send_head.contiguous()
-            else:
-                round_head = torch.where((dest_row >= lo) & (dest_row < lo + capacity), head, -1).to(torch.int32)
-            if bool((round_head >= 0).any()):
+            in_round = (dest_row >= lo) & (dest_row < lo + capacity)
+            tokens = in_round.any(1).nonzero().flatten()
+            if tokens.numel():
+                # The window of tokens with a row in this round (the interpreter's cost is per token launched).
+                window = slice(int(tokens[0]), int(tokens[-1]) + 1)
+                round_head = torch.where(in_round, head, -1)[window].to(torch.int32).contiguous()
                 intranode.launch_dispatch_send(
-                    self.region_table, 0, words, scales, topk_idx, topk_weights, round_head,
+                    self.region_table, 0, words[window], None if scales is None else scales[window],
+                    None if topk_idx is None else topk_idx[window],
+                    None if topk_weights is None else topk_weights[window], round_head,
                     (recv_offset - lo).to(torch.int32), self.num_ranks, experts_per_rank, fields,
-                    self.device.type == "cpu",
+                    self.device.type == "cpu", token_base=window.start,
                 )  # fmt: skip
             self._signal_and_wait(self.layout_.dispatch_flags, sync.PHASE_DISPATCH_RECEIVE)
-            n = min(capacity, num_recv - lo)
+            n = min(capacity, order.numel() - lo)
             if n > 0:
-                rows = slice(lo, lo + n)
-                area = self._data(fields.x, n * x_bytes).view(data.dtype).view(n, hidden)
-                recv_x[rows].copy_(area)
+                rows = order[lo : lo + n]
+                recv_words.index_copy_(0, rows, self._data(fields.x, n * x_bytes).view(words.dtype).view(n, -1))
                 if recv_scales is not None:
                     area = self._data(fields.scales, n * scale_bytes).view(scales.dtype)
-                    recv_scales[rows].copy_(area.view(n, scales.size(1)))
+                    recv_scales.index_copy_(0, rows, area.view(n, scales.size(1)))
                 if recv_src is not None:
-                    recv_src[rows].copy_(self._data(fields.src_idx, 4 * n).view(torch.int32))
+                    recv_src.index_copy_(0, rows, self._data(fields.src_idx, 4 * n).view(torch.int32))
                 if recv_idx is not None:
-                    recv_idx[rows].copy_(self._data(fields.topk_idx, 8 * num_topk * n).view(torch.int64).view(n, -1))
+                    area = self._data(fields.topk_idx, 8 * num_topk * n).view(torch.int64)
+                    recv_idx.index_copy_(0, rows, area.view(n, num_topk))
                 if recv_weights is not None:
                     area = self._data(fields.topk_weights, 4 * num_topk * n).view(torch.float32)
-                    recv_weights[rows].copy_(area.view(n, num_topk))
+                    recv_weights.index_copy_(0, rows, area.view(n, num_topk))
             if round_ + 1 < num_rounds:  # every receiver copied this round out before the next one is written
                 self._signal_and_wait(self.layout_.round_flags, sync.PHASE_BARRIER)
 
@@ -497,8 +538,7 @@ class TritonEngine(Engine):
         traffic = everyone[:, counts_at:experts_at].long()
         self._check_worst(traffic, num_worst_tokens)
         num_recv = int(traffic[:, me].sum())
-        if int(traffic.sum(0).max()) > 0:  # raises on every rank alike before any row moves
-            self._staging(int(traffic.sum(0).max()), x_bytes, scale_bytes, num_topk, True, "dispatch")
+        self._plan(traffic, x_bytes, scale_bytes, num_topk, True, "dispatch")  # raises on every rank before any row
 
         # The outputs and the handle, handed out before the rows move (written through `.data` aliases).
         rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
@@ -590,66 +630,89 @@ class TritonEngine(Engine):
                          self._checksum(rank_prefix_matrix)], "combine")  # fmt: skip
         bias0 = None if bias0 is None else bias0.contiguous()
         bias1 = None if bias1 is None else bias1.contiguous()
-        sent = traffic.sum(1)  # rows each source gets back
-        most = int(sent.max())
-        if most == 0:  # nothing was dispatched anywhere: only the biases
-            _finish_sum(torch.zeros(combined.shape), bias0, bias1, combined)
-            if combined_w is not None:
-                combined_w.zero_()
-            return
-        fields = self._staging(most, x_bytes, 0, num_topk, False, "combine")
-        capacity = fields.capacity
-        num_rounds = -(-most // capacity)
-        # Each source gets back, in its area, the rows of every receiver j at (rows it sent to ranks < j) + position.
-        source = torch.repeat_interleave(torch.arange(R), traffic[:, me])
-        first_row = rank_prefix_matrix[:, me].long() - traffic[:, me]  # where source i's rows start here
-        sent_before = traffic[:, :me].sum(1)  # per source i: rows i sent to ranks before this one
-        dst_row = sent_before[source] + torch.arange(num_recv) - first_row[source]
-        rows = x[:num_recv].contiguous()
-        weights = None if topk_weights is None else topk_weights[:num_recv].contiguous().float()
+        fields, own_apart = self._plan(traffic.T, x_bytes, 0, num_topk, False, "combine")
         head = send_head.long()
-        send_offset = traffic[me].cumsum(0) - traffic[me]
-        area_x = self._data(fields.x, capacity * x_bytes).view(x.dtype).view(capacity, hidden)
-        area_w = None
-        if topk_weights is not None:
-            area_w = self._data(fields.topk_weights, 4 * num_topk * capacity).view(torch.float32).view(-1, num_topk)
-        acc = acc_w = None
-        if num_rounds > 1:
-            acc = torch.zeros(combined.shape, dtype=torch.float32)
-            acc_w = None if combined_w is None else torch.zeros(combined_w.shape, dtype=torch.float32)
-        for round_ in range(num_rounds):
-            lo = round_ * capacity
-            chosen = (dst_row >= lo) & (dst_row < lo + capacity)
-            if bool(chosen.any()):
-                picked = chosen.nonzero().flatten() if num_rounds > 1 else None
-                intranode.launch_combine_send(
-                    self.region_table, 0, intranode.word_view(rows if picked is None else rows[picked]),
-                    None if weights is None else weights if picked is None else weights[picked],
-                    (source if picked is None else source[picked]).to(torch.int32),
-                    ((dst_row if picked is None else dst_row[picked]) - lo).to(torch.int32), fields, True,
-                )  # fmt: skip
-            self._signal_and_wait(self.layout_.combine_flags, sync.PHASE_COMBINE_RECEIVE)
-            if num_rounds == 1:
-                intranode.launch_combine_reduce(
-                    area_x, area_w, send_head.contiguous(), send_offset.to(torch.int32), bias0, bias1, combined,
-                    combined_w, True,
-                )  # fmt: skip
+        source = torch.repeat_interleave(torch.arange(R), traffic[:, me])  # the source of every received row
+        first_row = rank_prefix_matrix[:, me].long() - traffic[:, me]  # where source i's rows start here
+        position = torch.arange(num_recv) - first_row[source]
+        if not own_apart:
+            if fields is None:  # nothing was dispatched anywhere: only the biases
+                _finish_sum(torch.zeros(combined.shape), bias0, bias1, combined)
+                if combined_w is not None:
+                    combined_w.zero_()
                 return
-            row = send_offset + head
-            round_head = torch.where((head >= 0) & (row >= lo) & (row < lo + capacity), head, -1).to(torch.int32)
-            partial = torch.empty(combined.shape, dtype=torch.float32)
-            partial_w = None if acc_w is None else torch.empty(acc_w.shape, dtype=torch.float32)
+            # One round: each source gets back, in its area, the rows of every receiver j at (rows it sent to ranks
+            # < j) + position; the kernel sums them with the biases and rounds once.
+            dst_row = traffic[:, :me].sum(1)[source] + position
+            intranode.launch_combine_send(
+                self.region_table, 0, intranode.word_view(x[:num_recv]),
+                None if topk_weights is None else topk_weights[:num_recv].contiguous().float(),
+                source.to(torch.int32), dst_row.to(torch.int32), fields, True,
+            )  # fmt: skip
+            self._signal_and_wait(self.layout_.combine_flags, sync.PHASE_COMBINE_RECEIVE)
+            send_offset = traffic[me].cumsum(0) - traffic[me]
+            area_x, area_w = self._combine_area(fields, x.dtype, hidden, num_topk)
             intranode.launch_combine_reduce(
-                area_x, area_w, round_head, (send_offset - lo).to(torch.int32), None, None, partial, partial_w, True
-            )
-            acc += partial
-            if acc_w is not None:
-                acc_w += partial_w
-            if round_ + 1 < num_rounds:  # this rank summed the round before the next one is written
-                self._signal_and_wait(self.layout_.round_flags, sync.PHASE_BARRIER)
+                area_x, area_w, send_head.contiguous(), send_offset.to(torch.int32), bias0, bias1, combined,
+                combined_w, True,
+            )  # fmt: skip
+            return
+
+        # Rounds: this rank's own rows are summed here; the others go back through the sources' areas (each
+        # source's area order: by receiver j, then position), and each round's FP32 partial sums are added up.
+        acc = torch.zeros(combined.shape, dtype=torch.float32)
+        acc_w = None if combined_w is None else torch.zeros(combined_w.shape, dtype=torch.float32)
+        own_tokens = (head[:, me] >= 0).nonzero().flatten()  # in position order
+        own_rows = slice(int(first_row[me]), int(first_row[me] + traffic[me, me]))
+        acc.index_add_(0, own_tokens, x[own_rows].float())
+        if acc_w is not None:
+            acc_w.index_add_(0, own_tokens, topk_weights[own_rows].float())
+        if fields is not None:
+            remote = _remote(traffic)
+            capacity = fields.capacity
+            num_rounds = -(-int(remote.sum(1).max()) // capacity)
+            dst_row = torch.where(source != me, remote[:, :me].sum(1)[source] + position, -1)
+            send_offset = remote[me].cumsum(0) - remote[me]  # where receiver j's rows start in this rank's area
+            area_x, area_w = self._combine_area(fields, x.dtype, hidden, num_topk)
+            round_rows = send_offset + head
+            in_area = head >= 0
+            in_area[:, me] = False
+            for round_ in range(num_rounds):
+                lo = round_ * capacity
+                picked = ((dst_row >= lo) & (dst_row < lo + capacity)).nonzero().flatten()
+                if picked.numel():
+                    intranode.launch_combine_send(
+                        self.region_table, 0, intranode.word_view(x[picked]),
+                        None if topk_weights is None else topk_weights[picked].float(),
+                        source[picked].to(torch.int32), (dst_row[picked] - lo).to(torch.int32), fields, True,
+                    )  # fmt: skip
+                self._signal_and_wait(self.layout_.combine_flags, sync.PHASE_COMBINE_RECEIVE)
+                in_round = in_area & (round_rows >= lo) & (round_rows < lo + capacity)
+                tokens = in_round.any(1).nonzero().flatten()
+                if tokens.numel():  # only the tokens with a row in this round (the interpreter's cost is per token)
+                    round_head = torch.where(in_round, head, -1)[tokens].to(torch.int32).contiguous()
+                    partial = torch.empty((tokens.numel(), hidden), dtype=torch.float32)
+                    partial_w = None if acc_w is None else torch.empty((tokens.numel(), num_topk), dtype=torch.float32)
+                    intranode.launch_combine_reduce(
+                        area_x, area_w, round_head, (send_offset - lo).to(torch.int32), None, None, partial,
+                        partial_w, True,
+                    )  # fmt: skip
+                    acc.index_add_(0, tokens, partial)
+                    if acc_w is not None:
+                        acc_w.index_add_(0, tokens, partial_w)
+                if round_ + 1 < num_rounds:  # this rank summed the round before the next one is written
+                    self._signal_and_wait(self.layout_.round_flags, sync.PHASE_BARRIER)
         _finish_sum(acc, bias0, bias1, combined)
         if combined_w is not None:
             combined_w.copy_(acc_w)
+
+    def _combine_area(self, fields: intranode.RowFields, dtype: torch.dtype, hidden: int, num_topk: int):
+        """This rank's data area as the rows a combine sends back: `(x [capacity, hidden], weights or None)`."""
+        capacity = fields.capacity
+        area_x = self._data(fields.x, capacity * hidden * dtype.itemsize).view(dtype).view(capacity, hidden)
+        if num_topk == 0:
+            return area_x, None
+        return area_x, self._data(fields.topk_weights, 4 * num_topk * capacity).view(torch.float32).view(-1, num_topk)
 
     def recv_sources(self, handle):
         rank_prefix_matrix, _, _, recv_src_idx, _, _ = handle
@@ -720,6 +783,11 @@ def _fill_padding(outputs: tuple, num_recv: int) -> None:
     for tensor, fill in ((recv_x, 0), (recv_scales, 0), (recv_idx, -1), (recv_weights, 0), (recv_src, -1)):
         if tensor is not None and tensor.size(0) > num_recv:
             tensor[num_recv:] = fill
+
+
+def _remote(traffic: torch.Tensor) -> torch.Tensor:
+    """`traffic` without each rank's rows for itself (the diagonal): the rows that cross between ranks."""
+    return traffic * (1 - torch.eye(traffic.size(0), dtype=traffic.dtype))
 
 
 def _finish_sum(acc: torch.Tensor, bias0, bias1, out: torch.Tensor) -> None:

@@ -125,14 +125,15 @@ def _peer_rows(table, peer, offset, row, row_bytes, DTYPE: tl.constexpr):
 @triton.jit
 def dispatch_send_kernel(region_table, data_offset, x, x_stride, num_words, scales, scale_stride0, scale_stride1,
                          num_scales, topk_idx, topk_weights, send_head, recv_offset, num_tokens, num_ranks,
-                         experts_per_rank, off_x, off_scales, off_idx, off_weights, off_src,
+                         experts_per_rank, off_x, off_scales, off_idx, off_weights, off_src, token_base,
                          HAS_SCALES: tl.constexpr, NUM_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
                          TOPK: tl.constexpr):  # fmt: skip
     """One program per `BLOCK_T` tokens, every receiver: token t goes to rank j's row `recv_offset[j] +
     send_head[t, j]` when `send_head[t, j] >= 0`. `x [T, num_words]` integer words (row stride `x_stride` words),
     `scales` 32-bit words with strides, `topk_idx [T, NUM_TOPK]` int64 (global ids; each receiver gets its local
-    ids, -1 elsewhere, weights 0 there), the source index int32. No wait: the host's next launch signals."""
+    ids, -1 elsewhere, weights 0 there), the source index int32 (`token_base` + t: the tokens may be a window of
+    the caller's, for a staging round). No wait: the host's next launch signals."""
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     token_mask = tokens < num_tokens
     word_bytes = x.dtype.element_ty.primitive_bitwidth // 8
@@ -170,7 +171,7 @@ def dispatch_send_kernel(region_table, data_offset, x, x_stride, num_words, scal
                 dst = _peer_rows(region_table, j, data_offset + off_weights, row, NUM_TOPK * 4, tl.float32)
                 tl.store(dst[:, None] + topk[None, :], tl.where(is_local, weight, 0.0), mask=mask)
         dst = _peer_rows(region_table, j, data_offset + off_src, row, 4, tl.int32)
-        tl.store(dst, tokens.to(tl.int32), mask=sent)
+        tl.store(dst, (tokens + token_base).to(tl.int32), mask=sent)
 
 
 @triton.jit
@@ -252,8 +253,10 @@ def combine_reduce_kernel(area_x, area_weights, send_head, send_offset, num_toke
 
 
 def launch_dispatch_send(region_table, data_offset, x_words, scales, topk_idx, topk_weights, send_head, recv_offset,
-                         num_ranks, experts_per_rank, fields: RowFields, interpreted: bool) -> None:  # fmt: skip
-    """Writes this rank's rows into every receiver's data area (see `dispatch_send_kernel`)."""
+                         num_ranks, experts_per_rank, fields: RowFields, interpreted: bool,
+                         token_base: int = 0) -> None:  # fmt: skip
+    """Writes this rank's rows into every receiver's data area (see `dispatch_send_kernel`; the tokens are the
+    caller's tokens `token_base + t`)."""
     num_tokens, num_words = x_words.shape
     if num_tokens == 0:
         return
@@ -271,7 +274,7 @@ def launch_dispatch_send(region_table, data_offset, x_words, scales, topk_idx, t
         0 if scale_words is None else scale_words.size(1),
         dummy if topk_idx is None else topk_idx, dummy if topk_weights is None else topk_weights,
         send_head, recv_offset, num_tokens, num_ranks, experts_per_rank,
-        fields.x, fields.scales, fields.topk_idx, fields.topk_weights, fields.src_idx,
+        fields.x, fields.scales, fields.topk_idx, fields.topk_weights, fields.src_idx, token_base,
         HAS_SCALES=scale_words is not None, NUM_TOPK=num_topk, HAS_WEIGHTS=topk_weights is not None,
         BLOCK_T=block_t, BLOCK_W=block_w,
         BLOCK_S=triton.next_power_of_2(max(1, 0 if scale_words is None else scale_words.size(1))),
@@ -343,6 +346,7 @@ AOT_SPECS = [
                 "off_idx": "i64",
                 "off_weights": "i64",
                 "off_src": "i64",
+                "token_base": "i32",
                 "HAS_SCALES": "constexpr",
                 "NUM_TOPK": "constexpr",
                 "HAS_WEIGHTS": "constexpr",
