@@ -152,12 +152,10 @@ def create_engine(
     node_engine_type = named_engine_class(name, device.type) if name else node_engine_class(device.type)
     if node_engine_type is None:
         raise _C.CommError(f"mtdeepep: this build has no {device.type} executor (mtdeepep._C_cuda is missing)")
-    if (device.type != "cpu" or name == "triton") and resolve_num_ranks_per_node(
-        num_ranks_per_node, group.size()
-    ) < group.size():
+    if device.type != "cpu" and resolve_num_ranks_per_node(num_ranks_per_node, group.size()) < group.size():
         raise ValueError(
             f"mtdeepep: the {name or device.type} executor serves the ranks of one node; groups spanning several nodes "
-            "run on the CPU executor only for now"
+            "run on CPU tensors only for now (the internode engine composes the CPU or the triton executor)"
         )
     num_ranks = group.size()
     per_node = resolve_num_ranks_per_node(num_ranks_per_node, num_ranks)

@@ -12,21 +12,15 @@ import pytest
 from ..conformance import normal_cases as cases
 from ..conformance.test_normal import CASES, applies
 from ..conformance.topology import INTRANODE_2
+from .served import case_params
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
-# Cases of the CPU executor's normal mode that the triton executor does not serve yet, with the reason.
-NOT_SERVED = {
-    cases.bad_inputs_raise_value_error_before_communicating: "builds a buffer of nodes of one rank (internode)",
-}
+# Cases of the CPU executor's normal mode that the triton executor does not serve (none: it serves every one).
+NOT_SERVED: dict = {}
 
 
-@pytest.mark.parametrize(
-    "case, topology",
-    [pytest.param(case, INTRANODE_2, id=f"{case.__name__}-{INTRANODE_2}",
-                  marks=[pytest.mark.skip(reason=NOT_SERVED[case])] if case in NOT_SERVED else [])
-     for case in CASES if applies(case, INTRANODE_2)],
-)  # fmt: skip
+@pytest.mark.parametrize("case, topology", case_params(CASES, applies, INTRANODE_2, NOT_SERVED))
 def test_case(pool, topology, case):
     pool.run(case, topology)
 
@@ -41,8 +35,7 @@ def test_bad_input_on_one_rank_times_out_the_others(pool, topology):
 
 
 @pytest.mark.parametrize("topology", [INTRANODE_2], ids=str)
-def test_missing_rank_in_combine_times_out(pool, topology):
-    """Synchronous only: the triton executor runs on the caller's thread, an `async_finish` combine waits in the
-    call (the case's async variant asserts that it returns at once)."""
-    outcomes = pool.run(cases.missing_rank_in_combine_times_out, topology, TIMEOUT_S, False)
+@pytest.mark.parametrize("async_finish", [False, True], ids=["sync", "async"])
+def test_missing_rank_in_combine_times_out(pool, topology, async_finish):
+    outcomes = pool.run(cases.missing_rank_in_combine_times_out, topology, TIMEOUT_S, async_finish)
     assert outcomes == cases.missing_in_combine_outcomes(topology)
