@@ -43,6 +43,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
+from triton.runtime import interpreter
 
 from .. import _C
 from ..kernels import intranode, sync
@@ -64,8 +65,6 @@ def _serialize_interpreted_launches() -> None:
     interpreted launch takes one process-wide lock (a launch's in-kernel waits are short: the host waits first)."""
     if not sync.interpreted():
         return
-    from triton.runtime import interpreter
-
     call = interpreter.GridExecutor.__call__
     if getattr(call, "_mtdeepep_serialized", False):
         return
