@@ -541,11 +541,11 @@ class TritonEngine(Engine):
 
         # The outputs and the handle, handed out before the rows move (written through `.data` aliases).
         rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
-        recv_x = torch.empty((rows, data.size(1)), dtype=data.dtype)
-        recv_scales = None if scales is None else torch.empty((rows, scales.size(1)), dtype=scales.dtype)
-        recv_src = torch.empty(rows, dtype=torch.int32)
-        recv_idx = None if num_topk == 0 else torch.empty((rows, num_topk), dtype=torch.int64)
-        recv_weights = None if topk_weights is None else torch.empty((rows, num_topk), dtype=torch.float32)
+        recv_x = self.empty((rows, data.size(1)), data.dtype)
+        recv_scales = None if scales is None else self.empty((rows, scales.size(1)), scales.dtype)
+        recv_src = self.empty((rows,), torch.int32)
+        recv_idx = None if num_topk == 0 else self.empty((rows, num_topk), torch.int64)
+        recv_weights = None if topk_weights is None else self.empty((rows, num_topk), torch.float32)
         aliases = _unversioned(recv_x, recv_scales, recv_idx, recv_weights, recv_src)
         _fill_padding(aliases, num_recv)
         rank_prefix_matrix = traffic.cumsum(0).to(torch.int32)
@@ -579,14 +579,15 @@ class TritonEngine(Engine):
         if out is not None:
             recv_x, recv_scales = out
         else:
-            recv_x = torch.empty((rows, data.size(1)), dtype=data.dtype)
-            recv_scales = None if scales is None else torch.empty((rows, scales.size(1)), dtype=scales.dtype)
+            recv_x = self.empty((rows, data.size(1)), data.dtype)
+            recv_scales = None if scales is None else self.empty((rows, scales.size(1)), scales.dtype)
         x_bytes = data.size(1) * data.element_size()
         scale_bytes = 0 if scales is None else scales.size(1) * scales.element_size()
 
+        self._check_worst(traffic, num_worst_tokens)  # every rank alike, before any communication
+
         def operation(notify: Callable[[tuple], None]) -> None:
             notify((recv_x, recv_scales))
-            self._check_worst(traffic, num_worst_tokens)
             op = self._next_op("cached dispatch")
             self._agree(op, [_OP_CACHED_DISPATCH, x_bytes, scale_bytes, num_worst_tokens, record.uid & 0x7FFFFFFF,
                              record.seq, self._checksum(rank_prefix_matrix)], "cached dispatch")  # fmt: skip
@@ -604,8 +605,8 @@ class TritonEngine(Engine):
         if x.size(0) < num_recv:
             raise ValueError(f"mtdeepep: x has {x.size(0)} rows but the handle's dispatch received {num_recv}")
         num_tokens, num_topk = record.num_tokens, 0 if topk_weights is None else topk_weights.size(1)
-        combined = torch.empty((num_tokens, x.size(1)), dtype=x.dtype)
-        combined_w = None if topk_weights is None else torch.empty((num_tokens, num_topk), dtype=torch.float32)
+        combined = self.empty((num_tokens, x.size(1)), x.dtype)
+        combined_w = None if topk_weights is None else self.empty((num_tokens, num_topk), torch.float32)
 
         def operation(notify: Callable[[tuple], None]) -> None:
             notify((combined, combined_w))
