@@ -43,10 +43,11 @@ def test_missing_rank_in_combine_times_out(pool, topology):
     assert outcomes == cases.missing_in_combine_outcomes(topology)
 
 
-@pytest.mark.parametrize("topology", [INTERNODE_2X1], ids=str)
+@pytest.mark.parametrize("topology", [INTERNODE_2X1, INTERNODE_2X2], ids=str)
 def test_elastic_dispatch_over_two_nodes(pool, topology):
-    """V2 over two nodes of one rank: the handle is V1's internode one; the V2 fields must not change."""
-    pool.run(client.elastic_dispatch_matches_reference, 1)
+    """V2 over two nodes (of one rank, of two: an M x N logical domain): the handle is V1's internode one; the V2
+    fields must not change."""
+    pool.run(client.elastic_dispatch_matches_reference, topology.ranks_per_node)
 
 
 @pytest.mark.parametrize("topology", [INTERNODE_2X1], ids=str)
