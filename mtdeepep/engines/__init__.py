@@ -163,10 +163,10 @@ def create_engine(
     device = engine_device(group)
     name = engine_name() or default_engine_name(device.type)
     node_engine_type = named_engine_class(name, device.type)
-    if name != "cpu" and resolve_num_ranks_per_node(num_ranks_per_node, group.size()) < group.size():
+    if device.type != "cpu" and resolve_num_ranks_per_node(num_ranks_per_node, group.size()) < group.size():
         raise ValueError(
             f"mtdeepep: the {name} executor serves the ranks of one node; groups spanning several nodes "
-            "run on the CPU executor only for now"
+            "run on CPU tensors only for now (the internode engine composes the CPU or the triton executor)"
         )
     num_ranks = group.size()
     per_node = resolve_num_ranks_per_node(num_ranks_per_node, num_ranks)

@@ -7,6 +7,8 @@ the data: set-up exchange, layout, dispatch, combine, low-latency dispatch/combi
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -122,3 +124,20 @@ class Engine(ABC):
     def destroy(self) -> None:
         """Finishes the queued work, then releases everything; a no-op in a forked child (the parent's group is not
         touched)."""
+
+
+# Engines that run operations on a Python worker thread of their own (the internode engine, the Triton executor) and
+# were not destroyed: the exit hook (`shutdown_all_engines`) ends their waits and joins their workers.
+LIVE_WORKER_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def shutdown_all_engines() -> None:
+    """At exit: every live worker engine with work in flight (`_busy`) is interrupted ("exiting") so its waits end at
+    once and its peers are told, then each is destroyed (its worker joined) while the interpreter can still run it.
+    Composing engines first (the internode engine destroys the node engine it composes; destroy is idempotent)."""
+    engines = sorted(LIVE_WORKER_ENGINES, key=lambda engine: engine.handle_kind != "internode")
+    for engine in engines:
+        with contextlib.suppress(Exception):
+            if engine._busy:
+                engine.interrupt(f"rank {engine.rank} is exiting with operations in flight")
+            engine.destroy()

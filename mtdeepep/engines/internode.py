@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .base import DispatchOutputs, Engine, Event
+from .base import LIVE_WORKER_ENGINES, DispatchOutputs, Engine, Event, shutdown_all_engines
 from .handles import DispatchRecord, InternodeHandle, attach, low_latency_handle
 from .peers import BoundedStore, PeerTable, StoreUnreachable
 from .setup import group_key, group_ranks, new_group
@@ -63,9 +63,6 @@ _ROW_ALIGNMENT = 16  # network rows are padded to this many bytes (int64 views, 
 _NOTIFY_MARGIN_S = 30.0  # the caller's wait for an operation's outputs: this beyond the timeouts of those ahead
 _STORE_REPORT_S = 5.0  # publishing a failure in the store waits at most this (the store may be unreachable)
 _WAIT_SLICE_S = 0.05  # network waits check for failures (this rank's, or published by a peer) this often
-
-# Every internode engine of this process that was not destroyed, for the exit hook (`shutdown_all_engines`).
-_LIVE_ENGINES: weakref.WeakSet[InternodeEngine] = weakref.WeakSet()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -219,7 +216,7 @@ class InternodeEngine(Engine):
         # Low-latency calls whose exchange may still run on the worker: [event, hook called].
         self._ll_in_flight: deque[list] = deque()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mtdeepep-internode-{self.rank}")
-        _LIVE_ENGINES.add(self)
+        LIVE_WORKER_ENGINES.add(self)  # for the exit hook (`shutdown_all_engines`)
 
     def _new_groups(self, group: dist.ProcessGroup):
         ranks = group_ranks(group)
@@ -250,7 +247,7 @@ class InternodeEngine(Engine):
         process groups (nothing in a forked child)."""
         if os.getpid() != self._creator_pid:
             return
-        _LIVE_ENGINES.discard(self)
+        LIVE_WORKER_ENGINES.discard(self)
         self._worker.shutdown(wait=True)
         self._store.close()
         self._scratch.clear()
@@ -1037,11 +1034,4 @@ def _padded(rows: torch.Tensor, num_out: int, fill: float) -> torch.Tensor:
     return torch.cat([rows, rows.new_full((num_out - rows.size(0), *rows.shape[1:]), fill)])
 
 
-def shutdown_all_engines() -> None:
-    """At exit: every live internode engine with work in flight fails ("exiting") so its network waits end at once
-    and its peers are told, then each is destroyed (the worker joined) while the interpreter can still run it."""
-    for engine in list(_LIVE_ENGINES):
-        with contextlib.suppress(Exception):
-            if engine._busy:
-                engine.interrupt(f"rank {engine.rank} is exiting with operations in flight")
-            engine.destroy()
+__all__ = ["InternodeEngine", "shutdown_all_engines"]  # the exit hook lives in .base; mtdeepep imports it here

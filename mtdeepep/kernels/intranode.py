@@ -1,18 +1,21 @@
 """Normal-mode dispatch and combine between the ranks of one node, in Triton.
 
-Every rank's normal region holds the data area from its start and a control area (`NormalLayout`: the poison word,
-four flag arrays, the mailbox of the count exchange) at its end, away from where users write through
-`get_local_buffer_tensor`. One operation moves in one round, as on the CUDA executor:
+Every rank's normal region is its data area (the `num_nvl_bytes` users see through `get_local_buffer_tensor`),
+followed by a control area (`NormalLayout`: the poison word, five flag arrays, the mailbox of the count exchange).
+An operation moves in rounds when the receivers' data areas cannot hold all its rows at once (as the CPU executor
+stages them; one round when they can):
 
 - dispatch: the counts exchange (`sync.exchange_kernel`, phase notify: every rank's row counts, its per-expert counts
-  and its channel counts for each receiver, and a signature of the call) doubles as the entry barrier. Each sender
-  then writes its rows (x, scales, local top-k, source index) into each receiver's data area at the receiver's rows
-  for that source (`dispatch_send_kernel`), signals, and waits for every sender (phase dispatch receive); the
-  receiver copies its rows out of its own area.
-- combine: a barrier exchange with the call's signature (phase barrier), then each rank sends every received row back
-  into its source's data area at the source's position for it (`combine_send_kernel`), signals and waits (phase
-  combine receive); each source sums the rows of every token in rank order in FP32, then the biases, and rounds
-  once (`combine_reduce_kernel`), as the CPU executor does.
+  and its channel counts for each receiver, and a signature of the call) doubles as the entry barrier. In each round
+  every sender writes the rows of that round (rows `[lo, lo + capacity)` of each receiver's output order) into each
+  receiver's data area (`dispatch_send_kernel`, the round's rows picked by the host through `send_head` and
+  `recv_offset`), signals, and waits for every sender (phase dispatch receive); the receiver copies its rows out of
+  its own area, and every rank signals that before the next round writes (the round flags).
+- combine: a barrier exchange with the call's signature (phase barrier), then, round by round, each rank sends the
+  received rows back into their source's data area at the source's position for them (`combine_send_kernel`),
+  signals and waits (phase combine receive); each source sums the rows of every token in rank order in FP32, then
+  the biases, and rounds once (`combine_reduce_kernel`), as the CPU executor does (over several rounds: each round's
+  FP32 partial sums are added in FP32 and rounded once at the end).
 
 The data area's layout depends only on the traffic matrix every rank holds after the exchange, so every rank agrees
 on every receiver's field offsets without another exchange.
@@ -39,6 +42,8 @@ def _align(value: int, alignment: int) -> int:
 @dataclass(frozen=True)
 class NormalLayout:
     """Byte offsets of the control area of a normal region; they depend on the rank count only (every rank agrees).
+    Flags: `notify_flags` and `barrier_flags` take the operation's exchange number; `dispatch_flags` (rows written),
+    `combine_flags` (rows written) and `round_flags` (a staging round consumed) take step numbers, one per round.
     The notify payload of rank i for rank j: `[signature (16) | rows i sends to every rank (R) | i's token counts of
     j's experts (MAX_LOCAL_EXPERTS) | i's channel counts for j (MAX_CHANNELS)]` int32."""
 
@@ -48,6 +53,7 @@ class NormalLayout:
     barrier_flags: int = 0
     dispatch_flags: int = 0
     combine_flags: int = 0
+    round_flags: int = 0
     mailbox: int = 0
     slot_words: int = 0
     control_bytes: int = 0
@@ -57,10 +63,10 @@ class NormalLayout:
         flags = _align(8 * num_ranks, 64)
         slot_words = SIGNATURE_WORDS + num_ranks + MAX_LOCAL_EXPERTS + MAX_CHANNELS
         slot_bytes = _align(4 * slot_words, 64)
-        mailbox = 64 + 4 * flags
+        mailbox = 64 + 5 * flags
         return NormalLayout(
             num_ranks=num_ranks, poison=0, notify_flags=64, barrier_flags=64 + flags, dispatch_flags=64 + 2 * flags,
-            combine_flags=64 + 3 * flags, mailbox=mailbox, slot_words=slot_words,
+            combine_flags=64 + 3 * flags, round_flags=64 + 4 * flags, mailbox=mailbox, slot_words=slot_words,
             control_bytes=_align(mailbox + 2 * num_ranks * slot_bytes, ALIGNMENT),
         )  # fmt: skip
 
@@ -119,14 +125,15 @@ def _peer_rows(table, peer, offset, row, row_bytes, DTYPE: tl.constexpr):
 @triton.jit
 def dispatch_send_kernel(region_table, data_offset, x, x_stride, num_words, scales, scale_stride0, scale_stride1,
                          num_scales, topk_idx, topk_weights, send_head, recv_offset, num_tokens, num_ranks,
-                         experts_per_rank, off_x, off_scales, off_idx, off_weights, off_src,
+                         experts_per_rank, off_x, off_scales, off_idx, off_weights, off_src, token_base,
                          HAS_SCALES: tl.constexpr, NUM_TOPK: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_S: tl.constexpr,
                          TOPK: tl.constexpr):  # fmt: skip
     """One program per `BLOCK_T` tokens, every receiver: token t goes to rank j's row `recv_offset[j] +
     send_head[t, j]` when `send_head[t, j] >= 0`. `x [T, num_words]` integer words (row stride `x_stride` words),
     `scales` 32-bit words with strides, `topk_idx [T, NUM_TOPK]` int64 (global ids; each receiver gets its local
-    ids, -1 elsewhere, weights 0 there), the source index int32. No wait: the host's next launch signals."""
+    ids, -1 elsewhere, weights 0 there), the source index int32 (`token_base` + t: the tokens may be a window of
+    the caller's, for a staging round). No wait: the host's next launch signals."""
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     token_mask = tokens < num_tokens
     word_bytes = x.dtype.element_ty.primitive_bitwidth // 8
@@ -164,7 +171,7 @@ def dispatch_send_kernel(region_table, data_offset, x, x_stride, num_words, scal
                 dst = _peer_rows(region_table, j, data_offset + off_weights, row, NUM_TOPK * 4, tl.float32)
                 tl.store(dst[:, None] + topk[None, :], tl.where(is_local, weight, 0.0), mask=mask)
         dst = _peer_rows(region_table, j, data_offset + off_src, row, 4, tl.int32)
-        tl.store(dst, tokens.to(tl.int32), mask=sent)
+        tl.store(dst, (tokens + token_base).to(tl.int32), mask=sent)
 
 
 @triton.jit
@@ -246,9 +253,10 @@ def combine_reduce_kernel(area_x, area_weights, send_head, send_offset, num_toke
 
 
 def launch_dispatch_send(region_table, data_offset, x_words, scales, topk_idx, topk_weights, send_head, recv_offset,
-                         num_ranks, experts_per_rank, fields: RowFields, interpreted: bool) -> None:  # fmt: skip
-    """Writes this rank's rows into every receiver's data area (see `dispatch_send_kernel`). The host's index tensors
-    may be CPU tensors: they move to the table's device."""
+                         num_ranks, experts_per_rank, fields: RowFields, interpreted: bool,
+                         token_base: int = 0) -> None:  # fmt: skip
+    """Writes this rank's rows into every receiver's data area (see `dispatch_send_kernel`; the tokens are the
+    caller's tokens `token_base + t`). The host's index tensors may be CPU tensors: they move to the table's device."""
     recv_offset = recv_offset.to(region_table.device)
     num_tokens, num_words = x_words.shape
     if num_tokens == 0:
@@ -267,7 +275,7 @@ def launch_dispatch_send(region_table, data_offset, x_words, scales, topk_idx, t
         0 if scale_words is None else scale_words.size(1),
         dummy if topk_idx is None else topk_idx, dummy if topk_weights is None else topk_weights,
         send_head, recv_offset, num_tokens, num_ranks, experts_per_rank,
-        fields.x, fields.scales, fields.topk_idx, fields.topk_weights, fields.src_idx,
+        fields.x, fields.scales, fields.topk_idx, fields.topk_weights, fields.src_idx, token_base,
         HAS_SCALES=scale_words is not None, NUM_TOPK=num_topk, HAS_WEIGHTS=topk_weights is not None,
         BLOCK_T=block_t, BLOCK_W=block_w,
         BLOCK_S=triton.next_power_of_2(max(1, 0 if scale_words is None else scale_words.size(1))),
@@ -342,6 +350,7 @@ AOT_SPECS = [
                 "off_idx": "i64",
                 "off_weights": "i64",
                 "off_src": "i64",
+                "token_base": "i32",
                 "HAS_SCALES": "constexpr",
                 "NUM_TOPK": "constexpr",
                 "HAS_WEIGHTS": "constexpr",

@@ -20,6 +20,8 @@ import torch.distributed as dist
 from mtdeepep import _C
 from mtdeepep.kernels.low_latency import LowLatencyKernels
 
+from ..conformance.low_latency_cases import make_routing as routing  # one routing generator for both suites
+
 COUNT_MASK = (1 << 32) - 1
 TIMEOUT_S = 20.0
 
@@ -46,17 +48,6 @@ def setup(ctx, num_max_tokens: int, hidden: int, num_experts: int, timeout_s: fl
         ctx.cache[key] = (kernels, cpu, runtimes)
     kernels, cpu, _ = ctx.cache[key]
     return kernels, cpu
-
-
-def routing(ctx, num_tokens, num_experts, num_topk, seed, num_masked):
-    generator = torch.Generator().manual_seed(seed * 1000 + ctx.rank)
-    topk_idx = torch.rand(num_tokens, num_experts, generator=generator).topk(num_topk, dim=1).indices
-    if num_tokens and num_masked:
-        rows = torch.randint(num_tokens, (num_masked,), generator=generator)
-        cols = torch.randint(num_topk, (num_masked,), generator=generator)
-        topk_idx[rows, cols] = -1
-    weights = torch.rand(num_tokens, num_topk, generator=generator) + 0.1
-    return topk_idx, weights
 
 
 def make_x(ctx, num_tokens, hidden, seed, wide=False):

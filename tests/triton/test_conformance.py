@@ -1,9 +1,12 @@
 """The normal-mode conformance cases (tests/conformance/normal_cases.py, unchanged) on the triton executor under
-Triton's interpreter, one process per rank: the intranode topologies (the triton executor serves one node).
+Triton's interpreter, one process per rank, on one node of 2 ranks (the internode topologies, where the internode
+engine composes the triton executor: test_internode.py). Every case the CPU executor passes there is served.
 
 Run only the Triton cases: `pytest tests/triton` (the interpreter costs ~2.6 ms per program instance, so these are
-marked slow). Measured on the shared 2-core machine (load average 6-8): this file, test_parity.py, test_sync.py and
-test_clients.py together 121 s (30 passed, 4 skipped); every case under 13 s."""
+marked slow). Measured on the shared 2-core machine at load average ~30 (other sessions' tests): this file 385 s
+(25 passed, before the two internode-composed cases were served); the staging-rounds cases take most of it
+(async_outputs_staged_in_rounds 70 s, small_buffer_moves_in_rounds 24 s: a 4 KiB region moves a few rows per
+round)."""
 
 from __future__ import annotations
 
@@ -12,25 +15,15 @@ import pytest
 from ..conformance import normal_cases as cases
 from ..conformance.test_normal import CASES, applies
 from ..conformance.topology import INTRANODE_2
+from .served import case_params
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
-# Cases of the CPU executor's normal mode that the triton executor does not serve yet, with the reason.
-NOT_SERVED = {
-    cases.small_buffer_moves_in_rounds: "moves one operation in one round (as the CUDA executor): no staging rounds",
-    cases.async_outputs_staged_in_rounds_are_not_modified_in_place: "no staging rounds (as above)",
-    cases.region_too_small_for_one_row_says_how_much: "its error asks for a larger num_nvl_bytes, not per row",
-    cases.async_runs_off_the_callers_thread: "the kernels run on the caller's thread (async_finish: a done event)",
-    cases.bad_inputs_raise_value_error_before_communicating: "builds a buffer of nodes of one rank (internode)",
-}
+# Cases of the CPU executor's normal mode that the triton executor does not serve (none: it serves every one).
+NOT_SERVED: dict = {}
 
 
-@pytest.mark.parametrize(
-    "case, topology",
-    [pytest.param(case, INTRANODE_2, id=f"{case.__name__}-{INTRANODE_2}",
-                  marks=[pytest.mark.skip(reason=NOT_SERVED[case])] if case in NOT_SERVED else [])
-     for case in CASES if applies(case, INTRANODE_2)],
-)  # fmt: skip
+@pytest.mark.parametrize("case, topology", case_params(CASES, applies, INTRANODE_2, NOT_SERVED))
 def test_case(pool, topology, case):
     pool.run(case, topology)
 
@@ -45,8 +38,7 @@ def test_bad_input_on_one_rank_times_out_the_others(pool, topology):
 
 
 @pytest.mark.parametrize("topology", [INTRANODE_2], ids=str)
-def test_missing_rank_in_combine_times_out(pool, topology):
-    """Synchronous only: the triton executor runs on the caller's thread, an `async_finish` combine waits in the
-    call (the case's async variant asserts that it returns at once)."""
-    outcomes = pool.run(cases.missing_rank_in_combine_times_out, topology, TIMEOUT_S, False)
+@pytest.mark.parametrize("async_finish", [False, True], ids=["sync", "async"])
+def test_missing_rank_in_combine_times_out(pool, topology, async_finish):
+    outcomes = pool.run(cases.missing_rank_in_combine_times_out, topology, TIMEOUT_S, async_finish)
     assert outcomes == cases.missing_in_combine_outcomes(topology)
