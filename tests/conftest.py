@@ -39,6 +39,11 @@ def timeout_scale() -> float:
 
 
 def pytest_configure(config):
+    # The suite's own process computes with one intra-op thread, as every rank process does: on 2 cores its rank
+    # pools and subprocesses run beside it, and two OpenMP threads that find their core taken spin-wait for each other
+    # (tests/models/test_dsv3_model.py at load ~30: 2.6x the CPU time and 3.9x the wall time of one thread; a CPU
+    # `torch._grouped_mm` forward + backward of tiny's experts: 20x the CPU time). Tests that need more set it.
+    torch.set_num_threads(1)
     scale = timeout_scale()
     config._mtdeepep_timeout_scale = scale
     if scale > 1.0 and getattr(config.option, "timeout", None):

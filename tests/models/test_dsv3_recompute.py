@@ -4,7 +4,7 @@
     runs the same operations on the same inputs, and the model has no dropout.
 (b) The measured peak memory (`moe.memory.peak_memory_bytes`, resident set on CPU) of forward + backward falls:
     full < selective (all modules) < none, and every selective module alone lowers it below none. Variants run in
-    one process, interleaved, after a warm-up round; the least of 3 rounds is the estimate (noise only adds).
+    one process, interleaved, after a warm-up round; the least of 2 rounds is the estimate (noise only adds).
 (c) TP2 (sequence parallel) with full and with selective recompute matches the one-process model without recompute,
     with the tolerances of tests/train/test_tensor_parallel.py (only summation orders differ across layouts).
 """
@@ -203,7 +203,6 @@ def test_recompute_lowers_measured_peak_memory():
     """4 layers (one dense) and one MTP depth at half the `small` widths (H 256, q LoRA 192, kv LoRA 128, 8 heads
     of 32 + 32, dense FFN 768, 16 experts top-4 of FFN 128, 2 shared), 2 sequences of 256 tokens, float32: many
     tokens for the widths, so activations dominate and the runs stay short."""
-    torch.set_num_threads(2)
     H = 256
     config = tiny_config(
         vocab_size=512, hidden_size=H, intermediate_size=3 * H, moe_intermediate_size=H // 2, num_hidden_layers=4,
@@ -225,7 +224,9 @@ def test_recompute_lowers_measured_peak_memory():
         _objective(model(ids, labels)).backward()
 
     peaks = {name: [] for name in variants}
-    for round_index in range(4):
+    # One warm-up round, then the least of 2 measured rounds: the rounds agree within ~1 MiB (measured: none
+    # 102.2-103.2 MiB, the closest variant core_attn 97.6-97.9), well inside the smallest gap.
+    for round_index in range(3):
         for name, setting in variants.items():
             model.set_recompute(setting)
             model.zero_grad(set_to_none=False)  # keep the gradient buffers allocated between runs
