@@ -34,8 +34,10 @@ _GENERATIONS: defaultdict[str, int] = defaultdict(int)
 _INCARNATIONS: dict[str, str] = {}
 # Per group, on a non-leader before it learns the incarnation: the nonce it asks the leader to echo with it.
 _JOIN_NONCES: dict[str, str] = {}
-# Per group, on the leader: the join nonce of each rank it welcomed last (a rank is welcomed once per process).
+# Per group, on the leader: the join nonce of each rank it welcomed last, and the ranks known to hold the
+# incarnation (their set-up strings arrived under it: no join of theirs is read again).
 _WELCOMED: defaultdict[str, dict[int, str]] = defaultdict(dict)
+_SETTLED: defaultdict[str, set[int]] = defaultdict(set)
 _UNKNOWN = "-"  # the incarnation of a record written before its writer learnt it
 _POLL_S = 0.002
 _WATCH_S = 0.2  # how often a waiting rank looks for a missing rank's published failure, or its death
@@ -170,8 +172,12 @@ class SetupRendezvous:
     - `peer_failure(grace_s)`: a failure a peer published (waiting up to `grace_s` for one), for the message of an
       error this rank met after the exchange.
 
-    Records a killed process of an earlier job left in the same store (its live record, its failures) are cleared
-    by the first rank of this host that reads them (`LiveRecord.stale`), so a restarted job never reports them.
+    A job restarted in the same store (same group, same generations) never reads the set-up strings of the killed
+    one: they live under the group's incarnation (`_INCARNATIONS`, handed out in the first exchange). Records of
+    the killed job (its live records, its failures) are cleared by the first rank that reads them
+    (`LiveRecord.stale`: of another incarnation, on any host; or, for a record written before its writer learnt
+    the incarnation, of an exited process of this host older than this one), so a restarted job never reports
+    them.
     """
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float, phase: str) -> None:
@@ -258,6 +264,7 @@ class SetupRendezvous:
         self._guard(lambda: self._store.set(keys[self.rank], value))
         self._wait(deadline, list(range(len(self.ranks))), lambda r: self._guard(lambda: self._store.check([keys[r]])))
         values = [self._guard(lambda k=k: self._store.get(k)).decode() for k in keys]
+        _SETTLED[self.group_prefix].update(range(len(self.ranks)))
         # The last rank to have read everything removes the set-up's keys.
         read = self._exchange_key("read")
         if self._guard(lambda: self._store.add(read, 1)) == len(self.ranks):
@@ -300,8 +307,10 @@ class SetupRendezvous:
     def _welcome(self, missing: list[int]) -> None:
         """The leader: echoes the join nonce of each missing rank with the incarnation (a join a killed job left is
         echoed too, harmlessly: the restarted rank's own nonce replaces it, and is echoed in turn)."""
-        welcomed = _WELCOMED[self.group_prefix]
+        welcomed, settled = _WELCOMED[self.group_prefix], _SETTLED[self.group_prefix]
         for r in missing:
+            if r in settled:
+                continue
             nonce = self._read(f"{self.group_prefix}/join/{r}")
             if nonce is not None and welcomed.get(r) != nonce:
                 echo = f"{nonce} {self.incarnation}"
