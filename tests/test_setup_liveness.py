@@ -87,16 +87,12 @@ def test_randomised_kill_times_never_wait_for_the_timeout():
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (issue 39): the liveness and failure records of the killed job are cleared, but its set-up exchange "
-    "entries stay under the same generation numbers in a store shared by both jobs, so job B's rank 0 reads job A's "
-    "segment name ('cannot open peer segment').",
-)
 def test_a_job_restarted_in_the_same_store_is_not_misled_by_the_records_of_the_killed_one():
     """Job A's ranks leave a live record (rank 1) and a published set-up failure (rank 0, its 2nd buffer) and are
     killed; job B, in the same store, has the rank whose old records remain arrive late at the same set-up: the
-    stale records are cleared, not reported (a dead rank 1, rank 0's failure of A), and B's set-ups succeed."""
+    stale records are cleared, not reported (a dead rank 1, rank 0's failure of A), and B's set-ups succeed, reading
+    none of A's set-up exchange entries (before: B's rank 0 read A's rank 1's entry of the same generation, or took
+    A's rank 1's live record for a peer already at A's buffer #2)."""
     big = os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize * 4  # more than /dev/shm holds
     late_s = 1.0
     finished = run_processes(cases.restarted_job_in_the_same_store, 2, (late_s, big), timeout_s=120)

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import secrets
 import socket
 import time
 from collections import defaultdict
@@ -26,6 +27,18 @@ from .. import _C
 # Per group (by its ranks), how many exchanges this process started: the ranks of a group create their buffers in the
 # same order, so the n-th exchange of every rank meets under the same keys.
 _GENERATIONS: defaultdict[str, int] = defaultdict(int)
+# Per group, the incarnation of the group this process belongs to, once known: a random id that group rank 0 (the
+# leader) draws at its first set-up of the group and hands to every other rank (see `SetupRendezvous`). The set-up
+# exchange's keys live under it, so a job restarted in the same store (same group, same generations) never reads
+# the entries a killed job left; records carry it, so a record of another incarnation is known to be stale.
+_INCARNATIONS: dict[str, str] = {}
+# Per group, on a non-leader before it learns the incarnation: the nonce it asks the leader to echo with it.
+_JOIN_NONCES: dict[str, str] = {}
+# Per group, on the leader: the join nonce of each rank it welcomed last, and the ranks known to hold the
+# incarnation (their set-up strings arrived under it: no join of theirs is read again).
+_WELCOMED: defaultdict[str, dict[int, str]] = defaultdict(dict)
+_SETTLED: defaultdict[str, set[int]] = defaultdict(set)
+_UNKNOWN = "-"  # the incarnation of a record written before its writer learnt it
 _POLL_S = 0.002
 _WATCH_S = 0.2  # how often a waiting rank looks for a missing rank's published failure, or its death
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -102,26 +115,32 @@ class LiveRecord:
     """What a rank publishes about itself for a group at each of its set-ups (`mtdeepep/setup/<group>/live/<rank>`),
     kept between set-ups, so that its peers can tell that it exited whichever set-up they are in: its host, pid and
     the pid's start time (`_start_ticks`), when it wrote the record (seconds since boot) and the group's set-up it
-    was building then (its generation, from 1)."""
+    was building then (its generation, from 1), and the group's incarnation it belongs to (`_UNKNOWN` before
+    its writer learnt it, in its first set-up of the group)."""
 
     host: str
     pid: int
     start_ticks: int
     written_s: float
     generation: int
+    incarnation: str = _UNKNOWN
 
     def encode(self) -> str:
-        return f"{self.host} {self.pid} {self.start_ticks} {self.written_s!r} {self.generation}"
+        return f"{self.host} {self.pid} {self.start_ticks} {self.written_s!r} {self.generation} {self.incarnation}"
 
     @classmethod
     def decode(cls, text: str) -> LiveRecord:
-        host, pid, start_ticks, written_s, generation = text.rsplit(" ", 4)
-        return cls(host, int(pid), int(start_ticks), float(written_s), int(generation))
+        host, pid, start_ticks, written_s, generation, incarnation = text.rsplit(" ", 5)
+        return cls(host, int(pid), int(start_ticks), float(written_s), int(generation), incarnation)
 
-    def stale(self, host: str) -> bool:
-        """Whether this record was left by a process of an earlier job in the same store: written on this host
-        before this process started, by a process that is gone. No rank of this job can have written it then (a
-        peer sets up buffers only once every rank joined the process group, this one included)."""
+    def stale(self, host: str, incarnation: str) -> bool:
+        """Whether this record was left by a process of an earlier job in the same store: one of another
+        incarnation of the group than `incarnation` (this process's, when both are known: on any host), or else
+        one written on this host before this process started, by a process that is gone. No rank of this job can
+        have written it then (a peer sets up buffers only once every rank joined the process group, this one
+        included)."""
+        if _UNKNOWN not in (self.incarnation, incarnation):
+            return self.incarnation != incarnation
         return (
             self.host == host
             and self.written_s < _process_start_s(os.getpid()) - _STALE_MARGIN_S
@@ -153,8 +172,12 @@ class SetupRendezvous:
     - `peer_failure(grace_s)`: a failure a peer published (waiting up to `grace_s` for one), for the message of an
       error this rank met after the exchange.
 
-    Records a killed process of an earlier job left in the same store (its live record, its failures) are cleared
-    by the first rank of this host that reads them (`LiveRecord.stale`), so a restarted job never reports them.
+    A job restarted in the same store (same group, same generations) never reads the set-up strings of the killed
+    one: they live under the group's incarnation (`_INCARNATIONS`, handed out in the first exchange). Records of
+    the killed job (its live records, its failures) are cleared by the first rank that reads them
+    (`LiveRecord.stale`: of another incarnation, on any host; or, for a record written before its writer learnt
+    the incarnation, of an exited process of this host older than this one), so a restarted job never reports
+    them.
     """
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float, phase: str) -> None:
@@ -162,16 +185,32 @@ class SetupRendezvous:
         self.group_prefix = setup_prefix(self.ranks)
         _GENERATIONS[self.group_prefix] += 1
         self.generation = _GENERATIONS[self.group_prefix]
-        self.prefix = f"{self.group_prefix}/{self.generation}"
         self.rank, self.timeout_s, self.phase = group.rank(), timeout_s, phase
         self.host = socket.gethostname()
         self._store = _store()
+        if self.rank == 0 and self.group_prefix not in _INCARNATIONS:
+            _INCARNATIONS[self.group_prefix] = secrets.token_hex(8)
+        self._publish_live()
+        if self.group_prefix not in _INCARNATIONS and self.group_prefix not in _JOIN_NONCES:
+            nonce = _JOIN_NONCES[self.group_prefix] = secrets.token_hex(8)
+            self._guard(lambda: self._store.set(f"{self.group_prefix}/join/{self.rank}", nonce))
+
+    @property
+    def incarnation(self) -> str:
+        """The group's incarnation, as far as this process knows it (`_UNKNOWN` before the leader welcomed it)."""
+        return _INCARNATIONS.get(self.group_prefix, _UNKNOWN)
+
+    def _record(self) -> LiveRecord:
         pid = os.getpid()
-        record = LiveRecord(self.host, pid, _start_ticks(pid), _since_boot_s(), self.generation)
+        return LiveRecord(self.host, pid, _start_ticks(pid), _since_boot_s(), self.generation, self.incarnation)
+
+    def _publish_live(self) -> None:
+        record = self._record()
         self._guard(lambda: self._store.set(self._live_key(self.rank), record.encode()))
 
-    def _key(self, kind: str, rank: int) -> str:
-        return f"{self.prefix}/{kind}/{rank}"
+    def _exchange_key(self, kind: str, rank: int | None = None) -> str:
+        """A key of this set-up's exchange: under the group's incarnation, which a restarted job never shares."""
+        return f"{self.group_prefix}/{self.incarnation}/{self.generation}/{kind}" + ("" if rank is None else f"/{rank}")
 
     def _live_key(self, rank: int) -> str:
         return f"{self.group_prefix}/live/{rank}"
@@ -194,7 +233,7 @@ class SetupRendezvous:
 
     def _clear_if_stale(self, key: str, text: str, writer: LiveRecord) -> bool:
         """Clears `key` (atomically, only if it still holds `text`) when its writer's record is stale."""
-        if not writer.stale(self.host):
+        if not writer.stale(self.host, self.incarnation):
             return False
         self._guard(lambda: self._store.compare_set(key, text, ""))
         return True
@@ -211,15 +250,38 @@ class SetupRendezvous:
     def exchange(self, value: str) -> list[str]:
         """Every rank's string (this rank's is `value`), by group rank; CommTimeoutError naming the ranks whose
         strings did not arrive in time, CommError naming a rank that failed, exited, or builds another buffer of the
-        group. The set-up's keys are removed once every rank has read them (the live records stay)."""
-        keys = [self._key("value", r) for r in range(len(self.ranks))]
+        group. The set-up's keys are removed once every rank has read them (the live records stay).
+
+        In its first exchange of the group, a rank other than the leader (group rank 0) first learns the group's
+        incarnation: it published a fresh nonce at `join/<rank>` and waits until the leader echoes that nonce with
+        the incarnation at `welcome/<rank>` (the leader echoes every missing rank's join while it waits): an echo or
+        an incarnation a killed job left in the store never carries this process's nonce."""
         deadline = time.monotonic() + self.timeout_s
+        if self.incarnation == _UNKNOWN:
+            self._wait(deadline, [0], self._welcomed)
+            self._publish_live()  # now with the incarnation: peers can tell it from a killed job's record
+        keys = [self._exchange_key("value", r) for r in range(len(self.ranks))]
         self._guard(lambda: self._store.set(keys[self.rank], value))
-        missing, next_watch = list(range(len(self.ranks))), 0.0
+        self._wait(deadline, list(range(len(self.ranks))), lambda r: self._guard(lambda: self._store.check([keys[r]])))
+        values = [self._guard(lambda k=k: self._store.get(k)).decode() for k in keys]
+        _SETTLED[self.group_prefix].update(range(len(self.ranks)))
+        # The last rank to have read everything removes the set-up's keys.
+        read = self._exchange_key("read")
+        if self._guard(lambda: self._store.add(read, 1)) == len(self.ranks):
+            for key in (*keys, read):
+                self._guard(lambda key=key: self._store.delete_key(key))
+        return values
+
+    def _wait(self, deadline: float, missing: list[int], arrived) -> None:
+        """Polls until `arrived(r)` for every rank of `missing`, watching the missing ones (`_stop_for`), welcoming
+        their joins if this rank leads the group, and raising at `deadline`."""
+        next_watch = 0.0
         while True:
-            missing = [r for r in missing if not self._guard(lambda r=r: self._store.check([keys[r]]))]
+            missing = [r for r in missing if not arrived(r)]
             if not missing:
-                break
+                return
+            if self.rank == 0:
+                self._welcome(missing)
             now = time.monotonic()
             if now >= next_watch:  # the missing ranks' failures, liveness and generations, a few times a second
                 self._stop_for(missing)
@@ -231,12 +293,29 @@ class SetupRendezvous:
                     "buffer, failed before it, or exited)"
                 )
             time.sleep(_POLL_S)
-        values = [self._guard(lambda k=k: self._store.get(k)).decode() for k in keys]
-        # The last rank to have read everything removes the set-up's keys.
-        if self._guard(lambda: self._store.add(f"{self.prefix}/read", 1)) == len(self.ranks):
-            for key in (*keys, f"{self.prefix}/read"):
-                self._guard(lambda key=key: self._store.delete_key(key))
-        return values
+
+    def _welcomed(self, leader: int) -> bool:
+        """Whether the leader echoed this process's join nonce with the incarnation (then known)."""
+        nonce = _JOIN_NONCES[self.group_prefix]
+        echo = self._read(f"{self.group_prefix}/welcome/{self.rank}")
+        if echo is None or not echo.startswith(f"{nonce} "):
+            return False
+        _INCARNATIONS[self.group_prefix] = echo.removeprefix(f"{nonce} ")
+        del _JOIN_NONCES[self.group_prefix]
+        return True
+
+    def _welcome(self, missing: list[int]) -> None:
+        """The leader: echoes the join nonce of each missing rank with the incarnation (a join a killed job left is
+        echoed too, harmlessly: the restarted rank's own nonce replaces it, and is echoed in turn)."""
+        welcomed, settled = _WELCOMED[self.group_prefix], _SETTLED[self.group_prefix]
+        for r in missing:
+            if r in settled:
+                continue
+            nonce = self._read(f"{self.group_prefix}/join/{r}")
+            if nonce is not None and welcomed.get(r) != nonce:
+                echo = f"{nonce} {self.incarnation}"
+                self._guard(lambda r=r, echo=echo: self._store.set(f"{self.group_prefix}/welcome/{r}", echo))
+                welcomed[r] = nonce
 
     def _stop_for(self, missing: list[int]) -> None:
         """Raises for the first of `missing` that builds a later buffer of the group than this rank (the ranks'
@@ -283,8 +362,7 @@ class SetupRendezvous:
 
     def _published_failure(self, rank: int, generation: int | None = None) -> str | None:
         """The failure `rank` published for this set-up (or for its set-up #`generation` of the group), or None."""
-        prefix = self.prefix if generation is None else f"{self.group_prefix}/{generation}"
-        key = f"{prefix}/failed/{rank}"
+        key = f"{self.group_prefix}/{generation or self.generation}/failed/{rank}"
         text = self._read(key)
         if text is None:
             return None
@@ -298,10 +376,10 @@ class SetupRendezvous:
     def fail(self, error: BaseException) -> None:
         """Publishes this rank's failure for its peers (best effort: the store may be gone), with this process's
         record (so that a job restarted in the same store can tell it is not its own)."""
-        pid = os.getpid()
-        writer = LiveRecord(self.host, pid, _start_ticks(pid), _since_boot_s(), self.generation)
+        writer = self._record()
+        key = f"{self.group_prefix}/{self.generation}/failed/{self.rank}"
         with contextlib.suppress(Exception):  # the original error is what the caller raises
-            self._store.set(self._key("failed", self.rank), f"{writer.encode()}\n{type(error).__name__}: {error}")
+            self._store.set(key, f"{writer.encode()}\n{type(error).__name__}: {error}")
 
     def peer_failure(self, grace_s: float) -> str | None:
         """The message naming the first peer that published a failure (or builds a later buffer of the group),

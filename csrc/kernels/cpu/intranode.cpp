@@ -120,6 +120,109 @@ void stream_copy(uint8_t* dst, const uint8_t* src, size_t bytes) {
     std::memcpy(dst, src, bytes);
 }
 
+inline void prefetch_head(const uint8_t* row) {
+#if defined(__x86_64__)
+    for (int line = 0; line < 4; ++line) _mm_prefetch(reinterpret_cast<const char*>(row) + 64 * line, _MM_HINT_T0);
+#else
+    (void)row;
+#endif
+}
+
+inline void stream_fence() {
+#if defined(__x86_64__)
+    _mm_sfence();
+#endif
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// 8 bf16 values widened to FP32 (exact: a bf16 is the upper half of an FP32).
+__attribute__((target("avx2"))) inline __m256 widen_bf16(const uint16_t* p) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// 8 FP32 values rounded to bf16 as `to_bfloat16` (nearest even, NaN kept quiet), in the low 16 bits of each lane.
+__attribute__((target("avx2"))) inline __m256i round_bf16(__m256 value) {
+    const __m256i bits = _mm256_castps_si256(value);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded =
+        _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i quiet_nan = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+    const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+    const __m256i is_nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
+    return _mm256_blendv_epi8(rounded, quiet_nan, is_nan);
+}
+
+// out[0:n) = sum of the N rows (in order, in FP32 registers), rounded to bf16: one pass, no accumulator in memory,
+// and the output streamed (it is not read again here, and streaming skips reading its lines first). n % 16 == 0.
+template <int N>
+__attribute__((target("avx2"))) void reduce_bf16_avx2(const uint16_t* const* rows, int n, uint16_t* out, bool stream) {
+    const uint16_t* r[N];
+    for (int i = 0; i < N; ++i) r[i] = rows[i];
+    for (int h = 0; h < n; h += 16) {
+        if (h + 512 < n)
+            for (int i = 0; i < N; ++i) _mm_prefetch(reinterpret_cast<const char*>(r[i] + h + 512), _MM_HINT_T0);
+        __m256 lo = widen_bf16(r[0] + h), hi = widen_bf16(r[0] + h + 8);
+        for (int i = 1; i < N; ++i) {
+            lo = _mm256_add_ps(lo, widen_bf16(r[i] + h));
+            hi = _mm256_add_ps(hi, widen_bf16(r[i] + h + 8));
+        }
+        // packus works per 128-bit lane: [lo0-3 hi0-3 | lo4-7 hi4-7], put back in order by the 64-bit permute.
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round_bf16(lo), round_bf16(hi)), 0xd8);
+        if (stream)
+            _mm256_stream_si256(reinterpret_cast<__m256i*>(out + h), packed);
+        else
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + h), packed);
+    }
+}
+
+bool cpu_has_avx2() {
+    static const bool has = __builtin_cpu_supports("avx2");
+    return has;
+}
+#endif
+
+// The fused bf16 reduction of `num_rows` rows (1-8) when the CPU and the shape allow it; false: use the general
+// path. Summation order and rounding are the general path's.
+// `stream`: store the output with non-temporal stores (large outputs, not read back soon by this core).
+bool reduce_bf16_rows(const uint8_t* const* rows, int num_rows, int n, uint16_t* out, bool stream) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (!cpu_has_avx2() || n % 16 != 0 || num_rows < 1 || num_rows > 8) return false;
+    const auto* r = reinterpret_cast<const uint16_t* const*>(rows);
+    stream = stream && (reinterpret_cast<uintptr_t>(out) & 31) == 0;
+    switch (num_rows) {
+        case 1:
+            reduce_bf16_avx2<1>(r, n, out, stream);
+            break;
+        case 2:
+            reduce_bf16_avx2<2>(r, n, out, stream);
+            break;
+        case 3:
+            reduce_bf16_avx2<3>(r, n, out, stream);
+            break;
+        case 4:
+            reduce_bf16_avx2<4>(r, n, out, stream);
+            break;
+        case 5:
+            reduce_bf16_avx2<5>(r, n, out, stream);
+            break;
+        case 6:
+            reduce_bf16_avx2<6>(r, n, out, stream);
+            break;
+        case 7:
+            reduce_bf16_avx2<7>(r, n, out, stream);
+            break;
+        default:
+            reduce_bf16_avx2<8>(r, n, out, stream);
+            break;
+    }
+    return true;
+#else
+    (void)rows, (void)num_rows, (void)n, (void)out, (void)stream;
+    return false;
+#endif
+}
+
 inline size_t element_bytes(FloatKind kind) {
     return kind == FloatKind::kFloat32 ? 4 : 2;
 }
@@ -188,33 +291,52 @@ void copy_rows(const RowArrays& src, size_t src_row, const RowArrays& dst, size_
 
 void combine_reduce(FloatKind kind, const CombineSources& sources, int num_tokens, int hidden, int num_topk,
                     const uint8_t* bias0, const uint8_t* bias1, uint8_t* out, float* out_weights) {
-    // Columns are reduced in chunks that stay in L1 while every contribution is added.
+    // Columns are reduced in chunks that stay in L1 while every contribution is added (the general path).
     constexpr int kChunk = 512;
     const size_t element = element_bytes(kind);
     const size_t row_bytes = static_cast<size_t>(hidden) * element;
     const int num_ranks = sources.num_ranks;
+    // An output larger than the caches is streamed to memory: its lines are not read before being written.
+    const bool stream = static_cast<size_t>(num_tokens) * row_bytes >= (size_t(8) << 20);
     at::parallel_for(0, num_tokens, 16, [&](int64_t lo, int64_t hi) {
         alignas(64) float acc[kChunk];
-        std::vector<const uint8_t*> rows;
+        std::vector<const uint8_t*> rows, next;
         rows.reserve(num_ranks + 2);
-        for (int64_t t = lo; t < hi; ++t) {
-            rows.clear();
+        next.reserve(num_ranks + 2);
+        auto token_rows = [&](int64_t t, std::vector<const uint8_t*>& into) {
+            into.clear();
             const int32_t* head = sources.send_head + t * num_ranks;
             for (int r = 0; r < num_ranks; ++r)
-                if (head[r] >= 0) rows.push_back(sources.rows[r] + (sources.row_offset[r] + head[r]) * row_bytes);
-            if (bias0 != nullptr) rows.push_back(bias0 + t * row_bytes);
-            if (bias1 != nullptr) rows.push_back(bias1 + t * row_bytes);
-            for (int h0 = 0; h0 < hidden; h0 += kChunk) {
-                const int n = std::min(kChunk, hidden - h0);
-                if (rows.empty()) {
-                    std::fill(acc, acc + n, 0.0f);
-                } else {
-                    load_row(kind, rows[0] + h0 * element, n, acc);
-                    for (size_t i = 1; i < rows.size(); ++i) add_row(kind, rows[i] + h0 * element, n, acc);
+                if (head[r] >= 0) into.push_back(sources.rows[r] + (sources.row_offset[r] + head[r]) * row_bytes);
+            if (bias0 != nullptr) into.push_back(bias0 + t * row_bytes);
+            if (bias1 != nullptr) into.push_back(bias1 + t * row_bytes);
+        };
+        if (lo < hi) token_rows(lo, next);
+        for (int64_t t = lo; t < hi; ++t) {
+            rows.swap(next);
+            // The next token's rows lie elsewhere: start fetching their first lines while this one is reduced.
+            if (t + 1 < hi) {
+                token_rows(t + 1, next);
+                for (const uint8_t* row : next) prefetch_head(row);
+            }
+            uint8_t* out_row = out + t * row_bytes;
+            if (kind == FloatKind::kBFloat16 && reduce_bf16_rows(rows.data(), static_cast<int>(rows.size()), hidden,
+                                                                 reinterpret_cast<uint16_t*>(out_row), stream)) {
+                // fused: done
+            } else {
+                for (int h0 = 0; h0 < hidden; h0 += kChunk) {
+                    const int n = std::min(kChunk, hidden - h0);
+                    if (rows.empty()) {
+                        std::fill(acc, acc + n, 0.0f);
+                    } else {
+                        load_row(kind, rows[0] + h0 * element, n, acc);
+                        for (size_t i = 1; i < rows.size(); ++i) add_row(kind, rows[i] + h0 * element, n, acc);
+                    }
+                    store_row(kind, acc, n, out_row + h0 * element);
                 }
-                store_row(kind, acc, n, out + t * row_bytes + h0 * element);
             }
             if (out_weights == nullptr) continue;
+            const int32_t* head = sources.send_head + t * num_ranks;
             float* weights = out_weights + t * num_topk;
             std::fill(weights, weights + num_topk, 0.0f);
             for (int r = 0; r < num_ranks; ++r) {
@@ -223,6 +345,7 @@ void combine_reduce(FloatKind kind, const CombineSources& sources, int num_token
                 for (int k = 0; k < num_topk; ++k) weights[k] += row[k];
             }
         }
+        stream_fence();  // the streamed output rows are visible to whichever thread reads them next
     });
 }
 
