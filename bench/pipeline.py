@@ -7,7 +7,7 @@ peak memory of a step per rank.
 Setting: a DeepSeek-V3 config (default `tiny`), `--pp` processes (gloo on 127.0.0.1, one per pipeline rank, no data
 or expert parallelism), `--micro-batches` micro-batches of `--rows` sequences of `--seq-len` random tokens per step
 (the same tokens for every schedule). Each schedule gets a fresh model from the same seed, `--warmup` steps, then
-`--steps` timed steps (forward + backward of every micro-batch through `moe.pipeline.PipelineRunner`, gradients
+`--steps` timed steps (forward + backward of every micro-batch through `moe.trainer.pipeline.PipelineRunner`, gradients
 zeroed before each; no optimizer step: the schedules differ only in the forward/backward). The schedules take turns
 step by step (all are built first), so a shared machine's load drifts over them alike. A `-vN` schedule splits the
 layers into pp * N stages (tiny's 4 layers at PP2 x 2: one layer a stage; at PP4 x 2 half of the 8 stages are
@@ -16,7 +16,7 @@ empty placeholders, so use bench/configs/pipeline8.toml there).
 Measured per step (reported: the median step time, the median bubble over the steps, and the timeline and unit
 times of the median-time step; on 2 shared cores a step's bubble varies by several points, hence the median of many):
 - step time: the slowest rank's wall time of `PipelineRunner.step`;
-- bubble: from every rank's timeline of F / B / I / W actions (`moe.pipeline.timeline`): idle time over the
+- bubble: from every rank's timeline of F / B / I / W actions (`moe.trainer.pipeline.timeline`): idle time over the
   common span, all ranks together;
 - analytic bubble (DualPipe's table, per rank): 1F1B (P-1)(F+B), ZB-H1 (P-1)(F+B-2W), DualPipeV (P-1)(F&B+B-3W)
   for its half-size chunks (DualPipe's "(PP/2-1)" with PP = 2P stages), with F, B, W the measured mean action
@@ -25,7 +25,7 @@ times of the median-time step; on 2 shared cores a step's bubble varies by sever
 - formula: Megatron's (P-1)/(V m) of (interleaved) 1F1B relative to the ideal step, as a share of the step
   ((P-1)/(V m + P-1)); it assumes equal stages and free communication, and depends on no measured time;
 - peak memory: the largest rank's resident-set high-water mark during the step above its resident set before it
-  (`moe.memory.peak_memory_bytes`): activations in flight, gradients and p2p buffers. The gradients are the same
+  (`moe.layer.memory.peak_memory_bytes`): activations in flight, gradients and p2p buffers. The gradients are the same
   for every schedule, so the differences between rows are activation memory. Measured in a second set of rank
   processes (one step per schedule after the warm-up), because that accounting makes glibc map and unmap every
   allocation of 64 KiB or more: every fresh tensor then page-faults, which on this CPU slowed the steps by ~25% and
@@ -90,10 +90,10 @@ def schedule_of(name: str) -> tuple[str, int]:
 
 def _build(name: str, args):
     """A fresh model from the seed, pruned to this rank's stages of schedule `name`, and its runner."""
-    from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-    from moe.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options
-    from moe.pipeline.split import split_layers, stages_per_rank
-    from moe.train.parallel import Layout, ParallelState
+    from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+    from moe.trainer.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options
+    from moe.trainer.pipeline.split import split_layers, stages_per_rank
+    from moe.trainer.train.parallel import Layout, ParallelState
 
     schedule, virtual = schedule_of(name)
     cfg = DeepseekV3Config.from_toml(_config_path(args.config))
@@ -112,8 +112,8 @@ def _build(name: str, args):
 
 
 def _one_step(group, name: str, built, tokens, counts, step: int, args) -> dict:
-    from moe.pipeline import bubble_fraction, gather_timelines
-    from moe.pipeline.timeline import analytic_bubble, analytic_bubble_fraction, expected_bubble_fraction
+    from moe.trainer.pipeline import bubble_fraction, gather_timelines
+    from moe.trainer.pipeline.timeline import analytic_bubble, analytic_bubble_fraction, expected_bubble_fraction
 
     schedule, virtual = schedule_of(name)
     _, parallel, model, runner = built
@@ -143,7 +143,7 @@ def _one_step(group, name: str, built, tokens, counts, step: int, args) -> dict:
 
 
 def _inputs(cfg, args):
-    from moe.train.trainer import target_counts
+    from moe.trainer.train.trainer import target_counts
 
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, cfg.vocab_size, (args.micro_batches * args.rows, args.seq_len), generator=gen)
@@ -152,7 +152,7 @@ def _inputs(cfg, args):
 
 def _memory_worker(rank: int, world: int, group, args) -> dict[str, float]:
     """Per schedule, the largest rank's peak memory of one step after one warm-up step (see the docstring)."""
-    from moe.memory import peak_memory_bytes
+    from moe.layer.memory import peak_memory_bytes
 
     del rank, world
     built = {schedule: _build(schedule, args) for schedule in args.schedules}
@@ -173,7 +173,7 @@ def _memory_worker(rank: int, world: int, group, args) -> dict[str, float]:
 def _worker(rank: int, world: int, group, args) -> dict:
     """All schedules built once; then step by step in turn (1F1B, ZB-H1, DualPipeV, 1F1B, ...), so that the load of
     a shared machine drifts over all of them alike."""
-    from moe.pipeline.timeline import plot_timeline, write_chrome_trace
+    from moe.trainer.pipeline.timeline import plot_timeline, write_chrome_trace
 
     del rank, world
     built = {schedule: _build(schedule, args) for schedule in args.schedules}
@@ -203,7 +203,7 @@ def _worker(rank: int, world: int, group, args) -> dict:
 
 
 def main() -> None:
-    from moe.pipeline.split import check_schedule
+    from moe.trainer.pipeline.split import check_schedule
 
     parser = make_parser(__doc__)
     parser.add_argument("--config", default="tiny", help="a name of examples/deepseek_v3/configs/ or a .toml path")

@@ -8,13 +8,13 @@ bench/train_layouts.py does; gloo) give, from their metrics.jsonl:
 - measured step s: the fastest and the median `step_s` of the steps after the first, over `--rounds` runs of
   every row taken in turn (the machine is shared: the fastest step is the least disturbed one, and interleaving the
   rows spreads a busy spell over all of them).
-Every rank runs ONE intra-op thread, as the 'cpu' device spec assumes (moe/plan/devices.py): on this machine,
+Every rank runs ONE intra-op thread, as the 'cpu' device spec assumes (moe/trainer/plan/devices.py): on this machine,
 shared with other work, one process with two threads was measured 7x slower per step than two single-threaded
 ranks doing the same work (32.9 vs 4.5 s), an effect of the other work, not of the layout.
 
-The estimates are `moe.plan.search.estimate` of the same layout on the 'cpu' device spec, calibrated first
-(`moe.plan.calibrate`; and the process baseline `runtime_gib` from a 2-rank run of a ~0.6M-parameter model, whose
-state and activations are negligible) unless --no-calibrate. Printed: the error of the memory estimate per layout,
+The estimates are `moe.trainer.plan.search.estimate` of the same layout on the 'cpu' device spec, calibrated first
+(`moe.trainer.plan.calibrate`; and the process baseline `runtime_gib` from a 2-rank run of a ~0.6M-parameter model,
+whose state and activations are negligible) unless --no-calibrate. Printed: the error of the memory estimate per layout,
 and the step-time order (measured vs estimated, with Spearman's rank correlation). `--measured OLD.json` estimates
 again for the runs of an earlier check (with the spec calibrated then), without running anything.
 
@@ -35,11 +35,11 @@ import tomllib
 from _common import RESULTS_DIR, num_cores, print_table, save_run
 from train_layouts import _dump_toml, bench_config, train_rank
 
-from moe.models.deepseek_v3.config import DeepseekV3Config
-from moe.plan.devices import CPU, DeviceSpec
-from moe.plan.search import estimate
-from moe.plan.space import Candidate, Workload
-from moe.train.metrics import read_metrics
+from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.plan.devices import CPU, DeviceSpec
+from moe.trainer.plan.search import estimate
+from moe.trainer.plan.space import Candidate, Workload
+from moe.trainer.train.metrics import read_metrics
 from mtdeepep.utils.testing import run_processes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -267,7 +267,7 @@ def main() -> None:
     else:
         spec = CPU
         if not args.no_calibrate:
-            from moe.plan.calibrate import calibrated_cpu_spec
+            from moe.trainer.plan.calibrate import calibrated_cpu_spec
 
             spec = calibrated_cpu_spec()
         with tempfile.TemporaryDirectory(prefix="plan_check-") as tmp:

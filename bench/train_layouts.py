@@ -40,7 +40,7 @@ import tomllib
 import torch
 from _common import RESULTS_DIR, make_parser, num_cores, print_table, save_run, threads_per_rank
 
-from moe.train.metrics import read_metrics
+from moe.trainer.train.metrics import read_metrics
 from mtdeepep.utils.testing import run_processes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ LAYOUTS: dict[str, tuple[int, list[str], str | None]] = {
     "ep2-dp4-zero1": (4, ["--ep", "2", "--use-distributed-optimizer"], "ep2-dp2"),
     "tp2": (2, ["--tp", "2"], None),
     "tp2-ep2": (4, ["--tp", "2", "--ep", "2"], None),
-    # Pipeline (moe/pipeline): small's 4 layers as 2 stages of 2 (1F1B), or 4 stages of 1 in a V (DualPipeV, 4
+    # Pipeline (moe/trainer/pipeline): small's 4 layers as 2 stages of 2 (1F1B), or 4 stages of 1 in a V (DualPipeV, 4
     # micro-batches: 2P); the last stage also runs the head and the MTP module.
     "pp2": (2, ["--pp", "2"], None),
     "pp2-dualpipev": (2, ["--pp", "2", "--pp-schedule", "dualpipev", "--micro-batches", "4"], None),

@@ -1,6 +1,6 @@
 """Training step of DeepSeek-V3 (forward + backward + AdamW step): the trainer's step against a plain loop around
-transformers' `DeepseekV3ForCausalLM`; our `moe.models.deepseek_v3` model against transformers', tokens/s and peak
-memory side by side; then our expert-parallel scaling.
+transformers' `DeepseekV3ForCausalLM`; our `moe.trainer.models.deepseek_v3` model against transformers', tokens/s and
+peak memory side by side; then our expert-parallel scaling.
 
 The trainer's step (first table): `Trainer.train_step` as `examples/deepseek_v3/train.py` builds it for one process
 with the config tree's defaults (`examples/deepseek_v3/configs/tiny.toml`, MTP off since transformers has none; its
@@ -48,7 +48,7 @@ Both models run their defaults: transformers 'sdpa' attention and 'grouped_mm' e
 Variants (rows of the second table), all in one process with every core's intra-op threads:
 - transformers and ours in FP32, without MTP on both (transformers does not model multi-token prediction, so the
   compared models have `num_nextn_predict_layers = 0`), with identical weights: transformers' randomly initialised
-  weights imported into ours (`moe.models.deepseek_v3.hf.from_hf_state_dict`);
+  weights imported into ours (`moe.trainer.models.deepseek_v3.hf.from_hf_state_dict`);
 - the same pair in BF16 mixed precision: BF16 weights, activations and gradients, FP32 master weights that the
   clipping and AdamW work on, copied back (rounded to BF16) after each step; the BF16 weights are the FP32 ones
   rounded, and both models get the same mixed-precision step;
@@ -130,17 +130,17 @@ from _common import (
 from torch.nn.parallel import DistributedDataParallel
 
 from moe import EPBuffers, update_expert_bias
-from moe.fp8.convert import apply_fp8, fp8_moe_options
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from moe.models.deepseek_v3.compile import compile_model
-from moe.models.deepseek_v3.hf import from_hf_state_dict
-from moe.models.deepseek_v3.tensor_parallel import parallelize
-from moe.train import job_config
-from moe.train.config_tree import split_overrides
-from moe.train.data import TokenBatches
-from moe.train.parallel import ParallelState
-from moe.train.schedule import lr_at
-from moe.train.trainer import Trainer
+from moe.layer.fp8.convert import apply_fp8, fp8_moe_options
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.compile import compile_model
+from moe.trainer.models.deepseek_v3.hf import from_hf_state_dict
+from moe.trainer.models.deepseek_v3.tensor_parallel import parallelize
+from moe.trainer.train import job_config
+from moe.trainer.train.config_tree import split_overrides
+from moe.trainer.train.data import TokenBatches
+from moe.trainer.train.parallel import ParallelState
+from moe.trainer.train.schedule import lr_at
+from moe.trainer.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -35,34 +35,40 @@ PATH_EXECUTION = {"spec_from_file_location", "run_path", "run_module", "exec_mod
 # (file, imported module) -> why the import waits until the function runs. Only optional packages: each is needed
 # by one feature, and the library imports without it.
 ALLOWED = {
-    ("moe/models/deepseek_v3/config.py", "tomllib"): "Python >= 3.11; the fallback below covers older ones",
-    ("moe/models/deepseek_v3/config.py", "tomli"): "the TOML reader before Python 3.11 (optional)",
-    ("moe/pipeline/overlap.py", "matplotlib.backends.backend_agg"): "plots only: matplotlib is optional",
-    ("moe/pipeline/overlap.py", "matplotlib.figure"): "plots only: matplotlib is optional",
-    ("moe/pipeline/overlap.py", "matplotlib.patches"): "plots only: matplotlib is optional",
+    ("moe/trainer/models/deepseek_v3/config.py", "tomllib"): "Python >= 3.11; the fallback below covers older ones",
+    ("moe/trainer/models/deepseek_v3/config.py", "tomli"): "the TOML reader before Python 3.11 (optional)",
+    ("moe/trainer/pipeline/overlap.py", "matplotlib.backends.backend_agg"): "plots only: matplotlib is optional",
+    ("moe/trainer/pipeline/overlap.py", "matplotlib.figure"): "plots only: matplotlib is optional",
+    ("moe/trainer/pipeline/overlap.py", "matplotlib.patches"): "plots only: matplotlib is optional",
     (
-        "moe/models/deepseek_v3/decode_timeline.py",
+        "moe/trainer/models/deepseek_v3/decode_timeline.py",
         "matplotlib.backends.backend_agg",
     ): "plots only: matplotlib is optional",
-    ("moe/models/deepseek_v3/decode_timeline.py", "matplotlib.figure"): "plots only",
-    ("moe/data/corpus.py", "pyarrow"): "optional: only to read .parquet",
-    ("moe/data/corpus.py", "pyarrow.parquet"): "optional: only to read .parquet",
-    ("moe/data/tokenizer.py", "tokenizers"): "only to train or load a tokenizer",
-    ("moe/data/tokenizer.py", "transformers"): "only for a tokenizer directory without tokenizer.json",
-    ("moe/data/tokenize.py", "tqdm.auto"): "only for the progress bar",
-    ("moe/data/vocab_check.py", "tqdm.auto"): "only for the progress bar of a scan past a second: tqdm is optional",
-    ("moe/pipeline/timeline.py", "matplotlib.backends.backend_agg"): "plots only: matplotlib is optional",
-    ("moe/pipeline/timeline.py", "matplotlib.figure"): "plots only: matplotlib is optional",
-    ("moe/pipeline/timeline.py", "matplotlib.patches"): "plots only: matplotlib is optional",
-    ("moe/train/metrics.py", "matplotlib"): "plots only: matplotlib is optional",
-    ("moe/train/metrics.py", "matplotlib.pyplot"): "plots only: matplotlib is optional",
-    ("moe/train/loggers.py", "torch.utils.tensorboard"): "only with --tensorboard-dir: tensorboard is optional",
-    ("moe/train/loggers.py", "wandb"): "only with --wandb-project: wandb is optional",
-    ("moe/train/data.py", "tokenizers"): "only to train or key a tokenizer: tokenizers is optional",
-    ("moe/models/deepseek_v3/tokenizer.py", "tokenizers"): "only to encode or decode text: tokenizers is optional",
-    ("moe/io/shard_files.py", "safetensors"): "only to read a safetensors file of a checkpoint",
-    ("moe/train/metrics.py", "tqdm.auto"): "the progress bar only: tqdm is optional",
-    ("moe/train/parallel.py", "torch.distributed.device_mesh"): "torch's device meshes, only once a process "
+    ("moe/trainer/models/deepseek_v3/decode_timeline.py", "matplotlib.figure"): "plots only",
+    ("moe/trainer/data/corpus.py", "pyarrow"): "optional: only to read .parquet",
+    ("moe/trainer/data/corpus.py", "pyarrow.parquet"): "optional: only to read .parquet",
+    ("moe/trainer/data/tokenizer.py", "tokenizers"): "only to train or load a tokenizer",
+    ("moe/trainer/data/tokenizer.py", "transformers"): "only for a tokenizer directory without tokenizer.json",
+    ("moe/trainer/data/tokenize.py", "tqdm.auto"): "only for the progress bar",
+    (
+        "moe/trainer/data/vocab_check.py",
+        "tqdm.auto",
+    ): "only for the progress bar of a scan past a second: tqdm is optional",
+    ("moe/trainer/pipeline/timeline.py", "matplotlib.backends.backend_agg"): "plots only: matplotlib is optional",
+    ("moe/trainer/pipeline/timeline.py", "matplotlib.figure"): "plots only: matplotlib is optional",
+    ("moe/trainer/pipeline/timeline.py", "matplotlib.patches"): "plots only: matplotlib is optional",
+    ("moe/trainer/train/metrics.py", "matplotlib"): "plots only: matplotlib is optional",
+    ("moe/trainer/train/metrics.py", "matplotlib.pyplot"): "plots only: matplotlib is optional",
+    ("moe/trainer/train/loggers.py", "torch.utils.tensorboard"): "only with --tensorboard-dir: tensorboard is optional",
+    ("moe/trainer/train/loggers.py", "wandb"): "only with --wandb-project: wandb is optional",
+    ("moe/trainer/train/data.py", "tokenizers"): "only to train or key a tokenizer: tokenizers is optional",
+    (
+        "moe/trainer/models/deepseek_v3/tokenizer.py",
+        "tokenizers",
+    ): "only to encode or decode text: tokenizers is optional",
+    ("moe/trainer/io/shard_files.py", "safetensors"): "only to read a safetensors file of a checkpoint",
+    ("moe/trainer/train/metrics.py", "tqdm.auto"): "the progress bar only: tqdm is optional",
+    ("moe/trainer/train/parallel.py", "torch.distributed.device_mesh"): "torch's device meshes, only once a process "
     "group exists (the module is imported before torch.distributed is initialised, e.g. by the planner)",
 }
 
@@ -168,12 +174,15 @@ def _import_graph() -> dict[str, set[str]]:
 # the model, which reads checkpoints through them.
 LAYERS = (
     ("communication", ("mtdeepep",)),
-    ("MoE layer and parallelism", ("moe", "moe.dispatcher", "moe.fp8", "moe.parallel", "moe.pipeline")),
-    ("files", ("moe.io",)),
-    ("model", ("moe.models",)),
-    ("data", ("moe.data",)),
-    ("trainer", ("moe.train",)),
-    ("planner", ("moe.plan",)),
+    (
+        "MoE layer and parallelism",
+        ("moe", "moe.layer.dispatcher", "moe.layer.fp8", "moe.layer.parallel", "moe.trainer.pipeline"),
+    ),
+    ("files", ("moe.trainer.io",)),
+    ("model", ("moe.trainer.models",)),
+    ("data", ("moe.trainer.data",)),
+    ("trainer", ("moe.trainer.train",)),
+    ("planner", ("moe.trainer.plan",)),
 )
 
 
@@ -196,7 +205,7 @@ def test_packages_import_down_the_layer_table():
         if _layer_of(target) > _layer_of(module)
     ]
     assert not upward, "imports up the layer table:\n" + "\n".join(upward)
-    assert _layer_of("moe.data.indexed") > _layer_of("moe.io.atomic"), "the scan must see the layers"
+    assert _layer_of("moe.trainer.data.indexed") > _layer_of("moe.trainer.io.atomic"), "the scan must see the layers"
 
 
 def test_module_level_imports_form_no_circle():

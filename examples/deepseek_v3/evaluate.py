@@ -63,8 +63,8 @@ def text_windows(checkpoint: str | Path, source: str, *, text_field: str, seq_le
     """`[B, seq_len] int64`: the documents of `source` encoded by the checkpoint's tokenizer, each followed by its
     end-of-text id, packed and cut into windows. ValueError (CorpusError / TokenizerError name the file and line)
     for a checkpoint without a tokenizer, bad input, or fewer tokens than one window."""
-    from moe.data.corpus import Corpus
-    from moe.data.tokenizer import load_tokenizer
+    from moe.trainer.data.corpus import Corpus
+    from moe.trainer.data.tokenizer import load_tokenizer
 
     if seq_len < 2:
         raise ValueError(f"--seq-len must be >= 2, got {seq_len}")
@@ -108,8 +108,8 @@ def evaluate(model: torch.nn.Module, tokens_BS: torch.Tensor, batch_size: int) -
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
-    from moe.models.deepseek_v3.model_dir import read_model_dir
+    from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from moe.trainer.models.deepseek_v3.model_dir import read_model_dir
 
     try:
         if args.batch_size < 1:

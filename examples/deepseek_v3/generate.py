@@ -18,7 +18,7 @@ tokens/s (all ranks' tokens over the slowest rank's time).
 and the timings.
 
 Expert parallelism (`--ep N` under torchrun, N processes, gloo): each rank holds the replicated weights and 1/N of
-every MoE layer's experts and decodes a block of the prompts (moe/models/deepseek_v3/inference.py). The prompts'
+every MoE layer's experts and decodes a block of the prompts (moe/trainer/models/deepseek_v3/inference.py). The prompts'
 prefill dispatches on normal mode ('flex'); the decode steps on the low-latency kernels ('flex_ll', bfloat16 rows,
 or with `--fp8-dispatch` E4M3 rows with 1x128 scales; the combine sums in FP32). The low-latency kernels move no
 float32, so a float32 model decodes on 'flex' (`--decode-dispatcher` picks another). `--overlap` splits each rank's
@@ -42,16 +42,16 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from moe.dispatcher.deepep_ll import DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK  # noqa: E402
-from moe.models.deepseek_v3 import decode_timeline  # noqa: E402
-from moe.models.deepseek_v3.decode_dispatch import DECODE_DISPATCHERS  # noqa: E402
-from moe.models.deepseek_v3.generation import (  # noqa: E402
+from moe.layer.dispatcher.deepep_ll import DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK  # noqa: E402
+from moe.trainer.models.deepseek_v3 import decode_timeline  # noqa: E402
+from moe.trainer.models.deepseek_v3.decode_dispatch import DECODE_DISPATCHERS  # noqa: E402
+from moe.trainer.models.deepseek_v3.generation import (  # noqa: E402
     DecodeTrace,
     GenerationTimes,
     check_generation,
     generate,
 )
-from moe.models.deepseek_v3.inference import (  # noqa: E402
+from moe.trainer.models.deepseek_v3.inference import (  # noqa: E402
     check_parallel_options,
     load_for_decoding,
     merge_times,
@@ -60,8 +60,8 @@ from moe.models.deepseek_v3.inference import (  # noqa: E402
     result_records,
     timing_record,
 )
-from moe.models.deepseek_v3.model_dir import check_model_dir, read_config  # noqa: E402
-from moe.models.deepseek_v3.tokenizer import eos_token_id, load_tokenizer  # noqa: E402
+from moe.trainer.models.deepseek_v3.model_dir import check_model_dir, read_config  # noqa: E402
+from moe.trainer.models.deepseek_v3.tokenizer import eos_token_id, load_tokenizer  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

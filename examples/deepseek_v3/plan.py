@@ -12,17 +12,17 @@
 Enumerates every TP / PP / EP / DP split of --devices (with expert tensor parallelism, ETP: each routed expert's
 FFN split over etp ranks, the dispatch over the folded ep x etp group; the pipeline schedule 1F1B / ZB-H1 /
 DualPipeV / interleaved 1F1B with its virtual stages, the recompute setting, the FP8 recipe and ZeRO-1), drops what
-train.py would refuse (the trainer's own rules: moe/plan/space.py), estimates every remaining layout's peak memory
-and step time analytically (moe/plan/memory.py, moe/plan/timing.py) on the --device-spec (h100, h200, mtt-s4000,
-mtt-s5000, cpu, or a JSON file of DeviceSpec fields; --list-devices prints every figure with its source), drops
-what does not fit in memory, and prints the K fastest with their breakdown (an etp column when one of them uses
-ETP), the train.py command of the best layout, and how many choices each rule rejected. The batch (global_batch,
-micro_batches, seq_len) and dtype come from the config's [training] table unless given.
+train.py would refuse (the trainer's own rules: moe/trainer/plan/space.py), estimates every remaining layout's peak
+memory and step time analytically (moe/trainer/plan/memory.py, moe/trainer/plan/timing.py) on the --device-spec (h100,
+h200, mtt-s4000, mtt-s5000, cpu, or a JSON file of DeviceSpec fields; --list-devices prints every figure with its
+source), drops what does not fit in memory, and prints the K fastest with their breakdown (an etp column when one of
+them uses ETP), the train.py command of the best layout, and how many choices each rule rejected. The batch
+(global_batch, micro_batches, seq_len) and dtype come from the config's [training] table unless given.
 
---layout prices one named layout instead (the notation of the ranked table, moe/plan/layout.py; its device count
+--layout prices one named layout instead (the notation of the ranked table, moe/trainer/plan/layout.py; its device count
 is tp x pp x dp, --devices may be left out): memory per pipeline stage, the step time and its breakdown (GEMMs,
 attention, element-wise, all-to-all, TP / PP / DP communication, bubble, optimizer); a layout train.py would
-refuse is an error naming the rule. --framework prices another trainer's runs of it (moe/plan/framework.py).
+refuse is an error naming the rule. --framework prices another trainer's runs of it (moe/trainer/plan/framework.py).
 --num-layers / --first-k-dense / --mtp-depths override the config's layer counts (e.g. a 4-layer cut of 671B).
 
 Exit status: 0, 1 when no layout fits (or the named layout does not fit in memory), 2 for bad arguments (unknown
@@ -41,17 +41,17 @@ from pathlib import Path
 # Runs as a script from any directory: the repository root holds the packages.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from moe.models.deepseek_v3.config import DeepseekV3Config  # noqa: E402
-from moe.plan import report  # noqa: E402
-from moe.plan.devices import SPECS, load_device_spec  # noqa: E402
-from moe.plan.framework import FRAMEWORKS  # noqa: E402
-from moe.plan.layout import check_layout, parse_layout  # noqa: E402
-from moe.plan.memory import GIB, memory_by_stage  # noqa: E402
-from moe.plan.model import RECOMPUTE_CHOICES, ModelShape  # noqa: E402
-from moe.plan.search import estimate, plan  # noqa: E402
-from moe.plan.space import Workload  # noqa: E402
-from moe.train.config import TrainingConfig  # noqa: E402
-from moe.train.parallel import FP8_RECIPES  # noqa: E402
+from moe.trainer.models.deepseek_v3.config import DeepseekV3Config  # noqa: E402
+from moe.trainer.plan import report  # noqa: E402
+from moe.trainer.plan.devices import SPECS, load_device_spec  # noqa: E402
+from moe.trainer.plan.framework import FRAMEWORKS  # noqa: E402
+from moe.trainer.plan.layout import check_layout, parse_layout  # noqa: E402
+from moe.trainer.plan.memory import GIB, memory_by_stage  # noqa: E402
+from moe.trainer.plan.model import RECOMPUTE_CHOICES, ModelShape  # noqa: E402
+from moe.trainer.plan.search import estimate, plan  # noqa: E402
+from moe.trainer.plan.space import Workload  # noqa: E402
+from moe.trainer.train.config import TrainingConfig  # noqa: E402
+from moe.trainer.train.parallel import FP8_RECIPES  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if cand is not None:
         return price_layout(args, cand, config, work, spec)
     if args.calibrate:
-        from moe.plan.calibrate import calibrated_cpu_spec
+        from moe.trainer.plan.calibrate import calibrated_cpu_spec
 
         print("calibrating the 'cpu' spec on this machine ...", flush=True)
         spec = calibrated_cpu_spec()
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 def price_layout(args: argparse.Namespace, cand, config, work, spec) -> int:
     """Print (and with --json write) one layout's memory per stage and time breakdown (module docstring)."""
     if args.calibrate:
-        from moe.plan.calibrate import calibrated_cpu_spec
+        from moe.trainer.plan.calibrate import calibrated_cpu_spec
 
         spec = calibrated_cpu_spec()
     framework = FRAMEWORKS[args.framework]

@@ -8,37 +8,37 @@
     torchrun --nproc-per-node 4 examples/deepseek_v3/train.py --config ... --out runs/tiny-pp2-ep2 --pp 2 --ep 2 \
         --pp-schedule dualpipev --overlap-moe-expert-parallel-comm --pipeline-timeline
 
-One process, or one per rank under torchrun (gloo on CPU). Layout (moe/train/parallel.py): `--tp` ranks split the
-attention and dense layers (tensor parallel, with sequence parallelism outside them), the experts of every MoE
+One process, or one per rank under torchrun (gloo on CPU). Layout (moe/trainer/train/parallel.py): `--tp` ranks split
+the attention and dense layers (tensor parallel, with sequence parallelism outside them), the experts of every MoE
 layer are sharded over `--ep` ranks (mtdeepep's 'flex' dispatcher; MoE parallel folding lets EP span the TP
-ranks), `--pp` ranks hold consecutive pipeline stages (moe/pipeline: 1F1B, ZB-H1 or DualPipeV on torch's schedules),
-the rest is data parallel, with ZeRO-1 under `--use-distributed-optimizer`. For a given `--seed`, every
+ranks), `--pp` ranks hold consecutive pipeline stages (moe/trainer/pipeline: 1F1B, ZB-H1 or DualPipeV on torch's
+schedules), the rest is data parallel, with ZeRO-1 under `--use-distributed-optimizer`. For a given `--seed`, every
 layout starts from the same weights, trains on the same tokens and does the same maths per step (see
-moe/train/trainer.py).
+moe/trainer/train/trainer.py).
 
 A step whose loss or gradients are NaN/Inf, or whose loss spikes, can be rewound from an in-memory snapshot and
-skipped ([training] rewind_*, check_for_*; moe/train/rewind.py); a run that cannot continue exits with status 3.
-Slow ranks are reported with `log_straggler` (moe/train/straggler.py).
+skipped ([training] rewind_*, check_for_*; moe/trainer/train/rewind.py); a run that cannot continue exits with status 3.
+Slow ranks are reported with `log_straggler` (moe/trainer/train/straggler.py).
 
-Every step's MFU (model FLOPs utilisation) is its model FLOPs per token (moe/models/deepseek_v3/flops.py, counted from
-the config) x tokens/s over the peak FLOP/s of one rank (moe/plan/peak.py: the device's spec, or on the CPU a matmul
-measured by rank 0 at start-up) x the ranks; run.json records the figures ("mfu").
+Every step's MFU (model FLOPs utilisation) is its model FLOPs per token (moe/trainer/models/deepseek_v3/flops.py,
+counted from the config) x tokens/s over the peak FLOP/s of one rank (moe/trainer/plan/peak.py: the device's spec, or on
+the CPU a matmul measured by rank 0 at start-up) x the ranks; run.json records the figures ("mfu").
 
-Data ([training.data], moe/train/run_data.py): this Python's standard library or a corpus (a directory, file or glob of
-.py/.txt/.md/.jsonl/.jsonl.gz/.parquet; `--corpus`, `--tokenizer bpe|bytes|PATH`), or Megatron-prepared indexed
+Data ([training.data], moe/trainer/train/run_data.py): this Python's standard library or a corpus (a directory, file or
+glob of .py/.txt/.md/.jsonl/.jsonl.gz/.parquet; `--corpus`, `--tokenizer bpe|bytes|PATH`), or Megatron-prepared indexed
 datasets blended by weight (`--data-path W1 PREFIX1 ...`), with Megatron's `--eod-mask-loss`, `--reset-position-ids`
 and `--reset-attention-mask`.
 
-Where users watch a run (moe/train/loggers.py, moe/train/profiling.py): `--tensorboard-dir DIR` (TensorBoard scalars of
-every metrics.jsonl number, and the resolved config), `--wandb-project P [--wandb-exp-name N --wandb-save-dir D]`
-(the same through Weights & Biases), `--profile --profile-step-start N --profile-step-end M [--profile-ranks R ...]`
-(a torch.profiler trace of steps N+1..M per rank, the top operators printed at the end); torchtitan's [metrics] and
-[profiling] keys too.
+Where users watch a run (moe/trainer/train/loggers.py, moe/trainer/train/profiling.py): `--tensorboard-dir DIR`
+(TensorBoard scalars of every metrics.jsonl number, and the resolved config), `--wandb-project P [--wandb-exp-name N
+--wandb-save-dir D]` (the same through Weights & Biases), `--profile --profile-step-start N --profile-step-end M
+[--profile-ranks R ...]` (a torch.profiler trace of steps N+1..M per rank, the top operators printed at the end);
+torchtitan's [metrics] and [profiling] keys too.
 
 Writes into RUN_DIR: run.json (layout and config), metrics.jsonl (one line per optimizer step, and events), loss.png,
 tokenizer.json, val_tokens.npy (held-out sequences for evaluate.py), checkpoints/step_N/ and checkpoints/latest.
-Checkpoints are sharded flash checkpoints (moe/train/checkpoint/: each rank writes its shard in the background); the
-last one also holds the whole model as a model directory. Every checkpoint reads as a model directory (--init,
+Checkpoints are sharded flash checkpoints (moe/trainer/train/checkpoint/: each rank writes its shard in the background);
+the last one also holds the whole model as a model directory. Every checkpoint reads as a model directory (--init,
 evaluate.py, hf.py), and `--resume` continues from the newest complete one in any layout. Files are readable by
 their owner only.
 """
@@ -62,33 +62,33 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from moe import EPBuffers  # noqa: E402
-from moe.fp8.convert import apply_fp8, fp8_moe_options  # noqa: E402
-from moe.io.atomic import write_json  # noqa: E402
-from moe.models.deepseek_v3 import DeepseekV3ForCausalLM  # noqa: E402
-from moe.models.deepseek_v3.compile import compile_model  # noqa: E402
-from moe.models.deepseek_v3.flops import model_flops_per_token  # noqa: E402
-from moe.models.deepseek_v3.model_dir import config_json, read_model_dir, write_model_dir  # noqa: E402
-from moe.models.deepseek_v3.tensor_parallel import parallelize  # noqa: E402
-from moe.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options  # noqa: E402
-from moe.plan.peak import agreed_peak  # noqa: E402
-from moe.train import checkpoint as ckpt  # noqa: E402
-from moe.train import job_config  # noqa: E402
-from moe.train.data_source import DataSource  # noqa: E402
-from moe.train.faults import FaultPlan  # noqa: E402
-from moe.train.loggers import open_loggers  # noqa: E402
-from moe.train.metrics import LOSS_PNG, METRICS, loss_table, plot_loss, read_metrics  # noqa: E402
-from moe.train.parallel import Layout, ParallelState, env_local_rank  # noqa: E402
-from moe.train.profiling import StepProfiler  # noqa: E402
-from moe.train.rewind import TrainingStopped  # noqa: E402
-from moe.train.run_data import RunData, prepare_run_data  # noqa: E402
-from moe.train.trainer import Trainer  # noqa: E402
+from moe.layer.fp8.convert import apply_fp8, fp8_moe_options  # noqa: E402
+from moe.trainer.io.atomic import write_json  # noqa: E402
+from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM  # noqa: E402
+from moe.trainer.models.deepseek_v3.compile import compile_model  # noqa: E402
+from moe.trainer.models.deepseek_v3.flops import model_flops_per_token  # noqa: E402
+from moe.trainer.models.deepseek_v3.model_dir import config_json, read_model_dir, write_model_dir  # noqa: E402
+from moe.trainer.models.deepseek_v3.tensor_parallel import parallelize  # noqa: E402
+from moe.trainer.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options  # noqa: E402
+from moe.trainer.plan.peak import agreed_peak  # noqa: E402
+from moe.trainer.train import checkpoint as ckpt  # noqa: E402
+from moe.trainer.train import job_config  # noqa: E402
+from moe.trainer.train.data_source import DataSource  # noqa: E402
+from moe.trainer.train.faults import FaultPlan  # noqa: E402
+from moe.trainer.train.loggers import open_loggers  # noqa: E402
+from moe.trainer.train.metrics import LOSS_PNG, METRICS, loss_table, plot_loss, read_metrics  # noqa: E402
+from moe.trainer.train.parallel import Layout, ParallelState, env_local_rank  # noqa: E402
+from moe.trainer.train.profiling import StepProfiler  # noqa: E402
+from moe.trainer.train.rewind import TrainingStopped  # noqa: E402
+from moe.trainer.train.run_data import RunData, prepare_run_data  # noqa: E402
+from moe.trainer.train.trainer import Trainer  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The run's own options; every config field is a `--section.key` override or one of its aliases
-    (moe/train/job_config.py)."""
+    (moe/trainer/train/job_config.py)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter,
                                 epilog=job_config.__doc__)  # fmt: skip
     p.add_argument("--config", required=True, help="TOML file with [model] and [training] tables")
@@ -133,7 +133,7 @@ class CheckedJob:
     latest: Path | None  # the checkpoint to resume from (None: a new run)
     data: RunData
     batches: DataSource
-    faults: FaultPlan | None  # test hook (moe/train/faults.py)
+    faults: FaultPlan | None  # test hook (moe/trainer/train/faults.py)
 
     def already_trained(self) -> bool:
         """The run reached its last step, and its final checkpoint is whole (else the resume falls back to an
@@ -199,7 +199,8 @@ def build(args, checked: CheckedJob) -> BuiltRun:
         apply_fp8(model, layout.fp8, tp_group=parallel.tp_group)
     model.set_recompute(job.recompute)
     model.set_attention_backend(train_cfg.attention_backend)
-    if train_cfg.compile:  # opt-in: the attention modules compile at the first step (moe/models/deepseek_v3/compile.py)
+    # opt-in: the attention modules compile at the first step (moe/trainer/models/deepseek_v3/compile.py)
+    if train_cfg.compile:
         compile_model(model)
     pipeline = None
     if split is not None:  # prunes the model to this rank's stages: before the optimizer exists
@@ -259,7 +260,7 @@ def _mfu_basis(job: job_config.Job, layout: Layout, device: torch.device) -> dic
         "ranks": layout.world,
         "formula": "mfu = model_flops_per_token x tokens_per_s / (peak_flops_per_rank x ranks)",
         "convention": "forward + backward = 3 x forward, matrix products only, causal attention, no recompute "
-        "(moe/models/deepseek_v3/flops.py)",
+        "(moe/trainer/models/deepseek_v3/flops.py)",
     }
     if device.type == "cpu":  # the peak is one process's: ranks sharing fewer cores cannot all reach it at once
         cores, threads = len(os.sched_getaffinity(0)), torch.get_num_threads()

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe.models.deepseek_v3.decode_dispatch import DecodeDispatch
-from moe.models.deepseek_v3.generation import DecodeTrace, generate
-from moe.models.deepseek_v3.inference import load_for_decoding, rank_prompt_indices
+from moe.trainer.models.deepseek_v3.decode_dispatch import DecodeDispatch
+from moe.trainer.models.deepseek_v3.generation import DecodeTrace, generate
+from moe.trainer.models.deepseek_v3.inference import load_for_decoding, rank_prompt_indices
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 
-from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
-from moe.models.deepseek_v3.generation import generate
-from moe.models.deepseek_v3.hf import copy_file, export_hf
-from moe.models.deepseek_v3.model_dir import write_model_dir
+from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.generation import generate
+from moe.trainer.models.deepseek_v3.hf import copy_file, export_hf
+from moe.trainer.models.deepseek_v3.model_dir import write_model_dir
 
 from ..train.train_cases import load_script
 from .dsv3_testlib import tiny_config
@@ -96,7 +96,7 @@ def test_stops_at_the_config_eos(tmp_path):
 
 
 def _tokenizer_file(tmp_path, vocab_size: int):
-    from moe.train.data import EOS, train_tokenizer
+    from moe.trainer.train.data import EOS, train_tokenizer
 
     pytest.importorskip("tokenizers")
     texts = [f"def f{i}(x):\n    return x + {i}\n" for i in range(50)]

@@ -10,10 +10,10 @@ import torch
 
 import mtdeepep as deep_ep
 from moe import MoELayer
-from moe.dispatcher import build_dispatcher
-from moe.dispatcher.alltoall import AllToAllDispatcher
-from moe.dispatcher.base import weighted_scatter_sum
-from moe.dispatcher.deepep import DeepEPDispatcher, expand_by_local_expert, nvl_bytes_hint
+from moe.layer.dispatcher import build_dispatcher
+from moe.layer.dispatcher.alltoall import AllToAllDispatcher
+from moe.layer.dispatcher.base import weighted_scatter_sum
+from moe.layer.dispatcher.deepep import DeepEPDispatcher, expand_by_local_expert, nvl_bytes_hint
 
 from .moe_testlib import SIGMOID_V3, SMALL_LAYER, assert_close, moe_config
 

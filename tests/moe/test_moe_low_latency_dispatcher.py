@@ -23,10 +23,10 @@ import torch.distributed as dist
 
 import mtdeepep as deep_ep
 from moe import MoEConfig, MoELayer
-from moe.dispatcher import available_dispatchers, build_dispatcher
-from moe.dispatcher.alltoall import AllToAllDispatcher
-from moe.dispatcher.buffers import default_ep_buffers
-from moe.dispatcher.deepep_ll import DeepEPLowLatencyDispatcher, low_latency_rdma_bytes
+from moe.layer.dispatcher import available_dispatchers, build_dispatcher
+from moe.layer.dispatcher.alltoall import AllToAllDispatcher
+from moe.layer.dispatcher.buffers import default_ep_buffers
+from moe.layer.dispatcher.deepep_ll import DeepEPLowLatencyDispatcher, low_latency_rdma_bytes
 from mtdeepep.utils.fp8 import per_token_cast_back, per_token_cast_to_fp8
 from tests.ranks import world_size_params
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moe.plan.calibrate import TRAIN_PY_MODULES
+from moe.trainer.plan.calibrate import TRAIN_PY_MODULES
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_PY = ROOT / "examples" / "deepseek_v3" / "train.py"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from moe.plan.devices import SPECS, load_device_spec, source_rows
+from moe.trainer.plan.devices import SPECS, load_device_spec, source_rows
 
 REPO = Path(__file__).resolve().parents[2]
 PLAN_PY = REPO / "examples" / "deepseek_v3" / "plan.py"

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from moe.models.deepseek_v3.config import DeepseekV3Config
-from moe.plan.devices import SPECS
-from moe.plan.layout import check_layout, parse_layout
-from moe.plan.search import plan
-from moe.plan.space import Candidate, Workload
+from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.plan.devices import SPECS
+from moe.trainer.plan.layout import check_layout, parse_layout
+from moe.trainer.plan.search import plan
+from moe.trainer.plan.space import Candidate, Workload
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "deepseek_v3" / "configs" / "tiny.toml"

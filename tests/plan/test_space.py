@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from moe.models.deepseek_v3 import DeepseekV3Config
-from moe.models.deepseek_v3.tensor_parallel import check_tensor_parallel
-from moe.pipeline.split import check_schedule
-from moe.plan.devices import CPU, MTT_S4000
-from moe.plan.model import RECOMPUTE_CHOICES
-from moe.plan.search import plan
-from moe.plan.space import (
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.tensor_parallel import check_tensor_parallel
+from moe.trainer.pipeline.split import check_schedule
+from moe.trainer.plan.devices import CPU, MTT_S4000
+from moe.trainer.plan.model import RECOMPUTE_CHOICES
+from moe.trainer.plan.search import plan
+from moe.trainer.plan.space import (
     PIPELINE_SCHEDULES,
     REASONS,
     Candidate,
@@ -22,9 +22,9 @@ from moe.plan.space import (
     divisors,
     enumerate_candidates,
 )
-from moe.train import job_config
-from moe.train.layout_rules import check_expert_tensor_parallel, check_model_layout
-from moe.train.parallel import FP8_RECIPES, Layout
+from moe.trainer.train import job_config
+from moe.trainer.train.layout_rules import check_expert_tensor_parallel, check_model_layout
+from moe.trainer.train.parallel import FP8_RECIPES, Layout
 
 from ..train.train_cases import load_script
 

@@ -21,9 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe import update_expert_bias
-from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
-from moe.models.deepseek_v3.tensor_parallel import apply_tensor_parallel, parallelize
-from moe.parallel import (
+from moe.layer.parallel import (
     SequenceShards,
     VocabParallelEmbedding,
     gather_from_sequence_parallel,
@@ -32,7 +30,9 @@ from moe.parallel import (
     scatter_to_sequence_parallel,
     vocab_parallel_cross_entropy,
 )
-from moe.train.parallel import Layout, ParallelState
+from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.tensor_parallel import apply_tensor_parallel, parallelize
+from moe.trainer.train.parallel import Layout, ParallelState
 from tests.models.dsv3_testlib import HF_CASES, tiny_config, tokens
 from tests.ranks import pool_fixture
 
@@ -288,8 +288,8 @@ def dtensor_mla_case(ctx) -> dict:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from moe.models.deepseek_v3.attention import MultiHeadLatentAttention
-    from moe.models.deepseek_v3.rope import RotaryEmbedding
+    from moe.trainer.models.deepseek_v3.attention import MultiHeadLatentAttention
+    from moe.trainer.models.deepseek_v3.rope import RotaryEmbedding
 
     config = tiny_config()
     torch.manual_seed(3)
@@ -330,8 +330,8 @@ def dtensor_mla_case(ctx) -> dict:
 def test_dtensor_parallelize_module_on_mla(tp_pools):
     for r in tp_pools[2].run(dtensor_mla_case):
         assert r["out_rel_err"] < 1e-5 and r["kv_b_grad_rel_err"] < 1e-5
-        # What made us keep plain local shards (see moe/models/deepseek_v3/tensor_parallel.py): the parameters and
-        # their gradients are DTensors, and the FP8 recipes' GEMM hook gets DTensor operands.
+        # What made us keep plain local shards (see moe/trainer/models/deepseek_v3/tensor_parallel.py): the parameters
+        # and their gradients are DTensors, and the FP8 recipes' GEMM hook gets DTensor operands.
         assert r["weight_is_dtensor"] and r["grad_is_dtensor"]
         assert r["linear_fn_calls"] == [("DTensor", "DTensor")]
         print(r)

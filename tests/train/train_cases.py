@@ -103,8 +103,8 @@ def torchrun_rank(proc, argv: list[str], script: str = "train") -> int:
 
 
 def torchrun_rank_with_faults(proc, argv: list[str], faults: str) -> int:
-    """`torchrun_rank` with the fault plan `faults` (JSON, moe/train/faults.py) in the rank's environment."""
-    from moe.train.faults import ENV
+    """`torchrun_rank` with the fault plan `faults` (JSON, moe/trainer/train/faults.py) in the rank's environment."""
+    from moe.trainer.train.faults import ENV
 
     os.environ[ENV] = faults
     return torchrun_rank(proc, argv)
