@@ -1,4 +1,10 @@
-"""Mixture-of-Experts layer: router, balancing, capacity, token dispatchers, experts (BF16/FP32 and FP8)."""
+"""Mixture-of-Experts on mtdeepep, in two rooms.
+
+- `moe.layer`: the MoE layer itself (router, balancing, capacity, token dispatchers, experts in BF16/FP32 and FP8,
+  TP/SP building blocks). Its public names are re-exported here.
+- `moe.trainer`: the training run built on it (model, pipeline, trainer, data, files, planner). It imports the
+  layer room; the layer room never imports it (tests/test_import_layers.py).
+"""
 
 from moe.layer.balancing import (
     AuxLossScale,

@@ -12,6 +12,8 @@ imports deferred into functions.
   cycle.
 - `test_packages_import_down_the_layer_table`: every module-level import between library packages points down
   `LAYERS` (ARCHITECTURE.md's layer table, bottom up) or stays within one layer.
+- `test_layer_room_never_imports_the_trainer_room`: `moe`'s two rooms, the MoE layer (`moe/layer/`) and the trainer
+  (`moe/trainer/`): no import of the layer room, at any level, names the trainer room.
 - `test_every_library_module_imports_in_isolation`: each module imported alone in a fresh process, which loads no
   module of `examples/` or `tests/` on the way.
 """
@@ -170,14 +172,15 @@ def _import_graph() -> dict[str, set[str]]:
 
 
 # ARCHITECTURE.md's layers, bottom up, as library packages (a module belongs to the longest package naming it).
-# The MoE layer and its parallel building blocks import each other and form one layer here; the files sit below
-# the model, which reads checkpoints through them.
+# `moe` holds two rooms: the MoE layer (`moe.layer`: router, balancing, dispatchers, experts, FP8, TP/SP blocks, one
+# layer here, whose modules import each other) and above it the trainer (`moe.trainer`), whose packages are layers of
+# their own; the pipeline and the files sit below the model, which splits into stages and reads checkpoints.
+LAYER_ROOM, TRAINER_ROOM = "moe.layer", "moe.trainer"
 LAYERS = (
     ("communication", ("mtdeepep",)),
-    (
-        "MoE layer and parallelism",
-        ("moe", "moe.layer.dispatcher", "moe.layer.fp8", "moe.layer.parallel", "moe.trainer.pipeline"),
-    ),
+    ("MoE layer room", ("moe", LAYER_ROOM)),
+    ("trainer room", (TRAINER_ROOM,)),
+    ("pipeline", ("moe.trainer.pipeline",)),
     ("files", ("moe.trainer.io",)),
     ("model", ("moe.trainer.models",)),
     ("data", ("moe.trainer.data",)),
@@ -206,6 +209,22 @@ def test_packages_import_down_the_layer_table():
     ]
     assert not upward, "imports up the layer table:\n" + "\n".join(upward)
     assert _layer_of("moe.trainer.data.indexed") > _layer_of("moe.trainer.io.atomic"), "the scan must see the layers"
+
+
+def test_layer_room_never_imports_the_trainer_room():
+    """The two rooms of `moe`: the MoE layer (and `moe` itself, which re-exports it) never imports the trainer, at
+    module level or in a function."""
+    found = []
+    for path in _library_files():
+        module = _module_name(path)
+        if module.startswith("mtdeepep") or module == TRAINER_ROOM or module.startswith(TRAINER_ROOM + "."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            for name in _imported(node, module):
+                if name == TRAINER_ROOM or name.startswith(TRAINER_ROOM + "."):
+                    found.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}: imports {name}")
+    assert not found, "the MoE layer room imports the trainer room above it:\n" + "\n".join(found)
+    assert _layer_of(LAYER_ROOM + ".wgrad") < min(_layer_of(p) for _, ps in LAYERS[2:] for p in ps)
 
 
 def test_module_level_imports_form_no_circle():
