@@ -40,11 +40,11 @@ import tomllib
 import torch
 from _common import RESULTS_DIR, make_parser, num_cores, print_table, save_run, threads_per_rank
 
+from moe.trainer.train import run
 from moe.trainer.train.metrics import read_metrics
 from mtdeepep.utils.testing import run_processes
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN_PY = REPO / "examples" / "deepseek_v3" / "train.py"
 
 # name -> (processes, train.py flags, the row without ZeRO-1 it is compared with)
 LAYOUTS: dict[str, tuple[int, list[str], str | None]] = {
@@ -111,20 +111,14 @@ def bench_config(args: argparse.Namespace, dtype: str, out: Path) -> Path:
 def train_rank(proc, argv: list[str], threads: int | None = None) -> None:
     """One rank of `train.py argv` with torchrun's environment (the launcher's port for the rendezvous), on
     `threads` intra-op threads (default: the cores shared out over the ranks)."""
-    import importlib.util
-
     os.environ.update(
         RANK=str(proc.rank), LOCAL_RANK=str(proc.rank), WORLD_SIZE=str(proc.num_processes),
         LOCAL_WORLD_SIZE=str(proc.num_processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(proc.port),
         GLOO_SOCKET_IFNAME="lo",
     )  # fmt: skip
     torch.set_num_threads(threads or threads_per_rank(proc.num_processes))
-    spec = importlib.util.spec_from_file_location("dsv3_train", TRAIN_PY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script executes
-    spec.loader.exec_module(module)
     sys.argv = ["train.py", *argv]
-    code = module.main(argv)
+    code = run.main(argv)
     if code != 0:
         raise RuntimeError(f"train.py exited with {code}")
 

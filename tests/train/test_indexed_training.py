@@ -27,6 +27,7 @@ from moe.trainer.data.blend import BlendedWindows
 from moe.trainer.data.tokenizer import load_tokenizer
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, documents
 from moe.trainer.train import checkpoint as ckpt
+from moe.trainer.train import evaluate, run
 from moe.trainer.train.data_source import IGNORE_INDEX, eod_masked_labels
 from moe.trainer.train.metrics import read_metrics
 from mtdeepep.utils.testing import run_processes
@@ -35,8 +36,8 @@ from tests.train import train_cases as tc
 
 pytestmark = pytest.mark.slow  # train.py end to end: 10-30 s a run on 2 cores
 
-train_script = tc.load_script("train")
-evaluate_script = tc.load_script("evaluate")
+train_script = run
+evaluate_script = evaluate
 SEED = 7
 
 

@@ -27,13 +27,14 @@ import torch
 import torch.distributed as dist
 
 from moe.layer.trace_regions import COMBINE, DISPATCH, EXPERT_GEMM, ROUTER
+from moe.trainer.train import run
 from moe.trainer.train.loggers import scalars
 from moe.trainer.train.metrics import read_events, read_metrics
 from moe.trainer.train.profiling import ProfilingConfig, StepProfiler
 from mtdeepep.utils.testing import run_processes
 from tests.train import train_cases as tc
 
-train_script = tc.load_script("train")
+train_script = run
 
 
 def test_scalars_flatten_a_record_and_an_event():

@@ -15,6 +15,7 @@ import torch
 from moe.layer.fp8.convert import apply_fp8, fp8_moe_options
 from moe.trainer.io.shard_files import SECTIONS, read_full_section
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.trainer.train import run
 from moe.trainer.train.checkpoint import ModelIO
 from moe.trainer.train.checkpoint.state import amax_histories
 from moe.trainer.train.config import TrainingConfig
@@ -27,7 +28,7 @@ from moe.trainer.train.trainer import Trainer
 from mtdeepep.utils.testing import run_processes
 from tests.train import train_cases as tc
 
-train_script = tc.load_script("train")
+train_script = run
 
 # ---------------------------------------------------------------------------------------------------------------
 # The spike test

@@ -35,7 +35,7 @@ from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausal
 from moe.trainer.models.deepseek_v3.flops import model_flops_per_token
 from moe.trainer.models.deepseek_v3.tokenizer import tokenizer_eos_token_id
 from moe.trainer.train import checkpoint as ckpt
-from moe.trainer.train import faults
+from moe.trainer.train import evaluate, faults, run
 from moe.trainer.train.checkpoint import ModelIO
 from moe.trainer.train.config import TrainingConfig
 from moe.trainer.train.data import TokenBatches, prepare_tokens
@@ -47,8 +47,8 @@ from tests.train import train_cases as tc
 
 pytestmark = pytest.mark.slow  # slow: train.py end to end, every layout
 
-train_script = tc.load_script("train")
-evaluate_script = tc.load_script("evaluate")
+train_script = run
+evaluate_script = evaluate
 
 
 @pytest.fixture(scope="module")

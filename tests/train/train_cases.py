@@ -1,9 +1,8 @@
 """Helpers of the end-to-end training tests: test configs (tiny's model, a short batch, a small synthetic corpus)
-and the target that runs examples/deepseek_v3/train.py as one rank of a torchrun-like job."""
+and the target that runs train.py's command (`moe.trainer.train.run.main`) as one rank of a torchrun-like job."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import sys
@@ -13,6 +12,9 @@ from typing import Any
 import tomllib
 import torch
 
+from moe.trainer.models.deepseek_v3 import generate_cli
+from moe.trainer.train import run
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "deepseek_v3" / "configs" / "tiny.toml"
 WORDS = [
@@ -21,13 +23,8 @@ WORDS = [
 ]  # fmt: skip
 
 
-def load_script(name: str):
-    """examples/deepseek_v3/<name>.py as a module (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(f"dsv3_{name}", ROOT / "examples" / "deepseek_v3" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script executes
-    spec.loader.exec_module(module)
-    return module
+# examples/deepseek_v3/<name>.py -> the module whose `main` the command line runs
+COMMANDS = {"train": run, "generate": generate_cli}
 
 
 def write_corpus(root: Path, num_files: int = 24, lines: int = 300, seed: int = 0) -> Path:
@@ -96,7 +93,7 @@ def torchrun_rank(proc, argv: list[str], script: str = "train") -> int:
     )  # fmt: skip
     torch.set_num_threads(1)
     sys.argv = [f"{script}.py", *argv]
-    code = load_script(script).main(argv)
+    code = COMMANDS[script].main(argv)
     if code != 0:
         raise RuntimeError(f"{script}.py exited with {code}")
     return code
