@@ -130,12 +130,12 @@ from _common import (
 from torch.nn.parallel import DistributedDataParallel
 
 from moe import EPBuffers, update_expert_bias
-from moe.layer.fp8.convert import apply_fp8, fp8_moe_options
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from moe.trainer.models.deepseek_v3.compile import compile_model
 from moe.trainer.models.deepseek_v3.hf import from_hf_state_dict
-from moe.trainer.models.deepseek_v3.tensor_parallel import parallelize
-from moe.trainer.train import job_config
+from moe.trainer.train import (
+    job_config,
+    run,  # noqa: E402
+)
 from moe.trainer.train.config_tree import split_overrides
 from moe.trainer.train.data import TokenBatches
 from moe.trainer.train.parallel import ParallelState
@@ -416,18 +416,8 @@ def build_trainer(job: job_config.Job, batches: TokenBatches, run_dir: Path, hf_
     with `parallel`, its process groups: experts over the EP group, tensor parallel over the TP group), holding
     transformers' initial weights (each rank keeps its experts). One process without `parallel`."""
     parallel = parallel if parallel is not None else ParallelState.single()
-    model = DeepseekV3ForCausalLM(job.model, ep_group=parallel.expert_model_group, etp_group=parallel.etp_group,
-                                  ep_buffers=ep_buffers,
-                                  aux_loss_group=parallel.token_group, dtype=TRAINING_DTYPES[job.training.dtype],
-                                  moe_options=fp8_moe_options(job.layout.fp8))  # fmt: skip
-    parallelize(model, parallel)  # a no-op at tp 1
-    model.load_full_state_dict(from_hf_state_dict(hf_state, job.model, log=lambda message: None))
-    if job.layout.fp8 != "none":
-        apply_fp8(model, job.layout.fp8, tp_group=parallel.tp_group)
-    model.set_recompute(job.recompute)
-    model.set_attention_backend(job.training.attention_backend)
-    if job.training.compile:
-        compile_model(model)
+    initial_state = from_hf_state_dict(hf_state, job.model, log=lambda message: None)
+    model, _ = run.build_model(job, parallel, ep_buffers, seed=None, initial_state=initial_state)  # train.py's build
     return Trainer(model, job.training, parallel, batches, run_dir, seed=0, model_io=None,
                    mtp_loss_weight=job.model.mtp_loss_weight, num_mtp=job.model.num_nextn_predict_layers)  # fmt: skip
 

@@ -178,37 +178,10 @@ def build(args, checked: CheckedJob) -> BuiltRun:
     """Phase 2: the process groups, then the model (same initial weights for every layout of a seed), converted and
     parallelised, its pipeline stages, and the trainer."""
     job = checked.job
-    model_cfg, train_cfg, layout, split = job.model, job.training, job.layout, job.split
+    model_cfg, train_cfg, layout = job.model, job.training, job.layout
     parallel = ParallelState.initialize(layout, timeout_s=args.timeout)
     ep_buffers = EPBuffers(timeout_s=args.timeout)
-    torch.manual_seed(args.seed)  # the model draws its initialisation seed from it (every tensor, expert by name)
-    # Build-time choices of the MoE layers: FP8 dispatch under an FP8 recipe, no self-deferred expert weight
-    # gradients under a schedule that splits the backward (its W actions take their place).
-    moe_options = fp8_moe_options(layout.fp8) | (pipeline_moe_options(layout.pp_schedule) if split is not None else {})
-    # The MoE layers dispatch over the folded EP x ETP group (the EP group when etp is 1), each expert's FFN split
-    # over the ETP ranks.
-    model = DeepseekV3ForCausalLM(model_cfg, ep_group=parallel.expert_model_group, etp_group=parallel.etp_group,
-                                  ep_buffers=ep_buffers,
-                                  aux_loss_group=parallel.token_group, dtype=DTYPES[train_cfg.dtype],
-                                  moe_options=moe_options)  # fmt: skip
-    parallelize(model, parallel)  # tensor + sequence parallel over the TP group (slices of the same weights)
-    if layout.fp8 != "none":  # FP8 GEMMs under the recipe (FP8 dispatch was built in); weights stay the masters
-        apply_fp8(model, layout.fp8, tp_group=parallel.tp_group)
-    model.set_recompute(job.recompute)
-    model.set_attention_backend(train_cfg.attention_backend)
-    # opt-in: the attention modules compile at the first step (moe/trainer/models/deepseek_v3/compile.py)
-    if train_cfg.compile:
-        compile_model(model)
-    pipeline = None
-    if split is not None:  # prunes the model to this rank's stages: before the optimizer exists
-        recorder = TimelineRecorder(parallel.pp_rank, enabled=job.parallel.pipeline_timeline)
-        pipeline = PipelineRunner(model, parallel, schedule=layout.pp_schedule, split=split,
-                                  micro_batches=train_cfg.micro_batches, seq_len=train_cfg.seq_len,
-                                  micro_rows=train_cfg.global_batch // layout.dp // train_cfg.micro_batches,
-                                  mtp_loss_weight=model_cfg.mtp_loss_weight,
-                                  num_mtp=model_cfg.num_nextn_predict_layers, recorder=recorder,
-                                  overlap_moe_comm=job.parallel.overlap_moe_expert_parallel_comm,
-                                  virtual_stages=layout.vpp)  # fmt: skip
+    model, pipeline = build_model(job, parallel, ep_buffers, seed=args.seed)
 
     # The checkpoints' config.json names the data's end-of-text token (generate.py stops there; transformers too).
     eos_token_id = checked.data.eos_id
@@ -241,6 +214,54 @@ def build(args, checked: CheckedJob) -> BuiltRun:
                           model_flops_per_token=mfu_basis["model_flops_per_token"] if peak is not None else None,
                           peak_flops_per_rank=peak, loggers=loggers, profiler=profiler)  # fmt: skip
     return BuiltRun(parallel, ep_buffers, model, pipeline, trainer, mfu_basis)
+
+
+def build_model(
+    job: job_config.Job,
+    parallel: ParallelState,
+    ep_buffers: EPBuffers | None,
+    *,
+    seed: int | None,
+    initial_state: dict | None = None,
+) -> tuple[DeepseekV3ForCausalLM, PipelineRunner | None]:
+    """The model as every run builds it: the MoE layers' build-time options, tensor parallel, the FP8 conversion,
+    recompute, the attention backend, the opt-in compile, and (with a pipeline split) the `PipelineRunner`, which
+    prunes the model to this rank's stages. `seed`: the initial weights' seed (every layout of a seed starts from the
+    same weights), or None to keep torch's generator as it is; `initial_state`: a full state dict loaded before the
+    FP8 conversion instead (e.g. another framework's initial weights)."""
+    model_cfg, train_cfg, layout, split = job.model, job.training, job.layout, job.split
+    if seed is not None:
+        torch.manual_seed(seed)  # the model draws its initialisation seed from it (every tensor, expert by name)
+    # Build-time choices of the MoE layers: FP8 dispatch under an FP8 recipe, no self-deferred expert weight
+    # gradients under a schedule that splits the backward (its W actions take their place).
+    moe_options = fp8_moe_options(layout.fp8) | (pipeline_moe_options(layout.pp_schedule) if split is not None else {})
+    # The MoE layers dispatch over the folded EP x ETP group (the EP group when etp is 1), each expert's FFN split
+    # over the ETP ranks.
+    model = DeepseekV3ForCausalLM(model_cfg, ep_group=parallel.expert_model_group, etp_group=parallel.etp_group,
+                                  ep_buffers=ep_buffers,
+                                  aux_loss_group=parallel.token_group, dtype=DTYPES[train_cfg.dtype],
+                                  moe_options=moe_options)  # fmt: skip
+    parallelize(model, parallel)  # tensor + sequence parallel over the TP group (slices of the same weights)
+    if initial_state is not None:
+        model.load_full_state_dict(initial_state)
+    if layout.fp8 != "none":  # FP8 GEMMs under the recipe (FP8 dispatch was built in); weights stay the masters
+        apply_fp8(model, layout.fp8, tp_group=parallel.tp_group)
+    model.set_recompute(job.recompute)
+    model.set_attention_backend(train_cfg.attention_backend)
+    # opt-in: the attention modules compile at the first step (moe/trainer/models/deepseek_v3/compile.py)
+    if train_cfg.compile:
+        compile_model(model)
+    pipeline = None
+    if split is not None:  # prunes the model to this rank's stages: before the optimizer exists
+        recorder = TimelineRecorder(parallel.pp_rank, enabled=job.parallel.pipeline_timeline)
+        pipeline = PipelineRunner(model, parallel, schedule=layout.pp_schedule, split=split,
+                                  micro_batches=train_cfg.micro_batches, seq_len=train_cfg.seq_len,
+                                  micro_rows=train_cfg.global_batch // layout.dp // train_cfg.micro_batches,
+                                  mtp_loss_weight=model_cfg.mtp_loss_weight,
+                                  num_mtp=model_cfg.num_nextn_predict_layers, recorder=recorder,
+                                  overlap_moe_comm=job.parallel.overlap_moe_expert_parallel_comm,
+                                  virtual_stages=layout.vpp)  # fmt: skip
+    return model, pipeline
 
 
 def _mfu_basis(job: job_config.Job, layout: Layout, device: torch.device) -> dict:
