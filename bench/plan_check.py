@@ -31,9 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import tomli_w
 import tomllib
 from _common import RESULTS_DIR, num_cores, print_table, save_run
-from train_layouts import _dump_toml, bench_config, train_rank
+from train_layouts import bench_config, train_rank
 
 from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
 from moe.trainer.plan.devices import CPU, DeviceSpec
@@ -121,7 +122,7 @@ def measure_runtime_baseline(args, work: Path, spec) -> tuple[float, dict]:
     doc["training"].update(global_batch=2, seq_len=args.seq_len, micro_batches=1, steps=2, warmup_steps=1,
                            dtype=args.dtype, checkpoint_every=0, log_every=2)  # fmt: skip
     path = work / "baseline.toml"
-    path.write_text(_dump_toml(doc))
+    path.write_text(tomli_w.dumps(doc))
     records = run_train(2, [], path, work / "baseline", args.timeout)
     model = DeepseekV3Config.from_dict(doc["model"], strict=True)
     est = estimate(Candidate(world=2, tp=1, pp=1, ep=1), model, Workload(2, 1, args.seq_len, args.dtype),

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import tomli_w
 import tomllib
 import torch
 from _common import RESULTS_DIR, make_parser, num_cores, print_table, save_run, threads_per_rank
@@ -69,29 +70,6 @@ PRECISIONS: dict[str, tuple[str, list[str]]] = {
 }
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML for {value!r}")
-
-
-def _dump_toml(doc: dict[str, Any], prefix: str = "") -> str:
-    lines, tables = [], []
-    for key, value in doc.items():
-        (tables if isinstance(value, dict) else lines).append((key, value))
-    text = "".join(f"{key} = {_toml_value(value)}\n" for key, value in lines)
-    for key, value in tables:
-        name = f"{prefix}.{key}" if prefix else key
-        text += f"\n[{name}]\n" + _dump_toml(value, name)
-    return text
-
-
 def bench_config(args: argparse.Namespace, dtype: str, out: Path) -> Path:
     """`args.config` with the batch, steps and dtype of a benchmark's args (`global_batch`, `seq_len`,
     `micro_batches`, `steps`, optional `data_cache`): no checkpoints but the last, one line of log at the end.
@@ -104,7 +82,7 @@ def bench_config(args: argparse.Namespace, dtype: str, out: Path) -> Path:
     if getattr(args, "data_cache", None):
         doc["training"].setdefault("data", {})["cache_dir"] = args.data_cache
     path = out / f"config-{dtype}.toml"
-    path.write_text(_dump_toml(doc))
+    path.write_text(tomli_w.dumps(doc))
     return path
 
 

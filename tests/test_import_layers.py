@@ -174,14 +174,14 @@ def _import_graph() -> dict[str, set[str]]:
 # ARCHITECTURE.md's layers, bottom up, as library packages (a module belongs to the longest package naming it).
 # `moe` holds two rooms: the MoE layer (`moe.layer`: router, balancing, dispatchers, experts, FP8, TP/SP blocks, one
 # layer here, whose modules import each other) and above it the trainer (`moe.trainer`), whose packages are layers of
-# their own; the pipeline and the files sit below the model, which splits into stages and reads checkpoints.
+# their own; the files and the pipeline sit below the model, which reads checkpoints and splits into stages.
 LAYER_ROOM, TRAINER_ROOM = "moe.layer", "moe.trainer"
 LAYERS = (
     ("communication", ("mtdeepep",)),
     ("MoE layer room", ("moe", LAYER_ROOM)),
     ("trainer room", (TRAINER_ROOM,)),
-    ("pipeline", ("moe.trainer.pipeline",)),
     ("files", ("moe.trainer.io",)),
+    ("pipeline", ("moe.trainer.pipeline",)),
     ("model", ("moe.trainer.models",)),
     ("data", ("moe.trainer.data",)),
     ("trainer", ("moe.trainer.train",)),

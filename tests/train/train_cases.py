@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import tomli_w
 import tomllib
 import torch
 
@@ -38,31 +39,9 @@ def write_corpus(root: Path, num_files: int = 24, lines: int = 300, seed: int = 
     return root
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"no TOML for {v!r}")
-
-
-def dump_toml(doc: dict[str, Any], prefix: str = "") -> str:
-    """A TOML document of nested tables of scalars and lists (what our configs hold)."""
-    lines, tables = [], []
-    for key, value in doc.items():
-        if isinstance(value, dict):
-            tables.append((key, value))
-        elif value is not None:
-            lines.append(f"{key} = {_toml_value(value)}")
-    out = ("\n".join(lines) + "\n") if lines else ""
-    for key, table in tables:
-        name = f"{prefix}{key}"
-        out += f"\n[{name}]\n" + dump_toml(table, name + ".")
-    return out
+def _without_none(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` without its None values (a None in a case's changes leaves the key out of the file)."""
+    return {k: _without_none(v) if isinstance(v, dict) else v for k, v in doc.items() if v is not None}
 
 
 def make_config(path: Path, corpus: Path, cache: Path, *, model: dict | None = None, training: dict | None = None,
@@ -79,7 +58,7 @@ def make_config(path: Path, corpus: Path, cache: Path, *, model: dict | None = N
         "data": {"corpus": str(corpus), "tokenizer": "bpe", "val_sequences": 8, "cache_dir": str(cache),
                  **(data or {})},
     }  # fmt: skip
-    path.write_text(dump_toml(doc))
+    path.write_text(tomli_w.dumps(_without_none(doc)))
     return path
 
 

@@ -42,13 +42,16 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def write_bytes(path: Path, data: bytes) -> FileRecord:
-    """Write `data` at `path` atomically (temporary name, fsync, rename); returns its sha256 and size."""
+def write_bytes(path: Path, data: bytes, *, mode: int | None = None) -> FileRecord:
+    """Write `data` at `path` atomically (temporary name, fsync, rename); returns its sha256 and size. `mode`: the
+    file's permission bits (default: as the umask leaves them)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    if mode is not None:
+        os.chmod(tmp, mode)
     os.replace(tmp, path)
     return FileRecord(hashlib.sha256(data).hexdigest(), len(data))
 

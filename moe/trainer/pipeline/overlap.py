@@ -50,6 +50,7 @@ from __future__ import annotations
 import io
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from torch.distributed.pipelining.schedules import (
     FORWARD,
@@ -62,7 +63,8 @@ from torch.distributed.pipelining.schedules import (
 
 from moe.layer.dispatcher.deepep import DeepEPDispatcher
 from moe.layer.interleave import Comm, Event, Interleaver, comms_of, compute_spans
-from moe.trainer.pipeline.timeline import TimelineRecorder, _write_atomic
+from moe.trainer.io.atomic import write_bytes
+from moe.trainer.pipeline.timeline import TimelineRecorder
 
 
 @dataclass
@@ -284,4 +286,4 @@ def save_with_legend(fig, ax, path_png: str | os.PathLike, compute: dict[str, st
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
-    _write_atomic(path_png, buf.getvalue())
+    write_bytes(Path(path_png), buf.getvalue(), mode=0o644)

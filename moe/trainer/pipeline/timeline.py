@@ -28,14 +28,15 @@ import json
 import math
 import os
 import socket
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from moe.trainer.io.atomic import write_bytes
 from moe.trainer.pipeline.split import stages_per_rank
 
 COMPUTE_KINDS = ("F", "B", "I", "W", "F&B")
@@ -505,22 +506,6 @@ def analytic_bubble_fraction(
 # Output
 
 
-def _write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Writes `data` to a temporary name in the target's folder, then renames it over `path` (mode 0o644)."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _json_safe(value: Any) -> Any:
     """Metadata made JSON-encodable: tuples to lists, dataclass reports to their dict, NaN/inf kept as strings."""
     if isinstance(value, BubbleReport):
@@ -579,7 +564,7 @@ def write_chrome_trace(
     override it. Written atomically (temporary file, then rename), mode 0o644.
     """
     doc = chrome_trace(timelines, metadata)
-    _write_atomic(path, json.dumps(doc, allow_nan=False).encode())
+    write_bytes(Path(path), json.dumps(doc, allow_nan=False).encode(), mode=0o644)
 
 
 def plot_timeline(path_png: str | os.PathLike, timelines: Sequence[Sequence[Slot]], title: str = "") -> None:
@@ -629,4 +614,4 @@ def plot_timeline(path_png: str | os.PathLike, timelines: Sequence[Sequence[Slot
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
-    _write_atomic(path_png, buf.getvalue())
+    write_bytes(Path(path_png), buf.getvalue(), mode=0o644)

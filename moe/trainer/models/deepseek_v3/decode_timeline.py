@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from moe.layer.interleave import Event, comms_of, compute_spans
+from moe.trainer.io.atomic import write_bytes
 from moe.trainer.pipeline.overlap import draw_comm, save_with_legend
-from moe.trainer.pipeline.timeline import _write_atomic
 
 SIDES = ("A", "B")
 _COLOURS = {"A": "#f4a259", "B": "#5b8e7d"}
@@ -73,7 +74,7 @@ def chrome_trace(per_rank: Sequence[Sequence[Event]], metadata: dict[str, Any] |
 
 def write_chrome_trace(path: str | os.PathLike, per_rank: Sequence[Sequence[Event]], metadata=None) -> None:
     """Writes `chrome_trace` as JSON, atomically (mode 0o644)."""
-    _write_atomic(path, json.dumps(chrome_trace(per_rank, metadata), allow_nan=False).encode())
+    write_bytes(Path(path), json.dumps(chrome_trace(per_rank, metadata), allow_nan=False).encode(), mode=0o644)
 
 
 def plot_step(path_png: str | os.PathLike, per_rank: Sequence[Sequence[Event]], title: str = "") -> None:
