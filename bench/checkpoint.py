@@ -44,11 +44,11 @@ from _common import RESULTS_DIR, make_parser, num_cores, print_table, run_ranks,
 from moe import EPBuffers
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from moe.trainer.train.checkpoint import ModelIO
-from moe.trainer.train.checkpoint.state import optimizer_entries
-from moe.trainer.train.config import TrainingConfig
+from moe.trainer.train.checkpoint.train_state import optimizer_entries
 from moe.trainer.train.data import TokenBatches, prepare_tokens
-from moe.trainer.train.parallel import Layout, ParallelState
+from moe.trainer.train.parallel_state import Layout, ParallelState
 from moe.trainer.train.trainer import Trainer
+from moe.trainer.train.training_config import TrainingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 # name -> (ranks, expert-parallel size, ZeRO-1, dtype)

@@ -46,7 +46,7 @@ def _worker(rank: int, world: int, group, args) -> dict:
     from moe.trainer.pipeline.overlap import install_overlapped_forward_backward, summarize
     from moe.trainer.pipeline.split import split_layers
     from moe.trainer.pipeline.timeline import plot_timeline, write_chrome_trace
-    from moe.trainer.train.parallel import Layout, ParallelState
+    from moe.trainer.train.parallel_state import Layout, ParallelState
     from moe.trainer.train.trainer import target_counts
 
     del rank, world

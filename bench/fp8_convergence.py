@@ -26,11 +26,11 @@ from _common import RESULTS_DIR, environment, make_parser, print_table, save_res
 
 from moe.layer.fp8.convert import apply_fp8, fp8_moe_options
 from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
-from moe.trainer.train.config import DataConfig, TrainingConfig
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 from moe.trainer.train.data import TokenBatches, prepare_tokens
-from moe.trainer.train.parallel import ParallelState
+from moe.trainer.train.parallel_state import ParallelState
 from moe.trainer.train.trainer import Trainer
+from moe.trainer.train.training_config import DataConfig, TrainingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "deepseek_v3" / "configs" / "tiny.toml"

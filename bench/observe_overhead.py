@@ -44,11 +44,11 @@ from moe import layer as moe_layer  # noqa: E402
 from moe.layer import trace_regions  # noqa: E402
 from moe.layer.phase_timer import NULL_PHASE  # noqa: E402
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
-from moe.trainer.train.config import TrainingConfig  # noqa: E402
 from moe.trainer.train.data import TokenBatches  # noqa: E402
 from moe.trainer.train.loggers import MetricsConfig, open_loggers, scalars  # noqa: E402
-from moe.trainer.train.parallel import ParallelState  # noqa: E402
+from moe.trainer.train.parallel_state import ParallelState  # noqa: E402
 from moe.trainer.train.trainer import Trainer  # noqa: E402
+from moe.trainer.train.training_config import TrainingConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "deepseek_v3" / "configs" / "tiny.toml"

@@ -25,8 +25,8 @@ times of the median-time step; on 2 shared cores a step's bubble varies by sever
 - formula: Megatron's (P-1)/(V m) of (interleaved) 1F1B relative to the ideal step, as a share of the step
   ((P-1)/(V m + P-1)); it assumes equal stages and free communication, and depends on no measured time;
 - peak memory: the largest rank's resident-set high-water mark during the step above its resident set before it
-  (`moe.layer.memory.peak_memory_bytes`): activations in flight, gradients and p2p buffers. The gradients are the same
-  for every schedule, so the differences between rows are activation memory. Measured in a second set of rank
+  (`moe.layer.peak_memory.peak_memory_bytes`): activations in flight, gradients and p2p buffers. The gradients are the
+  same for every schedule, so the differences between rows are activation memory. Measured in a second set of rank
   processes (one step per schedule after the warm-up), because that accounting makes glibc map and unmap every
   allocation of 64 KiB or more: every fresh tensor then page-faults, which on this CPU slowed the steps by ~25% and
   unevenly (more where more memory is live), so the timed steps run in other processes.
@@ -93,7 +93,7 @@ def _build(name: str, args):
     from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
     from moe.trainer.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options
     from moe.trainer.pipeline.split import split_layers, stages_per_rank
-    from moe.trainer.train.parallel import Layout, ParallelState
+    from moe.trainer.train.parallel_state import Layout, ParallelState
 
     schedule, virtual = schedule_of(name)
     cfg = DeepseekV3Config.from_toml(_config_path(args.config))
@@ -152,7 +152,7 @@ def _inputs(cfg, args):
 
 def _memory_worker(rank: int, world: int, group, args) -> dict[str, float]:
     """Per schedule, the largest rank's peak memory of one step after one warm-up step (see the docstring)."""
-    from moe.layer.memory import peak_memory_bytes
+    from moe.layer.peak_memory import peak_memory_bytes
 
     del rank, world
     built = {schedule: _build(schedule, args) for schedule in args.schedules}

@@ -36,7 +36,7 @@ import tomllib
 from _common import RESULTS_DIR, num_cores, print_table, save_run
 from train_layouts import bench_config, train_rank
 
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 from moe.trainer.plan.devices import CPU, DeviceSpec
 from moe.trainer.plan.search import estimate
 from moe.trainer.plan.space import Candidate, Workload

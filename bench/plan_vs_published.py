@@ -31,12 +31,12 @@ import tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config  # noqa: E402
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config  # noqa: E402
 from moe.trainer.plan.devices import SPECS  # noqa: E402
 from moe.trainer.plan.framework import MEGATRON_ALLTOALL  # noqa: E402
 from moe.trainer.plan.layout import check_layout, parse_layout  # noqa: E402
-from moe.trainer.plan.memory import GIB, memory_by_stage  # noqa: E402
-from moe.trainer.plan.model import ModelShape  # noqa: E402
+from moe.trainer.plan.memory_estimate import GIB, memory_by_stage  # noqa: E402
+from moe.trainer.plan.model_shape import ModelShape  # noqa: E402
 from moe.trainer.plan.report import table  # noqa: E402
 from moe.trainer.plan.search import estimate  # noqa: E402
 from moe.trainer.plan.space import Workload  # noqa: E402

@@ -167,7 +167,7 @@ def _prepare(work: str, size_mb: int, text: str, vocab_size: int) -> None:
     """Generate the corpus and train the tokenizer (its own process: the measured ones start small)."""
     from moe.trainer.data.corpus import Corpus
     from moe.trainer.data.tokenizer import capped, train_tokenizer
-    from moe.trainer.models.deepseek_v3.tokenizer import END_OF_TEXT
+    from moe.trainer.models.deepseek_v3.model_tokens import END_OF_TEXT
 
     work_dir = Path(work)
     start = time.perf_counter()

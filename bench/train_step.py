@@ -138,7 +138,7 @@ from moe.trainer.train import (
 )
 from moe.trainer.train.config_tree import split_overrides
 from moe.trainer.train.data import TokenBatches
-from moe.trainer.train.parallel import ParallelState
+from moe.trainer.train.parallel_state import ParallelState
 from moe.trainer.train.schedule import lr_at
 from moe.trainer.train.trainer import Trainer
 

@@ -15,10 +15,10 @@ from moe.layer.balancing import (
     set_aux_loss_scale,
     update_expert_bias,
 )
-from moe.layer.config import MoEConfig
 from moe.layer.dispatcher import EPBuffers, TokenDispatcher, build_dispatcher, register_dispatcher
 from moe.layer.experts import SwiGLUExperts, SwiGLUMLP
 from moe.layer.fp8 import Fp8SwiGLUExperts
+from moe.layer.moe_config import MoEConfig
 from moe.layer.moe_layer import MoELayer
 from moe.layer.router import RouterOutput, TopKRouter, node_limited_routing
 

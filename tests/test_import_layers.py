@@ -37,8 +37,11 @@ PATH_EXECUTION = {"spec_from_file_location", "run_path", "run_module", "exec_mod
 # (file, imported module) -> why the import waits until the function runs. Only optional packages: each is needed
 # by one feature, and the library imports without it.
 ALLOWED = {
-    ("moe/trainer/models/deepseek_v3/config.py", "tomllib"): "Python >= 3.11; the fallback below covers older ones",
-    ("moe/trainer/models/deepseek_v3/config.py", "tomli"): "the TOML reader before Python 3.11 (optional)",
+    (
+        "moe/trainer/models/deepseek_v3/model_config.py",
+        "tomllib",
+    ): "Python >= 3.11; the fallback below covers older ones",
+    ("moe/trainer/models/deepseek_v3/model_config.py", "tomli"): "the TOML reader before Python 3.11 (optional)",
     ("moe/trainer/pipeline/overlap.py", "matplotlib.backends.backend_agg"): "plots only: matplotlib is optional",
     ("moe/trainer/pipeline/overlap.py", "matplotlib.figure"): "plots only: matplotlib is optional",
     ("moe/trainer/pipeline/overlap.py", "matplotlib.patches"): "plots only: matplotlib is optional",
@@ -65,12 +68,15 @@ ALLOWED = {
     ("moe/trainer/train/loggers.py", "wandb"): "only with --wandb-project: wandb is optional",
     ("moe/trainer/train/data.py", "tokenizers"): "only to train or key a tokenizer: tokenizers is optional",
     (
-        "moe/trainer/models/deepseek_v3/tokenizer.py",
+        "moe/trainer/models/deepseek_v3/model_tokens.py",
         "tokenizers",
     ): "only to encode or decode text: tokenizers is optional",
     ("moe/trainer/io/shard_files.py", "safetensors"): "only to read a safetensors file of a checkpoint",
     ("moe/trainer/train/metrics.py", "tqdm.auto"): "the progress bar only: tqdm is optional",
-    ("moe/trainer/train/parallel.py", "torch.distributed.device_mesh"): "torch's device meshes, only once a process "
+    (
+        "moe/trainer/train/parallel_state.py",
+        "torch.distributed.device_mesh",
+    ): "torch's device meshes, only once a process "
     "group exists (the module is imported before torch.distributed is initialised, e.g. by the planner)",
 }
 

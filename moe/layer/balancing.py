@@ -317,7 +317,7 @@ class MoEMetrics:
     num_dropped_tokens: slots dropped by the capacity limit and by padded-GEMM truncation on this rank.
     losses: name -> 0-d float32 value of each auxiliary loss, coefficient included (empty outside training).
     num_replicated_slots: slots computed on this rank with hot-expert copies (not dispatched).
-    expert_recompute: what the local experts rebuild in backward (None, 'act' or 'fc1'; see moe/layer/recompute.py).
+    expert_recompute: what the local experts rebuild in backward (None, 'act' or 'fc1'; see moe/layer/moe_recompute.py).
     """
 
     tokens_per_expert: torch.Tensor

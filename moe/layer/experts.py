@@ -17,7 +17,7 @@ from torch import nn
 
 from moe.layer import wgrad
 from moe.layer.capacity import align_up, pad_rows, plan_padding, unpad_rows
-from moe.layer.recompute import DropSaved, checkpointed
+from moe.layer.moe_recompute import DropSaved, checkpointed
 
 # What an expert forward may recompute in backward instead of keeping: None, the activation ('act': the SwiGLU
 # outputs are rebuilt from the FC1 output), or 'fc1' (the FC1 output too, with one more FC1 GEMM).

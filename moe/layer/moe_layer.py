@@ -15,16 +15,16 @@ from torch import nn
 from moe.layer import balancing, wgrad
 from moe.layer.balancing import AuxLossScale, GlobalAuxLossTracker, MoEMetrics, attach_aux_loss
 from moe.layer.capacity import apply_capacity, expert_capacity, pad_rows, plan_padding, unpad_rows
-from moe.layer.config import MoEConfig
 from moe.layer.dispatcher import DispatchResult, EPBuffers, TokenDispatcher, build_dispatcher
 from moe.layer.dispatcher.comm import group_rank, group_size
 from moe.layer.dispatcher.etp import ExpertTensorParallelDispatcher
 from moe.layer.experts import SwiGLUExperts, SwiGLUMLP
 from moe.layer.fp8 import Fp8SwiGLUExperts, fp8_switches
 from moe.layer.interleave import in_flight
+from moe.layer.moe_config import MoEConfig
+from moe.layer.moe_recompute import checkpointed
 from moe.layer.parallel.sharding import TPShard, tag_sharded
 from moe.layer.phase_timer import PhaseTimer, mark_backward, phase
-from moe.layer.recompute import checkpointed
 from moe.layer.replication import HotExpertReplicas
 from moe.layer.router import RouterOutput, TopKRouter
 from moe.layer.trace_regions import COMBINE, DISPATCH, EXPERT_GEMM, ROUTER, SHARED_EXPERTS, region
@@ -62,7 +62,7 @@ class MoELayer(nn.Module):
         dtype: dtype of the expert and shared-expert weights (the router weight is always float32).
         ep_buffers: the `EPBuffers` (owned by the model or trainer) whose mtdeepep buffers the 'flex' / 'flex_ll'
             dispatchers of its layers share; None: the group's default, shared by every layer given none.
-        dispatcher: a ready `TokenDispatcher` over `ep_group` (e.g. a `DeepEPDispatcher` on a given
+        dispatcher: a ready `TokenDispatcher` over `ep_group` (e.g. a `FlexDispatcher` on a given
             `mtdeepep.Buffer`); it replaces the one `config.moe_token_dispatcher_type` would build.
     """
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe.layer.balancing import ExpertBias
-from moe.layer.config import MoEConfig
+from moe.layer.moe_config import MoEConfig
 
 
 @dataclass

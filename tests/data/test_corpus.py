@@ -11,7 +11,7 @@ import pytest
 
 from moe.trainer.data.corpus import Corpus, CorpusError, decode_chunk
 from moe.trainer.train import data as train_data
-from moe.trainer.train.config import DataConfig
+from moe.trainer.train.training_config import DataConfig
 from tests.data.corpus_cases import write_jsonl, write_mixed_corpus
 
 

@@ -16,9 +16,9 @@ from moe.trainer.data.tokenizer import (
     tokenizer_key,
     train_tokenizer,
 )
-from moe.trainer.models.deepseek_v3.tokenizer import END_OF_TEXT
+from moe.trainer.models.deepseek_v3.model_tokens import END_OF_TEXT
 from moe.trainer.train import data as train_data
-from moe.trainer.train.config import DataConfig
+from moe.trainer.train.training_config import DataConfig
 from tests.data.corpus_cases import SAMPLE, hf_tokenizer
 
 

@@ -12,7 +12,7 @@ from moe.layer.fp8 import Fp8SwiGLUExperts, gemm
 from moe.layer.fp8.convert import Fp8Linear, Fp8SwiGLUMLP, apply_fp8, fp8_moe_options
 from moe.layer.router import TopKRouter
 from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 from moe.trainer.models.deepseek_v3.norm import RMSNorm
 from tests.train.train_cases import TINY
 

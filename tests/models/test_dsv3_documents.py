@@ -38,7 +38,7 @@ from moe.trainer.models.deepseek_v3.documents import (
 from moe.trainer.models.deepseek_v3.tensor_parallel import parallelize
 from moe.trainer.pipeline import PipelineRunner
 from moe.trainer.pipeline.split import split_layers
-from moe.trainer.train.parallel import Layout, ParallelState
+from moe.trainer.train.parallel_state import Layout, ParallelState
 from tests.models.dsv3_testlib import tiny_config
 from tests.ranks import pool_fixture
 

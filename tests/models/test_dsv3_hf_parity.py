@@ -196,7 +196,7 @@ def test_eos_token_id_carries_through_import_and_export(tmp_path):
     at an arbitrary token)."""
     import json
 
-    from moe.trainer.models.deepseek_v3.tokenizer import END_OF_TEXT, eos_token_id
+    from moe.trainer.models.deepseek_v3.model_tokens import END_OF_TEXT, eos_token_id
 
     def hf_config(path):
         return json.loads((path / "config.json").read_text())

@@ -2,7 +2,7 @@
 
 Results must be bit-identical: recompute rebuilds saved tensors with the same operations on the same inputs.
 Peak memory is the process's resident-set peak during forward + backward of a stack of MoE layers
-(`moe.layer.memory.peak_memory_bytes`), each level measured in the same process, interleaved,
+(`moe.layer.peak_memory.peak_memory_bytes`), each level measured in the same process, interleaved,
 after a warm-up round, least of 3.
 """
 
@@ -15,8 +15,8 @@ from torch import nn
 from moe import MoEConfig, MoELayer
 from moe.layer.experts import SwiGLUExperts, swiglu_mlp
 from moe.layer.fp8 import Fp8SwiGLUExperts
-from moe.layer.memory import peak_memory_bytes
-from moe.layer.recompute import DropSaved
+from moe.layer.moe_recompute import DropSaved
+from moe.layer.peak_memory import peak_memory_bytes
 
 pytestmark = pytest.mark.timeout(300)
 

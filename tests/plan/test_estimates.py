@@ -9,12 +9,12 @@ import pytest
 
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, parameter_counts
 from moe.trainer.pipeline.timeline import analytic_bubble
-from moe.trainer.plan.comm import expected_distinct, ring_time
+from moe.trainer.plan.comm_cost import expected_distinct, ring_time
 from moe.trainer.plan.devices import CPU, H100
-from moe.trainer.plan.memory import estimate_memory
-from moe.trainer.plan.model import ModelShape
+from moe.trainer.plan.memory_estimate import estimate_memory
+from moe.trainer.plan.model_shape import ModelShape
 from moe.trainer.plan.space import Candidate, Workload
-from moe.trainer.plan.stages import inflight, rank_chunks
+from moe.trainer.plan.stage_placement import inflight, rank_chunks
 from moe.trainer.plan.timing import chunk_times, estimate_time
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "configs"
@@ -32,8 +32,8 @@ def counts():
 
 
 def test_model_state_bytes_hand_computed():
-    """moe/trainer/plan/memory.py's table: FP32 4 + 4 + 8 bytes; BF16 2 + (2 + 4) + (8 + 4) with an FP32 router (4, 4,
-    8); ZeRO-1 shards the optimizer over dp (dense) and edp (experts); EP splits the experts."""
+    """moe/trainer/plan/memory_estimate.py's table: FP32 4 + 4 + 8 bytes; BF16 2 + (2 + 4) + (8 + 4) with an FP32 router
+    (4, 4, 8); ZeRO-1 shards the optimizer over dp (dense) and edp (experts); EP splits the experts."""
     P, R, X = counts()
     one = Candidate(world=1, tp=1, pp=1, ep=1)
     m = estimate_memory(one, SHAPE, WORK32, CPU)
@@ -124,7 +124,7 @@ def test_collective_helpers():
 def test_fresh_memory_term_on_cpu():
     """The 'cpu' spec's page-fault term: every micro-batch touches its activations twice (forward outputs, their
     gradients) and its weight gradients once in fresh memory, at the machine-wide rate the ranks share."""
-    from moe.trainer.plan.memory import rank_params
+    from moe.trainer.plan.memory_estimate import rank_params
 
     cand = Candidate(world=1, tp=1, pp=1, ep=1)
     with_faults = estimate_time(cand, SHAPE, WORK32, CPU)

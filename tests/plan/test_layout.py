@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import plan_vs_published
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 from moe.trainer.plan import cli
 from moe.trainer.plan.devices import SPECS
 from moe.trainer.plan.layout import check_layout, parse_layout

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe.layer.memory import _exact_cpu_accounting, _status_bytes
+from moe.layer.peak_memory import _exact_cpu_accounting, _status_bytes
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, RecomputeConfig, parameter_counts
-from moe.trainer.plan.model import RECOMPUTE_CHOICES, ModelShape
+from moe.trainer.plan.model_shape import RECOMPUTE_CHOICES, ModelShape
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "configs"
 

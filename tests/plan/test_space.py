@@ -12,7 +12,7 @@ from moe.trainer.models.deepseek_v3 import DeepseekV3Config
 from moe.trainer.models.deepseek_v3.tensor_parallel import check_tensor_parallel
 from moe.trainer.pipeline.split import check_schedule
 from moe.trainer.plan.devices import CPU, MTT_S4000
-from moe.trainer.plan.model import RECOMPUTE_CHOICES
+from moe.trainer.plan.model_shape import RECOMPUTE_CHOICES
 from moe.trainer.plan.search import plan
 from moe.trainer.plan.space import (
     PIPELINE_SCHEDULES,
@@ -24,7 +24,7 @@ from moe.trainer.plan.space import (
 )
 from moe.trainer.train import job_config, run
 from moe.trainer.train.layout_rules import check_expert_tensor_parallel, check_model_layout
-from moe.trainer.train.parallel import FP8_RECIPES, Layout
+from moe.trainer.train.parallel_state import FP8_RECIPES, Layout
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "configs"
 TINY = DeepseekV3Config.from_toml(CONFIGS / "tiny.toml")

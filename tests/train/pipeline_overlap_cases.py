@@ -12,7 +12,7 @@ from moe.layer.interleave import compute_spans
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, RecomputeConfig
 from moe.trainer.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options
 from moe.trainer.pipeline.split import split_layers
-from moe.trainer.train.parallel import Layout, ParallelState
+from moe.trainer.train.parallel_state import Layout, ParallelState
 from moe.trainer.train.trainer import target_counts
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,11 +20,11 @@ from torch import nn
 from moe.trainer.io import shard_files as sf
 from moe.trainer.train import checkpoint as ckpt
 from moe.trainer.train import faults
-from moe.trainer.train.checkpoint import state as ts
+from moe.trainer.train.checkpoint import train_state as ts
 from moe.trainer.train.checkpoint.writer import CheckpointWriteError, SaveRequest, ShardWriter
-from moe.trainer.train.config import TrainingConfig
 from moe.trainer.train.optim import MasterAdamW
-from moe.trainer.train.parallel import Layout, ParallelState
+from moe.trainer.train.parallel_state import Layout, ParallelState
+from moe.trainer.train.training_config import TrainingConfig
 from mtdeepep.utils.testing import run_processes
 
 PAR = ParallelState.single()

@@ -10,7 +10,6 @@ import pytest
 
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config
 from moe.trainer.train import job_config
-from moe.trainer.train.config import TrainingConfig
 from moe.trainer.train.config_tree import (
     FREE,
     ConfigTree,
@@ -21,7 +20,8 @@ from moe.trainer.train.config_tree import (
     parse_value,
     split_overrides,
 )
-from moe.trainer.train.parallel import Layout
+from moe.trainer.train.parallel_state import Layout
+from moe.trainer.train.training_config import TrainingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

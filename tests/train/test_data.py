@@ -13,8 +13,8 @@ import torch
 from tokenizers import Tokenizer
 
 from moe.trainer.train import data as data_mod
-from moe.trainer.train.config import DataConfig
 from moe.trainer.train.data import TokenBatches, corpus_files, prepare_tokens
+from moe.trainer.train.training_config import DataConfig
 
 WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "value", "items", "(", ")", ":", "="]
 

@@ -11,7 +11,6 @@ from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausal
 from moe.trainer.models.deepseek_v3.flops import model_flops_per_token
 from moe.trainer.plan.peak import device_peak
 from moe.trainer.train.checkpoint import ModelIO
-from moe.trainer.train.config import TrainingConfig
 from moe.trainer.train.data import TokenBatches
 from moe.trainer.train.metrics import (
     MetricsLog,
@@ -23,8 +22,9 @@ from moe.trainer.train.metrics import (
     plot_title,
     read_metrics,
 )
-from moe.trainer.train.parallel import ParallelState
+from moe.trainer.train.parallel_state import ParallelState
 from moe.trainer.train.trainer import Trainer
+from moe.trainer.train.training_config import TrainingConfig
 from tests.train import train_cases as tc
 
 

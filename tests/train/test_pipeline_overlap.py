@@ -169,9 +169,9 @@ def _module(*layers):
 
 
 def _deepep():
-    from moe.layer.dispatcher.deepep import DeepEPDispatcher
+    from moe.layer.dispatcher.flex import FlexDispatcher
 
-    return DeepEPDispatcher.__new__(DeepEPDispatcher)  # only its type matters here
+    return FlexDispatcher.__new__(FlexDispatcher)  # only its type matters here
 
 
 def _layer(group_size=2, dispatcher=None, jitter=None):

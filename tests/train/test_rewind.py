@@ -17,14 +17,14 @@ from moe.trainer.io.shard_files import SECTIONS, read_full_section
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from moe.trainer.train import run
 from moe.trainer.train.checkpoint import ModelIO
-from moe.trainer.train.checkpoint.state import amax_histories
-from moe.trainer.train.config import TrainingConfig
+from moe.trainer.train.checkpoint.train_state import amax_histories
 from moe.trainer.train.data import TokenBatches
 from moe.trainer.train.faults import ENV, FaultPlan
 from moe.trainer.train.metrics import read_events, read_metrics
-from moe.trainer.train.parallel import ParallelState
+from moe.trainer.train.parallel_state import ParallelState
 from moe.trainer.train.rewind import AnomalyDetected, SpikeDetector, StateSnapshot
 from moe.trainer.train.trainer import Trainer
+from moe.trainer.train.training_config import TrainingConfig
 from mtdeepep.utils.testing import run_processes
 from tests.train import train_cases as tc
 

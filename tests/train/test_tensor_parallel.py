@@ -32,7 +32,7 @@ from moe.layer.parallel import (
 )
 from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
 from moe.trainer.models.deepseek_v3.tensor_parallel import apply_tensor_parallel, parallelize
-from moe.trainer.train.parallel import Layout, ParallelState
+from moe.trainer.train.parallel_state import Layout, ParallelState
 from tests.models.dsv3_testlib import HF_CASES, rel_err, tiny_config, tokens
 from tests.ranks import pool_fixture
 

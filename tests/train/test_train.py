@@ -33,15 +33,15 @@ from safetensors.torch import load_file
 from moe.trainer.io.shard_files import read_full_section
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, read_model_dir
 from moe.trainer.models.deepseek_v3.flops import model_flops_per_token
-from moe.trainer.models.deepseek_v3.tokenizer import tokenizer_eos_token_id
+from moe.trainer.models.deepseek_v3.model_tokens import tokenizer_eos_token_id
 from moe.trainer.train import checkpoint as ckpt
 from moe.trainer.train import evaluate, faults, run
 from moe.trainer.train.checkpoint import ModelIO
-from moe.trainer.train.config import TrainingConfig
 from moe.trainer.train.data import TokenBatches, prepare_tokens
 from moe.trainer.train.metrics import read_metrics
-from moe.trainer.train.parallel import ParallelState
+from moe.trainer.train.parallel_state import ParallelState
 from moe.trainer.train.trainer import Trainer
+from moe.trainer.train.training_config import TrainingConfig
 from mtdeepep.utils.testing import run_processes
 from tests.train import train_cases as tc
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from moe.trainer.train.config import TrainingConfig
 from moe.trainer.train.optim import MasterAdamW
-from moe.trainer.train.parallel import ParallelState
+from moe.trainer.train.parallel_state import ParallelState
+from moe.trainer.train.training_config import TrainingConfig
 from moe.trainer.train.zero import DistributedAdamW, ZeroConfig
 from tests.train import zero_cases as cases
 from tests.train import zero_pipeline_cases as zcases

@@ -11,9 +11,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moe.trainer.train.config import TrainingConfig
 from moe.trainer.train.optim import MasterAdamW
-from moe.trainer.train.parallel import Layout, ParallelState
+from moe.trainer.train.parallel_state import Layout, ParallelState
+from moe.trainer.train.training_config import TrainingConfig
 from moe.trainer.train.zero import CollectiveTimeout, DistributedAdamW, ZeroConfig
 from tests.train.optim_step import optimizer_step
 from tests.train.state_io import gathered_state, load_state, save_state

@@ -3,10 +3,10 @@
 Built in (registered by `moe.layer.dispatcher`):
 - 'alltoall': all-to-all of one row per (token, expert) slot (`moe.layer.dispatcher.alltoall`), the baseline;
 - 'allgather': every rank gathers all tokens and keeps its experts' rows (`moe.layer.dispatcher.allgather`);
-- 'flex': mtdeepep normal mode (`moe.layer.dispatcher.deepep.DeepEPDispatcher`, DeepEP's normal kernels), the default
+- 'flex': mtdeepep normal mode (`moe.layer.dispatcher.flex.FlexDispatcher`, DeepEP's normal kernels), the default
   for training: differentiable, any dtype, shared expert overlapped with the dispatch;
 - 'flex_ll' (ours; Megatron has no name for it): mtdeepep low-latency mode
-  (`moe.layer.dispatcher.deepep_ll.DeepEPLowLatencyDispatcher`), for inference/decoding only: bfloat16 (or FP8) rows,
+  (`moe.layer.dispatcher.flex_ll.FlexLowLatencyDispatcher`), for inference/decoding only: bfloat16 (or FP8) rows,
   at most `num_max_dispatch_tokens_per_rank` tokens per rank, shared expert overlapped through the receive hook.
 
 Other backends plug in the same way. A name is looked up where the dispatcher is built (`build_dispatcher`, called
@@ -32,8 +32,8 @@ import torch.distributed as dist
 from moe.layer.dispatcher.base import TokenDispatcher
 
 if TYPE_CHECKING:
-    from moe.layer.config import MoEConfig
     from moe.layer.dispatcher.buffers import EPBuffers
+    from moe.layer.moe_config import MoEConfig
 
 DispatcherFactory = Callable[["MoEConfig", "dist.ProcessGroup | None", "EPBuffers | None"], TokenDispatcher]
 

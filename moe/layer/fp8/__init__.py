@@ -31,7 +31,7 @@ What runs in FP8 (`apply_fp8`, convert.py): the forward, input-gradient and weig
 the output head (attention projections, MTP's `eh_proj`; tensor-parallel linears through their `linear_fn` hook),
 of the dense SwiGLU MLPs and shared experts, and of the routed experts' grouped GEMMs (grouped.py). The MoE layers'
 'flex' dispatcher sends E4M3 tokens with their 1x128 scales through mtdeepep and combines in high precision
-(moe/layer/dispatcher/deepep.py, `moe_flex_use_fp8`). What does not: embeddings, the output head, the routers (FP32),
+(moe/layer/dispatcher/flex.py, `moe_flex_use_fp8`). What does not: embeddings, the output head, the routers (FP32),
 norms, rotary embedding, the attention core (SDPA), the SwiGLU activations, the losses; those stay in the model's
 dtype (BF16 or FP32). Weights stay in their dtype as master weights (FP32 with `MasterAdamW`) and are cast per use.
 
@@ -44,8 +44,8 @@ Limits: under the delayed recipe a recomputed forward (activation checkpointing:
 recompute) records its amaxes again and may cast with a newer scale than the original forward, so its values can
 differ by one E4M3 rounding (the block-wise recipe recomputes exactly: its scales come from the tensors). The amax
 histories are checkpointed with each rank's state: a resume in the same layout is exact
-(moe/trainer/train/checkpoint/state.py says how another layout merges them). Expert-parallel ranks scale their local
-rows per tensor under the delayed recipe, so EP layouts differ by E4M3 roundings there.
+(moe/trainer/train/checkpoint/train_state.py says how another layout merges them). Expert-parallel ranks scale their
+local rows per tensor under the delayed recipe, so EP layouts differ by E4M3 roundings there.
 
 torchao (0.18, evaluated for this): its `Float8Linear` runs forward and backward on CPU with `emulate=True`, but it
 only offers dynamic scaling (delayed scaling was removed), per-tensor or row-wise (no 1x128 / 128x128 tiles outside
@@ -55,6 +55,7 @@ it is used at run time. The tests use it as an independent reference for the fir
 per-tensor E4M3 cast) when it is installed.
 """
 
+from moe.layer.fp8.amax_history import AmaxHistory, DelayedState, delayed_states
 from moe.layer.fp8.cast import Fp8Operand, amax_to_scale, cast_blockwise, cast_per_tensor, fake_quantize
 from moe.layer.fp8.gemm import scaled_matmul, scaled_mm_variant
 from moe.layer.fp8.grouped import Fp8SwiGLUExperts, fp8_grouped_linear
@@ -72,7 +73,6 @@ from moe.layer.fp8.recipe import (
     fp8_switches,
     recipe_from_name,
 )
-from moe.layer.fp8.state import AmaxHistory, DelayedState, delayed_states
 
 __all__ = [
     "ACT_TILE",

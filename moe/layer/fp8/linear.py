@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from moe.layer import wgrad
 from moe.layer.fp8 import gemm
+from moe.layer.fp8.amax_history import DelayedState
 from moe.layer.fp8.cast import Fp8Operand, cast_blockwise, cast_per_tensor
 from moe.layer.fp8.recipe import COL_TILE, BlockwiseScaling, DelayedScaling, Fp8Recipe
-from moe.layer.fp8.state import DelayedState
 
 
 class Fp8Caster:

@@ -8,7 +8,7 @@ gradients of the delayed recipe too, as the issue asks, and rely on the amax his
 gradient value above the history's amax saturates at 448 * scale instead of overflowing. The block-wise recipe
 needs E5M2 even less: a 1x128 tile only has to cover the range of 128 values (DeepSeek-V3 uses E4M3 throughout).
 
-This module imports nothing of `moe` (moe/layer/config.py imports its name lists).
+This module imports nothing of `moe` (moe/layer/moe_config.py imports its name lists).
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ class Fp8Switches:
 
     Attributes:
         experts: the routed experts' GEMM recipe, or None (GEMMs in the weights' dtype).
-        flex_dispatch: the 'flex' dispatcher (`DeepEPDispatcher`) sends E4M3 tokens with 1x128 scales.
-        flex_ll_dispatch: the 'flex_ll' dispatcher (`DeepEPLowLatencyDispatcher`) sends E4M3 payloads.
+        flex_dispatch: the 'flex' dispatcher (`FlexDispatcher`) sends E4M3 tokens with 1x128 scales.
+        flex_ll_dispatch: the 'flex_ll' dispatcher (`FlexLowLatencyDispatcher`) sends E4M3 payloads.
     """
 
     experts: Fp8Recipe | None

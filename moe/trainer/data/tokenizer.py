@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from moe.trainer.io.atomic import write_bytes, write_json
-from moe.trainer.models.deepseek_v3.tokenizer import END_OF_TEXT, TOKENIZER_FILE
+from moe.trainer.models.deepseek_v3.model_tokens import END_OF_TEXT, TOKENIZER_FILE
 
 TRAINED = ("bpe", "bytes")
 BYTE_ALPHABET = 256

@@ -3,7 +3,7 @@ and the per-rank timeline (bubble report)."""
 
 from moe.trainer.pipeline.runner import PipelineRunner, pipeline_moe_options
 from moe.trainer.pipeline.split import StageSplit, check_schedule, split_layers, stages_of_rank, stages_per_rank
-from moe.trainer.pipeline.stages import DeepseekV3Stage, keep_stages
+from moe.trainer.pipeline.stage_modules import DeepseekV3Stage, keep_stages
 from moe.trainer.pipeline.timeline import (
     KINDS,
     BubbleReport,

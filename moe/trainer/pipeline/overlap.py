@@ -32,7 +32,7 @@ the forward; nothing the forward does can be what that receive waits for: sends 
 
 Where it runs the sub-actions one after the other instead (the action is still one 'F&B' slot):
 - this rank's stages have no expert-parallel communication (EP 1, or no MoE layer): nothing to hide;
-- an MoE layer's dispatcher is not mtdeepep's normal mode ('flex', `DeepEPDispatcher`; DeepSeek-V3's): several of
+- an MoE layer's dispatcher is not mtdeepep's normal mode ('flex', `FlexDispatcher`; DeepSeek-V3's): several of
   its calls in flight on one buffer are known to queue correctly, the other dispatchers are not checked for it;
 - an MoE layer draws router input jitter (`moe_input_jitter_eps`) from the global random generator: interleaved, the
   draws of two micro-batches would change order, and a checkpoint's recomputation sets the global generator's state
@@ -61,7 +61,7 @@ from torch.distributed.pipelining.schedules import (
     _wait_batch_p2p,
 )
 
-from moe.layer.dispatcher.deepep import DeepEPDispatcher
+from moe.layer.dispatcher.flex import FlexDispatcher
 from moe.layer.interleave import Comm, Event, Interleaver, comms_of, compute_spans
 from moe.trainer.io.atomic import write_bytes
 from moe.trainer.pipeline.timeline import TimelineRecorder
@@ -101,8 +101,8 @@ def sequential_reason(stage_modules) -> str | None:
     if not communicating:
         return "no expert-parallel communication in this rank's stages"
     for layer in communicating:
-        if not isinstance(getattr(layer.dispatcher, "inner", layer.dispatcher), DeepEPDispatcher):  # ETP wraps one
-            return f"MoE dispatcher {type(layer.dispatcher).__name__}: only 'flex' (DeepEPDispatcher) is interleaved"
+        if not isinstance(getattr(layer.dispatcher, "inner", layer.dispatcher), FlexDispatcher):  # ETP wraps one
+            return f"MoE dispatcher {type(layer.dispatcher).__name__}: only 'flex' (FlexDispatcher) is interleaved"
         if layer.config.moe_input_jitter_eps:
             return "moe_input_jitter_eps draws from the global random generator"
     return None

@@ -45,7 +45,7 @@ from moe.layer import wgrad
 from moe.layer.phase_timer import PhaseTimer, phase
 from moe.trainer.pipeline.overlap import install_overlapped_forward_backward
 from moe.trainer.pipeline.split import StageSplit, check_schedule, stages_of_rank, stages_per_rank
-from moe.trainer.pipeline.stages import DeepseekV3Stage, StageLoss, keep_stages
+from moe.trainer.pipeline.stage_modules import DeepseekV3Stage, StageLoss, keep_stages
 from moe.trainer.pipeline.timeline import (
     BubbleReport,
     TimelineRecorder,

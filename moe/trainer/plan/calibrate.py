@@ -52,7 +52,7 @@ TRAIN_PY_MODULES = (
     "moe.trainer.train.run_data",
     "moe.trainer.train.faults",
     "moe.trainer.train.metrics",
-    "moe.trainer.train.parallel",
+    "moe.trainer.train.parallel_state",
     "moe.trainer.train.rewind",
     "moe.trainer.train.trainer",
 )

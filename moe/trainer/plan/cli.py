@@ -13,8 +13,8 @@ Enumerates every TP / PP / EP / DP split of --devices (with expert tensor parall
 FFN split over etp ranks, the dispatch over the folded ep x etp group; the pipeline schedule 1F1B / ZB-H1 /
 DualPipeV / interleaved 1F1B with its virtual stages, the recompute setting, the FP8 recipe and ZeRO-1), drops what
 train.py would refuse (the trainer's own rules: moe/trainer/plan/space.py), estimates every remaining layout's peak
-memory and step time analytically (moe/trainer/plan/memory.py, moe/trainer/plan/timing.py) on the --device-spec (h100,
-h200, mtt-s4000, mtt-s5000, cpu, or a JSON file of DeviceSpec fields; --list-devices prints every figure with its
+memory and step time analytically (moe/trainer/plan/memory_estimate.py, moe/trainer/plan/timing.py) on the --device-spec
+(h100, h200, mtt-s4000, mtt-s5000, cpu, or a JSON file of DeviceSpec fields; --list-devices prints every figure with its
 source), drops what does not fit in memory, and prints the K fastest with their breakdown (an etp column when one of
 them uses ETP), the train.py command of the best layout, and how many choices each rule rejected. The batch
 (global_batch, micro_batches, seq_len) and dtype come from the config's [training] table unless given.
@@ -38,18 +38,18 @@ import sys
 import time
 from pathlib import Path
 
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 from moe.trainer.plan import report
 from moe.trainer.plan.calibrate import calibrated_cpu_spec
 from moe.trainer.plan.devices import SPECS, load_device_spec
 from moe.trainer.plan.framework import FRAMEWORKS
 from moe.trainer.plan.layout import check_layout, parse_layout
-from moe.trainer.plan.memory import GIB, memory_by_stage
-from moe.trainer.plan.model import RECOMPUTE_CHOICES, ModelShape
+from moe.trainer.plan.memory_estimate import GIB, memory_by_stage
+from moe.trainer.plan.model_shape import RECOMPUTE_CHOICES, ModelShape
 from moe.trainer.plan.search import estimate, plan
 from moe.trainer.plan.space import Workload
-from moe.trainer.train.config import TrainingConfig
-from moe.trainer.train.parallel import FP8_RECIPES
+from moe.trainer.train.parallel_state import FP8_RECIPES
+from moe.trainer.train.training_config import TrainingConfig
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -606,7 +606,7 @@ CPU = DeviceSpec(
         "runtime_gib": "measured by bench/plan_check.py: peak of a 2-rank train.py run of a ~0.6M-parameter model "
         "minus the estimate of its state and activations (calibrate.py's import-only figure is 0.29)",
         "allocator_overhead": "measured once here: glibc keeps ~0.3 of a step's freed activations resident (a small "
-        "model's forward + backward with and without `moe.layer.memory`'s exact accounting)",
+        "model's forward + backward with and without `moe.layer.peak_memory`'s exact accounting)",
         "shared_cores": "os.sched_getaffinity",
     },
     estimated=frozenset(),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 from moe.trainer.plan.devices import DeviceSpec
 from moe.trainer.plan.space import REASONS, Candidate, Workload, rejection_reason
 

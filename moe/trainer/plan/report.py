@@ -4,8 +4,8 @@ and the device-spec table with the source of every figure."""
 from __future__ import annotations
 
 from moe.trainer.plan.devices import DeviceSpec, source_rows
-from moe.trainer.plan.memory import GIB
-from moe.trainer.plan.model import ModelShape
+from moe.trainer.plan.memory_estimate import GIB
+from moe.trainer.plan.model_shape import ModelShape
 from moe.trainer.plan.search import Estimate, PlanResult
 from moe.trainer.plan.space import REASONS, Workload
 

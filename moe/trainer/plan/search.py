@@ -6,15 +6,15 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 from moe.trainer.plan.devices import DeviceSpec
 from moe.trainer.plan.framework import THIS_TRAINER, Framework
-from moe.trainer.plan.memory import MemoryBreakdown, estimate_memory
-from moe.trainer.plan.model import RECOMPUTE_CHOICES, ModelShape
+from moe.trainer.plan.memory_estimate import MemoryBreakdown, estimate_memory
+from moe.trainer.plan.model_shape import RECOMPUTE_CHOICES, ModelShape
 from moe.trainer.plan.space import Candidate, Workload, enumerate_candidates
 from moe.trainer.plan.timing import TimeBreakdown, estimate_time
 from moe.trainer.train.metrics import mfu
-from moe.trainer.train.parallel import FP8_RECIPES
+from moe.trainer.train.parallel_state import FP8_RECIPES
 
 
 @dataclass(frozen=True)

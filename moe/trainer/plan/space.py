@@ -3,7 +3,7 @@
 A `Candidate` is one complete choice: TP, PP, EP, ETP (DP follows), a pipeline schedule and its virtual stages, a
 recompute setting, an FP8 recipe and ZeRO-1 on or off. `enumerate_candidates` walks them all and sorts out those
 the trainer would refuse, calling the functions train.py calls:
-- `moe.trainer.train.parallel.Layout` (world = tp * pp * dp; MoE folding: ep * etp divides dp * tp),
+- `moe.trainer.train.parallel_state.Layout` (world = tp * pp * dp; MoE folding: ep * etp divides dp * tp),
 `Layout.check_experts`,
   `Layout.check_batch` (global batch = dp x micro-batches x rows);
 - `moe.trainer.models.deepseek_v3.tensor_parallel.check_tensor_parallel` (heads, vocabulary, dense FFN divisible by tp);
@@ -29,13 +29,13 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 from moe.trainer.models.deepseek_v3.tensor_parallel import check_tensor_parallel
 from moe.trainer.pipeline.split import check_schedule
 from moe.trainer.plan.devices import DeviceSpec
-from moe.trainer.plan.model import DTYPE_BYTES, RECOMPUTE_CHOICES
+from moe.trainer.plan.model_shape import DTYPE_BYTES, RECOMPUTE_CHOICES
 from moe.trainer.train.layout_rules import check_expert_tensor_parallel, check_model_layout
-from moe.trainer.train.parallel import FP8_RECIPES, PP_SCHEDULES, Layout
+from moe.trainer.train.parallel_state import FP8_RECIPES, PP_SCHEDULES, Layout
 
 # (schedule, chunks per rank) for pp > 1; 'interleaved' is Megatron's virtual pipeline (train.py: 1f1b with vpp).
 PIPELINE_SCHEDULES: tuple[tuple[str, int], ...] = (
@@ -44,7 +44,7 @@ PIPELINE_SCHEDULES: tuple[tuple[str, int], ...] = (
 
 # Reason keys -> the text the report prints.
 REASONS = {
-    "folding": "ep * etp does not divide dp * tp (MoE parallel folding; moe.trainer.train.parallel.Layout)",
+    "folding": "ep * etp does not divide dp * tp (MoE parallel folding; moe.trainer.train.parallel_state.Layout)",
     "experts": "n_routed_experts not divisible by ep (Layout.check_experts)",
     "batch": "global_batch not divisible by dp * micro_batches (Layout.check_batch)",
     "tp_shapes": "heads / vocabulary / dense FFN not divisible by tp (check_tensor_parallel)",

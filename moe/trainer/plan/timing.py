@@ -11,8 +11,8 @@ work, sequence-parallel parts included):
        combine as the 'flex' dispatcher does) over the folded EP x ETP group. Under expert tensor parallelism
        (etp > 1) a rank's expert shards receive etp x the rows at 1/etp of the FFN width each
        (`expert_gemm_flops`), every token goes to the etp shards of each of its experts' ranks (up to etp x the
-       dispatch and combine rows, `moe.trainer.plan.comm.dispatch_destinations`), and the combine's sum adds the etp
-       partial down-projections: no all-reduce.
+       dispatch and combine rows, `moe.trainer.plan.comm_cost.dispatch_destinations`), and the combine's sum adds the
+       etp partial down-projections: no all-reduce.
     B  backward: 2x the GEMMs (input and weight gradients), 2.5x the attention core, `ELEMENTWISE_PASSES_BWD` x
        the activation bytes, the mirrored TP / EP communication, plus the recompute (selective: the core attention;
        selective+: also the MLA up projections, norms and SwiGLU; full: the whole forward, communication included).
@@ -37,13 +37,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from moe.trainer.pipeline.timeline import analytic_bubble
-from moe.trainer.plan.comm import all_to_all_time, intra_node, p2p_time, ring_time
+from moe.trainer.plan.comm_cost import all_to_all_time, intra_node, p2p_time, ring_time
 from moe.trainer.plan.devices import DeviceSpec
 from moe.trainer.plan.framework import THIS_TRAINER, Framework
-from moe.trainer.plan.memory import rank_params
-from moe.trainer.plan.model import DTYPE_BYTES, FP32, RECOMPUTE_CHOICES, ModelShape
+from moe.trainer.plan.memory_estimate import rank_params
+from moe.trainer.plan.model_shape import DTYPE_BYTES, FP32, RECOMPUTE_CHOICES, ModelShape
 from moe.trainer.plan.space import Candidate, Workload
-from moe.trainer.plan.stages import Chunk, distinct_ranks, rank_chunks
+from moe.trainer.plan.stage_placement import Chunk, distinct_ranks, rank_chunks
 
 ATTENTION_EFFICIENCY = 0.6  # estimate: fused causal attention vs a large GEMM (FlashAttention-2/3 reach ~0.5-0.75)
 ELEMENTWISE_PASSES_FWD = 2.0  # estimate: every kept tensor written once, and one more read+write in between
@@ -187,7 +187,7 @@ def expert_gemm_flops(cand: Candidate, shape: ModelShape) -> float:
     computed by the `etp` ranks holding a shard of the expert, so a rank receives `K * etp` rows per routed token
     (balanced routing) of `6 H Fm / etp` FLOPs each (`ModelShape.expert_rows`, `expert_row_flops`): ETP does not
     change a rank's expert FLOPs, it narrows its GEMMs (priced at the same rate) and multiplies its rows, which the
-    dispatch / combine volume (`moe.trainer.plan.comm.all_to_all_time`) and the kept activations pay for."""
+    dispatch / combine volume (`moe.trainer.plan.comm_cost.all_to_all_time`) and the kept activations pay for."""
     return shape.expert_rows(cand.etp) * shape.expert_row_flops(cand.etp)
 
 

@@ -15,7 +15,7 @@
 - `trainer`: `Trainer` (the step and the loop).
 """
 
-from moe.trainer.train.config import DataConfig, TrainingConfig
-from moe.trainer.train.parallel import Layout, ParallelState
+from moe.trainer.train.parallel_state import Layout, ParallelState
+from moe.trainer.train.training_config import DataConfig, TrainingConfig
 
 __all__ = ["DataConfig", "Layout", "ParallelState", "TrainingConfig"]

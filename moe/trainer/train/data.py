@@ -32,9 +32,9 @@ import torch
 
 from moe.trainer.data import tokenizer as data_tokenizer
 from moe.trainer.io.atomic import fsync_path
-from moe.trainer.models.deepseek_v3.tokenizer import END_OF_TEXT
-from moe.trainer.train.config import DataConfig
+from moe.trainer.models.deepseek_v3.model_tokens import END_OF_TEXT
 from moe.trainer.train.data_source import rank_rows
+from moe.trainer.train.training_config import DataConfig
 
 EOS = END_OF_TEXT  # generation finds it by this name in a checkpoint's tokenizer.json
 FORMAT_VERSION = 1

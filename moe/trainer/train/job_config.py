@@ -1,10 +1,10 @@
 """The DeepSeek-V3 trainer's one config tree (examples/deepseek_v3/train.py): what a run is, from a TOML file and
 the command line, validated before any process group exists (moe/trainer/train/config_tree.py has the mechanism).
 
-    [model]       DeepseekV3Config     (moe/trainer/models/deepseek_v3/config.py)
-    [training]    TrainingConfig       (moe/trainer/train/config.py), with [training.data] DataConfig
+    [model]       DeepseekV3Config     (moe/trainer/models/deepseek_v3/model_config.py)
+    [training]    TrainingConfig       (moe/trainer/train/training_config.py), with [training.data] DataConfig
     [parallel]    ParallelConfig       (below): tp, pp, ep, etp, the schedule, the FP8 recipe, pipeline options
-    [recompute]   RecomputeConfig      (moe/trainer/models/deepseek_v3/recompute.py)
+    [recompute]   RecomputeConfig      (moe/trainer/models/deepseek_v3/model_recompute.py)
     [metrics]     MetricsConfig        (moe/trainer/train/loggers.py): TensorBoard and Weights & Biases
     [profiling]   ProfilingConfig      (moe/trainer/train/profiling.py): torch.profiler over chosen steps and ranks
 
@@ -29,10 +29,9 @@ import tomli_w
 from moe.trainer.io.atomic import write_bytes
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, RecomputeConfig
 from moe.trainer.models.deepseek_v3.attention import ATTENTION_BACKENDS
-from moe.trainer.models.deepseek_v3.config import EXTENSION_FIELDS
+from moe.trainer.models.deepseek_v3.model_config import EXTENSION_FIELDS
 from moe.trainer.models.deepseek_v3.model_dir import read_config
 from moe.trainer.pipeline.split import StageSplit, check_schedule, split_layers, stages_per_rank
-from moe.trainer.train.config import TrainingConfig
 from moe.trainer.train.config_tree import (
     ConfigTree,
     Section,
@@ -42,8 +41,9 @@ from moe.trainer.train.config_tree import (
 )
 from moe.trainer.train.layout_rules import check_model_layout
 from moe.trainer.train.loggers import MetricsConfig
-from moe.trainer.train.parallel import FP8_RECIPES, PP_SCHEDULES, Layout, env_world_size
+from moe.trainer.train.parallel_state import FP8_RECIPES, PP_SCHEDULES, Layout, env_world_size
 from moe.trainer.train.profiling import ProfilingConfig
+from moe.trainer.train.training_config import TrainingConfig
 
 CONFIG_TOML = "config.toml"
 
@@ -232,7 +232,7 @@ def add_tree_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--use-pytorch-profiler", action="store_true",
                    help="accepted for Megatron's command lines: --profile always runs torch.profiler")  # fmt: skip
     alias("--recompute-granularity", dest="recompute.granularity", choices=("full", "selective"),
-          help="activation recompute (Megatron's; moe/trainer/models/deepseek_v3/recompute.py)")  # fmt: skip
+          help="activation recompute (Megatron's; moe/trainer/models/deepseek_v3/model_recompute.py)")  # fmt: skip
     alias("--recompute-method", dest="recompute.method", choices=("uniform", "block"), help="for 'full'")
     alias("--recompute-num-layers", dest="recompute.num_layers", type=int,
           help="for 'full': chunk size / layers")  # fmt: skip

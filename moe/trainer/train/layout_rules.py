@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 from moe.trainer.models.deepseek_v3.tensor_parallel import check_tensor_parallel
 
 if TYPE_CHECKING:
-    from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
-    from moe.trainer.train.config import TrainingConfig
-    from moe.trainer.train.parallel import Layout
+    from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
+    from moe.trainer.train.parallel_state import Layout
+    from moe.trainer.train.training_config import TrainingConfig
 
 
 def check_model_layout(model_cfg: DeepseekV3Config, train_cfg: TrainingConfig, layout: Layout) -> None:

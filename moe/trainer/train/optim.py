@@ -1,7 +1,7 @@
 """AdamW on FP32 master weights, with the gradient reduction and global-norm clipping of an expert-parallel layout.
 
-Gradients (see moe/trainer/train/parallel.py for the groups): every rank's loss is its share of the global-batch loss
-(its token-loss sum divided by the global token count), so the gradient of the global loss is the *sum* of the
+Gradients (see moe/trainer/train/parallel_state.py for the groups): every rank's loss is its share of the global-batch
+loss (its token-loss sum divided by the global token count), so the gradient of the global loss is the *sum* of the
 ranks' gradients, taken
 - over the data-parallel group for the dense parameters (replicated on every rank), and
 - over the expert-data-parallel group for the expert parameters: an expert's gradient on its EP rank already holds
@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe.trainer.train.config import TrainingConfig
-from moe.trainer.train.parallel import ParallelState, all_reduce_sum
+from moe.trainer.train.parallel_state import ParallelState, all_reduce_sum
+from moe.trainer.train.training_config import TrainingConfig
 
 
 @dataclass
 class StateTensor:
-    """One optimizer tensor of this rank, for the sharded checkpoints (moe/trainer/train/checkpoint/state.py).
+    """One optimizer tensor of this rank, for the sharded checkpoints (moe/trainer/train/checkpoint/train_state.py).
 
     key: `<param name>.<exp_avg | exp_avg_sq | master>` (its key in a checkpoint's "optimizer" section).
     tensor: the live tensor (a load writes into it): the parameter's local shape, or with `flat` 1-D.

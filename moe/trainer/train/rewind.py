@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from moe.trainer.train.checkpoint.state import TrainState
+    from moe.trainer.train.checkpoint.train_state import TrainState
 
 
 REASONS = ("nan_loss", "nan_grad_norm", "loss_spike")
@@ -138,8 +138,8 @@ class StateSnapshot:
     slices) sees the old values without being replaced.
 
     Args:
-        state: the rank's state list (moe/trainer/train/checkpoint/state.py: the model, under pipeline parallelism its
-            stages; the optimizer, `MasterAdamW` or `DistributedAdamW`; the FP8 amax histories); the components
+        state: the rank's state list (moe/trainer/train/checkpoint/train_state.py: the model, under pipeline parallelism
+            its stages; the optimizer, `MasterAdamW` or `DistributedAdamW`; the FP8 amax histories); the components
             name the tensors (`snapshot_tensors`) and the host-side state (`host_state`) that are copied.
     """
 

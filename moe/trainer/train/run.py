@@ -8,8 +8,8 @@
     torchrun --nproc-per-node 4 examples/deepseek_v3/train.py --config ... --out runs/tiny-pp2-ep2 --pp 2 --ep 2 \
         --pp-schedule dualpipev --overlap-moe-expert-parallel-comm --pipeline-timeline
 
-One process, or one per rank under torchrun (gloo on CPU). Layout (moe/trainer/train/parallel.py): `--tp` ranks split
-the attention and dense layers (tensor parallel, with sequence parallelism outside them), the experts of every MoE
+One process, or one per rank under torchrun (gloo on CPU). Layout (moe/trainer/train/parallel_state.py): `--tp` ranks
+split the attention and dense layers (tensor parallel, with sequence parallelism outside them), the experts of every MoE
 layer are sharded over `--ep` ranks (mtdeepep's 'flex' dispatcher; MoE parallel folding lets EP span the TP
 ranks), `--pp` ranks hold consecutive pipeline stages (moe/trainer/pipeline: 1F1B, ZB-H1 or DualPipeV on torch's
 schedules), the rest is data parallel, with ZeRO-1 under `--use-distributed-optimizer`. For a given `--seed`, every
@@ -74,7 +74,7 @@ from moe.trainer.train.data_source import DataSource
 from moe.trainer.train.faults import FaultPlan
 from moe.trainer.train.loggers import open_loggers
 from moe.trainer.train.metrics import LOSS_PNG, METRICS, loss_table, plot_loss, read_metrics
-from moe.trainer.train.parallel import Layout, ParallelState, env_local_rank
+from moe.trainer.train.parallel_state import Layout, ParallelState, env_local_rank
 from moe.trainer.train.profiling import StepProfiler
 from moe.trainer.train.rewind import TrainingStopped
 from moe.trainer.train.run_data import RunData, prepare_run_data

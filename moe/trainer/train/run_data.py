@@ -28,9 +28,9 @@ from moe.trainer.data.tokenize import DEFAULT_SHARD_TOKENS, cache_key, load_toke
 from moe.trainer.data.tokenizer import load_tokenizer, resolve_tokenizer, tokenizer_key
 from moe.trainer.data.vocab_check import check_token_ids
 from moe.trainer.train.blended import BlendedBatches
-from moe.trainer.train.config import TrainingConfig
 from moe.trainer.train.data import TokenBatches, default_cache_dir, prepare_tokens
 from moe.trainer.train.data_source import DataSource
+from moe.trainer.train.training_config import TrainingConfig
 
 WAIT_S = 3600.0  # how long the other ranks of a host wait for local rank 0's tokenization
 

@@ -1,9 +1,10 @@
 """The training loop: global batches split over data-parallel ranks and micro-batches, one optimizer step each,
 metrics, checkpoints and resumption.
 
-The maths of a step do not depend on the layout (see moe/trainer/train/parallel.py and moe/trainer/train/optim.py):
-1. Every rank takes its rows of the global batch (`DataSource.local_batch`, moe/trainer/train/data_source.py) and splits
-   them into micro-batches. With `eod_mask_loss` the labels drop the target after every end-of-text token; with
+The maths of a step do not depend on the layout (see moe/trainer/train/parallel_state.py and
+moe/trainer/train/optim.py): 1. Every rank takes its rows of the global batch (`DataSource.local_batch`,
+   moe/trainer/train/data_source.py) and splits them into micro-batches. With `eod_mask_loss` the labels drop the target
+   after every end-of-text token; with
    `reset_position_ids` / `reset_attention_mask` the model gets each position's document
    (moe/trainer/models/deepseek_v3/documents.py): positions restart and attention stays inside every document.
 2. The global numbers of next-token targets (main head and each MTP depth) are summed over the data-parallel ranks
@@ -50,21 +51,21 @@ from torch import nn
 
 from moe.layer.balancing import load_spread, set_aux_loss_scale, update_expert_bias
 from moe.layer.loss import loss_share
-from moe.layer.memory import process_peak_bytes
+from moe.layer.peak_memory import process_peak_bytes
 from moe.layer.phase_timer import PhaseTimer, phase
 from moe.trainer.models.deepseek_v3 import documents
 from moe.trainer.train.checkpoint import Checkpointer, ModelIO, TrainState
-from moe.trainer.train.config import TrainingConfig
 from moe.trainer.train.data_source import DataSource, eod_masked_labels
 from moe.trainer.train.faults import FaultPlan
 from moe.trainer.train.loggers import LoggerFactory
 from moe.trainer.train.metrics import LOSS_PNG, RunReport, mfu
 from moe.trainer.train.optim import MasterAdamW
-from moe.trainer.train.parallel import ParallelState, all_reduce_sum
+from moe.trainer.train.parallel_state import ParallelState, all_reduce_sum
 from moe.trainer.train.profiling import StepProfiler
 from moe.trainer.train.rewind import AnomalyDetected, RewindGuard, TrainingStopped
 from moe.trainer.train.schedule import lr_at
 from moe.trainer.train.straggler import StragglerMonitor, slow_rank_event
+from moe.trainer.train.training_config import TrainingConfig
 from moe.trainer.train.zero import DistributedAdamW, ZeroConfig
 
 

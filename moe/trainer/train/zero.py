@@ -61,14 +61,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe.trainer.train.config import TrainingConfig
 from moe.trainer.train.optim import (
     StateTensor,
     build_adamw,
     clip_factor,
     decays,
 )
-from moe.trainer.train.parallel import ParallelState
+from moe.trainer.train.parallel_state import ParallelState
+from moe.trainer.train.training_config import TrainingConfig
 
 MEGATRON_MIN_BUCKET = 40_000_000  # Megatron's default bucket size: max(40M, 1M * dp) elements
 

@@ -43,9 +43,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe.layer.parallel.mappings import SequenceShards, gather_from_sequence_parallel
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_recompute import RecomputeScope, discard_outputs, recompute_region
 from moe.trainer.models.deepseek_v3.norm import RMSNorm
-from moe.trainer.models.deepseek_v3.recompute import RecomputeScope, discard_outputs, recompute_region
 from moe.trainer.models.deepseek_v3.rope import apply_rope, softmax_scale
 
 ATTENTION_BACKENDS = ("sdpa", "unfused", "auto")

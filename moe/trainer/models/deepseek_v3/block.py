@@ -18,9 +18,9 @@ from moe.layer.moe_layer import MoELayer
 from moe.layer.parallel.layers import ParallelSwiGLUMLP
 from moe.layer.parallel.mappings import SequenceShards
 from moe.trainer.models.deepseek_v3.attention import MultiHeadLatentAttention
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_recompute import RecomputeScope, discard_outputs, recompute_region
 from moe.trainer.models.deepseek_v3.norm import RMSNorm
-from moe.trainer.models.deepseek_v3.recompute import RecomputeScope, discard_outputs, recompute_region
 
 
 class DecoderLayer(nn.Module):

@@ -31,9 +31,9 @@ from collections.abc import Sequence
 import torch
 
 from moe.trainer.models.deepseek_v3.attention import MultiHeadLatentAttention
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
 from moe.trainer.models.deepseek_v3.kv_cache import MLACache
 from moe.trainer.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 from moe.trainer.models.deepseek_v3.rope import apply_rope
 
 

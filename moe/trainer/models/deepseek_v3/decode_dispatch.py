@@ -26,7 +26,7 @@ import torch
 
 from moe.layer.dispatcher import EPBuffers
 from moe.layer.dispatcher.base import TokenDispatcher
-from moe.layer.dispatcher.deepep_ll import DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
+from moe.layer.dispatcher.flex_ll import DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
 from moe.layer.dispatcher.registry import build_dispatcher
 from moe.layer.moe_layer import MoELayer
 

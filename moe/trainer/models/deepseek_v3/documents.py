@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from moe.layer.parallel.cross_entropy import IGNORE_INDEX
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 
 
 def document_ids(input_ids: torch.Tensor, eod_id: int) -> torch.Tensor:

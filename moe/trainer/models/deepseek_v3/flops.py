@@ -1,5 +1,6 @@
 """Model FLOPs of DeepSeek-V3 (this project's model, moe/trainer/models/deepseek_v3), counted from its config: what MFU
-divides by (examples/deepseek_v3/train.py) and what the planner's step-time estimate prices (moe/trainer/plan/model.py).
+divides by (examples/deepseek_v3/train.py) and what the planner's step-time estimate prices
+(moe/trainer/plan/model_shape.py).
 
 Legend: V vocabulary, H hidden, F dense FFN, Fm expert FFN, Fs shared-expert FFN (`n_shared_experts * Fm`), L decoder
 layers, N heads, Q `q_lora_rank` (None: a plain q_proj of N*Dq outputs), C `kv_lora_rank`, Dn / Dr / Dv the per-head
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 
 # Forward + backward of a matrix product, in forwards (see the module docstring).
 TRAINING_FORWARDS = 3.0

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe.layer.dispatcher.deepep_ll import DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
+from moe.layer.dispatcher.flex_ll import DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
 from moe.trainer.models.deepseek_v3 import decode_timeline
 from moe.trainer.models.deepseek_v3.decode_dispatch import DECODE_DISPATCHERS
 from moe.trainer.models.deepseek_v3.generation import (
@@ -59,7 +59,7 @@ from moe.trainer.models.deepseek_v3.inference import (
     timing_record,
 )
 from moe.trainer.models.deepseek_v3.model_dir import check_model_dir, read_config
-from moe.trainer.models.deepseek_v3.tokenizer import eos_token_id, load_tokenizer
+from moe.trainer.models.deepseek_v3.model_tokens import eos_token_id, load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 
 from moe.layer.interleave import Event, Interleaver
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
 from moe.trainer.models.deepseek_v3.decode import check_decodable, check_prompt_ids, forward_with_cache, prefill
 from moe.trainer.models.deepseek_v3.decode_dispatch import DecodeDispatchers, check_decode_batch
 from moe.trainer.models.deepseek_v3.kv_cache import MLACache
 from moe.trainer.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 
 logger = logging.getLogger(__name__)
 

@@ -33,14 +33,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe.trainer.io.atomic import atomic_directory, write_bytes, write_json
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.full_state import TRANSIENT_SUFFIXES, full_state_dict_shapes
 from moe.trainer.models.deepseek_v3.init import init_weights
 from moe.trainer.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 from moe.trainer.models.deepseek_v3.model_dir import main_dtype, read_model_dir, write_model_dir
+from moe.trainer.models.deepseek_v3.model_tokens import TOKENIZER_FILE, config_eos_token_id, eos_token_id
 from moe.trainer.models.deepseek_v3.moe_block import moe_config
 from moe.trainer.models.deepseek_v3.mtp import MTPModule
-from moe.trainer.models.deepseek_v3.state import TRANSIENT_SUFFIXES, full_state_dict_shapes
-from moe.trainer.models.deepseek_v3.tokenizer import TOKENIZER_FILE, config_eos_token_id, eos_token_id
 from mtdeepep.utils.fp8 import dequantize_blocks
 
 SAFE_WEIGHTS = "model.safetensors"

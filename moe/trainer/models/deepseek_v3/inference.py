@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 
 from moe.layer.dispatcher import EPBuffers
-from moe.layer.dispatcher.deepep_ll import DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.layer.dispatcher.flex_ll import DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK
 from moe.trainer.models.deepseek_v3.decode_dispatch import (
     DecodeDispatch,
     DecodeDispatchers,
@@ -30,6 +29,7 @@ from moe.trainer.models.deepseek_v3.decode_dispatch import (
 )
 from moe.trainer.models.deepseek_v3.generation import GenerationTimes
 from moe.trainer.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 from moe.trainer.models.deepseek_v3.model_dir import read_model_dir
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 
 
 @dataclass

@@ -41,15 +41,16 @@ from moe.layer.parallel.mappings import (
     reduce_scatter_to_sequence_parallel,
     scatter_to_sequence_parallel,
 )
-from moe.trainer.models.deepseek_v3 import documents, state
+from moe.trainer.models.deepseek_v3 import documents
+from moe.trainer.models.deepseek_v3 import full_state as state
 from moe.trainer.models.deepseek_v3.attention import ATTENTION_BACKENDS, MultiHeadLatentAttention
 from moe.trainer.models.deepseek_v3.block import DecoderLayer
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
 from moe.trainer.models.deepseek_v3.init import draw_seed, init_weights
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_recompute import RecomputeConfig, checkpoint, moe_level_for
 from moe.trainer.models.deepseek_v3.moe_block import moe_config
 from moe.trainer.models.deepseek_v3.mtp import MTPModule
 from moe.trainer.models.deepseek_v3.norm import RMSNorm
-from moe.trainer.models.deepseek_v3.recompute import RecomputeConfig, checkpoint, moe_level_for
 from moe.trainer.models.deepseek_v3.rope import RotaryEmbedding
 
 IGNORE_INDEX = -100
@@ -305,7 +306,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         h_BSH = self.run_layers(h_BSH, range(len(self.layers)), cos_SP, sin_SP, shards, mask)
         return self.head(h_BSH, emb_BSH, labels, cos_SP, sin_SP, shards, document_ids, mask)
 
-    # The forward's parts, which pipeline stages run on their own (moe/trainer/pipeline/stages.py).
+    # The forward's parts, which pipeline stages run on their own (moe/trainer/pipeline/stage_modules.py).
 
     def check_packed_inputs(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, document_ids: torch.Tensor | None

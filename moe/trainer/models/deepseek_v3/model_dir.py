@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from moe.trainer.io.atomic import atomic_directory, write_json
 from moe.trainer.io.shard_files import MANIFEST, read_full_section
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"

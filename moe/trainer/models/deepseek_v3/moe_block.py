@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe.layer.config import MoEConfig
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.layer.moe_config import MoEConfig
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 
 # transformers' DeepseekV3TopkRouter scores a group by the sum of its top-2 (biased) expert scores.
 HF_GROUP_SCORE_TOPK = 2

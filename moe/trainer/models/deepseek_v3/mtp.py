@@ -22,7 +22,7 @@ from torch import nn
 
 from moe.layer.parallel.mappings import SequenceShards
 from moe.trainer.models.deepseek_v3.block import DecoderLayer
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 from moe.trainer.models.deepseek_v3.norm import RMSNorm
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe.layer.experts import SwiGLUExperts
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
 from moe.trainer.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 
 
 @dataclass(frozen=True)

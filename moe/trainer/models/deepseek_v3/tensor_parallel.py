@@ -60,7 +60,7 @@ from moe.layer.experts import SwiGLUMLP
 from moe.layer.moe_layer import MoELayer
 from moe.layer.parallel.layers import ColumnParallelLinear, ParallelSwiGLUMLP, RowParallelLinear, VocabParallelEmbedding
 from moe.layer.parallel.sharding import tag_sequence_parallel_grad
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 
 
 def check_tensor_parallel(config: DeepseekV3Config, tp: int) -> None:

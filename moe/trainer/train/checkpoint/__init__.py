@@ -28,7 +28,7 @@ from moe.trainer.train.checkpoint.run_dir import (
     remove_partials,
     set_latest,
 )
-from moe.trainer.train.checkpoint.state import TrainState, check_same_data
+from moe.trainer.train.checkpoint.train_state import TrainState, check_same_data
 from moe.trainer.train.checkpoint.writer import CheckpointWriteError, SaveStats
 
 __all__ = [

@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 from moe.trainer.io.shard_files import CheckpointReader
 from moe.trainer.train.checkpoint import run_dir as ckpt
-from moe.trainer.train.checkpoint.state import LoadSource, TrainState
+from moe.trainer.train.checkpoint.train_state import LoadSource, TrainState
 from moe.trainer.train.checkpoint.writer import SaveRequest, ShardWriter
 from moe.trainer.train.faults import FaultPlan
-from moe.trainer.train.parallel import ParallelState
+from moe.trainer.train.parallel_state import ParallelState
 
 
 class NoResumableCheckpoint(ValueError):

@@ -48,9 +48,9 @@ from moe.trainer.io import shard_files as sf
 from moe.trainer.io.atomic import fsync_path, publish_directory, write_bytes, write_json
 from moe.trainer.io.boxes import Box, check_tiling, pieces
 from moe.trainer.train.checkpoint import run_dir as ckpt
-from moe.trainer.train.checkpoint.state import Entry
+from moe.trainer.train.checkpoint.train_state import Entry
 from moe.trainer.train.faults import FaultPlan
-from moe.trainer.train.parallel import ParallelState
+from moe.trainer.train.parallel_state import ParallelState
 
 ABORT_GRACE_S = 60.0  # on an exception path, how long rank 0 still waits for the other ranks' shards
 WRITER_NICE = 10  # the writer thread's niceness (Linux: per thread): the training threads keep the cores first

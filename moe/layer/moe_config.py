@@ -79,7 +79,7 @@ class MoEConfig:
     # (this one for the expert GEMMs, moe_flex_use_fp8 / moe_flex_ll_use_fp8 for the dispatch wire format) are read
     # through moe.layer.fp8.fp8_switches
 
-    # Recompute (see moe/layer/recompute.py).
+    # Recompute (see moe/layer/moe_recompute.py).
     moe_layer_recompute: bool = False  # checkpoint the whole MoE layer (the same as moe_recompute_level='full')
     moe_recompute_level: str | None = None  # (ours) None, 'light', 'medium' or 'full'
     moe_adaptive_recompute_tokens: int | None = None  # (ours) rows this rank's experts compute above which it

@@ -48,7 +48,7 @@ _WIRE_DTYPE = torch.bfloat16  # the only non-FP8 payload of low-latency mode
 
 
 @dataclass
-class LowLatencyHandle:
+class FlexLowLatencyHandle:
     """State kept between dispatch and combine.
 
     num_tokens: T. topk_idx_TK: `[T, K] int64` the dispatched expert ids (-1 = dropped, skipped by the combine).
@@ -71,7 +71,7 @@ class LowLatencyHandle:
 class _PendingLowLatencyDispatch:
     """A dispatch in flight: `recv` (a bfloat16 tensor, or the FP8 pair) is valid once `hook()` returned."""
 
-    handle: LowLatencyHandle
+    handle: FlexLowLatencyHandle
     recv: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None
     recv_count: torch.Tensor | None
     hook: object | None
@@ -114,7 +114,7 @@ def low_latency_rdma_bytes(max_tokens_per_rank: int, hidden_size: int, num_ranks
     return deep_ep.Buffer.get_low_latency_rdma_size_hint(max_tokens_per_rank, hidden_size, num_ranks, num_experts)
 
 
-class DeepEPLowLatencyDispatcher(TokenDispatcher):
+class FlexLowLatencyDispatcher(TokenDispatcher):
     """Token dispatcher on `mtdeepep`'s low-latency kernels (`low_latency_dispatch/combine`); inference only.
 
     Args:
@@ -216,7 +216,7 @@ class DeepEPLowLatencyDispatcher(TokenDispatcher):
         x_TH = hidden_TH.contiguous()
         weights_TK = probs_TK.float().contiguous()
         topk_idx_TK = topk_idx_TK.to(deep_ep.topk_idx_t).contiguous()
-        handle = LowLatencyHandle(x_TH.size(0), topk_idx_TK, weights_TK, None, None)
+        handle = FlexLowLatencyHandle(x_TH.size(0), topk_idx_TK, weights_TK, None, None)
         buffer = self.buffer
         if buffer is None:
             return _PendingLowLatencyDispatch(
@@ -262,7 +262,7 @@ class DeepEPLowLatencyDispatcher(TokenDispatcher):
             rows_NH = pending.recv.reshape(-1, self.hidden_size).index_select(0, slot_row_N)
         return DispatchResult(rows_NH, tokens_per_expert, handle)
 
-    def combine_begin(self, expert_output_NH: torch.Tensor, handle: LowLatencyHandle) -> _PendingLowLatencyCombine:
+    def combine_begin(self, expert_output_NH: torch.Tensor, handle: FlexLowLatencyHandle) -> _PendingLowLatencyCombine:
         """Scatter `[N, H]` expert outputs (rounded to bfloat16) back into their slots and start
         `low_latency_combine` on the dispatch's buffer (sends issued, receive hook returned)."""
         self._refuse_autograd("combine", expert_output_NH)
@@ -288,16 +288,14 @@ class DeepEPLowLatencyDispatcher(TokenDispatcher):
         return pending.combined_TH
 
 
-def build_deepep_ll(
-    config, ep_group: dist.ProcessGroup | None, ep_buffers: EPBuffers | None
-) -> DeepEPLowLatencyDispatcher:
-    """Registry factory for 'flex_ll': a `DeepEPLowLatencyDispatcher` on the low-latency buffer of `ep_buffers` (None:
+def build_flex_ll(config, ep_group: dist.ProcessGroup | None, ep_buffers: EPBuffers | None) -> FlexLowLatencyDispatcher:
+    """Registry factory for 'flex_ll': a `FlexLowLatencyDispatcher` on the low-latency buffer of `ep_buffers` (None:
     the group's default).
 
     T_max and FP8 come from the config fields `moe_flex_ll_num_max_dispatch_tokens_per_rank` (default 128) and
     `moe_flex_ll_use_fp8` (default False).
     """
-    return DeepEPLowLatencyDispatcher(
+    return FlexLowLatencyDispatcher(
         num_experts=config.num_moe_experts,
         hidden_size=config.hidden_size,
         ep_group=ep_group,

@@ -12,8 +12,8 @@ the dp ranks and the expert state over the edp ranks. Without ZeRO-1 the gradien
 group's gradients into one FP32 buffer after the backward (a transient of their size).
 
 Activations: `ModelShape.stage_activation_bytes` per token of a micro-batch, times the micro-batch's tokens, times
-the micro-batches each chunk holds at the schedule's peak (`moe.trainer.plan.stages.inflight`). Under expert tensor
-parallelism a rank keeps etp x the expert rows (each 1/etp of the FFN wide): `ModelShape.activation_bytes`. FP8
+the micro-batches each chunk holds at the schedule's peak (`moe.trainer.plan.stage_placement.inflight`). Under expert
+tensor parallelism a rank keeps etp x the expert rows (each 1/etp of the FFN wide): `ModelShape.activation_bytes`. FP8
 recipes also keep an FP8 copy of every GEMM weight per micro-batch in flight (the autograd context holds it for the
 backward).
 
@@ -26,7 +26,7 @@ rank with the head, the FP32 logits gradient (twice: the softmax's and the cross
 gradients, or ZeRO-1's parameter all-gathers (the shard copies, plus `DeviceSpec.all_gather_extra` of the gathered
 bytes that gloo allocates inside the collective). The process baseline
 (`DeviceSpec.runtime_gib`) and the allocator's share (`allocator_overhead` of the dynamic memory) complete it; the
-mtdeepep buffer (`moe.layer.dispatcher.deepep.nvl_bytes_hint` over the ep * etp ranks of the dispatch) counts when that
+mtdeepep buffer (`moe.layer.dispatcher.flex.nvl_bytes_hint` over the ep * etp ranks of the dispatch) counts when that
 group is more than one rank.
 """
 
@@ -35,12 +35,12 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, fields
 
-from moe.layer.dispatcher.deepep import nvl_bytes_hint
+from moe.layer.dispatcher.flex import nvl_bytes_hint
 from moe.trainer.plan.devices import DeviceSpec
 from moe.trainer.plan.framework import THIS_TRAINER, Framework
-from moe.trainer.plan.model import DTYPE_BYTES, FP32, RECOMPUTE_CHOICES, ModelShape
+from moe.trainer.plan.model_shape import DTYPE_BYTES, FP32, RECOMPUTE_CHOICES, ModelShape
 from moe.trainer.plan.space import Candidate, Workload
-from moe.trainer.plan.stages import Chunk, distinct_ranks, inflight, rank_chunks
+from moe.trainer.plan.stage_placement import Chunk, distinct_ranks, inflight, rank_chunks
 
 GIB = 2**30
 

@@ -16,7 +16,7 @@ The MoE layer inside a recomputed layer runs at recompute level None (the layer'
 checkpoints of the same MoE layer would run its dispatch three times); the other layers keep their level.
 
 Granularity 'selective': in every layer (MTP depths included), each named module; the MoE layer's levels
-(moe/layer/recompute.py) serve where they exist:
+(moe/layer/moe_recompute.py) serve where they exist:
 
     Megatron module   here                                                           MoE layer level
     "core_attn"       softmax(q k^T) v: only q, k, v kept (`recompute_region`)       -
@@ -34,7 +34,7 @@ A MoE layer's level is the stronger (None < light < medium < full) of the one it
 these modules imply. Without a `RecomputeConfig` (or granularity None) the MoE layers keep their configured level.
 
 Output-discarding (Megatron's `CheckpointWithoutOutput`, done here with the MoE layer's saved-tensor hooks,
-`moe.layer.recompute.DropSaved`): the region's outputs are registered with the layer's `RecomputeScope`, so the
+`moe.layer.moe_recompute.DropSaved`): the region's outputs are registered with the layer's `RecomputeScope`, so the
 operations that consume them save a recipe instead of the tensor, rebuilt in backward by running the region again
 without autograd (`discard_outputs`). The autograd graph stays the one of no recompute. The norms also run under a
 non-reentrant checkpoint (their normalised input is not kept either; a norm then runs three times, which is cheap);
@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe.layer.recompute import DropSaved
+from moe.layer.moe_recompute import DropSaved
 
 GRANULARITIES = ("full", "selective")
 METHODS = ("uniform", "block")

@@ -40,13 +40,13 @@ import torch.distributed as dist
 from torch import nn
 
 from moe.layer.balancing import ExpertBias
-from moe.layer.fp8.state import ROLES, delayed_states
+from moe.layer.fp8.amax_history import ROLES, delayed_states
 from moe.layer.moe_layer import MoELayer
 from moe.layer.parallel.sharding import tp_shard_of
 from moe.trainer.io.boxes import Placement
 from moe.trainer.io.shard_files import CheckpointReader
 from moe.trainer.train.optim import StateTensor
-from moe.trainer.train.parallel import ParallelState
+from moe.trainer.train.parallel_state import ParallelState
 from moe.trainer.train.schedule import lr_at
 
 

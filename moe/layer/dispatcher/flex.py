@@ -180,7 +180,7 @@ def nvl_bytes_hint(hidden_size: int, num_ranks: int) -> int:
     )
 
 
-class DeepEPDispatcher(TokenDispatcher):
+class FlexDispatcher(TokenDispatcher):
     """Token dispatcher on `mtdeepep`'s normal-mode kernels (`Buffer.get_dispatch_layout/dispatch/combine`).
 
     Args:
@@ -314,9 +314,9 @@ class DeepEPDispatcher(TokenDispatcher):
         return pending.combined_TH.to(pending.dtype)
 
 
-def build_deepep(config, ep_group: dist.ProcessGroup | None, ep_buffers: EPBuffers | None) -> DeepEPDispatcher:
-    """Registry factory for 'flex': a `DeepEPDispatcher` on the buffer of `ep_buffers` (None: the group's default)."""
-    return DeepEPDispatcher(
+def build_flex(config, ep_group: dist.ProcessGroup | None, ep_buffers: EPBuffers | None) -> FlexDispatcher:
+    """Registry factory for 'flex': a `FlexDispatcher` on the buffer of `ep_buffers` (None: the group's default)."""
+    return FlexDispatcher(
         num_experts=config.num_moe_experts,
         hidden_size=config.hidden_size,
         ep_group=ep_group,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from moe.trainer.models.deepseek_v3 import flops
 from moe.trainer.models.deepseek_v3.attention import fuses_input_projections
-from moe.trainer.models.deepseek_v3.config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
 
 # The recompute choices the planner enumerates, as train.py flags (Megatron's options).
 RECOMPUTE_CHOICES: dict[str, dict] = {

@@ -1,7 +1,7 @@
 """Collective costs and where each group's ranks sit (same node or not), for the planner.
 
-Rank order is the trainer's (moe/trainer/train/parallel.py): the dense mesh is `(pp, dp, tp)` with TP fastest and the
-expert mesh `(pp, edp, ep, etp)` over the same ranks, so
+Rank order is the trainer's (moe/trainer/train/parallel_state.py): the dense mesh is `(pp, dp, tp)` with TP fastest and
+the expert mesh `(pp, edp, ep, etp)` over the same ranks, so
 - a TP group is `tp` consecutive ranks;
 - an EP group is `ep` ranks `etp` apart inside a block of `ep * etp` consecutive ranks, and the dispatch and
   combine run over that whole block (the folded EP x ETP group, as Megatron's flex dispatcher does: a token for

@@ -225,7 +225,7 @@ class TrainingConfig:
 
     The batch is given in sequences of `seq_len` tokens: `global_batch` per optimizer step, split over the
     data-parallel ranks and then into `micro_batches` per rank, so it must be divisible by `dp * micro_batches`
-    (checked against the layout by `moe.trainer.train.parallel.Layout.check_batch`).
+    (checked against the layout by `moe.trainer.train.parallel_state.Layout.check_batch`).
     """
 
     steps: int
