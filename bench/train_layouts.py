@@ -41,7 +41,7 @@ import tomllib
 import torch
 from _common import RESULTS_DIR, make_parser, num_cores, print_table, save_run, threads_per_rank
 
-from moe.trainer.train import run
+from moe.trainer import run
 from moe.trainer.train.metrics import read_metrics
 from mtdeepep.utils.testing import run_processes
 

@@ -130,12 +130,10 @@ from _common import (
 from torch.nn.parallel import DistributedDataParallel
 
 from moe import EPBuffers, update_expert_bias
+from moe.trainer import run
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from moe.trainer.models.deepseek_v3.hf import from_hf_state_dict
-from moe.trainer.train import (
-    job_config,
-    run,  # noqa: E402
-)
+from moe.trainer.train import job_config
 from moe.trainer.train.config_tree import split_overrides
 from moe.trainer.train.data import TokenBatches
 from moe.trainer.train.parallel_state import ParallelState

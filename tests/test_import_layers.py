@@ -192,6 +192,7 @@ LAYERS = (
     ("data", ("moe.trainer.data",)),
     ("trainer", ("moe.trainer.train",)),
     ("planner", ("moe.trainer.plan",)),
+    ("run assembly", ("moe.trainer.run",)),
 )
 
 

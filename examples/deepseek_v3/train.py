@@ -5,7 +5,7 @@
     torchrun --nproc-per-node 4 examples/deepseek_v3/train.py --config ... --out runs/tiny-tp2-ep2 --tp 2 --ep 2 \
         --use-distributed-optimizer
 
-The command runs `moe.trainer.train.run.main` (moe/trainer/train/run.py: its options, checks and phases).
+The command runs `moe.trainer.run.main` (moe/trainer/run.py: its options, checks and phases).
 """
 
 import sys
@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # runs from any directory: the root holds the packages
 
-from moe.trainer.train import run  # noqa: E402
+from moe.trainer import run  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(run.main())

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from moe.trainer import run
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config
 from moe.trainer.models.deepseek_v3.tensor_parallel import check_tensor_parallel
 from moe.trainer.pipeline.split import check_schedule
@@ -22,7 +23,7 @@ from moe.trainer.plan.space import (
     divisors,
     enumerate_candidates,
 )
-from moe.trainer.train import job_config, run
+from moe.trainer.train import job_config
 from moe.trainer.train.layout_rules import check_expert_tensor_parallel, check_model_layout
 from moe.trainer.train.parallel_state import FP8_RECIPES, Layout
 

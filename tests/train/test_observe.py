@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from moe.layer.trace_regions import COMBINE, DISPATCH, EXPERT_GEMM, ROUTER
-from moe.trainer.train import run
+from moe.trainer import run
 from moe.trainer.train.loggers import scalars
 from moe.trainer.train.metrics import read_events, read_metrics
 from moe.trainer.train.profiling import ProfilingConfig, StepProfiler

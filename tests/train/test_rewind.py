@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from moe.layer.fp8.convert import apply_fp8, fp8_moe_options
+from moe.trainer import run
 from moe.trainer.io.shard_files import SECTIONS, read_full_section
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from moe.trainer.train import run
 from moe.trainer.train.checkpoint import ModelIO
 from moe.trainer.train.checkpoint.train_state import amax_histories
 from moe.trainer.train.data import TokenBatches

@@ -1,5 +1,5 @@
 """Helpers of the end-to-end training tests: test configs (tiny's model, a short batch, a small synthetic corpus)
-and the target that runs train.py's command (`moe.trainer.train.run.main`) as one rank of a torchrun-like job."""
+and the target that runs train.py's command (`moe.trainer.run.main`) as one rank of a torchrun-like job."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import tomli_w
 import tomllib
 import torch
 
+from moe.trainer import run
 from moe.trainer.models.deepseek_v3 import generate_cli
-from moe.trainer.train import run
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "deepseek_v3" / "configs" / "tiny.toml"
