@@ -42,10 +42,10 @@ import torch.distributed as dist
 from _common import RESULTS_DIR, make_parser, num_cores, print_table, run_ranks, save_run
 
 from moe import EPBuffers
+from moe.trainer.data.token_file import TokenBatches, prepare_tokens
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from moe.trainer.train.checkpoint import ModelIO
 from moe.trainer.train.checkpoint.train_state import optimizer_entries
-from moe.trainer.train.data import TokenBatches, prepare_tokens
 from moe.trainer.train.parallel_state import Layout, ParallelState
 from moe.trainer.train.trainer import Trainer
 from moe.trainer.train.training_config import TrainingConfig

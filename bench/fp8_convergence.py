@@ -25,9 +25,9 @@ import torch
 from _common import RESULTS_DIR, environment, make_parser, print_table, save_results
 
 from moe.layer.fp8.convert import apply_fp8, fp8_moe_options
+from moe.trainer.data.token_file import TokenBatches, prepare_tokens
 from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
 from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
-from moe.trainer.train.data import TokenBatches, prepare_tokens
 from moe.trainer.train.parallel_state import ParallelState
 from moe.trainer.train.trainer import Trainer
 from moe.trainer.train.training_config import DataConfig, TrainingConfig

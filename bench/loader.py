@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from moe.trainer.data.blend import BlendedWindows
+from moe.trainer.data.blended_batches import BlendedBatches
 from moe.trainer.data.indexed import IndexedDatasetWriter
+from moe.trainer.data.source import eod_masked_labels
 from moe.trainer.models.deepseek_v3 import documents
-from moe.trainer.train.blended import BlendedBatches
-from moe.trainer.train.data_source import eod_masked_labels
 
 
 def write_synthetic(root: Path, tokens: int, seed: int) -> list:

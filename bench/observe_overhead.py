@@ -43,8 +43,8 @@ from bench._common import make_parser  # noqa: E402
 from moe import layer as moe_layer  # noqa: E402
 from moe.layer import trace_regions  # noqa: E402
 from moe.layer.phase_timer import NULL_PHASE  # noqa: E402
+from moe.trainer.data.token_file import TokenBatches  # noqa: E402
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
-from moe.trainer.train.data import TokenBatches  # noqa: E402
 from moe.trainer.train.loggers import MetricsConfig, open_loggers, scalars  # noqa: E402
 from moe.trainer.train.parallel_state import ParallelState  # noqa: E402
 from moe.trainer.train.trainer import Trainer  # noqa: E402

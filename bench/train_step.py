@@ -131,11 +131,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from moe import EPBuffers, update_expert_bias
 from moe.trainer import run
+from moe.trainer.data.token_file import TokenBatches
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from moe.trainer.models.deepseek_v3.hf import from_hf_state_dict
 from moe.trainer.train import job_config
 from moe.trainer.train.config_tree import split_overrides
-from moe.trainer.train.data import TokenBatches
 from moe.trainer.train.parallel_state import ParallelState
 from moe.trainer.train.schedule import lr_at
 from moe.trainer.train.trainer import Trainer

@@ -66,7 +66,7 @@ ALLOWED = {
     ("moe/trainer/train/metrics.py", "matplotlib.pyplot"): "plots only: matplotlib is optional",
     ("moe/trainer/train/loggers.py", "torch.utils.tensorboard"): "only with --tensorboard-dir: tensorboard is optional",
     ("moe/trainer/train/loggers.py", "wandb"): "only with --wandb-project: wandb is optional",
-    ("moe/trainer/train/data.py", "tokenizers"): "only to train or key a tokenizer: tokenizers is optional",
+    ("moe/trainer/data/token_file.py", "tokenizers"): "only to train or key a tokenizer: tokenizers is optional",
     (
         "moe/trainer/models/deepseek_v3/model_tokens.py",
         "tokenizers",

@@ -24,7 +24,7 @@ Every step's MFU (model FLOPs utilisation) is its model FLOPs per token (moe/tra
 counted from the config) x tokens/s over the peak FLOP/s of one rank (moe/trainer/plan/peak.py: the device's spec, or on
 the CPU a matmul measured by rank 0 at start-up) x the ranks; run.json records the figures ("mfu").
 
-Data ([training.data], moe/trainer/train/run_data.py): this Python's standard library or a corpus (a directory, file or
+Data ([training.data], moe/trainer/data/run_data.py): this Python's standard library or a corpus (a directory, file or
 glob of .py/.txt/.md/.jsonl/.jsonl.gz/.parquet; `--corpus`, `--tokenizer bpe|bytes|PATH`), or Megatron-prepared indexed
 datasets blended by weight (`--data-path W1 PREFIX1 ...`), with Megatron's `--eod-mask-loss`, `--reset-position-ids`
 and `--reset-attention-mask`.
@@ -60,6 +60,8 @@ import torch
 
 from moe import EPBuffers
 from moe.layer.fp8.convert import apply_fp8, fp8_moe_options
+from moe.trainer.data.run_data import RunData, prepare_run_data
+from moe.trainer.data.source import DataSource
 from moe.trainer.io.atomic import write_json
 from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
 from moe.trainer.models.deepseek_v3.compile import compile_model
@@ -70,14 +72,12 @@ from moe.trainer.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_
 from moe.trainer.plan.peak import agreed_peak
 from moe.trainer.train import checkpoint as ckpt
 from moe.trainer.train import job_config
-from moe.trainer.train.data_source import DataSource
 from moe.trainer.train.faults import FaultPlan
 from moe.trainer.train.loggers import open_loggers
 from moe.trainer.train.metrics import LOSS_PNG, METRICS, loss_table, plot_loss, read_metrics
 from moe.trainer.train.parallel_state import Layout, ParallelState, env_local_rank
 from moe.trainer.train.profiling import StepProfiler
 from moe.trainer.train.rewind import TrainingStopped
-from moe.trainer.train.run_data import RunData, prepare_run_data
 from moe.trainer.train.trainer import Trainer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -9,7 +9,7 @@ import pytest
 
 from moe.trainer.data.blend import BlendedWindows, blending_indices, held_out_documents, parse_data_path
 from moe.trainer.data.indexed import IndexedDatasetWriter
-from moe.trainer.train.data import TokenBatches
+from moe.trainer.data.token_file import TokenBatches
 from tests.clients.clients_env import import_megatron
 
 EOD = 0

@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
+from moe.trainer.data import token_file as train_data
 from moe.trainer.data.corpus import Corpus, CorpusError, decode_chunk
-from moe.trainer.train import data as train_data
 from moe.trainer.train.training_config import DataConfig
 from tests.data.corpus_cases import write_jsonl, write_mixed_corpus
 

@@ -95,7 +95,7 @@ def test_stops_at_the_config_eos(tmp_path):
 
 
 def _tokenizer_file(tmp_path, vocab_size: int):
-    from moe.trainer.train.data import EOS, train_tokenizer
+    from moe.trainer.data.token_file import EOS, train_tokenizer
 
     pytest.importorskip("tokenizers")
     texts = [f"def f{i}(x):\n    return x + {i}\n" for i in range(50)]

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from moe.trainer.data.blend import BlendedWindows
-from moe.trainer.train.blended import BlendedBatches
+from moe.trainer.data.blended_batches import BlendedBatches
+from moe.trainer.data.run_data import prepare_run_data
+from moe.trainer.data.source import IGNORE_INDEX, eod_masked_labels
 from moe.trainer.train.checkpoint.train_state import DataPosition, TrainProgress
-from moe.trainer.train.data_source import IGNORE_INDEX, eod_masked_labels
 from moe.trainer.train.job_config import add_tree_options, parse
-from moe.trainer.train.run_data import prepare_run_data
 from moe.trainer.train.trainer import target_counts
 from moe.trainer.train.training_config import DataConfig, TrainingConfig
 from tests.train import indexed_cases as ic

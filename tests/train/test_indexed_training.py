@@ -25,11 +25,11 @@ import torch.nn.functional as F
 
 from moe.trainer import run
 from moe.trainer.data.blend import BlendedWindows
+from moe.trainer.data.source import IGNORE_INDEX, eod_masked_labels
 from moe.trainer.data.tokenizer import load_tokenizer
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, documents
 from moe.trainer.train import checkpoint as ckpt
 from moe.trainer.train import evaluate
-from moe.trainer.train.data_source import IGNORE_INDEX, eod_masked_labels
 from moe.trainer.train.metrics import read_metrics
 from mtdeepep.utils.testing import run_processes
 from tests.train import indexed_cases as ic

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from moe.trainer.data.token_file import TokenBatches
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from moe.trainer.models.deepseek_v3.flops import model_flops_per_token
 from moe.trainer.plan.peak import device_peak
 from moe.trainer.train.checkpoint import ModelIO
-from moe.trainer.train.data import TokenBatches
 from moe.trainer.train.metrics import (
     MetricsLog,
     _log_line,

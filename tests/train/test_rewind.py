@@ -14,11 +14,11 @@ import torch
 
 from moe.layer.fp8.convert import apply_fp8, fp8_moe_options
 from moe.trainer import run
+from moe.trainer.data.token_file import TokenBatches
 from moe.trainer.io.shard_files import SECTIONS, read_full_section
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from moe.trainer.train.checkpoint import ModelIO
 from moe.trainer.train.checkpoint.train_state import amax_histories
-from moe.trainer.train.data import TokenBatches
 from moe.trainer.train.faults import ENV, FaultPlan
 from moe.trainer.train.metrics import read_events, read_metrics
 from moe.trainer.train.parallel_state import ParallelState

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from moe.trainer import run
+from moe.trainer.data.token_file import TokenBatches, prepare_tokens
 from moe.trainer.io.shard_files import read_full_section
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, read_model_dir
 from moe.trainer.models.deepseek_v3.flops import model_flops_per_token
@@ -38,7 +39,6 @@ from moe.trainer.models.deepseek_v3.model_tokens import tokenizer_eos_token_id
 from moe.trainer.train import checkpoint as ckpt
 from moe.trainer.train import evaluate, faults
 from moe.trainer.train.checkpoint import ModelIO
-from moe.trainer.train.data import TokenBatches, prepare_tokens
 from moe.trainer.train.metrics import read_metrics
 from moe.trainer.train.parallel_state import ParallelState
 from moe.trainer.train.trainer import Trainer

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe.trainer.data.token_file import TokenBatches
 from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from moe.trainer.pipeline import PipelineRunner, pipeline_moe_options
 from moe.trainer.pipeline.split import split_layers, stages_per_rank
 from moe.trainer.train.checkpoint import ModelIO
-from moe.trainer.train.data import TokenBatches
 from moe.trainer.train.parallel_state import Layout, ParallelState
 from moe.trainer.train.trainer import Trainer
 from moe.trainer.train.training_config import TrainingConfig

@@ -6,7 +6,7 @@ are not numbers). Weights must be finite and >= 0 with a positive sum; they are 
 without weights are weighted by their training windows, so the blend visits every dataset in proportion to its
 size (Megatron's exhaustive blend does the same with whole datasets).
 
-Windows follow the trainer's convention (`moe/trainer/train/data.py`, `TokenBatches`), not Megatron's GPTDataset
+Windows follow the trainer's convention (`moe/trainer/data/token_file.py`, `TokenBatches`), not Megatron's GPTDataset
 sampling: each dataset's documents, in file order, form one token stream; `eod_id`, when given, is appended after
 every document (for data preprocessed without `--append-eod`; data written with it already ends its documents in
 the end-of-text id); the stream is cut into non-overlapping windows of `seq_len` tokens and the tail shorter than

@@ -4,7 +4,7 @@ vocabulary, and saved with a run.
 - "bpe": byte-level BPE trained with Hugging Face `tokenizers` to the model's vocab_size, over a stream of the
   corpus's documents (`train_from_iterator`: the trainer keeps word counts, never the corpus), optionally only the
   first `max_bytes` of it. "bytes": the byte-level alphabet and no merges (needs no corpus). Both have
-  `END_OF_TEXT` as id 0, the same tokenizer as `moe/trainer/train/data.py` trains.
+  `END_OF_TEXT` as id 0, the same tokenizer as `moe/trainer/data/token_file.py` trains.
 - A path: a `tokenizer.json` file, or a Hugging Face tokenizer directory (its `tokenizer.json` through `tokenizers`;
   without one, `transformers.AutoTokenizer` with `local_files_only=True`, which must give a fast tokenizer).
   Its end-of-text token: the `eos_token` argument, else `eos_token` of `tokenizer_config.json` /

@@ -3,7 +3,7 @@ metrics, checkpoints and resumption.
 
 The maths of a step do not depend on the layout (see moe/trainer/train/parallel_state.py and
 moe/trainer/train/optim.py): 1. Every rank takes its rows of the global batch (`DataSource.local_batch`,
-   moe/trainer/train/data_source.py) and splits them into micro-batches. With `eod_mask_loss` the labels drop the target
+   moe/trainer/data/source.py) and splits them into micro-batches. With `eod_mask_loss` the labels drop the target
    after every end-of-text token; with
    `reset_position_ids` / `reset_attention_mask` the model gets each position's document
    (moe/trainer/models/deepseek_v3/documents.py): positions restart and attention stays inside every document.
@@ -53,9 +53,9 @@ from moe.layer.balancing import load_spread, set_aux_loss_scale, update_expert_b
 from moe.layer.loss import loss_share
 from moe.layer.peak_memory import process_peak_bytes
 from moe.layer.phase_timer import PhaseTimer, phase
+from moe.trainer.data.source import DataSource, eod_masked_labels
 from moe.trainer.models.deepseek_v3 import documents
 from moe.trainer.train.checkpoint import Checkpointer, ModelIO, TrainState
-from moe.trainer.train.data_source import DataSource, eod_masked_labels
 from moe.trainer.train.faults import FaultPlan
 from moe.trainer.train.loggers import LoggerFactory
 from moe.trainer.train.metrics import LOSS_PNG, RunReport, mfu

@@ -50,10 +50,10 @@ Megatron's names for the same settings: `train_iters`, `global_batch_size`, `seq
 own names (its `--iterations-to-skip` steps likewise make no update and consume their batch; here the learning rate
 stays a function of the step number, see moe/trainer/train/rewind.py).
 
-Two data paths (moe/trainer/train/data_source.py picks one): the built-in corpus (python-stdlib or a directory of `*.py`
-files, tokenizer "bpe" or "bytes") keeps its token file and its window hold-out (moe/trainer/train/data.py); any other
-corpus or tokenizer, and Megatron-prepared data (`data_path`), are indexed datasets read as a seeded blend with
-whole documents held out (moe/trainer/data/blend.py, moe/trainer/train/blended.py).
+Two data paths (moe/trainer/data/source.py picks one): the built-in corpus (python-stdlib or a directory of `*.py`
+files, tokenizer "bpe" or "bytes") keeps its token file and its window hold-out (moe/trainer/data/token_file.py); any
+other corpus or tokenizer, and Megatron-prepared data (`data_path`), are indexed datasets read as a seeded blend with
+whole documents held out (moe/trainer/data/blend.py, moe/trainer/data/blended_batches.py).
 """
 
 from __future__ import annotations
@@ -187,8 +187,8 @@ class DataConfig:
     @property
     def builtin(self) -> bool:
         """True for the built-in path: no data_path, a trained tokenizer ("bpe" / "bytes"), the default text_field
-        and a corpus that is python-stdlib or a directory of `*.py` files only (moe/trainer/train/data.py, bit-identical
-        to the runs before indexed data). Otherwise the data is indexed datasets."""
+        and a corpus that is python-stdlib or a directory of `*.py` files only (moe/trainer/data/token_file.py,
+        bit-identical to the runs before indexed data). Otherwise the data is indexed datasets."""
         return (
             self.data_path is None
             and self.tokenizer in TOKENIZERS

@@ -2,7 +2,7 @@
 
 - `eos_token_id(dir)`: `config.json`'s `eos_token_id` (transformers' key, which `hf.py import` keeps and `export`
   writes), else the id of the project tokenizer's end-of-text token `<|endoftext|>` in the directory's
-  `tokenizer.json` (the trainer copies its tokenizer into every checkpoint, moe/trainer/train/data.py), else None.
+  `tokenizer.json` (the trainer copies its tokenizer into every checkpoint, moe/trainer/data/token_file.py), else None.
 - `load_tokenizer(dir)`: the directory's `tokenizer.json` as a Hugging Face `tokenizers.Tokenizer` (optional
   package, imported when text is encoded or decoded).
 """
@@ -15,7 +15,8 @@ from typing import Any
 
 from moe.trainer.models.deepseek_v3.model_dir import CONFIG_FILE
 
-END_OF_TEXT = "<|endoftext|>"  # the project tokenizer's one special token (moe/trainer/train/data.py trains it as id 0)
+# the project tokenizer's one special token (moe/trainer/data/token_file.py trains it as id 0)
+END_OF_TEXT = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
 
 

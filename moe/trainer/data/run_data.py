@@ -3,14 +3,14 @@ run, and what run.json records. Everything is checked here, before any process g
 
 Three paths (`DataConfig` has the keys):
 - built-in: python-stdlib or a directory of `*.py` files, tokenizer "bpe" / "bytes": the token file of
-  moe/trainer/train/data.py and its window hold-out, unchanged (scripts/train.sh's losses stay bit-identical).
+  moe/trainer/data/token_file.py and its window hold-out, unchanged (scripts/train.sh's losses stay bit-identical).
 - corpus: any other corpus (`.txt .md .py .jsonl .jsonl.gz .parquet`, a directory, a glob or a file) or a tokenizer
   given as a path: tokenized once by local rank 0 into indexed shards in the cache (moe/trainer/data/tokenize.py, in
   parallel worker processes; a bad record fails naming its file and line), the other ranks waiting for them; read
   as a blend of the shards (weighted by size) with whole documents held out.
 - data_path: Megatron-prepared indexed datasets blended by weight (moe/trainer/data/blend.py); `tokenizer` names the one
   that prepared them.
-The last two go through `BlendedBatches` (moe/trainer/train/blended.py).
+The last two go through `BlendedBatches` (moe/trainer/data/blended_batches.py).
 """
 
 from __future__ import annotations
@@ -19,18 +19,20 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moe.trainer.data.blend import BlendedWindows, parse_data_path
+from moe.trainer.data.blended_batches import BlendedBatches
 from moe.trainer.data.corpus import Corpus
 from moe.trainer.data.indexed import best_dtype
+from moe.trainer.data.source import DataSource
+from moe.trainer.data.token_file import TokenBatches, default_cache_dir, prepare_tokens
 from moe.trainer.data.tokenize import DEFAULT_SHARD_TOKENS, cache_key, load_tokenized, tokenize_corpus
 from moe.trainer.data.tokenizer import load_tokenizer, resolve_tokenizer, tokenizer_key
 from moe.trainer.data.vocab_check import check_token_ids
-from moe.trainer.train.blended import BlendedBatches
-from moe.trainer.train.data import TokenBatches, default_cache_dir, prepare_tokens
-from moe.trainer.train.data_source import DataSource
-from moe.trainer.train.training_config import TrainingConfig
+
+if TYPE_CHECKING:  # annotations only: the config tree sits above the data
+    from moe.trainer.train.training_config import TrainingConfig
 
 WAIT_S = 3600.0  # how long the other ranks of a host wait for local rank 0's tokenization
 

@@ -1,5 +1,5 @@
 """`BlendedBatches`: the trainer's global batches over indexed datasets (Megatron's `--data-path`, or a corpus
-tokenized into shards), a `DataSource` (moe/trainer/train/data_source.py).
+tokenized into shards), a `DataSource` (moe/trainer/data/source.py).
 
 Global batch `s` (1-based) is samples `[(s - 1) G, s G)` of `moe.trainer.data.blend.BlendedWindows` (G = global_batch):
 Megatron's greedy blend over the datasets, each dataset's windows in a seeded permutation per epoch, documents
@@ -27,8 +27,8 @@ import torch
 
 from moe.trainer.data.blend import BlendedWindows
 from moe.trainer.data.indexed import bin_path, idx_path
+from moe.trainer.data.source import rank_rows
 from moe.trainer.io.shard_files import sha256_file
-from moe.trainer.train.data_source import rank_rows
 
 
 class BlendedBatches:

@@ -26,15 +26,18 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from moe.trainer.data import tokenizer as data_tokenizer
+from moe.trainer.data.source import rank_rows
 from moe.trainer.io.atomic import fsync_path
 from moe.trainer.models.deepseek_v3.model_tokens import END_OF_TEXT
-from moe.trainer.train.data_source import rank_rows
-from moe.trainer.train.training_config import DataConfig
+
+if TYPE_CHECKING:  # annotations only: the config tree sits above the data
+    from moe.trainer.train.training_config import DataConfig
 
 EOS = END_OF_TEXT  # generation finds it by this name in a checkpoint's tokenizer.json
 FORMAT_VERSION = 1
@@ -214,7 +217,7 @@ class TokenBatches:
         eod_id: the end-of-text id that ends every document (None: unknown).
         fingerprint: what identifies the token stream (e.g. the cache entry's key), saved with checkpoints; a resume
             on another stream is refused (None: not recorded).
-    A `DataSource` (moe/trainer/train/data_source.py).
+    A `DataSource` (moe/trainer/data/source.py).
     """
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, val_sequences: int, seed: int,

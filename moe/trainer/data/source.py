@@ -1,8 +1,9 @@
 """What the trainer asks of its data, whichever path made it, and the labels and document ids built from a batch.
 
-`DataSource` is the trainer's view: `TokenBatches` (moe/trainer/train/data.py: the built-in corpus's token file) and
-`BlendedBatches` (moe/trainer/train/blended.py: indexed datasets, Megatron's `--data-path`) implement it. A batch is a
-function of (seed, step) alone, so every layout reads the same tokens and a run resumed at step `s` reads what an
+`DataSource` is the trainer's view: `TokenBatches` (moe/trainer/data/token_file.py: the built-in corpus's token file)
+and
+`BlendedBatches` (moe/trainer/data/blended_batches.py: indexed datasets, Megatron's `--data-path`) implement it. A batch
+is a function of (seed, step) alone, so every layout reads the same tokens and a run resumed at step `s` reads what an
 uninterrupted one would have; `identity()` names what the order depends on, which `DataPosition` saves with every
 checkpoint and a resumed run must share.
 
