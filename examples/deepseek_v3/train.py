@@ -4,6 +4,8 @@
     torchrun --nproc-per-node 4 examples/deepseek_v3/train.py --config ... --out runs/tiny-ep4 --ep 4
     torchrun --nproc-per-node 4 examples/deepseek_v3/train.py --config ... --out runs/tiny-tp2-ep2 --tp 2 --ep 2 \
         --use-distributed-optimizer
+    torchrun --nproc-per-node 4 examples/deepseek_v3/train.py --config ... --out runs/tiny-pp2-ep2 --pp 2 --ep 2 \
+        --pp-schedule dualpipev --overlap-moe-expert-parallel-comm --pipeline-timeline
 
 The command runs `moe.trainer.run.main` (moe/trainer/run.py: its options, checks and phases).
 """

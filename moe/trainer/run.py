@@ -1,12 +1,6 @@
 """Train DeepSeek-V3 (MLA, DeepSeekMoE with aux-loss-free balancing, MTP) on mtdeepep.
 
-    python examples/deepseek_v3/train.py --config examples/deepseek_v3/configs/tiny.toml --out runs/tiny
-    torchrun --nproc-per-node 4 examples/deepseek_v3/train.py --config ... --out runs/tiny-ep4 --ep 4
-
-    torchrun --nproc-per-node 4 examples/deepseek_v3/train.py --config ... --out runs/tiny-tp2-ep2 --tp 2 --ep 2 \
-        --use-distributed-optimizer
-    torchrun --nproc-per-node 4 examples/deepseek_v3/train.py --config ... --out runs/tiny-pp2-ep2 --pp 2 --ep 2 \
-        --pp-schedule dualpipev --overlap-moe-expert-parallel-comm --pipeline-timeline
+Usage: examples/deepseek_v3/train.py, the command line that runs `main`.
 
 One process, or one per rank under torchrun (gloo on CPU). Layout (moe/trainer/train/parallel_state.py): `--tp` ranks
 split the attention and dense layers (tensor parallel, with sequence parallelism outside them), the experts of every MoE

@@ -1,13 +1,6 @@
 """Plan the parallel layout of a DeepSeek-V3 training run before running it (a SimuMax-like strategy search).
 
-    python examples/deepseek_v3/plan.py --config examples/deepseek_v3/configs/671b.toml --devices 2048 \
-        --device-spec h100 --top 10
-    python examples/deepseek_v3/plan.py --config examples/deepseek_v3/configs/tiny.toml --devices 4 \
-        --device-spec cpu --calibrate
-    python examples/deepseek_v3/plan.py --list-devices
-    python examples/deepseek_v3/plan.py --config examples/deepseek_v3/configs/671b.toml --device-spec b200 \
-        --num-layers 4 --first-k-dense 1 --mtp-depths 0 --global-batch 32 --micro-batches 4 \
-        --layout "tp1 pp2 ep4 dp4 1f1b zero1" --framework megatron-alltoall --json one.json
+Usage: examples/deepseek_v3/plan.py, the command line that runs `main`.
 
 Enumerates every TP / PP / EP / DP split of --devices (with expert tensor parallelism, ETP: each routed expert's
 FFN split over etp ranks, the dispatch over the folded ep x etp group; the pipeline schedule 1F1B / ZB-H1 /

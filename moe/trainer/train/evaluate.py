@@ -1,7 +1,6 @@
 """Evaluate a DeepSeek-V3 checkpoint: mean next-token cross-entropy of a token array, or of a text corpus.
 
-    python examples/deepseek_v3/evaluate.py --checkpoint RUN_DIR/checkpoints/step_N --tokens RUN_DIR/val_tokens.npy
-    python examples/deepseek_v3/evaluate.py --checkpoint RUN_DIR/checkpoints/step_N --text held_out.jsonl --seq-len 128
+Usage: examples/deepseek_v3/evaluate.py, the command line that runs `main`.
 
 `--tokens`: a `.npy` file holding an integer `[B, S]` array of token ids (int64, or any integer dtype whose values
 fit). `--text`: a corpus (a file, a directory or a glob of .txt/.md/.py/.jsonl/.jsonl.gz/.parquet, `--text-field`

@@ -1,11 +1,6 @@
 """Generate text with a DeepSeek-V3 checkpoint: cached (MLA latent) decoding, on one process or expert-parallel.
 
-    python examples/deepseek_v3/generate.py --checkpoint RUN_DIR/checkpoints/step_N --prompt "def " \
-        --max-new-tokens 64 --greedy
-    python examples/deepseek_v3/generate.py --checkpoint MODEL_DIR --prompt-ids "1,2,3" --prompt-ids "4,5" \
-        --temperature 0.8 --top-p 0.95 --seed 0 --output-json out.json
-    torchrun --nproc-per-node 4 examples/deepseek_v3/generate.py --checkpoint MODEL_DIR --ep 4 --dtype bfloat16 \
-        --prompt-ids "1,2,3" --prompt-ids "4,5" ... [--fp8-dispatch] [--overlap --timeline /tmp/step]
+Usage: examples/deepseek_v3/generate.py, the command line that runs `main`.
 
 `--checkpoint`: a train.py checkpoint (RUN_DIR/checkpoints/step_N) or a model directory (hf.py import, the trainer's
 export): whatever evaluate.py reads. Text prompts are encoded and continuations decoded with the directory's
