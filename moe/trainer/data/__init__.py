@@ -1,4 +1,4 @@
-"""Training data on disk in Megatron's formats (no training logic: the trainer, `moe.trainer.train`, builds on it).
+"""All of the trainer's data: the formats on disk (Megatron's), the corpora and tokenizers, and the batches.
 
 - `indexed`: Megatron's `.bin` / `.idx` indexed dataset: the streaming, atomic `IndexedDatasetWriter`, the checked
   memory-mapped `IndexedDataset`, and `best_dtype(vocab_size)`.
@@ -9,4 +9,7 @@
   directory, with its end-of-text token and the `vocab_size` check.
 - `tokenize`: the corpus tokenized by worker processes into indexed shards, streamed, in input order, published
   atomically.
+- `token_file`: the built-in corpus, its trained tokenizer, the cached token file and `TokenBatches`.
+- `source`: `DataSource`, the seam the trainer reads batches through; `blended_batches`: `BlendedBatches`.
+- `run_data`: which of them a run's `[training.data]` table takes, checked before any process group.
 """

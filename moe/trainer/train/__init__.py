@@ -1,8 +1,7 @@
-"""The trainer core: run configuration, parallel layout, data, optimizer, checkpoints, metrics and the loop.
+"""The trainer core: run configuration, parallel layout, optimizer, checkpoints, metrics and the loop.
 
-- `config`: the `[training]` table (`TrainingConfig`, `DataConfig`).
-- `parallel`: `Layout` (checked before any process group) and `ParallelState` (the groups, built once).
-- `data`: corpus, tokenizer, cached token file, `TokenBatches` (layout-independent global batches).
+- `training_config`: the `[training]` table (`TrainingConfig`, `DataConfig`).
+- `parallel_state`: `Layout` (checked before any process group) and `ParallelState` (the groups, built once).
 - `schedule`: warm-up + cosine learning rate.
 - `optim`: `MasterAdamW` (FP32 master weights, gradient reduction over the layout, global-norm clipping).
 - `checkpoint`: `Checkpointer` (cadence, asynchronous sharded writes, manifest, purging, resuming in any layout)
