@@ -32,9 +32,9 @@ from mtdeepep.utils.testing import num_cores, run_processes
 
 ALLREDUCE_BYTES = 16 << 20
 
-# The library modules examples/deepseek_v3/train.py imports (tests/plan/test_calibrate.py keeps this list in step
-# with the script): the runtime baseline is a process that loaded what a training rank loads, without running the
-# script itself (the library does not execute examples/).
+# The library modules the run assembly (moe/trainer/run.py, what examples/deepseek_v3/train.py runs) imports
+# (tests/plan/test_calibrate.py keeps this list in step with it): the runtime baseline is a process that loaded what
+# a training rank loads, without running it.
 TRAIN_PY_MODULES = (
     "moe",
     "moe.layer.fp8.convert",
