@@ -1,9 +1,9 @@
-"""Flash checkpoints of DeepSeek-V3 training (moe/train/checkpoint/): what a checkpoint costs the training step (the
-copy of each rank's state into CPU memory) against the step time, what the background writer takes, checkpoint
+"""Flash checkpoints of DeepSeek-V3 training (moe/trainer/train/checkpoint/): what a checkpoint costs the training step
+(the copy of each rank's state into CPU memory) against the step time, what the background writer takes, checkpoint
 sizes, and the synchronous gather-and-write save it replaced.
 
 Setting: `examples/deepseek_v3/configs/small.toml`'s model (hidden 512, 4 layers, 16 routed experts, MTP) trained
-by `moe.train.Trainer` on the python-stdlib corpus with a batch small enough for a 2-core CPU (`--global-batch`
+by `moe.trainer.train.Trainer` on the python-stdlib corpus with a batch small enough for a 2-core CPU (`--global-batch`
 sequences of `--seq-len` tokens, `--micro-batches` per data-parallel rank: a short step, so the comparison is the
 strict one). Each row (`--rows`) is one job of fresh processes (the one launcher, `run_ranks`: gloo on 127.0.0.1,
 `max(1, cores // ranks)` threads each):
@@ -42,13 +42,13 @@ import torch.distributed as dist
 from _common import RESULTS_DIR, make_parser, num_cores, print_table, run_ranks, save_run
 
 from moe import EPBuffers
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from moe.train.checkpoint import ModelIO
-from moe.train.checkpoint.state import optimizer_entries
-from moe.train.config import TrainingConfig
-from moe.train.data import TokenBatches, prepare_tokens
-from moe.train.parallel import Layout, ParallelState
-from moe.train.trainer import Trainer
+from moe.trainer.data.token_file import TokenBatches, prepare_tokens
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.trainer.train.checkpoint import ModelIO
+from moe.trainer.train.checkpoint.train_state import optimizer_entries
+from moe.trainer.train.parallel_state import Layout, ParallelState
+from moe.trainer.train.trainer import Trainer
+from moe.trainer.train.training_config import TrainingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 # name -> (ranks, expert-parallel size, ZeRO-1, dtype)

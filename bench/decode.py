@@ -33,13 +33,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import make_parser, parse_int_list, print_table, save_run  # noqa: E402
-from moe.dispatcher import EPBuffers  # noqa: E402
-from moe.interleave import Interleaver  # noqa: E402
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, decode_timeline  # noqa: E402
-from moe.models.deepseek_v3.decode import prefill  # noqa: E402
-from moe.models.deepseek_v3.decode_dispatch import DecodeDispatch, DecodeDispatchers  # noqa: E402
-from moe.models.deepseek_v3.generation import DecodeTrace, decode_step  # noqa: E402
-from moe.phase_timer import PHASES, PhaseTimer  # noqa: E402
+from moe.layer.dispatcher import EPBuffers  # noqa: E402
+from moe.layer.interleave import Interleaver  # noqa: E402
+from moe.layer.phase_timer import PHASES, PhaseTimer  # noqa: E402
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, decode_timeline  # noqa: E402
+from moe.trainer.models.deepseek_v3.decode import prefill  # noqa: E402
+from moe.trainer.models.deepseek_v3.decode_dispatch import DecodeDispatch, DecodeDispatchers  # noqa: E402
+from moe.trainer.models.deepseek_v3.generation import DecodeTrace, decode_step  # noqa: E402
 from mtdeepep.utils.testing import run_ranks  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
-"""DualPipeV's MoE communication overlap (moe/pipeline/overlap.py): how much of the MoE dispatch / combine time of
-an overlapped forward-backward (F&B) chunk is hidden behind the other micro-batch's compute, and what it does to the
+"""DualPipeV's MoE communication overlap (moe/trainer/pipeline/overlap.py): how much of the MoE dispatch / combine time
+of an overlapped forward-backward (F&B) chunk is hidden behind the other micro-batch's compute, and what it does to the
 step time.
 
 Setting: a DeepSeek-V3 config (default `tiny`), PP 2 x EP 2 x DP 2 (4 processes, gloo on 127.0.0.1; EP over the two
@@ -41,13 +41,13 @@ MODES = ("off", "sequential", "overlap")
 
 def _worker(rank: int, world: int, group, args) -> dict:
     from moe import EPBuffers
-    from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-    from moe.pipeline import PipelineRunner, TimelineRecorder, gather_timelines, pipeline_moe_options
-    from moe.pipeline.overlap import install_overlapped_forward_backward, summarize
-    from moe.pipeline.split import split_layers
-    from moe.pipeline.timeline import plot_timeline, write_chrome_trace
-    from moe.train.parallel import Layout, ParallelState
-    from moe.train.trainer import target_counts
+    from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+    from moe.trainer.pipeline import PipelineRunner, TimelineRecorder, gather_timelines, pipeline_moe_options
+    from moe.trainer.pipeline.overlap import install_overlapped_forward_backward, summarize
+    from moe.trainer.pipeline.split import split_layers
+    from moe.trainer.pipeline.timeline import plot_timeline, write_chrome_trace
+    from moe.trainer.train.parallel_state import Layout, ParallelState
+    from moe.trainer.train.trainer import target_counts
 
     del rank, world
     cfg = DeepseekV3Config.from_toml(REPO / "examples" / "deepseek_v3" / "configs" / f"{args.config}.toml")
@@ -119,7 +119,7 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     results = run_ranks(_worker, 4, (args,), timeout_s=1800)
 
-    from moe.pipeline.overlap import plot_fb
+    from moe.trainer.pipeline.overlap import plot_fb
 
     # One F&B of pipeline rank 1 (stages 1 and 2: both sides communicate) of the last overlapped step: the median.
     records = [r for r in results[2]["overlap"]["last_records"] if r.interleaved and len(r.comms()) >= 4]

@@ -2,7 +2,7 @@
 (each recipe), and in FP32 from initial weights perturbed by a BF16-sized relative noise (the run-to-run noise floor
 of this measurement: a difference smaller than it says nothing about the recipe).
 
-Each run: `moe.train`'s own `Trainer.train_step` (micro-batches, MTP loss, clipping, warm-up + cosine schedule,
+Each run: `moe.trainer.train`'s own `Trainer.train_step` (micro-batches, MTP loss, clipping, warm-up + cosine schedule,
 aux-loss-free bias updates, `MasterAdamW`), one process and one thread, the python-stdlib corpus with tiny's BPE
 vocabulary, `--batch` sequences of `--seq-len` tokens per step (smaller than tiny.toml's 32 x 128: FP8 GEMMs are
 emulated on CPU, about 2x the FP32 step). Reported: the mean training loss of the last 20 steps, the held-out loss
@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 from _common import RESULTS_DIR, environment, make_parser, print_table, save_results
 
-from moe.fp8.convert import apply_fp8, fp8_moe_options
-from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
-from moe.models.deepseek_v3.config import DeepseekV3Config
-from moe.train.config import DataConfig, TrainingConfig
-from moe.train.data import TokenBatches, prepare_tokens
-from moe.train.parallel import ParallelState
-from moe.train.trainer import Trainer
+from moe.layer.fp8.convert import apply_fp8, fp8_moe_options
+from moe.trainer.data.token_file import TokenBatches, prepare_tokens
+from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
+from moe.trainer.train.parallel_state import ParallelState
+from moe.trainer.train.trainer import Trainer
+from moe.trainer.train.training_config import DataConfig, TrainingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "deepseek_v3" / "configs" / "tiny.toml"

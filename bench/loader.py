@@ -4,7 +4,7 @@ training step.
     python bench/loader.py                                  # synthetic blend, per-rank batches up to 128 x 4096
     python bench/loader.py --metrics RUN_DIR/metrics.jsonl  # the share in a finished run (data_s / step_s)
 
-What one step's loader does (moe/train/trainer.py, `Trainer.train_step`, between `data_start` and `data_s`):
+What one step's loader does (moe/trainer/train/trainer.py, `Trainer.train_step`, between `data_start` and `data_s`):
 `BlendedBatches.local_batch` (this rank's rows of the global batch out of the memory-mapped `.bin` files, Megatron's
 blend order), and with every Megatron flag on, `eod_masked_labels`, `documents.document_ids` and
 `positions_in_documents`. Measured here on a synthetic blend of 3 datasets (uint16 tokens, documents of lognormal
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from moe.data.blend import BlendedWindows
-from moe.data.indexed import IndexedDatasetWriter
-from moe.models.deepseek_v3 import documents
-from moe.train.blended import BlendedBatches
-from moe.train.data_source import eod_masked_labels
+from moe.trainer.data.blend import BlendedWindows
+from moe.trainer.data.blended_batches import BlendedBatches
+from moe.trainer.data.indexed import IndexedDatasetWriter
+from moe.trainer.data.source import eod_masked_labels
+from moe.trainer.models.deepseek_v3 import documents
 
 
 def write_synthetic(root: Path, tokens: int, seed: int) -> list:

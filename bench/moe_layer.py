@@ -39,7 +39,7 @@ Three layers with the same weights alternate iteration by iteration (barrier bef
 - serial: both options on, but the benchmark waits for each communication as soon as it has started (wrapping the
   start calls), so the compute meant to overlap it runs after it: per phase, the communication alone `C` (the
   window) and the compute alone `W` (the shared expert's forward timed by module hooks, the delayed GEMMs by
-  wrapping `moe.wgrad.run_deferred`);
+  wrapping `moe.layer.wgrad.run_deferred`);
 - on: both options on: the window `T` holds the communication and the compute `W_in` (timed the same way).
 Per phase, the communication still exposed on this rank's critical path is `T - W_in` (window time spent outside the
 compute: starting the communication, then waiting after the compute ended), and hidden = clip(C - (T - W_in), 0, C)
@@ -87,7 +87,7 @@ from _common import (
     train_step,
 )
 
-import moe.wgrad
+import moe.layer.wgrad
 from moe import MoEConfig, MoELayer
 
 DISPATCHERS = ("alltoall", "flex")
@@ -330,7 +330,7 @@ class PhaseClock:
 
     def instrument_wgrad(self) -> None:
         """Times the delayed weight-gradient GEMMs where the dispatch's backward runs them."""
-        run_deferred = moe.wgrad.run_deferred
+        run_deferred = moe.layer.wgrad.run_deferred
 
         def timed_run_deferred():
             start = time.perf_counter()
@@ -339,7 +339,7 @@ class PhaseClock:
                 self.add_compute("bwd of dispatch", time.perf_counter() - start)
             return count
 
-        moe.wgrad.run_deferred = timed_run_deferred
+        moe.layer.wgrad.run_deferred = timed_run_deferred
 
 
 def overlap_layer(cfg: BenchConfig, mode: str, group: dist.ProcessGroup) -> MoELayer:

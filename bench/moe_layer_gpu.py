@@ -9,17 +9,17 @@ communication), so the differences between the rows are the experts' GEMMs.
 Variants (table rows), all the same layer with the same weights (the first's state dict loaded into the others),
 hence the same routing of the same tokens:
 
-- loop:         `moe_grouped_gemm=False`: `moe.experts.loop_linear`, one `x_e @ w[e]` per expert for each of the
+- loop:         `moe_grouped_gemm=False`: `moe.layer.experts.loop_linear`, one `x_e @ w[e]` per expert for each of the
                 three GEMMs (forward, input grad, weight grad) of FC1 and FC2: the plain PyTorch baseline.
-- grouped_bf16: `moe_grouped_gemm=True`: `moe.experts.grouped_linear`, one `torch._grouped_mm` per GEMM over all
+- grouped_bf16: `moe_grouped_gemm=True`: `moe.layer.experts.grouped_linear`, one `torch._grouped_mm` per GEMM over all
                 experts. Skipped (with the reason) where `_grouped_mm` fails the layer's probe for the device and
                 dtype, since the layer would silently run the loop instead.
-- fp8:          `fp8='e4m3'`: `moe.fp8.Fp8SwiGLUExperts`, DeepSeek-V3 block-wise FP8 (1x128 activation tiles,
+- fp8:          `fp8='e4m3'`: `moe.layer.fp8.Fp8SwiGLUExperts`, DeepSeek-V3 block-wise FP8 (1x128 activation tiles,
                 128x128 weight blocks, FP32 accumulation) through `torch._scaled_mm`, one call per expert per GEMM;
                 the BF16 weights are master weights quantised every step. Skipped where `_scaled_mm` fails
-                moe.fp8's probe (the layer would emulate FP8 in FP32) and always on the CPU. A weight-gradient GEMM
-                of an expert whose row count is not a multiple of 16 is emulated by the layer (`scaled_matmul`): the
-                JSON's `kernel_calls` and the notes say what share of the FP8 GEMMs ran on `_scaled_mm`.
+                moe.layer.fp8's probe (the layer would emulate FP8 in FP32) and always on the CPU. A weight-gradient
+                GEMM of an expert whose row count is not a multiple of 16 is emulated by the layer (`scaled_matmul`):
+                the JSON's `kernel_calls` and the notes say what share of the FP8 GEMMs ran on `_scaled_mm`.
 
 Correctness first: each variant runs one step before any timing, and its output, input gradient and expert weight
 gradients are compared with the loop's (relative RMS error, `||a - b|| / ||b||`). BF16 GEMMs accumulate in FP32 and
@@ -65,10 +65,10 @@ from typing import Any
 import torch
 from _common import RESULTS_DIR, environment, make_parser, print_table, save_results, train_step
 
-import moe.fp8.gemm
+import moe.layer.fp8.gemm
 from moe import MoEConfig, MoELayer
-from moe.experts import grouped_mm_available
-from moe.fp8 import COL_TILE, WEIGHT_TILE, scaled_mm_variant
+from moe.layer.experts import grouped_mm_available
+from moe.layer.fp8 import COL_TILE, WEIGHT_TILE, scaled_mm_variant
 
 DTYPE = torch.bfloat16
 BASELINE = "loop"
@@ -160,21 +160,21 @@ def skip_reason(variant: Variant, cfg: BenchConfig, device: torch.device) -> str
     """Why `variant` cannot run what it stands for on `device` (the layer would fall back silently), or None."""
     if variant.kernel == "_grouped_mm":
         if not grouped_mm_available(device.type, DTYPE):
-            return f"torch._grouped_mm failed moe.experts' probe on {device.type} {DTYPE} (the layer would loop)"
+            return f"torch._grouped_mm failed moe.layer.experts' probe on {device.type} {DTYPE} (the layer would loop)"
         if cfg.hidden % 8 or cfg.ffn_hidden % 8:
             return "torch._grouped_mm needs 16-byte rows: hidden and FFN hidden multiples of 8"
     if variant.kernel == "_scaled_mm":
         if device.type != "cuda":
             return (
-                "FP8 GEMMs through torch._scaled_mm need a CUDA device (on the CPU moe.fp8 emulates them: "
+                "FP8 GEMMs through torch._scaled_mm need a CUDA device (on the CPU moe.layer.fp8 emulates them: "
                 "dequantise + FP32 matmul, no FP8 timing)"
             )
         # Probe both tilings now: the first FP8 step would otherwise probe inside the counted step (checked_step).
         weight_grad_ok = scaled_mm_variant(device, COL_TILE) is not None
         if scaled_mm_variant(device, WEIGHT_TILE) is None:
-            return "torch._scaled_mm failed moe.fp8's block-wise probe on this GPU (the layer would emulate FP8)"
+            return "torch._scaled_mm failed moe.layer.fp8's block-wise probe on this GPU (the layer would emulate FP8)"
         if not weight_grad_ok:
-            return "torch._scaled_mm failed moe.fp8's 128x1 probe: every FP8 weight gradient would be emulated"
+            return "torch._scaled_mm failed moe.layer.fp8's 128x1 probe: every FP8 weight gradient would be emulated"
         if cfg.hidden % 16 or cfg.ffn_hidden % 16:
             return "torch._scaled_mm needs hidden and FFN hidden multiples of 16 (the layer would emulate FP8)"
     return None
@@ -210,7 +210,8 @@ def counting_calls(targets: dict[str, tuple[Any, str]]) -> Iterator[dict[str, in
 KERNEL_SPIES = {
     "_grouped_mm": (torch, "_grouped_mm"),
     "_scaled_mm": (torch, "_scaled_mm"),
-    "fp8_matmul": (moe.fp8.gemm, "scaled_matmul"),  # every FP8 GEMM, on _scaled_mm or emulated (key kept: the JSON's)
+    # every FP8 GEMM, on _scaled_mm or emulated (key kept: the JSON's)
+    "fp8_matmul": (moe.layer.fp8.gemm, "scaled_matmul"),
 }
 
 

@@ -6,8 +6,8 @@ backward, which on one process is a local regrouping). Variants: no recompute, '
 the adaptive trigger (`moe_adaptive_recompute_tokens`) set below the rows each layer computes, so every layer
 recomputes its expert activations (the 'fc1' mode), and set above, so none does.
 
-Peak memory: `moe.memory.peak_memory_bytes` (the process's resident-set peak above the memory in use at the start
-of the step, with glibc mapping every allocation of 64 KiB or more on its own; the CUDA allocator's peak on GPUs).
+Peak memory: `moe.layer.peak_memory.peak_memory_bytes` (the process's resident-set peak above the memory in use at the
+start of the step, with glibc mapping every allocation of 64 KiB or more on its own; the CUDA allocator's peak on GPUs).
 Time: one step = grads kept allocated (zeroed), forward, backward. Variants alternate step by step; medians over
 `--iters`. Before measuring, every variant's output and gradients are compared with the plain stack's (they must be
 identical: recompute rebuilds tensors with the same operations).
@@ -37,7 +37,7 @@ from _common import (
 from torch import nn
 
 from moe import MoEConfig, MoELayer
-from moe.memory import peak_memory_bytes
+from moe.layer.peak_memory import peak_memory_bytes
 
 
 @dataclass(frozen=True)

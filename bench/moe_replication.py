@@ -45,7 +45,7 @@ from _common import (
 )
 
 from moe import MoEConfig, MoELayer
-from moe.replication import update_hot_experts
+from moe.layer.replication import update_hot_experts
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ Setting: `Trainer.train_step` on tiny's model (examples/deepseek_v3/configs/tiny
 block, 8 experts) at `--global-batch` x `--seq-len` tokens in 2 micro-batches, FP32, one intra-op thread (train.sh's
 setting per rank), the same random tokens every step. Variants, alternated every step after `--warmup` steps:
 
-- baseline: `moe.layer.region` replaced by a function returning the null context without asking torch whether a
-  profiler records: the layer as it ran before the regions (a `with` of a no-op context remains);
+- baseline: `moe.layer.moe_layer.region` replaced by a function returning the null context without asking torch whether
+  a profiler records: the layer as it ran before the regions (a `with` of a no-op context remains);
 - off: the code as it is, no profiler, no logger (what every run without the options pays).
 
 Printed per variant: the median and the least wall time and thread CPU time of a step (the CPU time and the least
@@ -41,14 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import make_parser  # noqa: E402
 from moe import layer as moe_layer  # noqa: E402
-from moe import trace_regions  # noqa: E402
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
-from moe.phase_timer import NULL_PHASE  # noqa: E402
-from moe.train.config import TrainingConfig  # noqa: E402
-from moe.train.data import TokenBatches  # noqa: E402
-from moe.train.loggers import MetricsConfig, open_loggers, scalars  # noqa: E402
-from moe.train.parallel import ParallelState  # noqa: E402
-from moe.train.trainer import Trainer  # noqa: E402
+from moe.layer import trace_regions  # noqa: E402
+from moe.layer.phase_timer import NULL_PHASE  # noqa: E402
+from moe.trainer.data.token_file import TokenBatches  # noqa: E402
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
+from moe.trainer.train.loggers import MetricsConfig, open_loggers, scalars  # noqa: E402
+from moe.trainer.train.parallel_state import ParallelState  # noqa: E402
+from moe.trainer.train.trainer import Trainer  # noqa: E402
+from moe.trainer.train.training_config import TrainingConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "deepseek_v3" / "configs" / "tiny.toml"

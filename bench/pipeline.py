@@ -4,17 +4,17 @@ placed round-robin) on the same model, micro-batches and ranks, in one run: step
 bubble of the DualPipe table from the measured F / B / W times, Megatron's formula for (interleaved) 1F1B, and the
 peak memory of a step per rank.
 
-Each schedule runs with each P2P transport of `--transports` (moe/pipeline/p2p.py): `torch` (torch.distributed's
+Each schedule runs with each P2P transport of `--transports` (moe/trainer/pipeline/p2p.py): `torch` (torch.distributed's
 isend / irecv, as torch's schedules post them) and `deepep` (`pp_send` / `pp_recv` of an `mtdeepep.ElasticBuffer`
 over the pipeline group); the rows of one schedule compare them: step time against the torch transport's, and the P2P
-share, the `p2p` phase (moe/phase_timer.py: the schedule's step outside its F / B / I / W actions, i.e. posting the
-sends and receives and waiting for them and for the neighbours) over the step, the mean over the ranks. The two
+share, the `p2p` phase (moe/layer/phase_timer.py: the schedule's step outside its F / B / I / W actions, i.e. posting
+the sends and receives and waiting for them and for the neighbours) over the step, the mean over the ranks. The two
 transports move the same bytes: each schedule's gradients after the last step are compared between them, bitwise.
 
 Setting: a DeepSeek-V3 config (default `tiny`), `--pp` processes (gloo on 127.0.0.1, one per pipeline rank, no data
 or expert parallelism), `--micro-batches` micro-batches of `--rows` sequences of `--seq-len` random tokens per step
 (the same tokens for every schedule). Each schedule gets a fresh model from the same seed, `--warmup` steps, then
-`--steps` timed steps (forward + backward of every micro-batch through `moe.pipeline.PipelineRunner`, gradients
+`--steps` timed steps (forward + backward of every micro-batch through `moe.trainer.pipeline.PipelineRunner`, gradients
 zeroed before each; no optimizer step: the schedules differ only in the forward/backward). The schedules take turns
 step by step (all are built first), so a shared machine's load drifts over them alike. A `-vN` schedule splits the
 layers into pp * N stages (tiny's 4 layers at PP2 x 2: one layer a stage; at PP4 x 2 half of the 8 stages are
@@ -23,7 +23,7 @@ empty placeholders, so use bench/configs/pipeline8.toml there).
 Measured per step (reported: the median step time, the median bubble over the steps, and the timeline and unit
 times of the median-time step; on 2 shared cores a step's bubble varies by several points, hence the median of many):
 - step time: the slowest rank's wall time of `PipelineRunner.step`;
-- bubble: from every rank's timeline of F / B / I / W actions (`moe.pipeline.timeline`): idle time over the
+- bubble: from every rank's timeline of F / B / I / W actions (`moe.trainer.pipeline.timeline`): idle time over the
   common span, all ranks together;
 - analytic bubble (DualPipe's table, per rank): 1F1B (P-1)(F+B), ZB-H1 (P-1)(F+B-2W), DualPipeV (P-1)(F&B+B-3W)
   for its half-size chunks (DualPipe's "(PP/2-1)" with PP = 2P stages), with F, B, W the measured mean action
@@ -32,8 +32,8 @@ times of the median-time step; on 2 shared cores a step's bubble varies by sever
 - formula: Megatron's (P-1)/(V m) of (interleaved) 1F1B relative to the ideal step, as a share of the step
   ((P-1)/(V m + P-1)); it assumes equal stages and free communication, and depends on no measured time;
 - peak memory: the largest rank's resident-set high-water mark during the step above its resident set before it
-  (`moe.memory.peak_memory_bytes`): activations in flight, gradients and p2p buffers. The gradients are the same
-  for every schedule, so the differences between rows are activation memory. Measured in a second set of rank
+  (`moe.layer.peak_memory.peak_memory_bytes`): activations in flight, gradients and p2p buffers. The gradients are the
+  same for every schedule, so the differences between rows are activation memory. Measured in a second set of rank
   processes (one step per schedule after the warm-up), because that accounting makes glibc map and unmap every
   allocation of 64 KiB or more: every fresh tensor then page-faults, which on this CPU slowed the steps by ~25% and
   unevenly (more where more memory is live), so the timed steps run in other processes.
@@ -77,7 +77,8 @@ from _common import (
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEDULES = ("1f1b", "zbh1", "dualpipev", "1f1b-v2", "zbh1-v2")
-TRANSPORTS = ("torch", "deepep")  # moe.pipeline.p2p.P2P_TRANSPORTS (main checks it; moe is imported lazily here)
+# moe.trainer.pipeline.p2p.P2P_TRANSPORTS (main checks it; moe is imported lazily here)
+TRANSPORTS = ("torch", "deepep")
 # glibc's environment for `--allocator caching`: no block is ever handed back to the system (read when a process
 # starts: the spawned ranks inherit it).
 CACHING_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_TOP_PAD_": str(1 << 28)}
@@ -100,13 +101,13 @@ def schedule_of(name: str) -> tuple[str, int]:
 
 def _build(name: str, transport: str, args):
     """A fresh model from the seed, pruned to this rank's stages of schedule `name`, and its runner on `transport`."""
-    from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-    from moe.phase_timer import PHASES, PhaseTimer
-    from moe.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options
-    from moe.pipeline.split import split_layers, stages_per_rank
+    from moe.layer.phase_timer import PHASES, PhaseTimer
+    from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+    from moe.trainer.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options
+    from moe.trainer.pipeline.split import split_layers, stages_per_rank
 
     assert "p2p" in PHASES
-    from moe.train.parallel import Layout, ParallelState
+    from moe.trainer.train.parallel_state import Layout, ParallelState
 
     schedule, virtual = schedule_of(name)
     cfg = DeepseekV3Config.from_toml(_config_path(args.config))
@@ -126,9 +127,9 @@ def _build(name: str, transport: str, args):
 
 
 def _one_step(group, name: str, built, tokens, counts, step: int, args) -> dict:
-    from moe.phase_timer import PHASES
-    from moe.pipeline import bubble_fraction, gather_timelines
-    from moe.pipeline.timeline import analytic_bubble, analytic_bubble_fraction, expected_bubble_fraction
+    from moe.layer.phase_timer import PHASES
+    from moe.trainer.pipeline import bubble_fraction, gather_timelines
+    from moe.trainer.pipeline.timeline import analytic_bubble, analytic_bubble_fraction, expected_bubble_fraction
 
     schedule, virtual = schedule_of(name)
     _, parallel, model, runner = built
@@ -164,7 +165,7 @@ def _one_step(group, name: str, built, tokens, counts, step: int, args) -> dict:
 
 
 def _inputs(cfg, args):
-    from moe.train.trainer import target_counts
+    from moe.trainer.train.trainer import target_counts
 
     gen = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, cfg.vocab_size, (args.micro_batches * args.rows, args.seq_len), generator=gen)
@@ -173,7 +174,7 @@ def _inputs(cfg, args):
 
 def _memory_worker(rank: int, world: int, group, args) -> dict[str, float]:
     """Per schedule, the largest rank's peak memory of one step after one warm-up step (see the docstring)."""
-    from moe.memory import peak_memory_bytes
+    from moe.layer.peak_memory import peak_memory_bytes
 
     del rank, world
     built = {run: _build(*run, args) for run in _runs(args)}
@@ -210,7 +211,7 @@ def _grads_digest(model) -> torch.Tensor:
 def _worker(rank: int, world: int, group, args) -> dict:
     """All schedules built once; then step by step in turn (1F1B, ZB-H1, DualPipeV, 1F1B, ...), so that the load of
     a shared machine drifts over all of them alike."""
-    from moe.pipeline.timeline import plot_timeline, write_chrome_trace
+    from moe.trainer.pipeline.timeline import plot_timeline, write_chrome_trace
 
     del rank, world
     built = {run: _build(*run, args) for run in _runs(args)}
@@ -251,8 +252,8 @@ def _worker(rank: int, world: int, group, args) -> dict:
 
 
 def main() -> None:
-    from moe.pipeline.p2p import P2P_TRANSPORTS
-    from moe.pipeline.split import check_schedule
+    from moe.trainer.pipeline.p2p import P2P_TRANSPORTS
+    from moe.trainer.pipeline.split import check_schedule
 
     assert TRANSPORTS == P2P_TRANSPORTS
 

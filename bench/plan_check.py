@@ -8,13 +8,13 @@ bench/train_layouts.py does; gloo) give, from their metrics.jsonl:
 - measured step s: the fastest and the median `step_s` of the steps after the first, over `--rounds` runs of
   every row taken in turn (the machine is shared: the fastest step is the least disturbed one, and interleaving the
   rows spreads a busy spell over all of them).
-Every rank runs ONE intra-op thread, as the 'cpu' device spec assumes (moe/plan/devices.py): on this machine,
+Every rank runs ONE intra-op thread, as the 'cpu' device spec assumes (moe/trainer/plan/devices.py): on this machine,
 shared with other work, one process with two threads was measured 7x slower per step than two single-threaded
 ranks doing the same work (32.9 vs 4.5 s), an effect of the other work, not of the layout.
 
-The estimates are `moe.plan.search.estimate` of the same layout on the 'cpu' device spec, calibrated first
-(`moe.plan.calibrate`; and the process baseline `runtime_gib` from a 2-rank run of a ~0.6M-parameter model, whose
-state and activations are negligible) unless --no-calibrate. Printed: the error of the memory estimate per layout,
+The estimates are `moe.trainer.plan.search.estimate` of the same layout on the 'cpu' device spec, calibrated first
+(`moe.trainer.plan.calibrate`; and the process baseline `runtime_gib` from a 2-rank run of a ~0.6M-parameter model,
+whose state and activations are negligible) unless --no-calibrate. Printed: the error of the memory estimate per layout,
 and the step-time order (measured vs estimated, with Spearman's rank correlation). `--measured OLD.json` estimates
 again for the runs of an earlier check (with the spec calibrated then), without running anything.
 
@@ -31,15 +31,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import tomli_w
 import tomllib
 from _common import RESULTS_DIR, num_cores, print_table, save_run
-from train_layouts import _dump_toml, bench_config, train_rank
+from train_layouts import bench_config, train_rank
 
-from moe.models.deepseek_v3.config import DeepseekV3Config
-from moe.plan.devices import CPU, DeviceSpec
-from moe.plan.search import estimate
-from moe.plan.space import Candidate, Workload
-from moe.train.metrics import read_metrics
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
+from moe.trainer.plan.devices import CPU, DeviceSpec
+from moe.trainer.plan.search import estimate
+from moe.trainer.plan.space import Candidate, Workload
+from moe.trainer.train.metrics import read_metrics
 from mtdeepep.utils.testing import run_processes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,7 +122,7 @@ def measure_runtime_baseline(args, work: Path, spec) -> tuple[float, dict]:
     doc["training"].update(global_batch=2, seq_len=args.seq_len, micro_batches=1, steps=2, warmup_steps=1,
                            dtype=args.dtype, checkpoint_every=0, log_every=2)  # fmt: skip
     path = work / "baseline.toml"
-    path.write_text(_dump_toml(doc))
+    path.write_text(tomli_w.dumps(doc))
     records = run_train(2, [], path, work / "baseline", args.timeout)
     model = DeepseekV3Config.from_dict(doc["model"], strict=True)
     est = estimate(Candidate(world=2, tp=1, pp=1, ep=1), model, Workload(2, 1, args.seq_len, args.dtype),
@@ -267,7 +268,7 @@ def main() -> None:
     else:
         spec = CPU
         if not args.no_calibrate:
-            from moe.plan.calibrate import calibrated_cpu_spec
+            from moe.trainer.plan.calibrate import calibrated_cpu_spec
 
             spec = calibrated_cpu_spec()
         with tempfile.TemporaryDirectory(prefix="plan_check-") as tmp:

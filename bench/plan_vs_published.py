@@ -3,10 +3,10 @@ A100-PCIe table, with the real measurement, SimuMax's prediction and ours side b
 
 The cases and their settings are data (bench/data/simumax_published.toml: numbers transcribed from the public
 MooreThreads/SimuMax repository, with the commit). For each case the planner prices the named layout
-(`moe.plan.layout.parse_layout`, `moe.plan.search.estimate`) on the built-in device spec (`b200`, `a100-pcie`:
-datasheet figures and SimuMax's published micro-benchmarks, moe/plan/devices.py) for the trainer the runs used
-(`moe.plan.framework.MEGATRON_ALLTOALL`: Megatron's all-to-all dispatcher, no overlapped gradient reduction).
-Nothing here is fitted to the step times or memory of these runs.
+(`moe.trainer.plan.layout.parse_layout`, `moe.trainer.plan.search.estimate`) on the built-in device spec (`b200`,
+`a100-pcie`: datasheet figures and SimuMax's published micro-benchmarks, moe/trainer/plan/devices.py) for the trainer
+the runs used (`moe.trainer.plan.framework.MEGATRON_ALLTOALL`: Megatron's all-to-all dispatcher, no overlapped gradient
+reduction). Nothing here is fitted to the step times or memory of these runs.
 
 - time: our step time vs the real step (B200: ms per iteration; A100-PCIe: the real TFLOP/s per GPU read off
   SimuMax's chart, turned into ms with SimuMax's own FLOP count, `simumax_flops_per_token`).
@@ -31,15 +31,15 @@ import tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe.models.deepseek_v3.config import DeepseekV3Config  # noqa: E402
-from moe.plan.devices import SPECS  # noqa: E402
-from moe.plan.framework import MEGATRON_ALLTOALL  # noqa: E402
-from moe.plan.layout import check_layout, parse_layout  # noqa: E402
-from moe.plan.memory import GIB, memory_by_stage  # noqa: E402
-from moe.plan.model import ModelShape  # noqa: E402
-from moe.plan.report import table  # noqa: E402
-from moe.plan.search import estimate  # noqa: E402
-from moe.plan.space import Workload  # noqa: E402
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config  # noqa: E402
+from moe.trainer.plan.devices import SPECS  # noqa: E402
+from moe.trainer.plan.framework import MEGATRON_ALLTOALL  # noqa: E402
+from moe.trainer.plan.layout import check_layout, parse_layout  # noqa: E402
+from moe.trainer.plan.memory_estimate import GIB, memory_by_stage  # noqa: E402
+from moe.trainer.plan.model_shape import ModelShape  # noqa: E402
+from moe.trainer.plan.report import table  # noqa: E402
+from moe.trainer.plan.search import estimate  # noqa: E402
+from moe.trainer.plan.space import Workload  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data" / "simumax_published.toml"
 TABLES = {"b200": "b200", "a100_pcie": "a100-pcie"}  # data table -> device spec
@@ -53,7 +53,8 @@ LACKS = {
     "kernels; kernel-launch gaps and the alltoall dispatcher's host synchronisations are not modelled",
     "pp": "1F1B: the bubble is (pp - 1) x the other stage's F + B; Megatron's blocking p2p hand-offs between "
     "unequal stages (embedding + dense layer vs head) are not modelled",
-    "memory": "activations are this trainer's tensors minus the fused cross entropy / norms (moe/plan/framework.py); "
+    "memory": "activations are this trainer's tensors minus the fused cross entropy / norms "
+    "(moe/trainer/plan/framework.py); "
     "Transformer Engine keeps fewer (e.g. no FP32 router copies, no padded value heads)",
     "a100": "the real time is read off SimuMax's chart (+-0.4%) and converted with SimuMax's FLOP count",
 }

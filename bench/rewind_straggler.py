@@ -1,5 +1,5 @@
-"""What rewind snapshots, anomaly checks and slow-rank detection cost a training step (moe/train/rewind.py,
-moe/train/straggler.py).
+"""What rewind snapshots, anomaly checks and slow-rank detection cost a training step (moe/trainer/train/rewind.py,
+moe/trainer/train/straggler.py).
 
 Setting: `examples/deepseek_v3/train.py` on tiny's model (tests/train's synthetic corpus), `--ranks` processes with
 `--flags` (default EP2 with ZeRO-1 over the two ranks), `--steps` steps of `--global-batch` x `--seq-len` tokens.
@@ -43,9 +43,9 @@ from _common import RESULTS_DIR, make_parser, run_ranks
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from moe.models.deepseek_v3 import DeepseekV3Config  # noqa: E402
-from moe.phase_timer import PhaseTimer, mark_backward  # noqa: E402
-from moe.train.metrics import read_events, read_metrics  # noqa: E402
+from moe.layer.phase_timer import PhaseTimer, mark_backward  # noqa: E402
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config  # noqa: E402
+from moe.trainer.train.metrics import read_events, read_metrics  # noqa: E402
 from mtdeepep.utils.testing import run_processes  # noqa: E402
 from tests.train import train_cases as tc  # noqa: E402
 
@@ -109,7 +109,7 @@ TIMED = {"odd": lambda step: step % 2 == 1, "even": lambda step: step % 2 == 0, 
 def alternating_timer_rank(proc, argv: list[str], timed: str) -> int:
     """One rank of `train.py argv` whose phase timer is attached on the steps `TIMED[timed]` selects (the A/B of the
     module docstring; 'none' and 'all' are A/A controls): `Trainer.train_step` is wrapped in this process."""
-    from moe.train import trainer as trainer_module
+    from moe.trainer.train import trainer as trainer_module
 
     original = trainer_module.Trainer.train_step
     select = TIMED[timed]

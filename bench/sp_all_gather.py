@@ -2,7 +2,7 @@
 `ElasticBuffer.all_gather`, in one run, as ratios.
 
 The trainer's sequence-parallel regions gather `[S / tp, ...]` parts into `[S, ...]` along the sequence
-(`moe/parallel/mappings.py` `_all_gather_seq`: one `all_gather_into_tensor` on the TP group). Measured here per
+(`moe/layer/parallel/mappings.py` `_all_gather_seq`: one `all_gather_into_tensor` on the TP group). Measured here per
 gather, on `--tp` processes (gloo on 127.0.0.1), for each hidden size of `--hidden` with `[seq_len / tp, rows,
 hidden]` parts:
 

@@ -1,5 +1,5 @@
-"""Tokenization pipeline (`moe.data.tokenize`): its speed against Hugging Face `tokenizers`' own `encode_batch`, and
-its peak memory on a corpus far larger than it.
+"""Tokenization pipeline (`moe.trainer.data.tokenize`): its speed against Hugging Face `tokenizers`' own `encode_batch`,
+and its peak memory on a corpus far larger than it.
 
 Corpus: generated JSONL shards (`--size-mb` in all, 64 MiB per shard) under a temporary directory (`--dir`, deleted
 afterwards unless `--keep`). `--text code` (default): records of 1-8 KiB cut at random from this Python's standard
@@ -64,7 +64,7 @@ def _pin(cores: int) -> None:
 def generate(directory: Path, size_mb: int, text: str = "code", seed: int = 0) -> int:
     """JSONL shards of about `size_mb` MiB in all, `text` "code" or "words" (module docstring); returns the bytes
     written."""
-    from moe.data.corpus import Corpus
+    from moe.trainer.data.corpus import Corpus
 
     rng = random.Random(seed)
     if text == "code":
@@ -122,9 +122,9 @@ def _watch_children(peaks: dict, stop: threading.Event) -> None:
 
 def _child(corpus_dir: str, tokenizer_path: str, out_dir: str, workers: int) -> None:
     """The pipeline alone, in a fresh process; prints one JSON line with its figures and peak RSS."""
-    from moe.data.corpus import Corpus
-    from moe.data.tokenize import tokenize_corpus
-    from moe.data.tokenizer import load_tokenizer
+    from moe.trainer.data.corpus import Corpus
+    from moe.trainer.data.tokenize import tokenize_corpus
+    from moe.trainer.data.tokenizer import load_tokenizer
 
     corpus = Corpus(corpus_dir)
     tok = load_tokenizer(tokenizer_path)
@@ -165,9 +165,9 @@ def _child(corpus_dir: str, tokenizer_path: str, out_dir: str, workers: int) -> 
 
 def _prepare(work: str, size_mb: int, text: str, vocab_size: int) -> None:
     """Generate the corpus and train the tokenizer (its own process: the measured ones start small)."""
-    from moe.data.corpus import Corpus
-    from moe.data.tokenizer import capped, train_tokenizer
-    from moe.models.deepseek_v3.tokenizer import END_OF_TEXT
+    from moe.trainer.data.corpus import Corpus
+    from moe.trainer.data.tokenizer import capped, train_tokenizer
+    from moe.trainer.models.deepseek_v3.model_tokens import END_OF_TEXT
 
     work_dir = Path(work)
     start = time.perf_counter()
@@ -190,8 +190,8 @@ def _prepare(work: str, size_mb: int, text: str, vocab_size: int) -> None:
 
 def _reference(corpus_dir: str, tokenizer_path: str) -> None:
     """Prints (tokens, seconds) of encode_batch over the corpus's documents, read into memory first (not timed)."""
-    from moe.data.corpus import Corpus
-    from moe.data.tokenizer import load_tokenizer
+    from moe.trainer.data.corpus import Corpus
+    from moe.trainer.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer_path)
     texts = list(Corpus(corpus_dir).texts())

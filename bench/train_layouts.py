@@ -36,15 +36,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import tomli_w
 import tomllib
 import torch
 from _common import RESULTS_DIR, make_parser, num_cores, print_table, save_run, threads_per_rank
 
-from moe.train.metrics import read_metrics
+from moe.trainer import run
+from moe.trainer.train.metrics import read_metrics
 from mtdeepep.utils.testing import run_processes
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN_PY = REPO / "examples" / "deepseek_v3" / "train.py"
 
 # name -> (processes, train.py flags, the row without ZeRO-1 it is compared with)
 LAYOUTS: dict[str, tuple[int, list[str], str | None]] = {
@@ -55,7 +56,7 @@ LAYOUTS: dict[str, tuple[int, list[str], str | None]] = {
     "ep2-dp4-zero1": (4, ["--ep", "2", "--use-distributed-optimizer"], "ep2-dp2"),
     "tp2": (2, ["--tp", "2"], None),
     "tp2-ep2": (4, ["--tp", "2", "--ep", "2"], None),
-    # Pipeline (moe/pipeline): small's 4 layers as 2 stages of 2 (1F1B), or 4 stages of 1 in a V (DualPipeV, 4
+    # Pipeline (moe/trainer/pipeline): small's 4 layers as 2 stages of 2 (1F1B), or 4 stages of 1 in a V (DualPipeV, 4
     # micro-batches: 2P); the last stage also runs the head and the MTP module.
     "pp2": (2, ["--pp", "2"], None),
     "pp2-dualpipev": (2, ["--pp", "2", "--pp-schedule", "dualpipev", "--micro-batches", "4"], None),
@@ -67,29 +68,6 @@ PRECISIONS: dict[str, tuple[str, list[str]]] = {
     "fp8-delayed": ("bfloat16", ["--fp8", "delayed"]),
     "fp8-blockwise": ("bfloat16", ["--fp8", "blockwise"]),
 }
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"no TOML for {value!r}")
-
-
-def _dump_toml(doc: dict[str, Any], prefix: str = "") -> str:
-    lines, tables = [], []
-    for key, value in doc.items():
-        (tables if isinstance(value, dict) else lines).append((key, value))
-    text = "".join(f"{key} = {_toml_value(value)}\n" for key, value in lines)
-    for key, value in tables:
-        name = f"{prefix}.{key}" if prefix else key
-        text += f"\n[{name}]\n" + _dump_toml(value, name)
-    return text
 
 
 def bench_config(args: argparse.Namespace, dtype: str, out: Path) -> Path:
@@ -104,27 +82,21 @@ def bench_config(args: argparse.Namespace, dtype: str, out: Path) -> Path:
     if getattr(args, "data_cache", None):
         doc["training"].setdefault("data", {})["cache_dir"] = args.data_cache
     path = out / f"config-{dtype}.toml"
-    path.write_text(_dump_toml(doc))
+    path.write_text(tomli_w.dumps(doc))
     return path
 
 
 def train_rank(proc, argv: list[str], threads: int | None = None) -> None:
     """One rank of `train.py argv` with torchrun's environment (the launcher's port for the rendezvous), on
     `threads` intra-op threads (default: the cores shared out over the ranks)."""
-    import importlib.util
-
     os.environ.update(
         RANK=str(proc.rank), LOCAL_RANK=str(proc.rank), WORLD_SIZE=str(proc.num_processes),
         LOCAL_WORLD_SIZE=str(proc.num_processes), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(proc.port),
         GLOO_SOCKET_IFNAME="lo",
     )  # fmt: skip
     torch.set_num_threads(threads or threads_per_rank(proc.num_processes))
-    spec = importlib.util.spec_from_file_location("dsv3_train", TRAIN_PY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script executes
-    spec.loader.exec_module(module)
     sys.argv = ["train.py", *argv]
-    code = module.main(argv)
+    code = run.main(argv)
     if code != 0:
         raise RuntimeError(f"train.py exited with {code}")
 

@@ -1,6 +1,6 @@
 """Training step of DeepSeek-V3 (forward + backward + AdamW step): the trainer's step against a plain loop around
-transformers' `DeepseekV3ForCausalLM`; our `moe.models.deepseek_v3` model against transformers', tokens/s and peak
-memory side by side; then our expert-parallel scaling.
+transformers' `DeepseekV3ForCausalLM`; our `moe.trainer.models.deepseek_v3` model against transformers', tokens/s and
+peak memory side by side; then our expert-parallel scaling.
 
 The trainer's step (first table): `Trainer.train_step` as `examples/deepseek_v3/train.py` builds it for one process
 with the config tree's defaults (`examples/deepseek_v3/configs/tiny.toml`, MTP off since transformers has none; its
@@ -48,7 +48,7 @@ Both models run their defaults: transformers 'sdpa' attention and 'grouped_mm' e
 Variants (rows of the second table), all in one process with every core's intra-op threads:
 - transformers and ours in FP32, without MTP on both (transformers does not model multi-token prediction, so the
   compared models have `num_nextn_predict_layers = 0`), with identical weights: transformers' randomly initialised
-  weights imported into ours (`moe.models.deepseek_v3.hf.from_hf_state_dict`);
+  weights imported into ours (`moe.trainer.models.deepseek_v3.hf.from_hf_state_dict`);
 - the same pair in BF16 mixed precision: BF16 weights, activations and gradients, FP32 master weights that the
   clipping and AdamW work on, copied back (rounded to BF16) after each step; the BF16 weights are the FP32 ones
   rounded, and both models get the same mixed-precision step;
@@ -130,17 +130,15 @@ from _common import (
 from torch.nn.parallel import DistributedDataParallel
 
 from moe import EPBuffers, update_expert_bias
-from moe.fp8.convert import apply_fp8, fp8_moe_options
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from moe.models.deepseek_v3.compile import compile_model
-from moe.models.deepseek_v3.hf import from_hf_state_dict
-from moe.models.deepseek_v3.tensor_parallel import parallelize
-from moe.train import job_config
-from moe.train.config_tree import split_overrides
-from moe.train.data import TokenBatches
-from moe.train.parallel import ParallelState
-from moe.train.schedule import lr_at
-from moe.train.trainer import Trainer
+from moe.trainer import run
+from moe.trainer.data.token_file import TokenBatches
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.hf import from_hf_state_dict
+from moe.trainer.train import job_config
+from moe.trainer.train.config_tree import split_overrides
+from moe.trainer.train.parallel_state import ParallelState
+from moe.trainer.train.schedule import lr_at
+from moe.trainer.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -416,18 +414,8 @@ def build_trainer(job: job_config.Job, batches: TokenBatches, run_dir: Path, hf_
     with `parallel`, its process groups: experts over the EP group, tensor parallel over the TP group), holding
     transformers' initial weights (each rank keeps its experts). One process without `parallel`."""
     parallel = parallel if parallel is not None else ParallelState.single()
-    model = DeepseekV3ForCausalLM(job.model, ep_group=parallel.expert_model_group, etp_group=parallel.etp_group,
-                                  ep_buffers=ep_buffers,
-                                  aux_loss_group=parallel.token_group, dtype=TRAINING_DTYPES[job.training.dtype],
-                                  moe_options=fp8_moe_options(job.layout.fp8))  # fmt: skip
-    parallelize(model, parallel)  # a no-op at tp 1
-    model.load_full_state_dict(from_hf_state_dict(hf_state, job.model, log=lambda message: None))
-    if job.layout.fp8 != "none":
-        apply_fp8(model, job.layout.fp8, tp_group=parallel.tp_group)
-    model.set_recompute(job.recompute)
-    model.set_attention_backend(job.training.attention_backend)
-    if job.training.compile:
-        compile_model(model)
+    initial_state = from_hf_state_dict(hf_state, job.model, log=lambda message: None)
+    model, _ = run.build_model(job, parallel, ep_buffers, seed=None, initial_state=initial_state)  # train.py's build
     return Trainer(model, job.training, parallel, batches, run_dir, seed=0, model_io=None,
                    mtp_loss_weight=job.model.mtp_loss_weight, num_mtp=job.model.num_nextn_predict_layers)  # fmt: skip
 

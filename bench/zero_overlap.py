@@ -1,4 +1,4 @@
-"""How much of ZeRO-1's gradient communication the backward hides (moe/train/zero.py).
+"""How much of ZeRO-1's gradient communication the backward hides (moe/trainer/train/zero.py).
 
 Setting: an MLP of `--depth` blocks Linear(width, width) + GELU (FP32), a batch of `--rows` rows per rank, `--ranks`
 gloo ranks of this host (the one launcher, `mtdeepep.utils.testing.run_ranks`), buckets of `--bucket-size` elements
@@ -10,9 +10,9 @@ gloo ranks of this host (the one launcher, `mtdeepep.utils.testing.run_ranks`), 
 Hidden fraction = 1 - median(X) / median(C). The backward times of both modes are printed too: on a CPU the
 collectives' threads share the cores with the backward, so hiding communication may lengthen the backward.
 
-Pipelined mode (`--pipeline SCHEDULE`): DeepSeek-V3 `--config` (default tiny) trained by `moe.train.Trainer` at
+Pipelined mode (`--pipeline SCHEDULE`): DeepSeek-V3 `--config` (default tiny) trained by `moe.trainer.train.Trainer` at
 PP2 x DP(`--ranks` / 2) with ZeRO-1 (`--bucket-size`, default 100k elements: a few buckets per stage), through
-`moe.pipeline.PipelineRunner` (`--vpp`, `--micro-batches` of one `--seq-len` sequence per data-parallel rank).
+`moe.trainer.pipeline.PipelineRunner` (`--vpp`, `--micro-batches` of one `--seq-len` sequence per data-parallel rank).
 Two trainers per rank from the same weights, `overlap_grad_reduce` off and on, alternate step by step:
 - off (the trainer before issue 25): every bucket is launched by `reduce_gradients()` after the pipeline step, so
   the time it takes (the optimizer's grad_sync_start -> grad_sync_end events) is the whole reduction time `C`;
@@ -39,15 +39,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from moe.pipeline import PipelineRunner, pipeline_moe_options
-from moe.pipeline.split import split_layers, stages_per_rank
-from moe.train.checkpoint import ModelIO
-from moe.train.config import TrainingConfig
-from moe.train.data import TokenBatches
-from moe.train.parallel import Layout, ParallelState
-from moe.train.trainer import Trainer
-from moe.train.zero import DistributedAdamW, ZeroConfig
+from moe.trainer.data.token_file import TokenBatches
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.trainer.pipeline import PipelineRunner, pipeline_moe_options
+from moe.trainer.pipeline.split import split_layers, stages_per_rank
+from moe.trainer.train.checkpoint import ModelIO
+from moe.trainer.train.parallel_state import Layout, ParallelState
+from moe.trainer.train.trainer import Trainer
+from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.zero import DistributedAdamW, ZeroConfig
 from mtdeepep.utils.testing import run_ranks
 
 REPO = Path(__file__).resolve().parents[1]

@@ -41,7 +41,7 @@ if ! "$VENV_PY" -c "import importlib.metadata as m, sys; sys.exit(any(m.version(
     "$VENV_PY" -m pip install -q --no-deps --ignore-requires-python "${CLIENT_PKGS[@]}"
 fi
 
-# Where users watch a run (moe/train/loggers.py): tensorboard for --tensorboard-dir; wandb for --wandb-project, optional
+# Where users watch a run (moe/trainer/train/loggers.py): tensorboard for --tensorboard-dir; wandb for --wandb-project, optional
 # for training (asked for without it, train.py stops with a clear error) but installed for the tests, which run it
 # offline and read its transaction log (hence the pin). Neither pulls torch.
 if ! "$VENV_PY" -c "import tensorboard, wandb; assert wandb.__version__ == '0.31.0'" 2>/dev/null; then
@@ -49,7 +49,7 @@ if ! "$VENV_PY" -c "import tensorboard, wandb; assert wandb.__version__ == '0.31
     "$VENV_PY" -m pip install -q tensorboard wandb==0.31.0
 fi
 
-# Parquet corpora: moe/data/corpus.py reads .parquet when pyarrow is present, and the tests read one.
+# Parquet corpora: moe/trainer/data/corpus.py reads .parquet when pyarrow is present, and the tests read one.
 if ! "$VENV_PY" -c "import pyarrow" 2>/dev/null; then
     echo "[env] installing pyarrow (parquet corpora)"
     "$VENV_PY" -m pip install -q pyarrow

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe.experts import grouped_mm_available
+from moe.layer.experts import grouped_mm_available
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "moe_layer_gpu.py"

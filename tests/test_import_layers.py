@@ -12,6 +12,8 @@ imports deferred into functions.
   cycle.
 - `test_packages_import_down_the_layer_table`: every module-level import between library packages points down
   `LAYERS` (ARCHITECTURE.md's layer table, bottom up) or stays within one layer.
+- `test_layer_room_never_imports_the_trainer_room`: `moe`'s two rooms, the MoE layer (`moe/layer/`) and the trainer
+  (`moe/trainer/`): no import of the layer room, at any level, names the trainer room.
 - `test_every_library_module_imports_in_isolation`: each module imported alone in a fresh process, which loads no
   module of `examples/` or `tests/` on the way.
 """
@@ -35,34 +37,46 @@ PATH_EXECUTION = {"spec_from_file_location", "run_path", "run_module", "exec_mod
 # (file, imported module) -> why the import waits until the function runs. Only optional packages: each is needed
 # by one feature, and the library imports without it.
 ALLOWED = {
-    ("moe/models/deepseek_v3/config.py", "tomllib"): "Python >= 3.11; the fallback below covers older ones",
-    ("moe/models/deepseek_v3/config.py", "tomli"): "the TOML reader before Python 3.11 (optional)",
-    ("moe/pipeline/overlap.py", "matplotlib.backends.backend_agg"): "plots only: matplotlib is optional",
-    ("moe/pipeline/overlap.py", "matplotlib.figure"): "plots only: matplotlib is optional",
-    ("moe/pipeline/overlap.py", "matplotlib.patches"): "plots only: matplotlib is optional",
     (
-        "moe/models/deepseek_v3/decode_timeline.py",
+        "moe/trainer/models/deepseek_v3/model_config.py",
+        "tomllib",
+    ): "Python >= 3.11; the fallback below covers older ones",
+    ("moe/trainer/models/deepseek_v3/model_config.py", "tomli"): "the TOML reader before Python 3.11 (optional)",
+    ("moe/trainer/pipeline/overlap.py", "matplotlib.backends.backend_agg"): "plots only: matplotlib is optional",
+    ("moe/trainer/pipeline/overlap.py", "matplotlib.figure"): "plots only: matplotlib is optional",
+    ("moe/trainer/pipeline/overlap.py", "matplotlib.patches"): "plots only: matplotlib is optional",
+    (
+        "moe/trainer/models/deepseek_v3/decode_timeline.py",
         "matplotlib.backends.backend_agg",
     ): "plots only: matplotlib is optional",
-    ("moe/models/deepseek_v3/decode_timeline.py", "matplotlib.figure"): "plots only",
-    ("moe/data/corpus.py", "pyarrow"): "optional: only to read .parquet",
-    ("moe/data/corpus.py", "pyarrow.parquet"): "optional: only to read .parquet",
-    ("moe/data/tokenizer.py", "tokenizers"): "only to train or load a tokenizer",
-    ("moe/data/tokenizer.py", "transformers"): "only for a tokenizer directory without tokenizer.json",
-    ("moe/data/tokenize.py", "tqdm.auto"): "only for the progress bar",
-    ("moe/data/vocab_check.py", "tqdm.auto"): "only for the progress bar of a scan past a second: tqdm is optional",
-    ("moe/pipeline/timeline.py", "matplotlib.backends.backend_agg"): "plots only: matplotlib is optional",
-    ("moe/pipeline/timeline.py", "matplotlib.figure"): "plots only: matplotlib is optional",
-    ("moe/pipeline/timeline.py", "matplotlib.patches"): "plots only: matplotlib is optional",
-    ("moe/train/metrics.py", "matplotlib"): "plots only: matplotlib is optional",
-    ("moe/train/metrics.py", "matplotlib.pyplot"): "plots only: matplotlib is optional",
-    ("moe/train/loggers.py", "torch.utils.tensorboard"): "only with --tensorboard-dir: tensorboard is optional",
-    ("moe/train/loggers.py", "wandb"): "only with --wandb-project: wandb is optional",
-    ("moe/train/data.py", "tokenizers"): "only to train or key a tokenizer: tokenizers is optional",
-    ("moe/models/deepseek_v3/tokenizer.py", "tokenizers"): "only to encode or decode text: tokenizers is optional",
-    ("moe/io/shard_files.py", "safetensors"): "only to read a safetensors file of a checkpoint",
-    ("moe/train/metrics.py", "tqdm.auto"): "the progress bar only: tqdm is optional",
-    ("moe/train/parallel.py", "torch.distributed.device_mesh"): "torch's device meshes, only once a process "
+    ("moe/trainer/models/deepseek_v3/decode_timeline.py", "matplotlib.figure"): "plots only",
+    ("moe/trainer/data/corpus.py", "pyarrow"): "optional: only to read .parquet",
+    ("moe/trainer/data/corpus.py", "pyarrow.parquet"): "optional: only to read .parquet",
+    ("moe/trainer/data/tokenizer.py", "tokenizers"): "only to train or load a tokenizer",
+    ("moe/trainer/data/tokenizer.py", "transformers"): "only for a tokenizer directory without tokenizer.json",
+    ("moe/trainer/data/tokenize.py", "tqdm.auto"): "only for the progress bar",
+    (
+        "moe/trainer/data/vocab_check.py",
+        "tqdm.auto",
+    ): "only for the progress bar of a scan past a second: tqdm is optional",
+    ("moe/trainer/pipeline/timeline.py", "matplotlib.backends.backend_agg"): "plots only: matplotlib is optional",
+    ("moe/trainer/pipeline/timeline.py", "matplotlib.figure"): "plots only: matplotlib is optional",
+    ("moe/trainer/pipeline/timeline.py", "matplotlib.patches"): "plots only: matplotlib is optional",
+    ("moe/trainer/train/metrics.py", "matplotlib"): "plots only: matplotlib is optional",
+    ("moe/trainer/train/metrics.py", "matplotlib.pyplot"): "plots only: matplotlib is optional",
+    ("moe/trainer/train/loggers.py", "torch.utils.tensorboard"): "only with --tensorboard-dir: tensorboard is optional",
+    ("moe/trainer/train/loggers.py", "wandb"): "only with --wandb-project: wandb is optional",
+    ("moe/trainer/data/token_file.py", "tokenizers"): "only to train or key a tokenizer: tokenizers is optional",
+    (
+        "moe/trainer/models/deepseek_v3/model_tokens.py",
+        "tokenizers",
+    ): "only to encode or decode text: tokenizers is optional",
+    ("moe/trainer/io/shard_files.py", "safetensors"): "only to read a safetensors file of a checkpoint",
+    ("moe/trainer/train/metrics.py", "tqdm.auto"): "the progress bar only: tqdm is optional",
+    (
+        "moe/trainer/train/parallel_state.py",
+        "torch.distributed.device_mesh",
+    ): "torch's device meshes, only once a process "
     "group exists (the module is imported before torch.distributed is initialised, e.g. by the planner)",
 }
 
@@ -164,16 +178,21 @@ def _import_graph() -> dict[str, set[str]]:
 
 
 # ARCHITECTURE.md's layers, bottom up, as library packages (a module belongs to the longest package naming it).
-# The MoE layer and its parallel building blocks import each other and form one layer here; the files sit below
-# the model, which reads checkpoints through them.
+# `moe` holds two rooms: the MoE layer (`moe.layer`: router, balancing, dispatchers, experts, FP8, TP/SP blocks, one
+# layer here, whose modules import each other) and above it the trainer (`moe.trainer`), whose packages are layers of
+# their own; the files and the pipeline sit below the model, which reads checkpoints and splits into stages.
+LAYER_ROOM, TRAINER_ROOM = "moe.layer", "moe.trainer"
 LAYERS = (
     ("communication", ("mtdeepep",)),
-    ("MoE layer and parallelism", ("moe", "moe.dispatcher", "moe.fp8", "moe.parallel", "moe.pipeline")),
-    ("files", ("moe.io",)),
-    ("model", ("moe.models",)),
-    ("data", ("moe.data",)),
-    ("trainer", ("moe.train",)),
-    ("planner", ("moe.plan",)),
+    ("MoE layer room", ("moe", LAYER_ROOM)),
+    ("trainer room", (TRAINER_ROOM,)),
+    ("files", ("moe.trainer.io",)),
+    ("pipeline", ("moe.trainer.pipeline",)),
+    ("model", ("moe.trainer.models",)),
+    ("data", ("moe.trainer.data",)),
+    ("trainer", ("moe.trainer.train",)),
+    ("planner", ("moe.trainer.plan",)),
+    ("run assembly", ("moe.trainer.run",)),
 )
 
 
@@ -196,7 +215,23 @@ def test_packages_import_down_the_layer_table():
         if _layer_of(target) > _layer_of(module)
     ]
     assert not upward, "imports up the layer table:\n" + "\n".join(upward)
-    assert _layer_of("moe.data.indexed") > _layer_of("moe.io.atomic"), "the scan must see the layers"
+    assert _layer_of("moe.trainer.data.indexed") > _layer_of("moe.trainer.io.atomic"), "the scan must see the layers"
+
+
+def test_layer_room_never_imports_the_trainer_room():
+    """The two rooms of `moe`: the MoE layer (and `moe` itself, which re-exports it) never imports the trainer, at
+    module level or in a function."""
+    found = []
+    for path in _library_files():
+        module = _module_name(path)
+        if module.startswith("mtdeepep") or module == TRAINER_ROOM or module.startswith(TRAINER_ROOM + "."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            for name in _imported(node, module):
+                if name == TRAINER_ROOM or name.startswith(TRAINER_ROOM + "."):
+                    found.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}: imports {name}")
+    assert not found, "the MoE layer room imports the trainer room above it:\n" + "\n".join(found)
+    assert _layer_of(LAYER_ROOM + ".wgrad") < min(_layer_of(p) for _, ps in LAYERS[2:] for p in ps)
 
 
 def test_module_level_imports_form_no_circle():

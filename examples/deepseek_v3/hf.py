@@ -19,7 +19,7 @@ import argparse
 
 import torch
 
-from moe.models.deepseek_v3.hf import export_hf, import_hf
+from moe.trainer.models.deepseek_v3.hf import export_hf, import_hf
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 

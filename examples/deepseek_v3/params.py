@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe.models.deepseek_v3 import DeepseekV3Config, parameter_counts
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, parameter_counts
 
 
 def human(n: int) -> str:

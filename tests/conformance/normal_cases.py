@@ -428,7 +428,7 @@ def async_finish_overlaps_the_transfer(ctx, topo):
 
 
 class _ReceivedView(torch.autograd.Function):
-    """What a MoE layer does with an async dispatch's outputs before they are complete (moe/dispatcher/deepep.py's
+    """What a MoE layer does with an async dispatch's outputs before they are complete (moe/layer/dispatcher/flex.py's
     `_DispatchGrad`): forward returns views of them, made inside a custom Function."""
 
     @staticmethod

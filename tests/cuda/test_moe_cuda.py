@@ -21,8 +21,16 @@ import pytest
 import torch
 
 from moe import MoEConfig, MoELayer
-from moe.experts import SwiGLUExperts, grouped_linear, grouped_mm_available
-from moe.fp8 import ACT_TILE, COL_TILE, WEIGHT_TILE, Fp8SwiGLUExperts, fake_quantize, fp8_linear, scaled_mm_variant
+from moe.layer.experts import SwiGLUExperts, grouped_linear, grouped_mm_available
+from moe.layer.fp8 import (
+    ACT_TILE,
+    COL_TILE,
+    WEIGHT_TILE,
+    Fp8SwiGLUExperts,
+    fake_quantize,
+    fp8_linear,
+    scaled_mm_variant,
+)
 
 from ..moe.moe_testlib import sqnr_db
 from .gpu import skip_unless_cuda

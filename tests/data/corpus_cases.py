@@ -1,5 +1,5 @@
-"""Small generated corpora for the tests of `moe.data` (one of every text format, whose documents are known) and a
-Hugging Face style tokenizer."""
+"""Small generated corpora for the tests of `moe.trainer.data` (one of every text format, whose documents are known) and
+a Hugging Face style tokenizer."""
 
 from __future__ import annotations
 

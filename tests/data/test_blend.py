@@ -1,4 +1,4 @@
-"""Megatron's `--data-path` blend as seeded windows (`moe/data/blend.py`): the blend list and the greedy
+"""Megatron's `--data-path` blend as seeded windows (`moe/trainer/data/blend.py`): the blend list and the greedy
 assignment against Megatron-core's own functions, the trainer's windows and order for one dataset, held-out
 documents, determinism, and the errors (each naming the entry or the file)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe.data.blend import BlendedWindows, blending_indices, held_out_documents, parse_data_path
-from moe.data.indexed import IndexedDatasetWriter
-from moe.train.data import TokenBatches
+from moe.trainer.data.blend import BlendedWindows, blending_indices, held_out_documents, parse_data_path
+from moe.trainer.data.indexed import IndexedDatasetWriter
+from moe.trainer.data.token_file import TokenBatches
 from tests.clients.clients_env import import_megatron
 
 EOD = 0

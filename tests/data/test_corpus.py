@@ -1,5 +1,5 @@
-"""Corpus listing, reading and its bad inputs (`moe.data.corpus`): every format, directory / glob / file sources,
-the order, the stdlib rule of the trainer, the fingerprint, and `path:line:` errors."""
+"""Corpus listing, reading and its bad inputs (`moe.trainer.data.corpus`): every format, directory / glob / file
+sources, the order, the stdlib rule of the trainer, the fingerprint, and `path:line:` errors."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import shutil
 
 import pytest
 
-from moe.data.corpus import Corpus, CorpusError, decode_chunk
-from moe.train import data as train_data
-from moe.train.config import DataConfig
+from moe.trainer.data import token_file as train_data
+from moe.trainer.data.corpus import Corpus, CorpusError, decode_chunk
+from moe.trainer.train.training_config import DataConfig
 from tests.data.corpus_cases import write_jsonl, write_mixed_corpus
 
 

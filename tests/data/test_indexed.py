@@ -1,4 +1,4 @@
-"""Megatron's indexed dataset format (`moe/data/indexed.py`): files written by Megatron-core's own
+"""Megatron's indexed dataset format (`moe/trainer/data/indexed.py`): files written by Megatron-core's own
 `IndexedDatasetBuilder` read by ours and the reverse, the atomic streaming writer, and every corruption the reader
 must refuse (a ValueError naming the file, never shorter data)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe.data.indexed import HEADER_BYTES, IndexedDataset, IndexedDatasetWriter, best_dtype
+from moe.trainer.data.indexed import HEADER_BYTES, IndexedDataset, IndexedDatasetWriter, best_dtype
 from tests.clients.clients_env import import_megatron
 
 

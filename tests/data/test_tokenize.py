@@ -1,5 +1,5 @@
-"""The tokenization pipeline (`moe.data.tokenize`): exact tokens against the tokenizer run directly, files that do
-not depend on the number of workers, shards cut at document ends, bad input from a worker aborting the build."""
+"""The tokenization pipeline (`moe.trainer.data.tokenize`): exact tokens against the tokenizer run directly, files that
+do not depend on the number of workers, shards cut at document ends, bad input from a worker aborting the build."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from moe.data.corpus import Corpus, CorpusError
-from moe.data.indexed import IndexedDataset
-from moe.data.tokenize import cache_key, load_tokenized, tokenize_corpus
-from moe.data.tokenizer import load_tokenizer, train_tokenizer
+from moe.trainer.data.corpus import Corpus, CorpusError
+from moe.trainer.data.indexed import IndexedDataset
+from moe.trainer.data.tokenize import cache_key, load_tokenized, tokenize_corpus
+from moe.trainer.data.tokenizer import load_tokenizer, train_tokenizer
 from tests.data.corpus_cases import hf_tokenizer, write_jsonl, write_mixed_corpus
 
 

@@ -1,5 +1,5 @@
-"""Tokenizers of a corpus (`moe.data.tokenizer`): trained ones equal the trainer's, Hugging Face ones load from a
-tokenizer.json file or a directory with their end-of-text token, the vocabulary check, saving with a run."""
+"""Tokenizers of a corpus (`moe.trainer.data.tokenizer`): trained ones equal the trainer's, Hugging Face ones load from
+a tokenizer.json file or a directory with their end-of-text token, the vocabulary check, saving with a run."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import json
 import numpy as np
 import pytest
 
-from moe.data.corpus import Corpus
-from moe.data.tokenizer import (
+from moe.trainer.data import token_file as train_data
+from moe.trainer.data.corpus import Corpus
+from moe.trainer.data.tokenizer import (
     TokenizerError,
     load_tokenizer,
     resolve_tokenizer,
     tokenizer_key,
     train_tokenizer,
 )
-from moe.models.deepseek_v3.tokenizer import END_OF_TEXT
-from moe.train import data as train_data
-from moe.train.config import DataConfig
+from moe.trainer.models.deepseek_v3.model_tokens import END_OF_TEXT
+from moe.trainer.train.training_config import DataConfig
 from tests.data.corpus_cases import SAMPLE, hf_tokenizer
 
 
@@ -39,7 +39,7 @@ def _reference_tokenizer(texts: list[str], vocab_size: int, kind: str):
 @pytest.mark.parametrize("kind", ["bpe", "bytes"])
 def test_trained_tokenizer_equals_the_trainers_and_streams(kind):
     """Streamed from the corpus reader, the trained tokenizer equals the reference trained on the whole list (and
-    the trainer's `moe.train.data.train_tokenizer` is the same)."""
+    the trainer's `moe.trainer.data.token_file.train_tokenizer` is the same)."""
     cfg = DataConfig(max_bytes=200_000, tokenizer=kind)
     texts, _ = train_data._read_corpus(cfg)
     ours = train_tokenizer(iter(Corpus("python-stdlib", max_bytes=200_000).texts()), 1024, kind)

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from moe.data.vocab_check import check_token_ids
+from moe.trainer.data.vocab_check import check_token_ids
 from tests.clients.clients_env import import_megatron
 
 VOCAB = 512
@@ -68,7 +68,7 @@ def test_negative_ids_of_a_signed_dataset(tmp_path):
 
 
 def test_a_scan_past_the_threshold_shows_a_progress_bar(tmp_path, monkeypatch, capsys):
-    from moe.data import vocab_check
+    from moe.trainer.data import vocab_check
 
     prefix = _megatron_dataset(tmp_path / "p", _docs(5))
     monkeypatch.setattr(vocab_check, "PROGRESS_AFTER_S", -1.0)  # every scan lasts "past the threshold"

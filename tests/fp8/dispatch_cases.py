@@ -10,7 +10,7 @@ import torch
 
 import mtdeepep as deep_ep
 from moe import MoEConfig, MoELayer
-from moe.fp8.convert import apply_fp8
+from moe.layer.fp8.convert import apply_fp8
 
 from ..moe.moe_dist_cases import load_ep_from_ref
 from ..moe.moe_testlib import ep_group

@@ -7,13 +7,13 @@ import pytest
 import torch
 from torch import nn
 
-from moe.experts import SwiGLUMLP
-from moe.fp8 import Fp8SwiGLUExperts, gemm
-from moe.fp8.convert import Fp8Linear, Fp8SwiGLUMLP, apply_fp8, fp8_moe_options
-from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
-from moe.models.deepseek_v3.config import DeepseekV3Config
-from moe.models.deepseek_v3.norm import RMSNorm
-from moe.router import TopKRouter
+from moe.layer.experts import SwiGLUMLP
+from moe.layer.fp8 import Fp8SwiGLUExperts, gemm
+from moe.layer.fp8.convert import Fp8Linear, Fp8SwiGLUMLP, apply_fp8, fp8_moe_options
+from moe.layer.router import TopKRouter
+from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.norm import RMSNorm
 from tests.train.train_cases import TINY
 
 
@@ -106,8 +106,8 @@ def test_training_step_runs_its_gemms_in_fp8(recipe, monkeypatch):
 
 def test_tensor_parallel_mlp_is_switched_through_the_hook():
     """The TP dense MLP (a `SwiGLUMLP` subclass) keeps its class and runs its GEMMs through the FP8 hook."""
-    from moe.experts import SwiGLUMLP
-    from moe.parallel.layers import ParallelSwiGLUMLP
+    from moe.layer.experts import SwiGLUMLP
+    from moe.layer.parallel.layers import ParallelSwiGLUMLP
 
     torch.manual_seed(0)
     mlp = ParallelSwiGLUMLP.from_mlp(SwiGLUMLP(128, 256), rank=0, size=1)
@@ -123,6 +123,6 @@ def test_tensor_parallel_mlp_is_switched_through_the_hook():
 
 
 def swiglu_reference(x, mlp):
-    from moe.experts import swiglu
+    from moe.layer.experts import swiglu
 
     return swiglu(x @ mlp.w13) @ mlp.w2

@@ -1,7 +1,7 @@
 """The issue's FP8 headline: the tiny config trained 200 steps in FP8 ends within 1.5% of the unquantised loss.
 
-Each run is `bench/fp8_convergence.py --one RUN` (moe.train's own Trainer.train_step, one thread, 200 steps of 4 x
-128 tokens of the python-stdlib corpus, seed 1234): FP32, per-tensor delayed scaling and DeepSeek-V3 block-wise,
+Each run is `bench/fp8_convergence.py --one RUN` (moe.trainer.train's own Trainer.train_step, one thread, 200 steps of 4
+x 128 tokens of the python-stdlib corpus, seed 1234): FP32, per-tensor delayed scaling and DeepSeek-V3 block-wise,
 three processes at once (about 2.5 minutes on 2 cores), each bounded by a timeout. The measure is the held-out loss
 of the final weights (32 fixed validation sequences).
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe.fp8 import (
+from moe.layer.fp8 import (
     AmaxHistory,
     BlockwiseScaling,
     DelayedScaling,
@@ -25,7 +25,7 @@ from moe.fp8 import (
     cast_per_tensor,
     fp8_grouped_linear,
 )
-from moe.fp8.cast import amax_to_scale
+from moe.layer.fp8.cast import amax_to_scale
 
 CAST_FLOOR_DB = 25.0
 GEMM_FLOOR_DB = 22.0

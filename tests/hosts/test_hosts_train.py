@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe.io.shard_files import read_full_section
-from moe.train import checkpoint as ckpt
-from moe.train.faults import ENV as FAULTS_ENV
-from moe.train.metrics import read_metrics
+from moe.trainer.io.shard_files import read_full_section
+from moe.trainer.train import checkpoint as ckpt
+from moe.trainer.train.faults import ENV as FAULTS_ENV
+from moe.trainer.train.metrics import read_metrics
 from mtdeepep.utils.hosts import Hosts, HostsUnavailable, check_available
 from mtdeepep.utils.testing import run_processes
 from tests.hosts.test_hosts import ROOT, logs, torchrun, wait_all

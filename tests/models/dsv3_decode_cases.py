@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moe.models.deepseek_v3.decode_dispatch import DecodeDispatch
-from moe.models.deepseek_v3.generation import DecodeTrace, generate
-from moe.models.deepseek_v3.inference import load_for_decoding, rank_prompt_indices
+from moe.trainer.models.deepseek_v3.decode_dispatch import DecodeDispatch
+from moe.trainer.models.deepseek_v3.generation import DecodeTrace, generate
+from moe.trainer.models.deepseek_v3.inference import load_for_decoding, rank_prompt_indices
+from tests.models.dsv3_testlib import rel_err
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -60,7 +61,7 @@ def generate_case(ctx, model_dir: str, prompts: list[list[int]], new: int, dtype
                 seq = torch.cat((prompt, gen[:-1]))[None]
                 full = model(seq).logits[0, prompt.numel() - 1 :].float()
                 cached = logits[b, : full.size(0)]
-                worst = max(worst, float((full - cached).abs().max() / full.abs().max()))
+                worst = max(worst, rel_err(cached, full))
     own = [
         (i, (g.tolist(), None if logits is None else logits[b, : g.numel()]))
         for b, (i, g) in enumerate(zip(indices, out, strict=True))

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 
 # Hidden 64, 3 layers (the first dense), 8 experts in 4 groups (2 kept), top-3, one MTP module. The value head dim
 # (16) differs from the query/key head dim (24 + 16): MLA's shapes, not a square attention.

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
-from moe.models.deepseek_v3.decode import prefill
-from moe.models.deepseek_v3.generation import DecodeTrace, decode_step
+from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.decode import prefill
+from moe.trainer.models.deepseek_v3.generation import DecodeTrace, decode_step
 
 from .dsv3_testlib import tiny_config
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from moe.interleave import Event
-from moe.models.deepseek_v3 import decode_timeline
+from moe.layer.interleave import Event
+from moe.trainer.models.deepseek_v3 import decode_timeline
 
 # Rank r's clock is offset by r ms. A issues its dispatch at 10 ms, B computes until 20 ms and issues its own, A waits
 # from 20 to 25 ms (5 ms exposed of 15 in flight), ends at 30; B's wait 30 -> 31 ms (1 of 11), ends at 40.

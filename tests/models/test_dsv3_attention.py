@@ -1,4 +1,4 @@
-"""MLA's attention core under its backends (moe/models/deepseek_v3/attention.py): 'unfused' (explicit GEMMs and
+"""MLA's attention core under its backends (moe/trainer/models/deepseek_v3/attention.py): 'unfused' (explicit GEMMs and
 softmax over the unpadded values), 'sdpa' (`F.scaled_dot_product_attention` over values zero-padded to the
 query/key head dim) and 'auto' (the rule that picks one). Both forms compute the same function, so outputs and
 gradients must agree to float32 rounding (the two sum the products in another order: measured ~1e-7 relative)."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
-from moe.models.deepseek_v3.attention import MultiHeadLatentAttention, unfused_core
-from moe.models.deepseek_v3.rope import RotaryEmbedding
+from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.attention import MultiHeadLatentAttention, unfused_core
+from moe.trainer.models.deepseek_v3.rope import RotaryEmbedding
 
 from .dsv3_testlib import rel_err, tiny_config
 

@@ -1,4 +1,4 @@
-"""`[training] compile` (moe/models/deepseek_v3/compile.py): the model with its attention modules compiled by
+"""`[training] compile` (moe/trainer/models/deepseek_v3/compile.py): the model with its attention modules compiled by
 inductor trains like the eager model.
 
 Tolerances: inductor fuses the element-wise chains and reorders float32 reductions (the RMSNorm means, the softmax
@@ -14,8 +14,8 @@ import copy
 import pytest
 import torch
 
-from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
-from moe.models.deepseek_v3.compile import compile_model
+from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.compile import compile_model
 
 from .dsv3_testlib import rel_err, tiny_config, tokens
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from moe.models.deepseek_v3 import DeepseekV3Config
-from moe.models.deepseek_v3.rope import inverse_frequencies, softmax_scale
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.rope import inverse_frequencies, softmax_scale
 
 from .dsv3_testlib import TINY, YARN, tiny_config
 
@@ -109,7 +109,7 @@ def test_bad_config_is_a_clear_error(name):
 def test_bad_hidden_act_and_model_arguments():
     with pytest.raises(ValueError, match="hidden_act='gelu' is not supported"):
         DeepseekV3Config.from_dict({**TINY, "hidden_act": "gelu"})
-    from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
 
     with pytest.raises(ValueError, match="moe_options may not override"):
         DeepseekV3ForCausalLM(tiny_config(), device="meta", moe_options={"moe_router_topk": 2})

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.models.deepseek_v3.decode import forward_with_cache, pad_prompts, prefill
-from moe.models.deepseek_v3.generation import generate, sample_next
-from moe.models.deepseek_v3.hf import export_hf, from_hf_state_dict
-from moe.models.deepseek_v3.kv_cache import MLACache
-from moe.models.deepseek_v3.model_dir import write_model_dir
+from moe.trainer.models.deepseek_v3.decode import forward_with_cache, pad_prompts, prefill
+from moe.trainer.models.deepseek_v3.generation import generate, sample_next
+from moe.trainer.models.deepseek_v3.hf import export_hf, from_hf_state_dict
+from moe.trainer.models.deepseek_v3.kv_cache import MLACache
+from moe.trainer.models.deepseek_v3.model_dir import write_model_dir
 
 from .dsv3_testlib import HF_CASES, hf_model, our_model, rel_err, tiny_config
 

@@ -1,5 +1,5 @@
-"""Packed documents in the DeepSeek-V3 model (moe/models/deepseek_v3/documents.py; Megatron's `--reset-position-ids`
-and `--reset-attention-mask`).
+"""Packed documents in the DeepSeek-V3 model (moe/trainer/models/deepseek_v3/documents.py; Megatron's
+`--reset-position-ids` and `--reset-attention-mask`).
 
 The decisive reference is independent of the packed code path: each document run alone through the model (the
 plain causal forward, positions 0 .. L-1). A packed row with document ids and reset positions must give, at every
@@ -24,9 +24,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.loss import loss_share
-from moe.models.deepseek_v3 import DeepseekV3ForCausalLM, RecomputeConfig
-from moe.models.deepseek_v3.documents import (
+from moe.layer.loss import loss_share
+from moe.layer.parallel import gather_shards
+from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM, RecomputeConfig
+from moe.trainer.models.deepseek_v3.documents import (
     attention_bias,
     attention_mask,
     document_ids,
@@ -34,11 +35,10 @@ from moe.models.deepseek_v3.documents import (
     positions_in_documents,
     target_counts,
 )
-from moe.models.deepseek_v3.tensor_parallel import parallelize
-from moe.parallel import gather_shards
-from moe.pipeline import PipelineRunner
-from moe.pipeline.split import split_layers
-from moe.train.parallel import Layout, ParallelState
+from moe.trainer.models.deepseek_v3.tensor_parallel import parallelize
+from moe.trainer.pipeline import PipelineRunner
+from moe.trainer.pipeline.split import split_layers
+from moe.trainer.train.parallel_state import Layout, ParallelState
 from tests.models.dsv3_testlib import tiny_config
 from tests.ranks import pool_fixture
 

@@ -21,8 +21,8 @@ import json
 import pytest
 import torch
 
-from moe.models.deepseek_v3.hf import export_hf, from_hf_state_dict
-from moe.models.deepseek_v3.model_dir import write_model_dir
+from moe.trainer.models.deepseek_v3.hf import export_hf, from_hf_state_dict
+from moe.trainer.models.deepseek_v3.model_dir import write_model_dir
 from mtdeepep.utils.testing import run_processes
 
 from ..ranks import pool_fixture, world_size_params

@@ -1,4 +1,4 @@
-"""The model-FLOPs count (moe/models/deepseek_v3/flops.py) against torch's FLOP counter on the real model.
+"""The model-FLOPs count (moe/trainer/models/deepseek_v3/flops.py) against torch's FLOP counter on the real model.
 
 `torch.utils.flop_counter.FlopCounterMode` counts the matrix products the model dispatches, forward and backward
 apart. It knows `mm` / `addmm` / `bmm` and the CUDA attention kernels, not the two CPU ops this model runs on, so
@@ -25,8 +25,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from moe.models.deepseek_v3.flops import forward_flops, model_flops_per_token
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.flops import forward_flops, model_flops_per_token
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "configs" / "tiny.toml"
 aten = torch.ops.aten

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from moe.models.deepseek_v3 import read_model_dir
-from moe.models.deepseek_v3.hf import dequantize_fp8, import_hf, to_hf_state_dict
+from moe.trainer.models.deepseek_v3 import read_model_dir
+from moe.trainer.models.deepseek_v3.hf import dequantize_fp8, import_hf, to_hf_state_dict
 
 from .dsv3_testlib import our_model, tiny_config, tokens
 

@@ -10,17 +10,16 @@ import json
 import pytest
 import torch
 
-from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
-from moe.models.deepseek_v3.generation import generate
-from moe.models.deepseek_v3.hf import copy_file, export_hf
-from moe.models.deepseek_v3.model_dir import write_model_dir
+from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM, generate_cli
+from moe.trainer.models.deepseek_v3.generation import generate
+from moe.trainer.models.deepseek_v3.hf import copy_file, export_hf
+from moe.trainer.models.deepseek_v3.model_dir import write_model_dir
 
-from ..train.train_cases import load_script
 from .dsv3_testlib import tiny_config
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
-script = load_script("generate")
+script = generate_cli
 PROMPTS = ([5, 17, 99, 3, 42], [7], [11, 12, 13, 14, 15, 16, 17, 18])
 NEW = 12
 
@@ -96,7 +95,7 @@ def test_stops_at_the_config_eos(tmp_path):
 
 
 def _tokenizer_file(tmp_path, vocab_size: int):
-    from moe.train.data import EOS, train_tokenizer
+    from moe.trainer.data.token_file import EOS, train_tokenizer
 
     pytest.importorskip("tokenizers")
     texts = [f"def f{i}(x):\n    return x + {i}\n" for i in range(50)]

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.models.deepseek_v3 import read_model_dir
-from moe.models.deepseek_v3.hf import export_hf, import_hf
-from moe.models.deepseek_v3.model import DeepseekV3ForCausalLM
-from moe.models.deepseek_v3.model_dir import write_model_dir
+from moe.trainer.models.deepseek_v3 import read_model_dir
+from moe.trainer.models.deepseek_v3.hf import export_hf, import_hf
+from moe.trainer.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.model_dir import write_model_dir
 
 from .dsv3_testlib import HF_CASES, hf_model, our_model, rel_err, tiny_config, tokens
 
@@ -69,7 +69,7 @@ def test_group_limit_changes_some_choices():
 
 
 def _state_from_hf(hf, config):
-    from moe.models.deepseek_v3.hf import from_hf_state_dict
+    from moe.trainer.models.deepseek_v3.hf import from_hf_state_dict
 
     return from_hf_state_dict(dict(hf.state_dict()), config, log=lambda m: None)
 
@@ -172,7 +172,7 @@ def test_bfloat16_is_as_accurate_as_transformers(case):
     """In bfloat16 both models round differently, so they are compared with the float32 result instead: ours must
     be as close to it as transformers' bfloat16 model is (SQNR of the logits within 3 dB; measured 24.2 vs 23.3 dB and
     37.6 vs 37.9 dB: a routing flip or two on these decisive random weights dominates)."""
-    from moe.models.deepseek_v3.hf import from_hf_state_dict
+    from moe.trainer.models.deepseek_v3.hf import from_hf_state_dict
 
     config = tiny_config(**HF_CASES[case])
     hf = hf_model(config, seed=1)
@@ -196,7 +196,7 @@ def test_eos_token_id_carries_through_import_and_export(tmp_path):
     at an arbitrary token)."""
     import json
 
-    from moe.models.deepseek_v3.tokenizer import END_OF_TEXT, eos_token_id
+    from moe.trainer.models.deepseek_v3.model_tokens import END_OF_TEXT, eos_token_id
 
     def hf_config(path):
         return json.loads((path / "config.json").read_text())

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from moe import update_expert_bias
-from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
 
 from .dsv3_testlib import our_model, tiny_config, tokens
 

@@ -9,8 +9,8 @@ import stat
 import pytest
 import torch
 
-from moe.io.atomic import atomic_directory
-from moe.models.deepseek_v3 import read_model_dir, write_model_dir
+from moe.trainer.io.atomic import atomic_directory
+from moe.trainer.models.deepseek_v3 import read_model_dir, write_model_dir
 
 from .dsv3_testlib import our_model, tiny_config
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from moe.models.deepseek_v3 import DeepseekV3Config, count_parameters, parameter_counts
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, count_parameters, parameter_counts
 
 from .dsv3_testlib import tiny_config
 
@@ -62,7 +62,7 @@ def test_671b_counts():
 
 def test_small_configs_count_what_the_model_holds():
     for config in (tiny_config(), tiny_config(q_lora_rank=None, tie_word_embeddings=True, num_nextn_predict_layers=2)):
-        from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
+        from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
 
         model = DeepseekV3ForCausalLM(config)
         held = sum(p.numel() for p in model.parameters())

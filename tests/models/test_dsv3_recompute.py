@@ -1,9 +1,9 @@
-"""Activation recompute of the DeepSeek-V3 model (moe/models/deepseek_v3/recompute.py).
+"""Activation recompute of the DeepSeek-V3 model (moe/trainer/models/deepseek_v3/model_recompute.py).
 
 (a) Every setting gives bit-identical losses, logits and gradients to no recompute (float32, one process): recompute
     runs the same operations on the same inputs, and the model has no dropout.
-(b) The measured peak memory (`moe.memory.peak_memory_bytes`, resident set on CPU) of forward + backward falls:
-    full < selective (all modules) < none, and every selective module alone lowers it below none. Variants run in
+(b) The measured peak memory (`moe.layer.peak_memory.peak_memory_bytes`, resident set on CPU) of forward + backward
+    falls: full < selective (all modules) < none, and every selective module alone lowers it below none. Variants run in
     one process, interleaved, after a warm-up round; the least of 2 rounds is the estimate (noise only adds).
 (c) TP2 (sequence parallel) with full and with selective recompute matches the one-process model without recompute,
     with the tolerances of tests/train/test_tensor_parallel.py (only summation orders differ across layouts).
@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe.experts import grouped_mm_available
-from moe.memory import peak_memory_bytes
-from moe.models.deepseek_v3 import DeepseekV3ForCausalLM, RecomputeConfig
-from moe.models.deepseek_v3.recompute import MODULES
-from moe.models.deepseek_v3.tensor_parallel import parallelize
-from moe.parallel import gather_shards
-from moe.train.parallel import Layout, ParallelState
+from moe.layer.experts import grouped_mm_available
+from moe.layer.parallel import gather_shards
+from moe.layer.peak_memory import peak_memory_bytes
+from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM, RecomputeConfig
+from moe.trainer.models.deepseek_v3.model_recompute import MODULES
+from moe.trainer.models.deepseek_v3.tensor_parallel import parallelize
+from moe.trainer.train.parallel_state import Layout, ParallelState
 from tests.models.dsv3_testlib import HF_CASES, tiny_config, tokens
 from tests.ranks import pool_fixture
 

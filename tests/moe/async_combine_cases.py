@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import mtdeepep as deep_ep
-from moe.dispatcher import build_dispatcher
-from moe.dispatcher.buffers import EPBuffers
+from moe.layer.dispatcher import build_dispatcher
+from moe.layer.dispatcher.buffers import EPBuffers
 
 from .ep_buffer_cases import config
 from .moe_testlib import ep_group

@@ -2,8 +2,8 @@
 of a `RankPool` by test_moe_seams.py.
 
 mtdeepep's dispatch and combine are custom ops (`torch.ops.mtdeepep.dispatch` / `combine`), so
-`torch.utils.checkpoint` with a selective policy (`moe.recompute.save_communication_context`) can save their outputs
-and recompute the rest. Communication is counted by wrapping the buffer's `get_dispatch_layout`, `dispatch` and
+`torch.utils.checkpoint` with a selective policy (`moe.layer.moe_recompute.save_communication_context`) can save their
+outputs and recompute the rest. Communication is counted by wrapping the buffer's `get_dispatch_layout`, `dispatch` and
 `combine` (every op and every backward goes through them).
 """
 
@@ -13,8 +13,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from moe import EPBuffers, MoELayer
-from moe.dispatcher.deepep import nvl_bytes_hint
-from moe.recompute import save_communication_context
+from moe.layer.dispatcher.flex import nvl_bytes_hint
+from moe.layer.moe_recompute import save_communication_context
 
 from .ep_buffer_cases import config
 from .moe_testlib import ep_group

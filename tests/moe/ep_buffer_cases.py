@@ -18,9 +18,9 @@ from torch import nn
 
 import mtdeepep as deep_ep
 from moe import EPBuffers, MoEConfig, MoELayer
-from moe.dispatcher.buffers import default_ep_buffers
-from moe.dispatcher.deepep import nvl_bytes_hint
-from moe.dispatcher.deepep_ll import low_latency_rdma_bytes
+from moe.layer.dispatcher.buffers import default_ep_buffers
+from moe.layer.dispatcher.flex import nvl_bytes_hint
+from moe.layer.dispatcher.flex_ll import low_latency_rdma_bytes
 
 from .moe_testlib import ep_group
 

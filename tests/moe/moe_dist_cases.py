@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from moe import MoEConfig, MoELayer, update_expert_bias
-from moe.parallel.sharding import tp_shard_of
+from moe.layer.parallel.sharding import tp_shard_of
 
 from .moe_testlib import SIGMOID_V3, SMALL_LAYER, assert_close, ep_group, moe_config
 
@@ -339,8 +339,8 @@ def _flex_dispatcher_rows(rank, world, group):
     Top-6 of 8 experts: every token has several experts on most ranks (one row per (token, local expert) must come
     out of one received row); some slots and one whole token are dropped (-1).
     """
-    from moe.dispatcher.alltoall import AllToAllDispatcher
-    from moe.dispatcher.deepep import DeepEPDispatcher
+    from moe.layer.dispatcher.alltoall import AllToAllDispatcher
+    from moe.layer.dispatcher.flex import FlexDispatcher
 
     T, K, H, E = 9 + 2 * rank, 6, 16, 8
     gen = torch.Generator().manual_seed(100 + rank)
@@ -355,7 +355,7 @@ def _flex_dispatcher_rows(rank, world, group):
     results = []
     for disp in (
         AllToAllDispatcher(num_experts=E, ep_group=group),
-        DeepEPDispatcher(num_experts=E, hidden_size=H, ep_group=group),
+        FlexDispatcher(num_experts=E, hidden_size=H, ep_group=group),
     ):
         x_leaf, p_leaf = x.clone().requires_grad_(), probs.clone().requires_grad_()
         res = disp.dispatch(x_leaf, p_leaf, idx)
@@ -529,8 +529,8 @@ def _flex_shared_buffer(rank, world, group):
     built from the config takes its buffer from the group's default `EPBuffers` on first use, sized by
     `nvl_bytes_hint`, and the buffer is destroyed when the last layer using it goes."""
     import mtdeepep as deep_ep
-    from moe.dispatcher.buffers import default_ep_buffers
-    from moe.dispatcher.deepep import DeepEPDispatcher, nvl_bytes_hint
+    from moe.layer.dispatcher.buffers import default_ep_buffers
+    from moe.layer.dispatcher.flex import FlexDispatcher, nvl_bytes_hint
 
     H, E = SMALL_LAYER["hidden_size"], SMALL_LAYER["num_moe_experts"]
     buffer = deep_ep.Buffer(group, num_nvl_bytes=nvl_bytes_hint(H, world), explicitly_destroy=True)
@@ -539,7 +539,7 @@ def _flex_shared_buffer(rank, world, group):
     pairs = []
     for seed in (1, 2):
         ref, a2a = build_pair(cfg, group, seed=seed)
-        flex = MoELayer(cfg, dispatcher=DeepEPDispatcher(num_experts=E, hidden_size=H, buffer=buffer))
+        flex = MoELayer(cfg, dispatcher=FlexDispatcher(num_experts=E, hidden_size=H, buffer=buffer))
         load_ep_from_ref(flex, ref)  # the same weights as `a2a`
         pairs.append((a2a, flex, forward_backward(a2a, x, g), forward_backward(flex, x, g)))
     gc.collect()  # the default EPBuffers of earlier cases' layers are gone

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moe.config import MoEConfig
+from moe.layer.moe_config import MoEConfig
 
 # The small layer of the single-process and expert-parallel layer tests: hidden 32, 8 experts of FFN 16.
 SMALL_LAYER = dict(hidden_size=32, num_moe_experts=8, moe_ffn_hidden_size=16, init_method_std=0.2)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from moe import MoEConfig, MoELayer
-from moe.replication import update_hot_experts
+from moe.layer.replication import update_hot_experts
 
 H = 32
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from moe import MoEConfig, MoELayer, TopKRouter, reset_global_aux_loss_tracker
-from moe.balancing import aux_loss_topk, global_aux_loss, z_loss
+from moe.layer.balancing import aux_loss_topk, global_aux_loss, z_loss
 
 from . import megatron_parity_cases as cases
 from . import megatron_ref as mr

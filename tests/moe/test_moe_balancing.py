@@ -14,7 +14,7 @@ from moe import (
     set_aux_loss_scale,
     update_expert_bias,
 )
-from moe.balancing import (
+from moe.layer.balancing import (
     AuxLossScale,
     ExpertBias,
     attach_aux_loss,

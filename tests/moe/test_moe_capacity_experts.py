@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import moe.experts as experts_mod
-from moe.capacity import apply_capacity, expert_capacity, pad_rows, plan_padding, unpad_rows
-from moe.experts import SwiGLUExperts, grouped_mm_available
+import moe.layer.experts as experts_mod
+from moe.layer.capacity import apply_capacity, expert_capacity, pad_rows, plan_padding, unpad_rows
+from moe.layer.experts import SwiGLUExperts, grouped_mm_available
 
 from .moe_testlib import assert_close, ref_capacity_keep, sqnr_db, swiglu_row
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe import EPBuffers, MoEConfig, MoELayer
-from moe.dispatcher import (
+from moe.layer.dispatcher import (
     DispatchResult,
     TokenDispatcher,
     available_dispatchers,

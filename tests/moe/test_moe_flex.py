@@ -10,10 +10,10 @@ import torch
 
 import mtdeepep as deep_ep
 from moe import MoELayer
-from moe.dispatcher import build_dispatcher
-from moe.dispatcher.alltoall import AllToAllDispatcher
-from moe.dispatcher.base import weighted_scatter_sum
-from moe.dispatcher.deepep import DeepEPDispatcher, expand_by_local_expert, nvl_bytes_hint
+from moe.layer.dispatcher import build_dispatcher
+from moe.layer.dispatcher.alltoall import AllToAllDispatcher
+from moe.layer.dispatcher.base import weighted_scatter_sum
+from moe.layer.dispatcher.flex import FlexDispatcher, expand_by_local_expert, nvl_bytes_hint
 
 from .moe_testlib import SIGMOID_V3, SMALL_LAYER, assert_close, moe_config
 
@@ -54,7 +54,7 @@ def test_expand_by_local_expert_one_row_per_token_and_local_expert():
 
 def test_single_process_dispatch_and_combine():
     T, K, Hd = 6, 2, 4
-    disp = DeepEPDispatcher(num_experts=5, hidden_size=Hd)
+    disp = FlexDispatcher(num_experts=5, hidden_size=Hd)
     assert disp.buffer is None, "no EP group: no buffer, no communication"
     x = torch.randn(T, Hd)
     idx = torch.tensor([[3, 0], [0, -1], [4, 3], [1, 0], [-1, -1], [3, 2]])
@@ -68,7 +68,7 @@ def test_single_process_dispatch_and_combine():
 
 
 def test_combine_weights_and_sums_in_float32_then_rounds_once():
-    disp = DeepEPDispatcher(num_experts=8, hidden_size=1)
+    disp = FlexDispatcher(num_experts=8, hidden_size=1)
     res = disp.dispatch(torch.ones(1, 1, dtype=torch.bfloat16), torch.ones(1, 8), torch.arange(8).view(1, 8))
     y = torch.tensor([[256.0]] + [[1.0]] * 7, dtype=torch.bfloat16)  # one row per expert
     out = disp.combine(y, res.handle)
@@ -135,8 +135,8 @@ def test_flex_layer_bf16_matches_alltoall():
 def test_registry_and_layer_seam():
     cfg = moe_config(SMALL_LAYER, moe_token_dispatcher_type="flex")
     disp = build_dispatcher(cfg)
-    assert isinstance(disp, DeepEPDispatcher) and disp.hidden_size == H and disp.num_local_experts == E
-    own = DeepEPDispatcher(num_experts=E, hidden_size=H)
+    assert isinstance(disp, FlexDispatcher) and disp.hidden_size == H and disp.num_local_experts == E
+    own = FlexDispatcher(num_experts=E, hidden_size=H)
     assert MoELayer(cfg, dispatcher=own).dispatcher is own
     with pytest.raises(ValueError, match="num_moe_experts"):
         MoELayer(cfg, dispatcher=AllToAllDispatcher(num_experts=2 * E))

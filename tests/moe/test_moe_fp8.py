@@ -15,8 +15,16 @@ import pytest
 import torch
 
 from moe import MoEConfig, MoELayer
-from moe.experts import SwiGLUExperts
-from moe.fp8 import ACT_TILE, COL_TILE, WEIGHT_TILE, Fp8SwiGLUExperts, fake_quantize, fp8_grouped_linear, fp8_linear
+from moe.layer.experts import SwiGLUExperts
+from moe.layer.fp8 import (
+    ACT_TILE,
+    COL_TILE,
+    WEIGHT_TILE,
+    Fp8SwiGLUExperts,
+    fake_quantize,
+    fp8_grouped_linear,
+    fp8_linear,
+)
 from mtdeepep.utils.fp8 import FP8_E4M3_MAX, dequantize_blocks, per_token_cast_to_fp8, quantize_blocks
 
 from .moe_testlib import sqnr_db

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from moe import MoEConfig, MoELayer
-from moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
-from moe.dispatcher.alltoall import regroup_index
+from moe.layer.dispatcher import AllGatherDispatcher, AllToAllDispatcher
+from moe.layer.dispatcher.alltoall import regroup_index
 
 from .moe_testlib import SIGMOID_V3, SMALL_LAYER, assert_close, layer_grads, layer_params_double, moe_config, ref_moe
 

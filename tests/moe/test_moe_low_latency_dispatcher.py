@@ -23,10 +23,10 @@ import torch.distributed as dist
 
 import mtdeepep as deep_ep
 from moe import MoEConfig, MoELayer
-from moe.dispatcher import available_dispatchers, build_dispatcher
-from moe.dispatcher.alltoall import AllToAllDispatcher
-from moe.dispatcher.buffers import default_ep_buffers
-from moe.dispatcher.deepep_ll import DeepEPLowLatencyDispatcher, low_latency_rdma_bytes
+from moe.layer.dispatcher import available_dispatchers, build_dispatcher
+from moe.layer.dispatcher.alltoall import AllToAllDispatcher
+from moe.layer.dispatcher.buffers import default_ep_buffers
+from moe.layer.dispatcher.flex_ll import FlexLowLatencyDispatcher, low_latency_rdma_bytes
 from mtdeepep.utils.fp8 import per_token_cast_back, per_token_cast_to_fp8
 from tests.ranks import world_size_params
 
@@ -97,7 +97,7 @@ def layer_matches_alltoall(ctx, variant: str):
     total_dropped = torch.tensor([m_l.num_dropped_tokens])
     dist.all_reduce(total_dropped, group=ctx.group)
 
-    assert isinstance(disp, DeepEPLowLatencyDispatcher) and lazy, "registry-built, default buffer made on first use"
+    assert isinstance(disp, FlexLowLatencyDispatcher) and lazy, "registry-built, default buffer made on first use"
     assert disp.buffer.low_latency_mode and disp.buffer.num_rdma_bytes == low_latency_rdma_bytes(
         T_MAX, H, ctx.world_size, E
     )
@@ -130,12 +130,8 @@ def dispatcher_rows_match_alltoall(ctx):
         results = []
         dispatchers = [
             AllToAllDispatcher(num_experts=E, ep_group=ctx.group),
-            DeepEPLowLatencyDispatcher(
-                num_experts=E, hidden_size=H, buffer=buffer, num_max_dispatch_tokens_per_rank=16
-            ),
-            DeepEPLowLatencyDispatcher(
-                num_experts=E, hidden_size=H, buffer=buffer, num_max_dispatch_tokens_per_rank=13
-            ),
+            FlexLowLatencyDispatcher(num_experts=E, hidden_size=H, buffer=buffer, num_max_dispatch_tokens_per_rank=16),
+            FlexLowLatencyDispatcher(num_experts=E, hidden_size=H, buffer=buffer, num_max_dispatch_tokens_per_rank=13),
         ]
         with torch.no_grad():
             for disp in dispatchers:
@@ -159,7 +155,7 @@ def dispatcher_rows_match_alltoall(ctx):
 
 def refusals(ctx, buffer, x, probs, idx) -> dict[str, str]:
     """Every rank makes the same bad calls, each refused before it communicates."""
-    disp = DeepEPLowLatencyDispatcher(num_experts=E, hidden_size=H, buffer=buffer, num_max_dispatch_tokens_per_rank=4)
+    disp = FlexLowLatencyDispatcher(num_experts=E, hidden_size=H, buffer=buffer, num_max_dispatch_tokens_per_rank=4)
     big = tokens(ctx.rank, 5, seed=9)
     big_idx = torch.zeros(5, 1, dtype=torch.int64)
     calls = {
@@ -167,8 +163,8 @@ def refusals(ctx, buffer, x, probs, idx) -> dict[str, str]:
         "float32": lambda: disp.dispatch(x.float(), probs, idx),
         "too many tokens": lambda: disp.dispatch(big, torch.ones(5, 1), big_idx),
         "wrong hidden": lambda: disp.dispatch(x[:, :8], probs, idx),
-        "normal-mode buffer": lambda: DeepEPLowLatencyDispatcher(num_experts=E, hidden_size=H, buffer=normal),
-        "small buffer": lambda: DeepEPLowLatencyDispatcher(
+        "normal-mode buffer": lambda: FlexLowLatencyDispatcher(num_experts=E, hidden_size=H, buffer=normal),
+        "small buffer": lambda: FlexLowLatencyDispatcher(
             num_experts=E, hidden_size=H, buffer=buffer, num_max_dispatch_tokens_per_rank=T_MAX + 1
         ),
     }
@@ -208,7 +204,7 @@ def fp8_rows_are_the_dequantised_cast(ctx):
     idx = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :K]  # distinct experts per token
     probs = torch.rand(T, K, generator=gen)
     x_q = per_token_cast_back(*per_token_cast_to_fp8(x)).to(torch.bfloat16)
-    ll = DeepEPLowLatencyDispatcher(
+    ll = FlexLowLatencyDispatcher(
         num_experts=E, hidden_size=Hf, ep_group=ctx.group, num_max_dispatch_tokens_per_rank=T_MAX, use_fp8=True
     )
     results = []
@@ -262,7 +258,7 @@ def test_fp8_rows_are_the_dequantised_cast(pool):
 def test_registry_builds_flex_ll():
     assert "flex_ll" in available_dispatchers()
     disp = build_dispatcher(ll_config(moe_flex_ll_num_max_dispatch_tokens_per_rank=32))
-    assert isinstance(disp, DeepEPLowLatencyDispatcher) and disp.supports_async
+    assert isinstance(disp, FlexLowLatencyDispatcher) and disp.supports_async
     assert disp.num_max_dispatch_tokens_per_rank == 32 and not disp.use_fp8 and disp.buffer is None
 
 
@@ -282,7 +278,7 @@ def test_single_process_fp8_rows_are_the_dequantised_cast():
     x = tokens(0, 10, hidden=128)
     idx = torch.tensor([[e % E, (e + 3) % E] for e in range(10)])
     probs = torch.rand(10, 2)
-    ll = DeepEPLowLatencyDispatcher(num_experts=E, hidden_size=128, use_fp8=True)
+    ll = FlexLowLatencyDispatcher(num_experts=E, hidden_size=128, use_fp8=True)
     a2a = AllToAllDispatcher(num_experts=E)
     with torch.no_grad():
         rows = ll.dispatch(x, probs, idx).expert_input_NH
@@ -306,6 +302,6 @@ def test_training_and_dtype_refused_in_one_process():
 
 def test_constructor_checks():
     with pytest.raises(ValueError, match="positive int"):
-        DeepEPLowLatencyDispatcher(num_experts=E, hidden_size=H, num_max_dispatch_tokens_per_rank=0)
+        FlexLowLatencyDispatcher(num_experts=E, hidden_size=H, num_max_dispatch_tokens_per_rank=0)
     with pytest.raises(ValueError, match="hidden_size % 128"):
-        DeepEPLowLatencyDispatcher(num_experts=E, hidden_size=100, use_fp8=True)
+        FlexLowLatencyDispatcher(num_experts=E, hidden_size=100, use_fp8=True)

@@ -2,7 +2,7 @@
 
 Results must be bit-identical: recompute rebuilds saved tensors with the same operations on the same inputs.
 Peak memory is the process's resident-set peak during forward + backward of a stack of MoE layers
-(`moe.memory.peak_memory_bytes`), each level measured in the same process, interleaved,
+(`moe.layer.peak_memory.peak_memory_bytes`), each level measured in the same process, interleaved,
 after a warm-up round, least of 3.
 """
 
@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from moe import MoEConfig, MoELayer
-from moe.experts import SwiGLUExperts, swiglu_mlp
-from moe.fp8 import Fp8SwiGLUExperts
-from moe.memory import peak_memory_bytes
-from moe.recompute import DropSaved
+from moe.layer.experts import SwiGLUExperts, swiglu_mlp
+from moe.layer.fp8 import Fp8SwiGLUExperts
+from moe.layer.moe_recompute import DropSaved
+from moe.layer.peak_memory import peak_memory_bytes
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from moe import MoEConfig, MoELayer, TopKRouter, node_limited_routing
-from moe.router import group_limited_topk
+from moe.layer.router import group_limited_topk
 
 from .moe_testlib import assert_close, moe_config, ref_route_token
 

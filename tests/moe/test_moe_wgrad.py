@@ -1,6 +1,6 @@
-"""Delayed expert weight gradients (moe/wgrad.py) in one process: the delayed GEMMs are autograd's own, bit for bit,
-and the store hands the gradients to autograd (AccumulateGrad and its hooks, `torch.autograd.grad`), leaving nothing
-queued. The multi-rank cases (overlap with the dispatch's backward, every dispatcher, recompute, FP8) are in
+"""Delayed expert weight gradients (moe/layer/wgrad.py) in one process: the delayed GEMMs are autograd's own, bit for
+bit, and the store hands the gradients to autograd (AccumulateGrad and its hooks, `torch.autograd.grad`), leaving
+nothing queued. The multi-rank cases (overlap with the dispatch's backward, every dispatcher, recompute, FP8) are in
 `wgrad_overlap_cases.py`.
 """
 
@@ -11,11 +11,12 @@ import dataclasses
 import pytest
 import torch
 
-from moe import MoELayer, wgrad
-from moe.experts import batched_linear, grouped_linear, grouped_mm_available, loop_linear
-from moe.fp8 import fp8_grouped_linear
-from moe.fp8.linear import Fp8Caster
-from moe.fp8.recipe import BlockwiseScaling, DelayedScaling
+from moe import MoELayer
+from moe.layer import wgrad
+from moe.layer.experts import batched_linear, grouped_linear, grouped_mm_available, loop_linear
+from moe.layer.fp8 import fp8_grouped_linear
+from moe.layer.fp8.linear import Fp8Caster
+from moe.layer.fp8.recipe import BlockwiseScaling, DelayedScaling
 
 from .moe_testlib import SMALL_LAYER, moe_config
 

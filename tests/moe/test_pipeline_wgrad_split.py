@@ -1,4 +1,4 @@
-"""The pipeline's I / W split of a backward (moe/wgrad.py, section "Pipeline I / W split"), in one process: inside
+"""The pipeline's I / W split of a backward (moe/layer/wgrad.py, section "Pipeline I / W split"), in one process: inside
 `split_gemms` + `collecting_weight_grads` a backward (the I action) leaves the GEMMs' weight gradients queued and
 gives the input gradients at once; running the queue (the W action) gives the weight gradients of one fused
 backward, bit for bit (the queued GEMMs are autograd's own on the same operands). The pipeline runs of every schedule
@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from moe import wgrad
-from moe.experts import SwiGLUMLP, batched_linear, grouped_linear, loop_linear
-from moe.fp8 import fp8_grouped_linear
-from moe.fp8.linear import Fp8Caster, fp8_linear
-from moe.fp8.recipe import BlockwiseScaling, DelayedScaling
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from moe.pipeline import pipeline_moe_options
+from moe.layer import wgrad
+from moe.layer.experts import SwiGLUMLP, batched_linear, grouped_linear, loop_linear
+from moe.layer.fp8 import fp8_grouped_linear
+from moe.layer.fp8.linear import Fp8Caster, fp8_linear
+from moe.layer.fp8.recipe import BlockwiseScaling, DelayedScaling
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.trainer.pipeline import pipeline_moe_options
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,7 +1,7 @@
-"""Cases for the delayed expert weight gradients (`overlap_dispatch_backward_with_experts_wgrad`, moe/wgrad.py), run
-in every rank of a `RankPool` by test_moe_seams.py: gradients bitwise those without the delay, and the weight-gradient
-GEMMs run between the start and the wait of the dispatch's backward communication. Collectives of a case run before
-its assertions.
+"""Cases for the delayed expert weight gradients (`overlap_dispatch_backward_with_experts_wgrad`, moe/layer/wgrad.py),
+run in every rank of a `RankPool` by test_moe_seams.py: gradients bitwise those without the delay, and the
+weight-gradient GEMMs run between the start and the wait of the dispatch's backward communication. Collectives of a case
+run before its assertions.
 """
 
 from __future__ import annotations
@@ -13,19 +13,19 @@ import gc
 import torch
 import torch.distributed as dist
 
-import moe.dispatcher.comm as comm
+import moe.layer.dispatcher.comm as comm
 import mtdeepep as deep_ep
 from moe import EPBuffers, MoEConfig, MoELayer
-from moe import wgrad as wgrad_module
-from moe.fp8 import Fp8SwiGLUExperts
-from moe.fp8.recipe import BlockwiseScaling, DelayedScaling
+from moe.layer import wgrad as wgrad_module
+from moe.layer.fp8 import Fp8SwiGLUExperts
+from moe.layer.fp8.recipe import BlockwiseScaling, DelayedScaling
 
 from .ep_buffer_cases import config
 from .moe_testlib import ep_group
 
 H = 32
 
-# (dispatcher, MoEConfig overrides, hidden, dtype, FP8 recipe of `moe.fp8` or None).
+# (dispatcher, MoEConfig overrides, hidden, dtype, FP8 recipe of `moe.layer.fp8` or None).
 VARIANTS = {
     "flex": ("flex", {}, H, torch.float32, None),
     "flex_shared_overlap_aux": (

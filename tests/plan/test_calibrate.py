@@ -1,5 +1,6 @@
 """The calibration's runtime baseline loads what a training rank loads: `TRAIN_PY_MODULES` is the set of library
-modules examples/deepseek_v3/train.py imports, neither fewer nor more."""
+modules the run assembly (moe/trainer/run.py, what examples/deepseek_v3/train.py runs) imports, neither fewer nor
+more."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from moe.plan.calibrate import TRAIN_PY_MODULES
+from moe.trainer.plan.calibrate import TRAIN_PY_MODULES
 
 ROOT = Path(__file__).resolve().parents[2]
-TRAIN_PY = ROOT / "examples" / "deepseek_v3" / "train.py"
+TRAIN_PY = ROOT / "moe" / "trainer" / "run.py"  # the module train.py runs
 LIBRARIES = ("moe", "mtdeepep")
 
 

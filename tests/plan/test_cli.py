@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from moe.plan.devices import SPECS, load_device_spec, source_rows
+from moe.trainer.plan import cli
+from moe.trainer.plan.devices import SPECS, load_device_spec, source_rows
 
 REPO = Path(__file__).resolve().parents[2]
 PLAN_PY = REPO / "examples" / "deepseek_v3" / "plan.py"
@@ -20,10 +20,7 @@ TINY = str(REPO / "examples" / "deepseek_v3" / "configs" / "tiny.toml")
 
 @pytest.fixture(scope="module")
 def plan_main():
-    spec = importlib.util.spec_from_file_location("_plan_cli", PLAN_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return cli.main
 
 
 def _ranked_rows(text: str) -> list[str]:

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from moe.models.deepseek_v3 import DeepseekV3Config, parameter_counts
-from moe.pipeline.timeline import analytic_bubble
-from moe.plan.comm import expected_distinct, ring_time
-from moe.plan.devices import CPU, H100
-from moe.plan.memory import estimate_memory
-from moe.plan.model import ModelShape
-from moe.plan.space import Candidate, Workload
-from moe.plan.stages import inflight, rank_chunks
-from moe.plan.timing import chunk_times, estimate_time
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, parameter_counts
+from moe.trainer.pipeline.timeline import analytic_bubble
+from moe.trainer.plan.comm_cost import expected_distinct, ring_time
+from moe.trainer.plan.devices import CPU, H100
+from moe.trainer.plan.memory_estimate import estimate_memory
+from moe.trainer.plan.model_shape import ModelShape
+from moe.trainer.plan.space import Candidate, Workload
+from moe.trainer.plan.stage_placement import inflight, rank_chunks
+from moe.trainer.plan.timing import chunk_times, estimate_time
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "configs"
 TINY = DeepseekV3Config.from_toml(CONFIGS / "tiny.toml")
@@ -32,8 +32,8 @@ def counts():
 
 
 def test_model_state_bytes_hand_computed():
-    """moe/plan/memory.py's table: FP32 4 + 4 + 8 bytes; BF16 2 + (2 + 4) + (8 + 4) with an FP32 router (4, 4, 8);
-    ZeRO-1 shards the optimizer over dp (dense) and edp (experts); EP splits the experts."""
+    """moe/trainer/plan/memory_estimate.py's table: FP32 4 + 4 + 8 bytes; BF16 2 + (2 + 4) + (8 + 4) with an FP32 router
+    (4, 4, 8); ZeRO-1 shards the optimizer over dp (dense) and edp (experts); EP splits the experts."""
     P, R, X = counts()
     one = Candidate(world=1, tp=1, pp=1, ep=1)
     m = estimate_memory(one, SHAPE, WORK32, CPU)
@@ -117,14 +117,14 @@ def test_collective_helpers():
     lat = H100.comm_latency_us * 1e-6
     assert ar - lat == pytest.approx(2 * (rs - lat))
     assert ring_time("all_gather", 1e9, 16, 16, H100) > ring_time("all_gather", 1e9, 16, 8, H100)  # off the node
-    # gloo's reduce-scatter is an all-reduce (moe/train/zero.py)
+    # gloo's reduce-scatter is an all-reduce (moe/trainer/train/zero.py)
     assert ring_time("reduce_scatter", 1e8, 2, 2, CPU) == ring_time("all_reduce", 1e8, 2, 2, CPU)
 
 
 def test_fresh_memory_term_on_cpu():
     """The 'cpu' spec's page-fault term: every micro-batch touches its activations twice (forward outputs, their
     gradients) and its weight gradients once in fresh memory, at the machine-wide rate the ranks share."""
-    from moe.plan.memory import rank_params
+    from moe.trainer.plan.memory_estimate import rank_params
 
     cand = Candidate(world=1, tp=1, pp=1, ep=1)
     with_faults = estimate_time(cand, SHAPE, WORK32, CPU)

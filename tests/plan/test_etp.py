@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from moe.dispatcher.deepep import nvl_bytes_hint
-from moe.models.deepseek_v3 import DeepseekV3Config
-from moe.plan import report
-from moe.plan.comm import all_to_all_time, dispatch_destinations
-from moe.plan.devices import CPU, H100
-from moe.plan.memory import estimate_memory, rank_params
-from moe.plan.model import ModelShape
-from moe.plan.search import estimate, plan
-from moe.plan.space import Candidate, Workload, enumerate_candidates
-from moe.plan.stages import rank_chunks
-from moe.plan.timing import chunk_times, expert_gemm_flops
+from moe.layer.dispatcher.flex import nvl_bytes_hint
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config
+from moe.trainer.plan import report
+from moe.trainer.plan.comm_cost import all_to_all_time, dispatch_destinations
+from moe.trainer.plan.devices import CPU, H100
+from moe.trainer.plan.memory_estimate import estimate_memory, rank_params
+from moe.trainer.plan.model_shape import ModelShape
+from moe.trainer.plan.search import estimate, plan
+from moe.trainer.plan.space import Candidate, Workload, enumerate_candidates
+from moe.trainer.plan.stage_placement import rank_chunks
+from moe.trainer.plan.timing import chunk_times, expert_gemm_flops
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "configs"
 TINY = DeepseekV3Config.from_toml(CONFIGS / "tiny.toml")

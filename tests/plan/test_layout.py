@@ -4,31 +4,23 @@ bench/plan_vs_published.py's table built from its data file."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-from moe.models.deepseek_v3.config import DeepseekV3Config
-from moe.plan.devices import SPECS
-from moe.plan.layout import check_layout, parse_layout
-from moe.plan.search import plan
-from moe.plan.space import Candidate, Workload
+from bench import plan_vs_published
+from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
+from moe.trainer.plan import cli
+from moe.trainer.plan.devices import SPECS
+from moe.trainer.plan.layout import check_layout, parse_layout
+from moe.trainer.plan.search import plan
+from moe.trainer.plan.space import Candidate, Workload
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "deepseek_v3" / "configs" / "tiny.toml"
 CONFIG_671B = str(REPO / "examples" / "deepseek_v3" / "configs" / "671b.toml")
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_every_searched_name_parses_back():
@@ -76,7 +68,7 @@ def test_check_layout_names_the_rule():
 
 
 def test_cli_prices_one_layout(tmp_path, capsys):
-    main = _load("_plan_cli_layout", REPO / "examples" / "deepseek_v3" / "plan.py").main
+    main = cli.main
     out = tmp_path / "one.json"
     argv = ["--config", CONFIG_671B, "--device-spec", "b200", "--num-layers", "4", "--first-k-dense", "1",
             "--mtp-depths", "0", "--global-batch", "16", "--micro-batches", "4", "--layout",
@@ -107,7 +99,7 @@ def test_gpu_specs_cite_their_figures(name):
 
 
 def test_published_table_builds_from_the_data_file():
-    bench = _load("_plan_vs_published", REPO / "bench" / "plan_vs_published.py")
+    bench = plan_vs_published
     data = bench.load_published()
     rows = bench.build_rows(data)
     assert len(rows) == len(data["b200"]) + len(data["a100_pcie"]) == 18

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe.memory import _exact_cpu_accounting, _status_bytes
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, RecomputeConfig, parameter_counts
-from moe.plan.model import RECOMPUTE_CHOICES, ModelShape
+from moe.layer.peak_memory import _exact_cpu_accounting, _status_bytes
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, RecomputeConfig, parameter_counts
+from moe.trainer.plan.model_shape import RECOMPUTE_CHOICES, ModelShape
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "configs"
 
@@ -22,7 +22,7 @@ def shape_of(name: str) -> ModelShape:
 
 @pytest.mark.parametrize("name", ["tiny", "small", "671b"])
 def test_parameter_counts_match_the_model(name):
-    """The closed forms equal the meta-device model's counts (moe/models/deepseek_v3/params.py) exactly."""
+    """The closed forms equal the meta-device model's counts (moe/trainer/models/deepseek_v3/params.py) exactly."""
     config = DeepseekV3Config.from_toml(CONFIGS / f"{name}.toml")
     shape, real = ModelShape.from_config(config), parameter_counts(config)
     assert shape.total_params() == real.total

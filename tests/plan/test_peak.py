@@ -1,13 +1,13 @@
-"""A rank's peak FLOP/s for MFU (moe/plan/peak.py): the spec of the accelerator the runtime names, a measured matmul on
-the CPU (once per process), and one figure for every rank of a run (rank 0's)."""
+"""A rank's peak FLOP/s for MFU (moe/trainer/plan/peak.py): the spec of the accelerator the runtime names, a measured
+matmul on the CPU (once per process), and one figure for every rank of a run (rank 0's)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe.plan import peak as peak_module
-from moe.plan.peak import Peak, agreed_peak, device_peak, measured_cpu_peak
+from moe.trainer.plan import peak as peak_module
+from moe.trainer.plan.peak import Peak, agreed_peak, device_peak, measured_cpu_peak
 from tests.ranks import pool_fixture
 
 pools = pool_fixture(world_size=2, comm_timeout_s=30, deadline_s=120)

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from moe.models.deepseek_v3 import DeepseekV3Config
-from moe.models.deepseek_v3.tensor_parallel import check_tensor_parallel
-from moe.pipeline.split import check_schedule
-from moe.plan.devices import CPU, MTT_S4000
-from moe.plan.model import RECOMPUTE_CHOICES
-from moe.plan.search import plan
-from moe.plan.space import (
+from moe.trainer import run
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config
+from moe.trainer.models.deepseek_v3.tensor_parallel import check_tensor_parallel
+from moe.trainer.pipeline.split import check_schedule
+from moe.trainer.plan.devices import CPU, MTT_S4000
+from moe.trainer.plan.model_shape import RECOMPUTE_CHOICES
+from moe.trainer.plan.search import plan
+from moe.trainer.plan.space import (
     PIPELINE_SCHEDULES,
     REASONS,
     Candidate,
@@ -22,11 +23,9 @@ from moe.plan.space import (
     divisors,
     enumerate_candidates,
 )
-from moe.train import job_config
-from moe.train.layout_rules import check_expert_tensor_parallel, check_model_layout
-from moe.train.parallel import FP8_RECIPES, Layout
-
-from ..train.train_cases import load_script
+from moe.trainer.train import job_config
+from moe.trainer.train.layout_rules import check_expert_tensor_parallel, check_model_layout
+from moe.trainer.train.parallel_state import FP8_RECIPES, Layout
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "configs"
 TINY = DeepseekV3Config.from_toml(CONFIGS / "tiny.toml")
@@ -60,7 +59,6 @@ def test_every_choice_is_counted_once(world):
 def test_accepted_layouts_pass_the_trainer_rules():
     space = enumerate_candidates(TINY, WORK, 8, CPU)
     assert space.accepted
-    train_py = load_script("train")
     assert job_config.check_model_layout is check_model_layout  # the planner's rule is the trainer's own
     for c in space.accepted:
         layout = Layout(world=c.world, tp=c.tp, pp=c.pp, ep=c.ep, etp=c.etp)  # raises if the folding is broken
@@ -73,7 +71,7 @@ def test_accepted_layouts_pass_the_trainer_rules():
             interleaved = c.schedule == "interleaved"
             check_schedule("1f1b" if interleaved else c.schedule, c.pp, WORK.micro_batches, c.vpp if interleaved else 1)
         # train.py's own parser and checks accept the flags the planner prints
-        _, overrides = job_config.parse(train_py.build_parser(), ["--config", "c.toml", "--out", "o", *c.train_flags()])
+        _, overrides = job_config.parse(run.build_parser(), ["--config", "c.toml", "--out", "o", *c.train_flags()])
         given = {o.path: o.value for o in overrides}
         sizes = (given.get(("parallel", name), 1) for name in ("tp", "pp", "ep", "etp"))
         assert tuple(sizes) == (c.tp, c.pp, c.ep, c.etp)
@@ -128,7 +126,7 @@ def test_interleaved_layouts_are_train_py_runs():
     for c in {(c.pp, c.vpp): c for c in interleaved}.values():
         job = job_config.load_job(
             CONFIGS / "tiny.toml",
-            job_config.parse(load_script("train").build_parser(), ["--config", "c", "--out", "o", *c.train_flags()])[1],
+            job_config.parse(run.build_parser(), ["--config", "c", "--out", "o", *c.train_flags()])[1],
             world=c.world,
         )
         assert (job.layout.pp, job.layout.vpp, job.layout.pp_schedule) == (c.pp, c.vpp, "1f1b")

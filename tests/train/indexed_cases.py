@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moe.data.indexed import IndexedDatasetWriter
-from moe.data.tokenizer import TextTokenizer, train_tokenizer
+from moe.trainer.data.indexed import IndexedDatasetWriter
+from moe.trainer.data.tokenizer import TextTokenizer, train_tokenizer
 from tests.train.train_cases import WORDS
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe.train.config import TrainingConfig
-from moe.train.optim import MasterAdamW
-from moe.train.parallel import Layout, ParallelState
+from moe.trainer.train.optim import MasterAdamW
+from moe.trainer.train.parallel_state import Layout, ParallelState
+from moe.trainer.train.training_config import TrainingConfig
 from tests.train.optim_step import optimizer_step
 from tests.train.state_io import gathered_state, load_state
 

@@ -8,12 +8,12 @@ from pathlib import Path
 import torch
 
 from moe import EPBuffers
-from moe.interleave import compute_spans
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, RecomputeConfig
-from moe.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options
-from moe.pipeline.split import split_layers
-from moe.train.parallel import Layout, ParallelState
-from moe.train.trainer import target_counts
+from moe.layer.interleave import compute_spans
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, RecomputeConfig
+from moe.trainer.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options
+from moe.trainer.pipeline.split import split_layers
+from moe.trainer.train.parallel_state import Layout, ParallelState
+from moe.trainer.train.trainer import target_counts
 
 REPO = Path(__file__).resolve().parents[2]
 MICRO_BATCHES, ROWS, SEQ_LEN = 4, 1, 32  # per data-parallel rank

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import torch
 
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from moe.pipeline import PipelineRunner, pipeline_moe_options
-from moe.pipeline.split import split_layers, stages_per_rank
-from moe.train.parallel import Layout, ParallelState
-from moe.train.trainer import target_counts
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.trainer.pipeline import PipelineRunner, pipeline_moe_options
+from moe.trainer.pipeline.split import split_layers, stages_per_rank
+from moe.trainer.train.parallel_state import Layout, ParallelState
+from moe.trainer.train.trainer import target_counts
 
 REPO = Path(__file__).resolve().parents[2]
 MICRO_BATCHES, ROWS, SEQ_LEN = 4, 1, 16

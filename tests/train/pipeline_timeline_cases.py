@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from moe.pipeline.timeline import TimelineRecorder, gather_timelines
+from moe.trainer.pipeline.timeline import TimelineRecorder, gather_timelines
 
 SKEW_S = 1000.0  # rank 1's clock runs this far ahead in the "two hosts" case
 

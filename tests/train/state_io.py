@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from moe.io.shard_files import CheckpointReader, read_full_section
-from moe.train.checkpoint.state import load_entries, optimizer_entries
-from moe.train.checkpoint.writer import SaveRequest, ShardWriter
-from moe.train.parallel import ParallelState
+from moe.trainer.io.shard_files import CheckpointReader, read_full_section
+from moe.trainer.train.checkpoint.train_state import load_entries, optimizer_entries
+from moe.trainer.train.checkpoint.writer import SaveRequest, ShardWriter
+from moe.trainer.train.parallel_state import ParallelState
 
 
 def save_state(opt, parallel: ParallelState, run_dir: str | Path) -> Path:

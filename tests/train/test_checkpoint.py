@@ -1,5 +1,5 @@
-"""Flash checkpoints in one process (moe/train/checkpoint/): what the step blocks for is a copy, the background write
-commits an atomic directory with a manifest of sha256s, its errors reach the main thread, a process killed in the
+"""Flash checkpoints in one process (moe/trainer/train/checkpoint/): what the step blocks for is a copy, the background
+write commits an atomic directory with a manifest of sha256s, its errors reach the main thread, a process killed in the
 middle of a write leaves the previous checkpoint, and damaged checkpoints are skipped with a warning."""
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from moe.io import shard_files as sf
-from moe.train import checkpoint as ckpt
-from moe.train import faults
-from moe.train.checkpoint import state as ts
-from moe.train.checkpoint.writer import CheckpointWriteError, SaveRequest, ShardWriter
-from moe.train.config import TrainingConfig
-from moe.train.optim import MasterAdamW
-from moe.train.parallel import Layout, ParallelState
+from moe.trainer.io import shard_files as sf
+from moe.trainer.train import checkpoint as ckpt
+from moe.trainer.train import faults
+from moe.trainer.train.checkpoint import train_state as ts
+from moe.trainer.train.checkpoint.writer import CheckpointWriteError, SaveRequest, ShardWriter
+from moe.trainer.train.optim import MasterAdamW
+from moe.trainer.train.parallel_state import Layout, ParallelState
+from moe.trainer.train.training_config import TrainingConfig
 from mtdeepep.utils.testing import run_processes
 
 PAR = ParallelState.single()

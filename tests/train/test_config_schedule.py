@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from moe.train.config import TrainingConfig
-from moe.train.schedule import lr_at
+from moe.trainer.train.schedule import lr_at
+from moe.trainer.train.training_config import TrainingConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "configs"
 BASE = {"steps": 10, "global_batch": 8, "seq_len": 16, "lr": 1e-3}

@@ -1,4 +1,4 @@
-"""The config tree (moe/train/config_tree.py): TOML tables, `--section.key value` overrides, one validation."""
+"""The config tree (moe/trainer/train/config_tree.py): TOML tables, `--section.key value` overrides, one validation."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from moe.models.deepseek_v3 import DeepseekV3Config
-from moe.train import job_config
-from moe.train.config import TrainingConfig
-from moe.train.config_tree import (
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config
+from moe.trainer.train import job_config
+from moe.trainer.train.config_tree import (
     FREE,
     ConfigTree,
     Override,
@@ -21,7 +20,8 @@ from moe.train.config_tree import (
     parse_value,
     split_overrides,
 )
-from moe.train.parallel import Layout
+from moe.trainer.train.parallel_state import Layout
+from moe.trainer.train.training_config import TrainingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -136,7 +136,8 @@ def test_aliases_are_argparse_options_with_a_tree_path():
     assert [(o.path, o.value) for o in overrides_from_namespace(args)] == [(("training", "lr"), 0.25)]
 
 
-# -- the trainer's tree (moe/train/job_config.py) -----------------------------------------------------------------
+# -- the trainer's tree (moe/trainer/train/job_config.py)
+# -----------------------------------------------------------------
 
 TINY = ROOT / "examples" / "deepseek_v3" / "configs" / "tiny.toml"
 

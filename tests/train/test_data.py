@@ -12,9 +12,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from moe.train import data as data_mod
-from moe.train.config import DataConfig
-from moe.train.data import TokenBatches, corpus_files, prepare_tokens
+from moe.trainer.data import token_file as data_mod
+from moe.trainer.data.token_file import TokenBatches, corpus_files, prepare_tokens
+from moe.trainer.train.training_config import DataConfig
 
 WORDS = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "value", "items", "(", ")", ":", "="]
 

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from moe.data.blend import BlendedWindows
-from moe.train.blended import BlendedBatches
-from moe.train.checkpoint.state import DataPosition, TrainProgress
-from moe.train.config import DataConfig, TrainingConfig
-from moe.train.data_source import IGNORE_INDEX, eod_masked_labels
-from moe.train.job_config import add_tree_options, parse
-from moe.train.run_data import prepare_run_data
-from moe.train.trainer import target_counts
+from moe.trainer.data.blend import BlendedWindows
+from moe.trainer.data.blended_batches import BlendedBatches
+from moe.trainer.data.run_data import prepare_run_data
+from moe.trainer.data.source import IGNORE_INDEX, eod_masked_labels
+from moe.trainer.train.checkpoint.train_state import DataPosition, TrainProgress
+from moe.trainer.train.job_config import add_tree_options, parse
+from moe.trainer.train.trainer import target_counts
+from moe.trainer.train.training_config import DataConfig, TrainingConfig
 from tests.train import indexed_cases as ic
 
 
@@ -213,7 +213,7 @@ def test_an_out_of_vocabulary_id_is_named_before_training(tmp_path, blend):
         prepare_run_data(cfg, 512, seed=0, build=True)
     clean = _training(data_path=data_path, tokenizer=str(tokenizer), cache_dir=str(tmp_path / "c"))
     prepare_run_data(clean, 512, seed=0, build=True)
-    from moe.data import vocab_check
+    from moe.trainer.data import vocab_check
 
     scanned = []
     real = vocab_check.IndexedDataset

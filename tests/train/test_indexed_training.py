@@ -23,20 +23,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe.data.blend import BlendedWindows
-from moe.data.tokenizer import load_tokenizer
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, documents
-from moe.train import checkpoint as ckpt
-from moe.train.data_source import IGNORE_INDEX, eod_masked_labels
-from moe.train.metrics import read_metrics
+from moe.trainer import run
+from moe.trainer.data.blend import BlendedWindows
+from moe.trainer.data.source import IGNORE_INDEX, eod_masked_labels
+from moe.trainer.data.tokenizer import load_tokenizer
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, documents
+from moe.trainer.train import checkpoint as ckpt
+from moe.trainer.train import evaluate
+from moe.trainer.train.metrics import read_metrics
 from mtdeepep.utils.testing import run_processes
 from tests.train import indexed_cases as ic
 from tests.train import train_cases as tc
 
 pytestmark = pytest.mark.slow  # train.py end to end: 10-30 s a run on 2 cores
 
-train_script = tc.load_script("train")
-evaluate_script = tc.load_script("evaluate")
+train_script = run
+evaluate_script = evaluate
 SEED = 7
 
 
@@ -190,7 +192,7 @@ def test_jsonl_corpus_with_a_tokenizer_file_and_evaluate_with_the_runs_tokenizer
 
 def test_reset_flags_pass_the_documents_to_the_model(tmp_path, blend):
     # Megatron's three flags together: step 1's LM and MTP losses are the initial model's with position_ids and
-    # document_ids from the batch (each document alone: moe/models/deepseek_v3/documents.py, tested there), over
+    # document_ids from the batch (each document alone: moe/trainer/models/deepseek_v3/documents.py, tested there), over
     # the targets the model keeps; the pipeline (PP2, 1F1B) carries them to its stages and gives the same losses.
     flags = {"eod_mask_loss": True, "reset_position_ids": True, "reset_attention_mask": True}
     config = _config(tmp_path / "reset.toml", blend, **flags)

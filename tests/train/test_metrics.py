@@ -7,13 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from moe.models.deepseek_v3.flops import model_flops_per_token
-from moe.plan.peak import device_peak
-from moe.train.checkpoint import ModelIO
-from moe.train.config import TrainingConfig
-from moe.train.data import TokenBatches
-from moe.train.metrics import (
+from moe.trainer.data.token_file import TokenBatches
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.flops import model_flops_per_token
+from moe.trainer.plan.peak import device_peak
+from moe.trainer.train.checkpoint import ModelIO
+from moe.trainer.train.metrics import (
     MetricsLog,
     _log_line,
     loss_table,
@@ -23,8 +22,9 @@ from moe.train.metrics import (
     plot_title,
     read_metrics,
 )
-from moe.train.parallel import ParallelState
-from moe.train.trainer import Trainer
+from moe.trainer.train.parallel_state import ParallelState
+from moe.trainer.train.trainer import Trainer
+from moe.trainer.train.training_config import TrainingConfig
 from tests.train import train_cases as tc
 
 

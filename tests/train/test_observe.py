@@ -1,5 +1,6 @@
 """Where users watch a run: TensorBoard scalars, Weights & Biases (offline), and a torch.profiler trace of chosen
-steps (moe/train/loggers.py, moe/train/profiling.py, moe/trace_regions.py), with Megatron's and torchtitan's names.
+steps (moe/trainer/train/loggers.py, moe/trainer/train/profiling.py, moe/layer/trace_regions.py), with Megatron's and
+torchtitan's names.
 
 - Two launches of examples/deepseek_v3/train.py: one process with --tensorboard-dir, --wandb-project (offline) and
   --profile of step 2; then, after the newest checkpoint is damaged, a --resume from step 2 in another layout
@@ -25,14 +26,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe.trace_regions import COMBINE, DISPATCH, EXPERT_GEMM, ROUTER
-from moe.train.loggers import scalars
-from moe.train.metrics import read_events, read_metrics
-from moe.train.profiling import ProfilingConfig, StepProfiler
+from moe.layer.trace_regions import COMBINE, DISPATCH, EXPERT_GEMM, ROUTER
+from moe.trainer import run
+from moe.trainer.train.loggers import scalars
+from moe.trainer.train.metrics import read_events, read_metrics
+from moe.trainer.train.profiling import ProfilingConfig, StepProfiler
 from mtdeepep.utils.testing import run_processes
 from tests.train import train_cases as tc
 
-train_script = tc.load_script("train")
+train_script = run
 
 
 def test_scalars_flatten_a_record_and_an_event():

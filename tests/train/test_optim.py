@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from moe.train.config import TrainingConfig
-from moe.train.optim import MasterAdamW
-from moe.train.parallel import ParallelState
+from moe.trainer.train.optim import MasterAdamW
+from moe.trainer.train.parallel_state import ParallelState
+from moe.trainer.train.training_config import TrainingConfig
 from tests.train import optim_cases as cases
 from tests.train.state_io import load_state, save_state
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from moe.train.parallel import Layout, ParallelState
+from moe.trainer.train.parallel_state import Layout, ParallelState
 
 
 @pytest.mark.parametrize(

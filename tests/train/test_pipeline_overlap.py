@@ -1,4 +1,4 @@
-"""DualPipeV's MoE communication overlap (moe/pipeline/overlap.py, moe/interleave.py).
+"""DualPipeV's MoE communication overlap (moe/trainer/pipeline/overlap.py, moe/layer/interleave.py).
 
 - The interleaver: the two sides alternate at their communication points, in a fixed order; errors reach the
   caller and unwind the other side; the sequential baseline and `in_flight` outside an interleaver do nothing else.
@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from moe.interleave import Interleaver, comms_of, compute_spans, in_flight
-from moe.pipeline.overlap import plot_fb, sequential_reason, summarize
+from moe.layer.interleave import Interleaver, comms_of, compute_spans, in_flight
+from moe.trainer.pipeline.overlap import plot_fb, sequential_reason, summarize
 from mtdeepep.autograd import _THREAD as MTDEEPEP_THREAD
 from mtdeepep.autograd import backward_comm_hook
 from tests.train import pipeline_overlap_cases as cases
@@ -169,9 +169,9 @@ def _module(*layers):
 
 
 def _deepep():
-    from moe.dispatcher.deepep import DeepEPDispatcher
+    from moe.layer.dispatcher.flex import FlexDispatcher
 
-    return DeepEPDispatcher.__new__(DeepEPDispatcher)  # only its type matters here
+    return FlexDispatcher.__new__(FlexDispatcher)  # only its type matters here
 
 
 def _layer(group_size=2, dispatcher=None, jitter=None):
@@ -181,7 +181,7 @@ def _layer(group_size=2, dispatcher=None, jitter=None):
 
 
 def test_fallback_rules():
-    from moe.dispatcher.etp import ExpertTensorParallelDispatcher
+    from moe.layer.dispatcher.etp import ExpertTensorParallelDispatcher
 
     assert sequential_reason([_module(_layer())]) is None
     # Expert tensor parallelism wraps the 'flex' dispatcher (its begin / end are the inner one's): interleaved too.
@@ -194,8 +194,8 @@ def test_fallback_rules():
 
 
 def test_overlap_needs_dualpipev():
-    from moe.pipeline import PipelineRunner
-    from moe.pipeline.split import split_layers
+    from moe.trainer.pipeline import PipelineRunner
+    from moe.trainer.pipeline.split import split_layers
 
     parallel = SimpleNamespace(layout=SimpleNamespace(pp=2), pp_rank=0, pp_group=None)
     model = SimpleNamespace(lm_head=object())

@@ -1,16 +1,16 @@
-"""The pipeline's P2P transports (moe/pipeline/p2p.py): with `p2p_transport='deepep'` the activations and gradients
-move through `pp_send` / `pp_recv` of an `mtdeepep.ElasticBuffer` over the pipeline group, and one step of DualPipeV
-gives the loss sums and gradients of torch.distributed's P2P bit for bit (PP2; 1F1B's: test_bench_pipeline.py). The
-trainer's runs with the option against the one-process run (1F1B, ZB-H1, interleaved 1F1B, DualPipeV): test_train.py's
-layouts. A bad name is refused before anything is built."""
+"""The pipeline's P2P transports (moe/trainer/pipeline/p2p.py): with `p2p_transport='deepep'` the activations and
+gradients move through `pp_send` / `pp_recv` of an `mtdeepep.ElasticBuffer` over the pipeline group, and one step of
+DualPipeV gives the loss sums and gradients of torch.distributed's P2P bit for bit (PP2; 1F1B's:
+test_bench_pipeline.py). The trainer's runs with the option against the one-process run (1F1B, ZB-H1, interleaved 1F1B,
+DualPipeV): test_train.py's layouts. A bad name is refused before anything is built."""
 
 from __future__ import annotations
 
 import pytest
 
-from moe.pipeline import PipelineRunner
-from moe.pipeline.split import split_layers
-from moe.train.parallel import ParallelState
+from moe.trainer.pipeline import PipelineRunner
+from moe.trainer.pipeline.split import split_layers
+from moe.trainer.train.parallel_state import ParallelState
 from tests.ranks import pool_fixture
 from tests.train import pipeline_p2p_cases as cases
 

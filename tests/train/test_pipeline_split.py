@@ -1,11 +1,11 @@
 """The pipeline split (decoder layers per stage, placeholders, Megatron's first/last counts), the stages each rank
-holds, and the micro-batch rules of the schedules (moe/pipeline/split.py)."""
+holds, and the micro-batch rules of the schedules (moe/trainer/pipeline/split.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from moe.pipeline.split import (
+from moe.trainer.pipeline.split import (
     SCHEDULE_STAGES_PER_RANK,
     check_schedule,
     split_layers,
@@ -128,8 +128,8 @@ def test_a_split_backward_schedule_needs_the_model_built_for_it(schedule):
     split-backward schedule refuses a model built with them on, before it prunes or communicates anything."""
     from types import SimpleNamespace
 
-    from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-    from moe.pipeline import PipelineRunner, pipeline_moe_options
+    from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+    from moe.trainer.pipeline import PipelineRunner, pipeline_moe_options
 
     cfg = DeepseekV3Config.from_toml("examples/deepseek_v3/configs/tiny.toml")
     parallel = SimpleNamespace(layout=SimpleNamespace(pp=2), pp_rank=0)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from moe.pipeline.timeline import (
+from moe.trainer.pipeline.timeline import (
     KINDS,
     Slot,
     TimelineRecorder,

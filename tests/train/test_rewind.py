@@ -1,4 +1,4 @@
-"""Anomalies and rewind (moe/train/rewind.py): the spike test, the in-memory snapshot, injected faults, and
+"""Anomalies and rewind (moe/trainer/train/rewind.py): the spike test, the in-memory snapshot, injected faults, and
 examples/deepseek_v3/train.py runs that rewind (one process, and EP2 with ZeRO-1 on two processes) against runs
 that skip the same steps from the start."""
 
@@ -12,22 +12,23 @@ import numpy as np
 import pytest
 import torch
 
-from moe.fp8.convert import apply_fp8, fp8_moe_options
-from moe.io.shard_files import SECTIONS, read_full_section
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from moe.train.checkpoint import ModelIO
-from moe.train.checkpoint.state import amax_histories
-from moe.train.config import TrainingConfig
-from moe.train.data import TokenBatches
-from moe.train.faults import ENV, FaultPlan
-from moe.train.metrics import read_events, read_metrics
-from moe.train.parallel import ParallelState
-from moe.train.rewind import AnomalyDetected, SpikeDetector, StateSnapshot
-from moe.train.trainer import Trainer
+from moe.layer.fp8.convert import apply_fp8, fp8_moe_options
+from moe.trainer import run
+from moe.trainer.data.token_file import TokenBatches
+from moe.trainer.io.shard_files import SECTIONS, read_full_section
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.trainer.train.checkpoint import ModelIO
+from moe.trainer.train.checkpoint.train_state import amax_histories
+from moe.trainer.train.faults import ENV, FaultPlan
+from moe.trainer.train.metrics import read_events, read_metrics
+from moe.trainer.train.parallel_state import ParallelState
+from moe.trainer.train.rewind import AnomalyDetected, SpikeDetector, StateSnapshot
+from moe.trainer.train.trainer import Trainer
+from moe.trainer.train.training_config import TrainingConfig
 from mtdeepep.utils.testing import run_processes
 from tests.train import train_cases as tc
 
-train_script = tc.load_script("train")
+train_script = run
 
 # ---------------------------------------------------------------------------------------------------------------
 # The spike test
@@ -309,7 +310,7 @@ def test_two_processes_rewind_and_report_the_slow_rank(tmp_path, corpus_and_cach
     1 sleeping in its backward during steps 1-4 and rank 0 in its forward during steps 5-8: the reports name them
     (and the timers change no result: the reference run has them off). The delays are in compute phases: with two
     ranks, a delay inside a communication phase makes the other rank wait in the same phase or the next one,
-    depending on timing, so its report is not reliable (moe/train/straggler.py)."""
+    depending on timing, so its report is not reliable (moe/trainer/train/straggler.py)."""
     flags = ["--seed", "7", "--ep", "2", "--use-distributed-optimizer", "--ddp-bucket-size", "20000"]
     ref_path = _config(tmp_path / "ref.toml", corpus_and_cache, iterations_to_skip=SKIPPED)
     _run(["--config", str(ref_path), "--out", str(tmp_path / "ref"), *flags], 2)

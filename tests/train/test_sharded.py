@@ -1,4 +1,4 @@
-"""The boxes of sharded checkpoints (moe/io/boxes.py) against plain slicing: every rank's pieces of a global
+"""The boxes of sharded checkpoints (moe/trainer/io/boxes.py) against plain slicing: every rank's pieces of a global
 tensor hold exactly the global elements their boxes name, and the ranks' boxes tile the tensor once, for expert
 shards, tensor-parallel shards with chunks (the dense SwiGLU's [gate | up]) and ZeRO-1 flat ranges that start and
 end anywhere."""
@@ -11,12 +11,12 @@ import random
 import pytest
 import torch
 
-from moe.io.boxes import Box, Placement, check_tiling, flat_boxes, pieces
-from moe.parallel.sharding import TPShard
+from moe.layer.parallel.sharding import TPShard
+from moe.trainer.io.boxes import Box, Placement, check_tiling, flat_boxes, pieces
 
 
 def _local(full: torch.Tensor, ep_rank: int, ep: int, tp: TPShard | None) -> torch.Tensor:
-    """The reference local tensor: rows of dim 0 for the EP rank, then the TP shard (moe.parallel.sharding)."""
+    """The reference local tensor: rows of dim 0 for the EP rank, then the TP shard (moe.layer.parallel.sharding)."""
     n = full.size(0) // ep
     t = full[ep_rank * n : (ep_rank + 1) * n] if ep > 1 else full
     return tp.shard(t) if tp is not None else t.contiguous()

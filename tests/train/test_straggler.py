@@ -1,6 +1,6 @@
-"""Slow-rank detection: the per-rank phase timer (moe/phase_timer.py), the report rule (moe/train/straggler.py) and
-the MoE layer's timing. The end-to-end check (two ranks, an injected delay each) is in test_rewind.py's two-process
-run, which has detection on."""
+"""Slow-rank detection: the per-rank phase timer (moe/layer/phase_timer.py), the report rule
+(moe/trainer/train/straggler.py) and the MoE layer's timing. The end-to-end check (two ranks, an injected delay each) is
+in test_rewind.py's two-process run, which has detection on."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from moe import MoELayer
-from moe.phase_timer import PHASES, PhaseTimer, mark_backward
-from moe.train.straggler import SlowRank, find_slow_ranks, stage_peers
+from moe.layer.phase_timer import PHASES, PhaseTimer, mark_backward
+from moe.trainer.train.straggler import SlowRank, find_slow_ranks, stage_peers
 from tests.moe.moe_testlib import SIGMOID_V3, SMALL_LAYER, moe_config
 
 
 class FakeClock:
-    """`time` for moe.phase_timer: `perf_counter` reads `now`, `sleep` advances it."""
+    """`time` for moe.layer.phase_timer: `perf_counter` reads `now`, `sleep` advances it."""
 
     def __init__(self) -> None:
         self.now = 100.0
@@ -28,7 +28,7 @@ class FakeClock:
 
 @pytest.fixture
 def clock(monkeypatch):
-    import moe.phase_timer as module
+    import moe.layer.phase_timer as module
 
     fake = FakeClock()
     monkeypatch.setattr(module, "time", fake)
@@ -68,8 +68,8 @@ def test_phases_are_exclusive(clock):
 
 
 def test_two_threads_taking_turns_keep_their_own_phases(clock):
-    """DualPipeV's overlapped chunks run two micro-batches on two threads that take turns (moe/interleave.py): each
-    thread's phases nest on their own, and the time between two events goes to the thread that ran."""
+    """DualPipeV's overlapped chunks run two micro-batches on two threads that take turns (moe/layer/interleave.py):
+    each thread's phases nest on their own, and the time between two events goes to the thread that ran."""
     import threading
 
     timer = PhaseTimer()

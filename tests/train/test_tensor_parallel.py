@@ -21,9 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe import update_expert_bias
-from moe.models.deepseek_v3 import DeepseekV3ForCausalLM
-from moe.models.deepseek_v3.tensor_parallel import apply_tensor_parallel, parallelize
-from moe.parallel import (
+from moe.layer.parallel import (
     SequenceShards,
     VocabParallelEmbedding,
     gather_from_sequence_parallel,
@@ -32,8 +30,10 @@ from moe.parallel import (
     scatter_to_sequence_parallel,
     vocab_parallel_cross_entropy,
 )
-from moe.train.parallel import Layout, ParallelState
-from tests.models.dsv3_testlib import HF_CASES, tiny_config, tokens
+from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
+from moe.trainer.models.deepseek_v3.tensor_parallel import apply_tensor_parallel, parallelize
+from moe.trainer.train.parallel_state import Layout, ParallelState
+from tests.models.dsv3_testlib import HF_CASES, rel_err, tiny_config, tokens
 from tests.ranks import pool_fixture
 
 TIMEOUT_S = 60
@@ -66,11 +66,6 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(t, group=group)
     return t
-
-
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach(), b.detach()
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30))
 
 
 # -- the model against the one-process model ----------------------------------------------------------------------
@@ -133,7 +128,7 @@ def tp_model_case(ctx, variant: str, tp: int, ep: int) -> dict:
         *[(f"mtp_loss_sum_{d}", a, b) for d, (a, b) in enumerate(zip(out.mtp_loss_sums, expected.mtp_loss_sums))],
     ]:
         torch.testing.assert_close(mine, theirs, rtol=LOSS_RTOL, atol=0, msg=lambda m, w=what: f"{w}: {m}")
-        errs[what] = _rel_err(mine, theirs)
+        errs[what] = rel_err(mine, theirs)
     assert out.num_tokens == expected.num_tokens and out.mtp_num_tokens == expected.mtp_num_tokens
     v0 = model.vocab_start
     logits, ref_logits = out.logits.detach(), expected.logits.detach()
@@ -154,7 +149,7 @@ def tp_model_case(ctx, variant: str, tp: int, ep: int) -> dict:
         scale = float(ref_grad.abs().max())
         torch.testing.assert_close(grads[name], ref_grad, rtol=GRAD_RTOL, atol=GRAD_RTOL * scale,
                                    msg=lambda m, n=name: f"{n}: {m}")  # fmt: skip
-        grad_err = max(grad_err, _rel_err(grads[name], ref_grad))
+        grad_err = max(grad_err, rel_err(grads[name], ref_grad))
     for a, b in zip(model.moe_layers(), ref.moe_layers()):
         torch.testing.assert_close(a.router.expert_bias.bias, b.router.expert_bias.bias, rtol=0, atol=0)
     return {"loss_rel_err": errs, "grad_rel_err": grad_err, "tags": tags, "lm_loss_sum": float(out.lm_loss_sum)}
@@ -288,8 +283,8 @@ def dtensor_mla_case(ctx) -> dict:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from moe.models.deepseek_v3.attention import MultiHeadLatentAttention
-    from moe.models.deepseek_v3.rope import RotaryEmbedding
+    from moe.trainer.models.deepseek_v3.attention import MultiHeadLatentAttention
+    from moe.trainer.models.deepseek_v3.rope import RotaryEmbedding
 
     config = tiny_config()
     torch.manual_seed(3)
@@ -318,11 +313,11 @@ def dtensor_mla_case(ctx) -> dict:
     y_ref.sum().backward()
     grad = attn.kv_b_proj.weight.grad
     return {
-        "out_rel_err": _rel_err(y, y_ref),
+        "out_rel_err": rel_err(y, y_ref),
         "weight_is_dtensor": isinstance(attn.q_b_proj.weight, DTensor),
         "output_is_dtensor": isinstance(y, DTensor),
         "grad_is_dtensor": isinstance(grad, DTensor),
-        "kv_b_grad_rel_err": _rel_err(grad.full_tensor(), ref.kv_b_proj.weight.grad),
+        "kv_b_grad_rel_err": rel_err(grad.full_tensor(), ref.kv_b_proj.weight.grad),
         "linear_fn_calls": seen,
     }
 
@@ -330,8 +325,8 @@ def dtensor_mla_case(ctx) -> dict:
 def test_dtensor_parallelize_module_on_mla(tp_pools):
     for r in tp_pools[2].run(dtensor_mla_case):
         assert r["out_rel_err"] < 1e-5 and r["kv_b_grad_rel_err"] < 1e-5
-        # What made us keep plain local shards (see moe/models/deepseek_v3/tensor_parallel.py): the parameters and
-        # their gradients are DTensors, and the FP8 recipes' GEMM hook gets DTensor operands.
+        # What made us keep plain local shards (see moe/trainer/models/deepseek_v3/tensor_parallel.py): the parameters
+        # and their gradients are DTensors, and the FP8 recipes' GEMM hook gets DTensor operands.
         assert r["weight_is_dtensor"] and r["grad_is_dtensor"]
         assert r["linear_fn_calls"] == [("DTensor", "DTensor")]
         print(r)

@@ -30,25 +30,26 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from moe.io.shard_files import read_full_section
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, read_model_dir
-from moe.models.deepseek_v3.flops import model_flops_per_token
-from moe.models.deepseek_v3.tokenizer import tokenizer_eos_token_id
-from moe.train import checkpoint as ckpt
-from moe.train import faults
-from moe.train.checkpoint import ModelIO
-from moe.train.config import TrainingConfig
-from moe.train.data import TokenBatches, prepare_tokens
-from moe.train.metrics import read_metrics
-from moe.train.parallel import ParallelState
-from moe.train.trainer import Trainer
+from moe.trainer import run
+from moe.trainer.data.token_file import TokenBatches, prepare_tokens
+from moe.trainer.io.shard_files import read_full_section
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, read_model_dir
+from moe.trainer.models.deepseek_v3.flops import model_flops_per_token
+from moe.trainer.models.deepseek_v3.model_tokens import tokenizer_eos_token_id
+from moe.trainer.train import checkpoint as ckpt
+from moe.trainer.train import evaluate, faults
+from moe.trainer.train.checkpoint import ModelIO
+from moe.trainer.train.metrics import read_metrics
+from moe.trainer.train.parallel_state import ParallelState
+from moe.trainer.train.trainer import Trainer
+from moe.trainer.train.training_config import TrainingConfig
 from mtdeepep.utils.testing import run_processes
 from tests.train import train_cases as tc
 
 pytestmark = pytest.mark.slow  # slow: train.py end to end, every layout
 
-train_script = tc.load_script("train")
-evaluate_script = tc.load_script("evaluate")
+train_script = run
+evaluate_script = evaluate
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def _run(argv, nproc=1, timeout_s=300):
 
 
 def _rank_with_crash(proc, argv: list[str], fault: str) -> str:
-    """`tc.torchrun_rank` with `MTDEEPEP_CRASH_FAULT=fault` (moe/train/faults.py): the named rank SIGKILLs
+    """`tc.torchrun_rank` with `MTDEEPEP_CRASH_FAULT=fault` (moe/trainer/train/faults.py): the named rank SIGKILLs
     itself (no value, exit code -9); the others' failure, once their peer is gone, is returned as text."""
     os.environ[faults.CRASH_ENV] = fault
     try:
@@ -175,9 +176,9 @@ LAYOUTS = {
         (4, 2, 2, 2, 2),
         True,
     ),
-    # Pipeline parallelism (moe/pipeline): each schedule at PP2 and PP4, with DP, EP and ZeRO-1. One layout of each
-    # schedule (1F1B, ZB-H1, interleaved 1F1B, DualPipeV) moves its activations and gradients through mtdeepep's
-    # pp_send / pp_recv (--use-deepep-p2p, moe/pipeline/p2p.py), the others through torch.distributed's P2P.
+    # Pipeline parallelism (moe/trainer/pipeline): each schedule at PP2 and PP4, with DP, EP and ZeRO-1. One layout of
+    # each schedule (1F1B, ZB-H1, interleaved 1F1B, DualPipeV) moves its activations and gradients through mtdeepep's
+    # pp_send / pp_recv (--use-deepep-p2p, moe/trainer/pipeline/p2p.py), the others through torch.distributed's P2P.
     "pp2_1f1b": (["--pp", "2"], 2, (2, 1, 1, 1, 1), False),
     "pp2_zbh1_ep2_dp2": (
         ["--pp", "2", "--pp-schedule", "zbh1", "--ep", "2", "--pipeline-timeline", "--use-deepep-p2p"],
@@ -187,7 +188,7 @@ LAYOUTS = {
     ),
     "pp2_dualpipev_ep2_dp2_zero1": (DUALPIPEV_EP2_ZERO1, 4, (4, 2, 1, 2, 1), True),
     # DualPipeV with the MoE communication of one micro-batch overlapping the other's compute inside every F&B chunk
-    # (moe/pipeline/overlap.py), the MoE layers fully recomputed (their recomputation communicates too), ZeRO-1.
+    # (moe/trainer/pipeline/overlap.py), the MoE layers fully recomputed (their recomputation communicates too), ZeRO-1.
     "pp2_dualpipev_ep2_dp2_zero1_overlap": (
         [
             *DUALPIPEV_EP2_ZERO1,
@@ -235,7 +236,7 @@ LAYOUTS = {
         (2, 1, 1, 1, 1),
         False,
     ),  # fmt: skip
-    # Expert tensor parallelism (moe/dispatcher/etp.py): every routed expert's FFN split over 2 ranks, the tokens
+    # Expert tensor parallelism (moe/layer/dispatcher/etp.py): every routed expert's FFN split over 2 ranks, the tokens
     # dispatched over the folded EP x ETP group; alone (the 2 data-parallel ranks fold into ETP 2), with EP 2 and
     # ZeRO-1 (4 ranks, one copy of the experts), with TP 2 (ETP spans the TP pair, sequence parallel).
     "etp2": (["--etp", "2"], 2, (2, 2, 1, 1, 1), False),

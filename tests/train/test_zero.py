@@ -1,6 +1,6 @@
-"""ZeRO-1 (moe/train/zero.py): the same parameters, norms and state as MasterAdamW, sharded state, the contract's
-tags, overlap of the bucket reductions with the backward (and under a pipeline with the schedule: each stage's
-buckets after its last weight-gradient action, bit for bit the same training), and deadlines."""
+"""ZeRO-1 (moe/trainer/train/zero.py): the same parameters, norms and state as MasterAdamW, sharded state, the
+contract's tags, overlap of the bucket reductions with the backward (and under a pipeline with the schedule: each
+stage's buckets after its last weight-gradient action, bit for bit the same training), and deadlines."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from moe.train.config import TrainingConfig
-from moe.train.optim import MasterAdamW
-from moe.train.parallel import ParallelState
-from moe.train.zero import DistributedAdamW, ZeroConfig
+from moe.trainer.train.optim import MasterAdamW
+from moe.trainer.train.parallel_state import ParallelState
+from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.zero import DistributedAdamW, ZeroConfig
 from tests.train import zero_cases as cases
 from tests.train import zero_pipeline_cases as zcases
 from tests.train.state_io import load_state, save_state

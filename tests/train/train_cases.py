@@ -1,17 +1,20 @@
 """Helpers of the end-to-end training tests: test configs (tiny's model, a short batch, a small synthetic corpus)
-and the target that runs examples/deepseek_v3/train.py as one rank of a torchrun-like job."""
+and the target that runs train.py's command (`moe.trainer.run.main`) as one rank of a torchrun-like job."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import sys
 from pathlib import Path
 from typing import Any
 
+import tomli_w
 import tomllib
 import torch
+
+from moe.trainer import run
+from moe.trainer.models.deepseek_v3 import generate_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "deepseek_v3" / "configs" / "tiny.toml"
@@ -21,13 +24,8 @@ WORDS = [
 ]  # fmt: skip
 
 
-def load_script(name: str):
-    """examples/deepseek_v3/<name>.py as a module (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(f"dsv3_{name}", ROOT / "examples" / "deepseek_v3" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script executes
-    spec.loader.exec_module(module)
-    return module
+# examples/deepseek_v3/<name>.py -> the module whose `main` the command line runs
+COMMANDS = {"train": run, "generate": generate_cli}
 
 
 def write_corpus(root: Path, num_files: int = 24, lines: int = 300, seed: int = 0) -> Path:
@@ -41,31 +39,9 @@ def write_corpus(root: Path, num_files: int = 24, lines: int = 300, seed: int = 
     return root
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"no TOML for {v!r}")
-
-
-def dump_toml(doc: dict[str, Any], prefix: str = "") -> str:
-    """A TOML document of nested tables of scalars and lists (what our configs hold)."""
-    lines, tables = [], []
-    for key, value in doc.items():
-        if isinstance(value, dict):
-            tables.append((key, value))
-        elif value is not None:
-            lines.append(f"{key} = {_toml_value(value)}")
-    out = ("\n".join(lines) + "\n") if lines else ""
-    for key, table in tables:
-        name = f"{prefix}{key}"
-        out += f"\n[{name}]\n" + dump_toml(table, name + ".")
-    return out
+def _without_none(doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` without its None values (a None in a case's changes leaves the key out of the file)."""
+    return {k: _without_none(v) if isinstance(v, dict) else v for k, v in doc.items() if v is not None}
 
 
 def make_config(path: Path, corpus: Path, cache: Path, *, model: dict | None = None, training: dict | None = None,
@@ -82,7 +58,7 @@ def make_config(path: Path, corpus: Path, cache: Path, *, model: dict | None = N
         "data": {"corpus": str(corpus), "tokenizer": "bpe", "val_sequences": 8, "cache_dir": str(cache),
                  **(data or {})},
     }  # fmt: skip
-    path.write_text(dump_toml(doc))
+    path.write_text(tomli_w.dumps(_without_none(doc)))
     return path
 
 
@@ -96,15 +72,15 @@ def torchrun_rank(proc, argv: list[str], script: str = "train") -> int:
     )  # fmt: skip
     torch.set_num_threads(1)
     sys.argv = [f"{script}.py", *argv]
-    code = load_script(script).main(argv)
+    code = COMMANDS[script].main(argv)
     if code != 0:
         raise RuntimeError(f"{script}.py exited with {code}")
     return code
 
 
 def torchrun_rank_with_faults(proc, argv: list[str], faults: str) -> int:
-    """`torchrun_rank` with the fault plan `faults` (JSON, moe/train/faults.py) in the rank's environment."""
-    from moe.train.faults import ENV
+    """`torchrun_rank` with the fault plan `faults` (JSON, moe/trainer/train/faults.py) in the rank's environment."""
+    from moe.trainer.train.faults import ENV
 
     os.environ[ENV] = faults
     return torchrun_rank(proc, argv)

@@ -1,5 +1,5 @@
-"""Rank cases of test_zero.py: the ZeRO-1 optimizer (moe/train/zero.py) against MasterAdamW on the same ranks and
-data, and against one process holding the gradients of the global loss (tensor/sequence/expert-parallel tags)."""
+"""Rank cases of test_zero.py: the ZeRO-1 optimizer (moe/trainer/train/zero.py) against MasterAdamW on the same ranks
+and data, and against one process holding the gradients of the global loss (tensor/sequence/expert-parallel tags)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moe.train.config import TrainingConfig
-from moe.train.optim import MasterAdamW
-from moe.train.parallel import Layout, ParallelState
-from moe.train.zero import CollectiveTimeout, DistributedAdamW, ZeroConfig
+from moe.trainer.train.optim import MasterAdamW
+from moe.trainer.train.parallel_state import Layout, ParallelState
+from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.zero import CollectiveTimeout, DistributedAdamW, ZeroConfig
 from tests.train.optim_step import optimizer_step
 from tests.train.state_io import gathered_state, load_state, save_state
 

@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from moe.pipeline import PipelineRunner, pipeline_moe_options
-from moe.pipeline.split import split_layers, stages_per_rank
-from moe.train.checkpoint import ModelIO
-from moe.train.config import TrainingConfig
-from moe.train.data import TokenBatches
-from moe.train.parallel import Layout, ParallelState
-from moe.train.trainer import Trainer
+from moe.trainer.data.token_file import TokenBatches
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
+from moe.trainer.pipeline import PipelineRunner, pipeline_moe_options
+from moe.trainer.pipeline.split import split_layers, stages_per_rank
+from moe.trainer.train.checkpoint import ModelIO
+from moe.trainer.train.parallel_state import Layout, ParallelState
+from moe.trainer.train.trainer import Trainer
+from moe.trainer.train.training_config import TrainingConfig
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ_LEN, BUCKET = 16, 20_000  # tiny has ~1.3M parameters: several buckets per stage

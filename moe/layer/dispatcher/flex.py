@@ -1,0 +1,325 @@
+"""DeepEP token dispatcher ('flex', Megatron's name for the DeepEP path), on an `mtdeepep.Buffer`.
+
+dispatch: `deep_ep.dispatch` (layout + dispatch, differentiable w.r.t. the hidden states and the routing weights)
+sends every token *once* to each rank that owns at least one of its experts. The rows received here come with their
+local expert ids (-1 where the expert lives elsewhere) and routing weights; they are expanded to one row per
+(received token, local expert) and stably sorted by local expert for the experts.
+combine: every expert output row is weighted by its routing weight in float32 and summed per received token, then
+`deep_ep.combine` sends the float32 partial sums back and adds them per source token in FP32 (cast to the hidden
+dtype once at the end, as the 'alltoall' dispatcher does). For bfloat16 hidden states this moves twice the bytes
+of a bfloat16 combine, the price of results identical to 'alltoall'.
+
+Compared with 'alltoall', a token with several experts on one rank crosses the wire once per rank, not once per
+slot, in both directions; the weighting moves to the expert's rank. Row order within an expert is the same (source
+rank, then token order), so the two dispatchers feed the experts identical inputs.
+
+Asynchrony, in training and inference alike: `dispatch_begin` calls `deep_ep.dispatch(..., async_finish=True)`,
+which returns once the receive counts are known (the CPU sync upstream has too) while the rows move on the buffer's
+comm thread; `dispatch_end` waits on its `EventOverlap`. So with `moe_shared_expert_overlap=True` the shared expert
+computes while the rows are in flight, whether or not autograd records the dispatch. Likewise `combine_begin` calls
+`deep_ep.combine(..., async_finish=True)` and `combine_end` waits. Results do not depend on the overlap: nothing
+reads the received rows (or the combined sums) before the wait.
+
+Backward: the dispatch's backward is a combine of the gradients (DeepEP's rule), started asynchronously; while it
+is in flight the experts' delayed weight-gradient GEMMs run (`moe.layer.wgrad.run_deferred`; MoEConfig
+`overlap_dispatch_backward_with_experts_wgrad`), then it waits. The combine's backward (a dispatch of the output
+gradients, mtdeepep's op) stays synchronous.
+
+FP8 dispatch (`use_fp8`, config `moe_flex_use_fp8`; DeepSeek-V3's recipe): `dispatch_begin` casts the tokens to E4M3
+with one float32 scale per token per 128 channels (`mtdeepep.utils.fp8.per_token_cast_to_fp8`) and sends the pair,
+1 + 4/128 bytes per element instead of 2 (BF16) or 4 (FP32); `dispatch_end` dequantises the received rows to the
+hidden dtype for the experts (an FP8 expert GEMM re-tiling them 1x128 gets the same E4M3 values back). The backward
+treats the cast as the identity (straight-through) and combines the gradients in their own dtype, and the forward
+combine stays in float32 partial sums: FP8 on the way out, high precision on the way back, as DeepSeek-V3 does.
+Without communication (one process) the rows go through the same E4M3 round trip, so every layout computes alike.
+
+Buffers: the dispatcher asks an `EPBuffers` (`moe.layer.dispatcher.buffers`) for its group's normal-mode buffer at every
+dispatch, so the layers of a model share one; the combine runs on the dispatch's buffer (kept in the handle), which
+stays valid if the shared buffer was grown in between.
+
+Legend: T tokens on this rank, K top-k slots, H hidden, E experts, L local experts, U tokens received here (each
+once, however many of its experts are local), N rows for the experts (one per (received token, local expert)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import mtdeepep as deep_ep
+from moe.layer import wgrad
+from moe.layer.dispatcher.base import DispatchResult, TokenDispatcher, sort_slots_by_expert, weighted_scatter_sum
+from moe.layer.dispatcher.buffers import EPBuffers, buffer_group, buffer_source
+from moe.layer.fp8.recipe import fp8_switches
+from moe.layer.interleave import in_flight
+from moe.layer.phase_timer import phase
+from mtdeepep.utils.fp8 import FP8_BLOCK, per_token_cast_back, per_token_cast_to_fp8
+
+# Combine sends float32 partial sums (exact FP32 reduction across ranks); size the buffer for float32 rows.
+_COMBINE_DTYPE = torch.float32
+
+
+@dataclass
+class FlexHandle:
+    """State kept between dispatch and combine.
+
+    num_tokens: T, tokens this rank dispatched. dtype: the dispatched hidden dtype (the combine's output dtype).
+    num_recv: U, tokens received here. recv_row_N: `[N] int64` received token of every expert row.
+    weights_N: `[N] float32` routing weight of every expert row (differentiable).
+    comm_handle: the `mtdeepep.Buffer.dispatch` handle for the combine; None without communication (one process).
+    buffer: the buffer the dispatch ran on (the combine's); None without communication.
+    """
+
+    num_tokens: int
+    dtype: torch.dtype
+    num_recv: int
+    recv_row_N: torch.Tensor
+    weights_N: torch.Tensor
+    comm_handle: tuple | None
+    buffer: deep_ep.Buffer | None
+
+
+@dataclass
+class _PendingFlexDispatch:
+    """A dispatch in flight: the received tensors are valid once `event` (None = already complete) finished."""
+
+    num_tokens: int
+    dtype: torch.dtype
+    recv_x_UH: torch.Tensor
+    recv_idx_UK: torch.Tensor  # int64 local expert ids, -1 = elsewhere
+    recv_weights_UK: torch.Tensor  # float32, 0 in the -1 slots
+    tokens_per_expert: list[int]
+    comm_handle: tuple | None
+    buffer: deep_ep.Buffer | None
+    event: deep_ep.EventOverlap | None
+    fp8_sources: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8 dispatch: the (x, weights) sent, for autograd
+
+
+@dataclass
+class _PendingFlexCombine:
+    """A combine in flight: `combined_TH` (`[T, H] float32`) is valid once `event` (None = complete) finished."""
+
+    combined_TH: torch.Tensor
+    dtype: torch.dtype
+    event: deep_ep.EventOverlap | None
+
+
+def expand_by_local_expert(
+    recv_idx_UK: torch.Tensor, recv_weights_UK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row per (received token, local expert), sorted by local expert, then by received position.
+
+    Args:
+        recv_idx_UK: `[U, K] int64` local expert ids, -1 where the slot's expert is elsewhere (or dropped).
+        recv_weights_UK: `[U, K] float32` routing weights (differentiable).
+    Returns `(recv_row_N [N] int64, expert_N [N] int64, weights_N [N] float32)`.
+    """
+    slots_N, expert_N = sort_slots_by_expert(recv_idx_UK)
+    recv_row_N = slots_N // recv_idx_UK.size(1)
+    weights_N = recv_weights_UK.float().reshape(-1).index_select(0, slots_N)
+    return recv_row_N, expert_N, weights_N
+
+
+class _Fp8RoundTrip(torch.autograd.Function):
+    """The E4M3 per-token round trip of the wire, with a straight-through gradient (one process)."""
+
+    @staticmethod
+    def forward(ctx, x_TH: torch.Tensor) -> torch.Tensor:
+        return per_token_cast_back(*per_token_cast_to_fp8(x_TH)).to(x_TH.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_TH: torch.Tensor) -> torch.Tensor:
+        return grad_TH
+
+
+class _DispatchGrad(torch.autograd.Function):
+    """Connects the rows and weights received by a dispatch run without autograd to the sent `x` and weights:
+    forward returns the received tensors (their contents may still be in flight: nothing is read), backward
+    combines their gradients through the dispatch's handle (DeepEP's dispatch backward, as `mtdeepep.autograd`'s op
+    does; an FP8 cast is treated as the identity). The combine is asynchronous: the experts' delayed weight
+    gradients (`moe.layer.wgrad.run_deferred`) run while the gradients travel."""
+
+    @staticmethod
+    def forward(ctx, x_TH, weights_TK, recv_x_UH, recv_weights_UK, recv_idx_UK, buffer, comm_handle, timer):
+        ctx.buffer, ctx.comm_handle, ctx.timer = buffer, comm_handle, timer
+        ctx.save_for_backward(recv_idx_UK)
+        return recv_x_UH.view_as(recv_x_UH), recv_weights_UK.view_as(recv_weights_UK)
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, grad_recv_weights):
+        (recv_idx,) = ctx.saved_tensors
+        timer = ctx.timer  # the combine and its wait are 'dispatch' time, the delayed GEMMs 'backward'
+        with phase(timer, "dispatch"):
+            # Slots whose expert lives elsewhere were constant zeros: no gradient flows through them. (Gradients of
+            # unused outputs arrive as zeros: autograd materialises them.)
+            weights = grad_recv_weights.masked_fill(recv_idx < 0, 0.0).float().contiguous()
+            grad_x, grad_weights, event = ctx.buffer.combine(
+                grad_recv_x.contiguous(), ctx.comm_handle, topk_weights=weights, async_finish=True
+            )
+            try:
+                with phase(timer, "backward"):
+                    wgrad.run_deferred()
+            except BaseException:
+                event.current_stream_wait()  # never leave the combine in flight
+                raise
+            # In an overlapped DualPipeV chunk the other micro-batch computes while this combine is in flight.
+            with in_flight("dispatch_backward"):
+                event.current_stream_wait()
+        return grad_x, grad_weights, None, None, None, None, None, None
+
+
+def nvl_bytes_hint(hidden_size: int, num_ranks: int) -> int:
+    """`num_nvl_bytes` for one round of the default dispatch and combine configs with float32 rows of `hidden_size`
+    (the larger of `Config.get_nvl_buffer_size_hint` for the two; smaller regions still work, in several rounds)."""
+    hidden_bytes = hidden_size * _COMBINE_DTYPE.itemsize
+    return max(
+        deep_ep.Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+        deep_ep.Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+    )
+
+
+class FlexDispatcher(TokenDispatcher):
+    """Token dispatcher on `mtdeepep`'s normal-mode kernels (`Buffer.get_dispatch_layout/dispatch/combine`).
+
+    Args:
+        num_experts: E, divisible by the expert-parallel size.
+        hidden_size: H; sizes the buffer it asks `ep_buffers` for.
+        ep_group: expert-parallel group. None with no `buffer`: one process, no communication (the rows are
+            regrouped locally). None with a `buffer`: the buffer's group.
+        buffer: an `mtdeepep.Buffer` over the EP group to use always; its owner destroys it.
+        ep_buffers: the `EPBuffers` to take the group's normal-mode buffer from (at least
+            `nvl_bytes_hint(hidden_size, ep_size)` bytes; created or grown on first use, collectively). None: the
+            group's default (`moe.layer.dispatcher.buffers.default_ep_buffers`), shared by every dispatcher given none.
+        use_fp8: send the tokens as E4M3 with per-128-channel float32 scales (see the module docstring);
+            `hidden_size` must be a multiple of 128. May be switched later by setting `use_fp8`.
+    """
+
+    supports_async = True
+    supports_async_combine = True
+
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        hidden_size: int,
+        ep_group: dist.ProcessGroup | None = None,
+        buffer: deep_ep.Buffer | None = None,
+        ep_buffers: EPBuffers | None = None,
+        use_fp8: bool = False,
+    ) -> None:
+        if use_fp8 and hidden_size % FP8_BLOCK:
+            raise ValueError(f"use_fp8 needs hidden_size % {FP8_BLOCK} == 0, got hidden_size={hidden_size}")
+        ep_group = buffer_group(buffer, ep_group)
+        super().__init__(num_experts=num_experts, ep_group=ep_group)
+        self.hidden_size = hidden_size
+        self.num_nvl_bytes = nvl_bytes_hint(hidden_size, self.ep_size)
+        self._buffer = buffer
+        self.ep_buffers = buffer_source(buffer, ep_buffers, ep_group)
+        self.use_fp8 = bool(use_fp8)
+
+    @property
+    def buffer(self) -> deep_ep.Buffer | None:
+        """The `mtdeepep.Buffer` the next dispatch uses: the given one, else the `ep_buffers` one (created or grown on
+        first use; collective). None when there is no EP group."""
+        if self.ep_buffers is None:
+            return self._buffer
+        return self.ep_buffers.get(self.ep_group, num_nvl_bytes=self.num_nvl_bytes)
+
+    def dispatch_begin(self, hidden_TH, probs_TK, topk_idx_TK) -> _PendingFlexDispatch:
+        T = hidden_TH.size(0)
+        x_TH = hidden_TH.contiguous()
+        weights_TK = probs_TK.float().contiguous()
+        topk_idx_TK = topk_idx_TK.to(deep_ep.topk_idx_t).contiguous()
+        buffer = self.buffer
+        if buffer is None:  # one process: every token is "received" as is
+            if self.use_fp8:
+                x_TH = _Fp8RoundTrip.apply(x_TH)
+            counts = torch.bincount(topk_idx_TK[topk_idx_TK >= 0], minlength=self.num_experts).tolist()
+            return _PendingFlexDispatch(T, x_TH.dtype, x_TH, topk_idx_TK, weights_TK, counts, None, None, None)
+
+        if self.use_fp8:
+            return self._dispatch_begin_fp8(buffer, x_TH, weights_TK, topk_idx_TK)
+        # mtdeepep's dispatch op (so that selective checkpointing can save its outputs) on the detached inputs;
+        # `_DispatchGrad` records the backward, whose combine overlaps the experts' delayed weight gradients (the op's
+        # own backward combines synchronously). The received tensors are not read before `dispatch_end` waits.
+        recv_x, recv_idx, recv_weights, counts, comm_handle, event = deep_ep.dispatch(
+            buffer, x_TH.detach(), topk_idx_TK, weights_TK.detach(), self.num_experts, async_finish=True
+        )
+        if torch.is_grad_enabled() and (x_TH.requires_grad or weights_TK.requires_grad):
+            recv_x, recv_weights = _DispatchGrad.apply(
+                x_TH, weights_TK, recv_x, recv_weights, recv_idx, buffer, comm_handle, self.phase_timer
+            )
+        return _PendingFlexDispatch(T, x_TH.dtype, recv_x, recv_idx, recv_weights, counts, comm_handle, buffer, event)
+
+    def _dispatch_begin_fp8(self, buffer, x_TH, weights_TK, topk_idx_TK) -> _PendingFlexDispatch:
+        """Raw (non-differentiable) dispatch of the E4M3 pair; `dispatch_end` dequantises and attaches autograd."""
+        if x_TH.size(1) % FP8_BLOCK:
+            raise ValueError(f"FP8 dispatch needs hidden % {FP8_BLOCK} == 0, got hidden={x_TH.size(1)}")
+        x8_TH, scales = per_token_cast_to_fp8(x_TH.detach())
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx_TK, self.num_experts)
+        recv_pair, recv_idx, recv_weights, counts, comm_handle, event = buffer.dispatch(
+            (x8_TH, scales), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx_TK,
+            topk_weights=weights_TK.detach(), async_finish=True,
+        )  # fmt: skip
+        return _PendingFlexDispatch(
+            x_TH.size(0), x_TH.dtype, recv_pair, recv_idx, recv_weights, counts, comm_handle, buffer, event,
+            fp8_sources=(x_TH, weights_TK),
+        )  # fmt: skip
+
+    def dispatch_end(self, pending: _PendingFlexDispatch) -> DispatchResult:
+        if pending.event is not None:
+            pending.event.current_stream_wait()
+        if pending.fp8_sources is not None:
+            recv_x_UH = per_token_cast_back(*pending.recv_x_UH).to(pending.dtype)
+            recv_x_UH, recv_weights_UK = _DispatchGrad.apply(
+                *pending.fp8_sources, recv_x_UH, pending.recv_weights_UK, pending.recv_idx_UK, pending.buffer,
+                pending.comm_handle, self.phase_timer,
+            )  # fmt: skip
+            pending.recv_x_UH, pending.recv_weights_UK = recv_x_UH, recv_weights_UK
+        recv_row_N, _, weights_N = expand_by_local_expert(pending.recv_idx_UK, pending.recv_weights_UK)
+        tokens_per_expert = [int(c) for c in pending.tokens_per_expert]
+        if len(tokens_per_expert) != self.num_local_experts or sum(tokens_per_expert) != recv_row_N.numel():
+            raise RuntimeError(
+                f"dispatch counted {tokens_per_expert} rows per local expert but received {recv_row_N.numel()} "
+                f"(token, local expert) pairs for {self.num_local_experts} local experts"
+            )
+        handle = FlexHandle(
+            num_tokens=pending.num_tokens,
+            dtype=pending.dtype,
+            num_recv=pending.recv_x_UH.size(0),
+            recv_row_N=recv_row_N,
+            weights_N=weights_N,
+            comm_handle=pending.comm_handle,
+            buffer=pending.buffer,
+        )
+        return DispatchResult(pending.recv_x_UH.index_select(0, recv_row_N), tokens_per_expert, handle)
+
+    def combine_begin(self, expert_output_NH: torch.Tensor, handle: FlexHandle) -> _PendingFlexCombine:
+        """Weight `[N, H]` expert outputs in float32, sum per received token (`[U, H]` float32), and start sending
+        the sums back with `deep_ep.combine(..., async_finish=True)` on the dispatch's buffer (FP32 sum over ranks
+        on its comm thread)."""
+        partial_UH = weighted_scatter_sum(expert_output_NH, handle.weights_N, handle.recv_row_N, handle.num_recv)
+        if handle.comm_handle is None:
+            return _PendingFlexCombine(partial_UH, handle.dtype, None)
+        combined_TH, _, event = deep_ep.combine(handle.buffer, partial_UH, handle.comm_handle, async_finish=True)
+        return _PendingFlexCombine(combined_TH, handle.dtype, event)
+
+    def combine_end(self, pending: _PendingFlexCombine) -> torch.Tensor:
+        """Wait for the combine: `[T, H]` in the dispatched hidden dtype (rounded once from the FP32 sum)."""
+        if pending.event is not None:
+            pending.event.current_stream_wait()
+        return pending.combined_TH.to(pending.dtype)
+
+
+def build_flex(config, ep_group: dist.ProcessGroup | None, ep_buffers: EPBuffers | None) -> FlexDispatcher:
+    """Registry factory for 'flex': a `FlexDispatcher` on the buffer of `ep_buffers` (None: the group's default)."""
+    return FlexDispatcher(
+        num_experts=config.num_moe_experts,
+        hidden_size=config.hidden_size,
+        ep_group=ep_group,
+        ep_buffers=ep_buffers,
+        use_fp8=fp8_switches(config).flex_dispatch,
+    )

@@ -1,1 +1,0 @@
-"""Models built on the `moe` layer: `moe.models.deepseek_v3`."""
