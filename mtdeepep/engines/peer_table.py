@@ -116,6 +116,11 @@ class SharedMemoryRegions(Regions):
     def __init__(self, rank: int, num_ranks: int, num_nvl_bytes: int, num_ll_bytes: int, timeout_s: float) -> None:
         self.runtime = _C.Runtime(rank, num_ranks, num_nvl_bytes, num_ll_bytes, timeout_s, torch.get_num_threads())
 
+    @property
+    def host_runtime(self) -> _C.Runtime:
+        """The C++ runtime under these segments (the internode engine runs its low-latency protocol on it)."""
+        return self.runtime
+
     def setup_entry(self) -> str:
         return f"{self.runtime.segment_name()}\t{self.runtime.pid()}"
 
