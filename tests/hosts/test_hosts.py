@@ -26,17 +26,23 @@ PORT = 29411
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
+def hosts_or_skip(num_hosts: int) -> Hosts:
+    """`num_hosts` namespace hosts (the caller tears them down), or the test skipped with the reason this machine
+    cannot make them (not root, no namespaces)."""
+    try:
+        check_available()
+        return Hosts(num_hosts)
+    except HostsUnavailable as error:
+        pytest.skip(str(error))
+
+
 @pytest.fixture
 def make_hosts():
     """`make_hosts(n)`: n namespace hosts, torn down after the test (skips when this machine cannot make them)."""
     made = []
 
     def make(num_hosts: int) -> Hosts:
-        try:
-            check_available()
-            made.append(Hosts(num_hosts))
-        except HostsUnavailable as error:
-            pytest.skip(str(error))
+        made.append(hosts_or_skip(num_hosts))
         return made[-1]
 
     try:

@@ -10,7 +10,8 @@ import subprocess
 import pytest
 
 from mtdeepep.utils import hosts as hosts_module
-from mtdeepep.utils.hosts import Hosts, HostsUnavailable, check_available
+from mtdeepep.utils.hosts import Hosts, HostsUnavailable
+from tests.hosts.test_hosts import hosts_or_skip
 
 
 def test_refuses_without_root(monkeypatch):
@@ -20,11 +21,7 @@ def test_refuses_without_root(monkeypatch):
 
 
 def test_hosts_are_separate_and_torn_down():
-    try:
-        check_available()
-        hosts = Hosts(2)
-    except HostsUnavailable as error:
-        pytest.skip(str(error))
+    hosts = hosts_or_skip(2)
     tag = hosts.tag
     try:
         with open("/dev/shm/mtdeepep-hosts-probe", "w"):

@@ -28,9 +28,9 @@ from moe.trainer.io.shard_files import read_full_section
 from moe.trainer.train import checkpoint as ckpt
 from moe.trainer.train.faults import ENV as FAULTS_ENV
 from moe.trainer.train.metrics import read_metrics
-from mtdeepep.utils.hosts import Hosts, HostsUnavailable, check_available
+from mtdeepep.utils.hosts import Hosts
 from mtdeepep.utils.testing import run_processes
-from tests.hosts.test_hosts import ROOT, logs, torchrun, wait_all
+from tests.hosts.test_hosts import ROOT, hosts_or_skip, logs, torchrun, wait_all
 from tests.train import train_cases as tc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -41,14 +41,6 @@ STEPS = 5
 # of a loaded machine start seconds apart) and rank 0's wait for the shards of a checkpoint. The other runs: 120 s.
 TIMEOUT_S = 15
 _ports = iter(range(29431, 29499))  # one rendezvous port per launch (a fresh store each)
-
-
-def _hosts(num: int) -> Hosts:
-    try:
-        check_available()
-        return Hosts(num)
-    except HostsUnavailable as error:
-        pytest.skip(str(error))
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +91,7 @@ def runs(tmp_path_factory, config):
     root = tmp_path_factory.mktemp("runs")
     one = root / "one"
     run_processes(tc.torchrun_rank, 1, (["--config", str(config), "--out", str(one), "--seed", "7"],), timeout_s=300)
-    hosts = _hosts(2)
+    hosts = hosts_or_skip(2)
     try:
         two_hosts = root / "two_hosts"
         _run_ok(hosts, 2, _argv(config, two_hosts), root / "logs_two_hosts")
@@ -157,7 +149,7 @@ def test_link_down_in_a_checkpoint_write_then_resume(tmp_path, config, runs):
     ref = _losses(runs["two_hosts"])
     run_dir = tmp_path / "run"
     _copy_up_to(runs["one_host"], run_dir, 3)
-    hosts = _hosts(2)
+    hosts = hosts_or_skip(2)
     try:
         pause = [{"kind": "pause_in_write", "step": 4, "rank": r, "seconds": 3 * TIMEOUT_S} for r in (2, 3)]
         log_dir = tmp_path / "logs_cut"
