@@ -27,6 +27,7 @@ import base64
 import os
 import pickle
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
@@ -78,35 +79,27 @@ class PeerTable:
         )  # fmt: skip
 
 
-class Regions:
-    """What the Triton executor needs of the memory its ranks share (the subset of `_C.Runtime` it uses)."""
+class Regions(Protocol):
+    """What the Triton executor needs of the memory its ranks share (the subset of `_C.Runtime` it uses; the CPU
+    segments and the IPC-shared GPU memory below provide it)."""
 
-    def setup_entry(self) -> str:
-        raise NotImplementedError
+    def setup_entry(self) -> str: ...
 
-    def connect(self, entries: list[str], uid: int) -> None:
-        raise NotImplementedError
+    def connect(self, entries: list[str], uid: int) -> None: ...
 
-    def region_addresses(self, low_latency_area: bool) -> list[int]:
-        raise NotImplementedError
+    def region_addresses(self, low_latency_area: bool) -> list[int]: ...
 
-    def get_local_buffer_tensor(self, dtype: torch.dtype, offset: int, use_rdma_buffer: bool) -> torch.Tensor:
-        raise NotImplementedError
+    def get_local_buffer_tensor(self, dtype: torch.dtype, offset: int, use_rdma_buffer: bool) -> torch.Tensor: ...
 
-    def num_ll_bytes(self) -> int:
-        raise NotImplementedError
+    def num_ll_bytes(self) -> int: ...
 
-    def timeout_s(self) -> float:
-        raise NotImplementedError
+    def timeout_s(self) -> float: ...
 
-    def set_timeout(self, timeout_s: float) -> None:
-        raise NotImplementedError
+    def set_timeout(self, timeout_s: float) -> None: ...
 
-    def interrupt(self, reason: str) -> None:
-        raise NotImplementedError
+    def interrupt(self, reason: str) -> None: ...
 
-    def destroy(self) -> None:
-        raise NotImplementedError
+    def destroy(self) -> None: ...
 
 
 class SharedMemoryRegions(Regions):
