@@ -273,7 +273,7 @@ class EPHandle:
             num_rows = recv_x.size(0)
             counts = self.num_unaligned_recv_tokens_per_expert.long()
             starts = self.psum_num_recv_tokens_per_expert.long() - counts
-            expert_of_row = torch.bucketize(torch.arange(num_rows, dtype=torch.int64), starts[1:], right=True)
+            expert_of_row = torch.bucketize(torch.arange(num_rows, device=starts.device), starts[1:], right=True)
             span = int(before[:num_valid, 0].max()) + 2 if num_valid else 1  # source indices, then padding
             keys = expert_of_row * span + (span - 1)
             slots = before[:num_valid, 2:].long()
@@ -284,7 +284,7 @@ class EPHandle:
             for tensor in (recv_x, recv_sf, recv_topk_weights):
                 permute(tensor, order)
             moved_to = torch.empty_like(order)
-            moved_to[order] = torch.arange(num_rows, dtype=order.dtype)
+            moved_to[order] = torch.arange(num_rows, dtype=order.dtype, device=order.device)
             current = self.recv_src_metadata[:num_valid, 2:]
             current[valid] = moved_to[slots[valid]].to(current.dtype)
 
@@ -763,12 +763,12 @@ class ElasticBuffer:
         num_valid = src_rank.numel()
         valid_idx = recv_idx[:num_valid]
         is_local = valid_idx >= 0
-        metadata = torch.full((num_rows, num_topk + 2), -1, dtype=torch.int32)
+        metadata = torch.full((num_rows, num_topk + 2), -1, dtype=torch.int32, device=recv_idx.device)
         metadata[:num_valid, 0] = (src_rank * num_max_tokens_per_rank + src_idx).int()
         first_local_slot = is_local.int().argmax(dim=1)
         metadata[:num_valid, 1] = (src_rank * num_topk + first_local_slot).int()
 
-        unaligned = torch.zeros(num_local_experts, dtype=torch.int64)
+        unaligned = torch.zeros(num_local_experts, dtype=torch.int64, device=recv_idx.device)
         unaligned.scatter_add_(0, valid_idx[is_local], torch.ones_like(valid_idx[is_local]))
         aligned = (unaligned + expert_alignment - 1) // expert_alignment * expert_alignment
         if do_expand:
@@ -822,7 +822,7 @@ class ElasticBuffer:
         experts = valid_idx[rows, slots]
         order = torch.argsort(experts, stable=True)  # by expert, rows ascending within one
         first_of_expert = torch.cumsum(unaligned, 0) - unaligned
-        rank_in_expert = torch.arange(order.numel(), dtype=torch.int64) - first_of_expert[experts[order]]
+        rank_in_expert = torch.arange(order.numel(), device=order.device) - first_of_expert[experts[order]]
         expanded = torch.full_like(valid_idx, -1)
         expanded[rows[order], slots[order]] = starts[experts[order]] + rank_in_expert
         return expanded.int()
@@ -954,13 +954,13 @@ class ElasticBuffer:
         once. Returns rows for V1's combine (`handle.num_recv_tokens`, padding rows zero) and the `[N, K]` weights."""
         slots = handle.expanded_slots
         rows, topk_slots = (slots >= 0).nonzero(as_tuple=True)
-        reduced = torch.zeros(handle.num_recv_tokens, x.size(1), dtype=torch.float32)
+        reduced = torch.zeros(handle.num_recv_tokens, x.size(1), dtype=torch.float32, device=x.device)
         reduced.index_add_(0, rows, x[slots[rows, topk_slots]].float())
         if self.allow_multiple_reduction:
             reduced = reduced.to(x.dtype)
         weights = None
         if topk_weights is not None:
-            weights = torch.zeros(handle.num_recv_tokens, slots.size(1), dtype=torch.float32)
+            weights = torch.zeros(handle.num_recv_tokens, slots.size(1), dtype=torch.float32, device=x.device)
             weights[rows, topk_slots] = topk_weights[slots[rows, topk_slots]]
         return reduced, weights
 

@@ -224,7 +224,7 @@ if [ "$DRY" = 1 ]; then
     pytest_stage triton 120 "$T_MP" "$TRITON_K"
     stage measure 120 bench.log "$PY -m py_compile bench/triton_gpu.py && echo 'every step passed (compiled; dry run)'"
 else
-    MTDEEPEP_ENGINE=triton pytest_stage triton 120 "$T_MP" "$TRITON_K"
+    MTDEEPEP_ENGINE=triton pytest_stage triton "${GPU_CHECK_TRITON_S:-150}" "$T_MP" "$TRITON_K"
     stage measure 120 bench.log "$PY bench/triton_gpu.py ${GPU_CHECK_TRITON_BENCH_ARGS:-} --json $WORK/triton_gpu.json \
 && $PY -c \"import json, os; p='$OUT/bench.json'; a=json.load(open(p)) if os.path.exists(p) else {}; \
 a['triton_gpu']=json.load(open('$WORK/triton_gpu.json')); json.dump(a, open(p, 'w'), indent=1)\""

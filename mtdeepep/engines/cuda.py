@@ -41,7 +41,7 @@ import torch
 
 from .. import _C
 from .base import DispatchOutputs, Engine
-from .handles import DispatchRecord, attach, low_latency_handle
+from .handles import DispatchRecord, attach, intranode_recv_sources, low_latency_handle
 
 try:
     from .. import _C_cuda
@@ -505,13 +505,7 @@ class CudaEngine(Engine):
         return combined, combined_weights, event
 
     def recv_sources(self, handle):
-        rank_prefix_matrix, _, _, recv_src_idx, _, _ = handle
-        column = rank_prefix_matrix[:, self.rank].long()
-        per_source = torch.diff(column, prepend=column.new_zeros(1))
-        src_rank = torch.repeat_interleave(
-            torch.arange(self.num_ranks, dtype=torch.int64, device=column.device), per_source
-        )
-        return src_rank, recv_src_idx[: src_rank.numel()].long()
+        return intranode_recv_sources(handle, self.rank, self.num_ranks)
 
     # ---- low-latency mode ----
 

@@ -132,3 +132,14 @@ def low_latency_handle(engine, src_info: torch.Tensor, layout_range: torch.Tenso
     )  # fmt: skip
     attach(src_info, record)
     return src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts
+
+
+def intranode_recv_sources(handle: tuple, rank: int, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Source rank and source token (int64 `[n_valid]` each, on the handle's device) of every valid row received by
+    `rank`, from an intranode handle `(rank_prefix_matrix [R, R], ..., recv_src_idx [N], ...)`: the rows arrive by
+    source rank, and column `rank` of the inclusive prefix over sources says how many came from each."""
+    rank_prefix_matrix, _, _, recv_src_idx, _, _ = handle
+    column = rank_prefix_matrix[:, rank].long()
+    per_source = torch.diff(column, prepend=column.new_zeros(1))
+    src_rank = torch.repeat_interleave(torch.arange(num_ranks, device=column.device), per_source)
+    return src_rank, recv_src_idx[: src_rank.numel()].long()

@@ -50,7 +50,7 @@ from ..kernels import intranode, sync
 from ..kernels.layout import dispatch_layout
 from ..kernels.low_latency import LowLatencyKernels
 from .base import LIVE_WORKER_ENGINES, DispatchOutputs, Engine
-from .handles import DispatchRecord, attach, low_latency_handle
+from .handles import DispatchRecord, attach, intranode_recv_sources, low_latency_handle
 from .peer_table import PeerTable, open_regions
 
 # Operation kinds in the exchanged signature (every rank of one operation must agree on it).
@@ -442,13 +442,14 @@ class TritonEngine(Engine):
         area_traffic = _remote(traffic) if own_apart else traffic
         capacity = fields.capacity
         num_rounds = -(-int(area_traffic.sum(0).max()) // capacity)
-        recv_offset = area_traffic[:me].sum(0)  # where this rank's rows start in each receiver's area order
+        # The host's bookkeeping (traffic, prefixes) is on the CPU; what meets the rows goes to their device.
+        recv_offset = area_traffic[:me].sum(0).to(head.device)  # where this rank's rows start in each receiver's area
         dest_row = torch.where(head >= 0, recv_offset + head, -1)  # [T, R]: the row of each receiver's area order
         if own_apart:
             dest_row[:, me] = -1
         # This rank's area order -> its output rows.
         order = torch.cat([torch.arange(int(out_start[i]), int(out_start[i] + area_traffic[i, me]))
-                           for i in range(self.num_ranks)])  # fmt: skip
+                           for i in range(self.num_ranks)]).to(head.device)  # fmt: skip
         for round_ in range(num_rounds):
             lo = round_ * capacity
             in_round = (dest_row >= lo) & (dest_row < lo + capacity)
@@ -568,7 +569,7 @@ class TritonEngine(Engine):
         recv_weights = None if topk_weights is None else self.empty((rows, num_topk), torch.float32)
         aliases = _unversioned(recv_x, recv_scales, recv_idx, recv_weights, recv_src)
         _fill_padding(aliases, num_recv)
-        rank_prefix_matrix = traffic.cumsum(0).to(torch.int32)
+        rank_prefix_matrix = traffic.cumsum(0).to(torch.int32)  # the host's copy (the record's)
         channel_prefix_matrix = channel_counts.cumsum(1).to(torch.int32).contiguous()
         theirs = everyone[:, channels_at : channels_at + num_channels].long()  # source i's channel counts for me
         starts = (rank_prefix_matrix[:, me].long() - traffic[:, me]).unsqueeze(1)
@@ -577,12 +578,17 @@ class TritonEngine(Engine):
         if num_worst_tokens == 0:
             per_expert = everyone[:, experts_at : experts_at + experts_per_rank].long().sum(0)
             counts = ((per_expert + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
+        # The handle's matrices on the device, as DeepEP's; the record keeps the host's copy for the bookkeeping.
+        record_state = (rank_prefix_matrix.clone(), send_head.clone())
+        rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix = (
+            m.to(self.device) for m in (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix)
+        )
         handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src, is_token_in_rank,
                   send_head)  # fmt: skip
         self._seq += 1
         record = DispatchRecord(
             kind=self.handle_kind, group=self.group, uid=self.uid, seq=self._seq, num_tokens=num_tokens,
-            num_recv=rows, state=(rank_prefix_matrix.clone(), send_head.clone()),
+            num_recv=rows, state=record_state,
         )  # fmt: skip
         attach(rank_prefix_matrix, record)
         notify((recv_x, recv_scales, recv_idx, recv_weights, counts, handle))
@@ -652,12 +658,13 @@ class TritonEngine(Engine):
         bias1 = None if bias1 is None else bias1.contiguous()
         fields, own_apart = self._plan(traffic.T, x_bytes, 0, num_topk, False, "combine")
         head = send_head.long()
+        dev = head.device  # the host's bookkeeping (traffic, prefixes) is on the CPU; index tensors go to the rows'
         source = torch.repeat_interleave(torch.arange(R), traffic[:, me])  # the source of every received row
         first_row = rank_prefix_matrix[:, me].long() - traffic[:, me]  # where source i's rows start here
         position = torch.arange(num_recv) - first_row[source]
         if not own_apart:
             if fields is None:  # nothing was dispatched anywhere: only the biases
-                _finish_sum(torch.zeros(combined.shape), bias0, bias1, combined)
+                _finish_sum(torch.zeros(combined.shape, device=dev), bias0, bias1, combined)
                 if combined_w is not None:
                     combined_w.zero_()
                 return
@@ -667,10 +674,10 @@ class TritonEngine(Engine):
             intranode.launch_combine_send(
                 self.region_table, 0, intranode.word_view(x[:num_recv]),
                 None if topk_weights is None else topk_weights[:num_recv].contiguous().float(),
-                source.to(torch.int32), dst_row.to(torch.int32), fields, self.device.type == "cpu",
+                source.to(dev, torch.int32), dst_row.to(dev, torch.int32), fields, self.device.type == "cpu",
             )  # fmt: skip
             self._signal_and_wait(self.layout_.combine_flags, sync.PHASE_COMBINE_RECEIVE)
-            send_offset = traffic[me].cumsum(0) - traffic[me]
+            send_offset = (traffic[me].cumsum(0) - traffic[me]).to(dev)
             area_x, area_w = self._combine_area(fields, x.dtype, hidden, num_topk)
             intranode.launch_combine_reduce(
                 area_x, area_w, send_head.contiguous(), send_offset.to(torch.int32), bias0, bias1, combined,
@@ -680,8 +687,8 @@ class TritonEngine(Engine):
 
         # Rounds: this rank's own rows are summed here; the others go back through the sources' areas (each
         # source's area order: by receiver j, then position), and each round's FP32 partial sums are added up.
-        acc = torch.zeros(combined.shape, dtype=torch.float32)
-        acc_w = None if combined_w is None else torch.zeros(combined_w.shape, dtype=torch.float32)
+        acc = torch.zeros(combined.shape, dtype=torch.float32, device=dev)
+        acc_w = None if combined_w is None else torch.zeros(combined_w.shape, dtype=torch.float32, device=dev)
         own_tokens = (head[:, me] >= 0).nonzero().flatten()  # in position order
         own_rows = slice(int(first_row[me]), int(first_row[me] + traffic[me, me]))
         acc.index_add_(0, own_tokens, x[own_rows].float())
@@ -691,8 +698,9 @@ class TritonEngine(Engine):
             remote = _remote(traffic)
             capacity = fields.capacity
             num_rounds = -(-int(remote.sum(1).max()) // capacity)
-            dst_row = torch.where(source != me, remote[:, :me].sum(1)[source] + position, -1)
-            send_offset = remote[me].cumsum(0) - remote[me]  # where receiver j's rows start in this rank's area
+            dst_row = torch.where(source != me, remote[:, :me].sum(1)[source] + position, -1).to(dev)
+            source_on_dev = source.to(dev, torch.int32)
+            send_offset = (remote[me].cumsum(0) - remote[me]).to(dev)  # where receiver j's rows start in my area
             area_x, area_w = self._combine_area(fields, x.dtype, hidden, num_topk)
             round_rows = send_offset + head
             in_area = head >= 0
@@ -704,7 +712,7 @@ class TritonEngine(Engine):
                     intranode.launch_combine_send(
                         self.region_table, 0, intranode.word_view(x[picked]),
                         None if topk_weights is None else topk_weights[picked].float(),
-                        source[picked].to(torch.int32), (dst_row[picked] - lo).to(torch.int32), fields,
+                        source_on_dev[picked], (dst_row[picked] - lo).to(torch.int32), fields,
                         self.device.type == "cpu",
                     )  # fmt: skip
                 self._signal_and_wait(self.layout_.combine_flags, sync.PHASE_COMBINE_RECEIVE)
@@ -712,8 +720,9 @@ class TritonEngine(Engine):
                 tokens = in_round.any(1).nonzero().flatten()
                 if tokens.numel():  # only the tokens with a row in this round (the interpreter's cost is per token)
                     round_head = torch.where(in_round, head, -1)[tokens].to(torch.int32).contiguous()
-                    partial = torch.empty((tokens.numel(), hidden), dtype=torch.float32)
-                    partial_w = None if acc_w is None else torch.empty((tokens.numel(), num_topk), dtype=torch.float32)
+                    partial = torch.empty((tokens.numel(), hidden), dtype=torch.float32, device=dev)
+                    partial_w = None if acc_w is None else torch.empty((tokens.numel(), num_topk), dtype=torch.float32,
+                                                                       device=dev)  # fmt: skip
                     intranode.launch_combine_reduce(
                         area_x, area_w, round_head, (send_offset - lo).to(torch.int32), None, None, partial,
                         partial_w, self.device.type == "cpu",
@@ -736,11 +745,7 @@ class TritonEngine(Engine):
         return area_x, self._data(fields.topk_weights, 4 * num_topk * capacity).view(torch.float32).view(-1, num_topk)
 
     def recv_sources(self, handle):
-        rank_prefix_matrix, _, _, recv_src_idx, _, _ = handle
-        column = rank_prefix_matrix[:, self.rank].long()
-        per_source = torch.diff(column, prepend=column.new_zeros(1))
-        src_rank = torch.repeat_interleave(torch.arange(self.num_ranks), per_source)
-        return src_rank, recv_src_idx[: src_rank.numel()].long()
+        return intranode_recv_sources(handle, self.rank, self.num_ranks)
 
     # ---- low-latency mode: mtdeepep.kernels.low_latency on the runtime's low-latency areas ----
 

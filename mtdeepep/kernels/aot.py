@@ -19,6 +19,10 @@ scope); the machine code must carry each at system scope:
 - AMDGCN gfx942 (LLVM's memory model for GFX942): system-scope release is a `buffer_wbl2 sc0 sc1` (write back L2)
   before the atomic, system-scope acquire a `buffer_inv sc0 sc1` after it; agent (`gpu`) scope drops `sc0`.
 
+For `cuda`, each spec is also compiled with every integer argument a constexpr 1, as Triton's JIT specializes an
+argument equal to 1: a tensor method on a scalar argument (`arg.to(...)`) compiles with the declared signature but
+not at such a call (`tl.cast(arg, ...)` works in both).
+
 Results are cached by Triton's own cache (keyed by the kernel's source and its callees, the target, the options and
 the Triton version) in `build/triton-aot-cache` unless `TRITON_CACHE_DIR` is set.
 
@@ -234,6 +238,8 @@ def compile_spec(spec: dict, target_name: str) -> AotResult:
         emitted = amdgcn_orderings(kernel.asm["amdgcn"])
         approx = len(_LLIR_APPROX.findall(kernel.asm["llir"]))
     problems = ordering_problems(requested, emitted, spec["flags"])
+    if backend == "cuda":
+        problems += _specialization_problems(spec, constexprs, target_name)
     budget = spec.get("max_registers")
     if budget is not None and resources["registers"] > budget:
         problems.append(f"{resources['registers']} registers per thread, over its budget of {budget}")
@@ -246,6 +252,28 @@ def compile_spec(spec: dict, target_name: str) -> AotResult:
         spec["name"], target_name, not problems, seconds, resources["registers"], resources["spill_bytes"],
         int(kernel.metadata.shared), orderings, approx, problems,
     )  # fmt: skip
+
+
+_INTEGER_TYPES = {"i1", "i8", "i16", "i32", "i64", "u8", "u16", "u32", "u64"}
+
+
+def _specialization_problems(spec: dict, constexprs: dict, target_name: str) -> list[str]:
+    """Triton's JIT turns an integer argument equal to 1 into a constexpr (a Python int), so `arg.to(...)` or any
+    other tensor method on a scalar argument compiles here and fails on the GPU at the first call with a 1 (seen on
+    the H200, 2026-11-28: `signal_flag(..., value)` with `value.to(tl.int64)`). The spec compiled again with every
+    integer argument a constexpr 1 finds such code without a GPU."""
+    integers = [name for name, kind in spec["signature"].items() if kind in _INTEGER_TYPES]
+    if not integers:
+        return []
+    signature = {name: "constexpr" if name in integers else kind for name, kind in spec["signature"].items()}
+    source = ASTSource(fn=spec["fn"], signature=signature, constexprs={**constexprs, **dict.fromkeys(integers, 1)})
+    try:
+        triton.compile(source, target=_target(target_name), options=spec.get("options", {}))
+    except Exception as error:  # a compile error is this row's problem
+        lines = str(error).strip().splitlines()
+        return [f"with its integer arguments equal to 1 (as the JIT specializes them): {type(error).__name__}: "
+                f"{' | '.join(lines[-3:]) if lines else ''}"]  # fmt: skip
+    return []
 
 
 def _compile_by_index(job: tuple[int, str]) -> AotResult:

@@ -242,7 +242,8 @@ def _poison_peers_kernel(poison_table, rank, num_ranks, code):
     end at once naming this rank (its buffer is being destroyed)."""
     for r in range(num_ranks):
         if r != rank:
-            sync.poison_word(sync.peer_pointer(poison_table, r, 0, tl.int64), code.to(tl.int64), sync.HAS_ATOMIC_CAS)
+            word = sync.peer_pointer(poison_table, r, 0, tl.int64)
+            sync.poison_word(word, tl.cast(code, tl.int64), sync.HAS_ATOMIC_CAS)  # tl.cast: `code` may be a constexpr
 
 
 @triton.jit

@@ -238,7 +238,7 @@ def peer_pointer(table, peer, offset, DTYPE: tl.constexpr):
 @triton.jit
 def signal_flag(flag_ptr, value):
     """Publishes `value` in a flag: every write of this program before it is visible (system scope) first."""
-    tl.atomic_xchg(flag_ptr, value.to(tl.int64), sem="release", scope="sys")
+    tl.atomic_xchg(flag_ptr, tl.cast(value, tl.int64), sem="release", scope="sys")  # `value`: maybe a constexpr
 
 
 @triton.jit
