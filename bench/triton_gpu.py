@@ -187,6 +187,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Set by scripts/gpu_check.sh when it started the MPS daemon: the ranks' kernels then run concurrently, not in the
+# GPU's time slices per process (which a spinning wait for a peer costs whole).
+MPS = os.environ.get("MTDEEPEP_BENCH_MPS") == "1"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for field, default in asdict(Config()).items():
@@ -205,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['op']:14s} {row['routing']:8s} {1e6 * row['seconds']:10.1f} us  {row['bytes']:>12d} B  {figure}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"config": asdict(cfg), "rows": rows}, indent=1))
-    print(f"every step passed ({len(rows)} rows)")
+        args.json.write_text(json.dumps({"config": asdict(cfg), "mps": MPS, "rows": rows}, indent=1))
+    print(f"ranks as processes {'under MPS' if MPS else 'time-sliced (no MPS)'}; every step passed ({len(rows)} rows)")
     return 0
 
 
