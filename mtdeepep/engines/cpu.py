@@ -37,6 +37,11 @@ class CpuEngine(Engine):
         self.group: tuple[tuple[int, ...], int] = ((), rank)
         self._creator_pid = os.getpid()
 
+    @property
+    def host_runtime(self) -> _C.Runtime:
+        """The C++ runtime under this engine's segments (an internode engine's node stage runs its protocols on it)."""
+        return self.runtime
+
     # ---- set-up and lifetime ----
 
     def setup_entry(self) -> str:

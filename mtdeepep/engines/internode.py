@@ -212,7 +212,7 @@ class InternodeEngine(Engine):
         weakref.finalize(self, self._store.close)  # its heartbeat thread ends with the engine
         self.low_latency = None
         if low_latency:
-            self.low_latency = _C.LowLatencyProtocol(_host_runtime(node), self.rank, self.num_ranks, False)
+            self.low_latency = _C.LowLatencyProtocol(node.host_runtime, self.rank, self.num_ranks, False)
         # Low-latency calls whose exchange may still run on the worker: [event, hook called].
         self._ll_in_flight: deque[list] = deque()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mtdeepep-internode-{self.rank}")
@@ -933,7 +933,7 @@ class InternodeEngine(Engine):
         unpacks them into its own low-latency area (same layout as the shared-memory transport). `wait_stats` is
         left untouched."""
         self._ll_make_room()
-        _host_runtime(self.node).set_num_threads(torch.get_num_threads())
+        self.node.host_runtime.set_num_threads(torch.get_num_threads())
         op, messages, send_info, recv_x, recv_scales, recv_count, src_info, layout_range = (
             self.low_latency.collective_dispatch_send(
                 x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0
@@ -951,7 +951,7 @@ class InternodeEngine(Engine):
     def ll_combine(self, x, topk_idx, topk_weights, record, handle, zero_copy, async_finish, return_recv_hook, out,
                    wait_stats):  # fmt: skip
         self._ll_make_room()
-        _host_runtime(self.node).set_num_threads(torch.get_num_threads())
+        self.node.host_runtime.set_num_threads(torch.get_num_threads())
         src_info, layout_range, num_max_dispatch_tokens_per_rank, _, num_experts = handle
         op, messages, send_info, _, combined = self.low_latency.collective_combine_send(
             x, topk_idx, topk_weights, src_info, layout_range, num_max_dispatch_tokens_per_rank, num_experts,
@@ -1016,11 +1016,6 @@ def _blocks(counts: list[int]) -> list[tuple[int, int]]:
     """`[begin, end)` of each consecutive block of rows, from the blocks' sizes."""
     ends = list(itertools.accumulate(counts))
     return list(zip([0, *ends[:-1]], ends))
-
-
-def _host_runtime(node: Engine) -> _C.Runtime:
-    """The node engine's C++ runtime: the CPU executor's own, or the one under the triton executor's segments."""
-    return getattr(node.runtime, "host_runtime", node.runtime)
 
 
 def _unversioned(*outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:

@@ -51,7 +51,7 @@ from ..kernels.layout import dispatch_layout
 from ..kernels.low_latency import LowLatencyKernels
 from .base import LIVE_WORKER_ENGINES, DispatchOutputs, Engine
 from .handles import DispatchRecord, attach, intranode_recv_sources, low_latency_handle
-from .peer_table import PeerTable, open_regions
+from .peer_table import PeerTable, SharedMemoryRegions, open_regions
 
 # Operation kinds in the exchanged signature (every rank of one operation must agree on it).
 _OP_DISPATCH, _OP_CACHED_DISPATCH, _OP_COMBINE = 1, 2, 3
@@ -135,6 +135,15 @@ class TritonEngine(Engine):
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mtdeepep-triton-{rank}")
         LIVE_WORKER_ENGINES.add(self)  # for the exit hook (`shutdown_all_engines`)
         weakref.finalize(self, self._worker.shutdown, wait=False)
+
+    @property
+    def host_runtime(self) -> _C.Runtime:
+        """The C++ runtime under this engine's CPU segments (an internode engine's node stage runs its protocols on
+        it); GPU regions have none."""
+        if not isinstance(self.runtime, SharedMemoryRegions):
+            raise ValueError(f"mtdeepep: the Triton executor on {self.device} has no host runtime (the internode "
+                             "composition runs on CPU segments)")  # fmt: skip
+        return self.runtime.host_runtime
 
     # ---- set-up and lifetime ----
 
