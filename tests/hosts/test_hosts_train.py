@@ -255,6 +255,9 @@ def test_every_process_sigkilled_in_a_checkpoint_write_then_relaunched(tmp_path,
             time.sleep(0.05)
         pids = {i: sorted(set(hosts.pids(i)) - {hosts.hosts[i].holder_pid}) for i in range(2)}
         assert all(len(p) >= 3 for p in pids.values()), pids  # an agent and its two ranks on each host (at least)
+        # torchrun starts each rank in a session of its own: ending the agents' process groups would leave them.
+        sessions = {i: {os.getsid(pid) for pid in p} for i, p in pids.items()}
+        assert all(len(s) >= 3 for s in sessions.values()), sessions
         hosts.kill()
         assert [p.wait(timeout=30) for p in procs] == [-signal.SIGKILL] * 2
         for i in range(2):
