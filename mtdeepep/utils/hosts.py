@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,12 +161,21 @@ class Hosts:
         out = _sh("ip", "netns", "pids", self.hosts[index].netns, check=False).stdout
         return [int(p) for p in out.split()]
 
-    def kill(self, index: int) -> None:
-        """SIGKILL every process of host `index` but its holder: the host stays, its programs die."""
-        for pid in self.pids(index):
-            if pid != self.hosts[index].holder_pid:
+    def kill(self, *indices: int, timeout_s: float = 10.0) -> None:
+        """SIGKILL every process of the hosts `indices` (none given: every host) but their holders: the hosts stay,
+        their programs die. One sweep over all of them, as a crash of those machines would (no process gets to act on
+        another's death), repeated until none is left (a process forked during a sweep dies in the next); raises
+        `RuntimeError` naming the survivors after `timeout_s`."""
+        indices = indices or tuple(range(len(self.hosts)))
+        holders = {self.hosts[i].holder_pid for i in indices}
+        deadline = time.monotonic() + timeout_s
+        while alive := [(i, pid) for i in indices for pid in self.pids(i) if pid not in holders]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes still alive after SIGKILL: {alive} (host, pid)")
+            for _, pid in alive:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
 
     def close(self) -> None:
         """Kills every process in the hosts' namespaces and deletes the namespaces (idempotent)."""

@@ -22,6 +22,7 @@ from mtdeepep.utils.hosts import Hosts, HostsUnavailable, check_available
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "hosts" / "host_worker.py"
 PORT = 29411
+TMP = "tmp"  # a launch's TMPDIR, under its report directory
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -63,8 +64,9 @@ def torchrun(hosts: Hosts, index: int, ranks_per_host: int, args: list[str], rep
     """One agent of the run of `script` in host `index` (of `nnodes`, default every host), c10d rendezvous on host 0's
     address; its output in `report_dir/agent{index}.log`."""
     run_env = hosts.env(index)
+    # TMPDIR: the run's temporary files (torchrun's log directories, which it keeps) in the test's own directory.
     run_env.update(PYTHONPATH=str(ROOT), REPORT_DIR=str(report_dir), MTDEEPEP_TIMEOUT_S=str(timeout_s),
-                   OMP_NUM_THREADS="1", **(env or {}))  # fmt: skip
+                   OMP_NUM_THREADS="1", TMPDIR=str(report_dir / TMP), **(env or {}))  # fmt: skip
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes or len(hosts)}",
         f"--nproc-per-node={ranks_per_host}", "--rdzv-backend=c10d", f"--rdzv-endpoint={hosts.hosts[0].address}:{port}",
@@ -72,7 +74,7 @@ def torchrun(hosts: Hosts, index: int, ranks_per_host: int, args: list[str], rep
     ]  # fmt: skip
     if delay_s:
         cmd = ["sh", "-c", f'sleep {delay_s} && exec "$@"', "--", *cmd]
-    report_dir.mkdir(parents=True, exist_ok=True)
+    (report_dir / TMP).mkdir(parents=True, exist_ok=True)
     log = open(report_dir / f"agent{index}.log", "w")  # noqa: SIM115 - closed with the process
     return hosts.run(index, cmd, env=run_env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
@@ -100,23 +102,43 @@ def logs(report_dir: Path, num: int) -> str:
     return "\n".join(f"--- agent {j} ---\n" + (report_dir / f"agent{j}.log").read_text()[-4000:] for j in range(num))
 
 
-@pytest.mark.parametrize("num_hosts, ranks_per_host", [(2, 2), (4, 1)], ids=["2x2", "4x1"])
-def test_conformance_across_hosts(make_hosts, tmp_path, num_hosts, ranks_per_host):
+LAYOUTS = {"2x2": (2, 2), "4x1": (4, 1)}  # hosts x ranks per host
+CASES = [
+    "normal:dispatch_matches_reference", "normal:combine_matches_reference", "normal:fp8_dispatch_passes_through",
+    "normal:cached_dispatch_matches", "low_latency:dispatch_matches_upstream_checks",
+    "low_latency:combine_matches_reference", "v2:elastic_dispatch_matches_reference",
+]  # fmt: skip
+LATE_S = 20  # the 4x1 run's last host starts this long after the others (the rendezvous waits for it)
+
+
+@pytest.fixture(scope="module")
+def conformance_runs(tmp_path_factory):
+    """The conformance cases in both layouts, launched side by side (each on hosts of its own): the 2x2 run works
+    while the 4x1 run waits for its late host. {layout: (report directory, exit codes, the root /dev/shm before)}."""
+    made, procs, dirs = {}, {}, {}
+    shm_before = set(os.listdir("/dev/shm"))
+    try:
+        for name, (num_hosts, ranks_per_host) in LAYOUTS.items():
+            made[name] = hosts_or_skip(num_hosts)
+            dirs[name] = tmp_path_factory.mktemp(f"conformance_{name}")
+            delays = [0.0] * (num_hosts - 1) + [LATE_S if name == "4x1" else 0.0]
+            procs[name] = [torchrun(made[name], i, ranks_per_host, CASES, dirs[name], 30, delay_s=delays[i])
+                           for i in range(num_hosts)]  # fmt: skip
+        codes = {name: wait_all(procs[name], dirs[name], 300) for name in LAYOUTS}
+    finally:
+        for hosts in made.values():
+            hosts.close()
+    return {name: (dirs[name], codes[name], shm_before) for name in LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_conformance_across_hosts(conformance_runs, layout):
     """Normal mode (BF16, FP8, cached), low latency and V2 on 2 hosts x 2 ranks and on 4 hosts x 1 rank (there the
     last host starts 20 s after the others: the rendezvous waits for it): right results; each host's segments are
     in its own /dev/shm only (the root namespace's gains none), and the rows crossed the hosts' network
     interfaces."""
-    hosts = make_hosts(num_hosts)
-    shm_before = set(os.listdir("/dev/shm"))
-    cases = [
-        "normal:dispatch_matches_reference", "normal:combine_matches_reference", "normal:fp8_dispatch_passes_through",
-        "normal:cached_dispatch_matches", "low_latency:dispatch_matches_upstream_checks",
-        "low_latency:combine_matches_reference", "v2:elastic_dispatch_matches_reference",
-    ]  # fmt: skip
-    late = 20 if num_hosts == 4 else 0  # one late join per run of the suite (it costs its 20 s)
-    delays = [0.0] * (num_hosts - 1) + [late]
-    procs = [torchrun(hosts, i, ranks_per_host, cases, tmp_path, 30, delay_s=delays[i]) for i in range(num_hosts)]
-    codes = wait_all(procs, tmp_path, 300)
+    num_hosts, ranks_per_host = LAYOUTS[layout]
+    tmp_path, codes, shm_before = conformance_runs[layout]
     assert codes == [0] * num_hosts, logs(tmp_path, num_hosts)
     world = num_hosts * ranks_per_host
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]

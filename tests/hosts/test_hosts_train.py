@@ -9,15 +9,23 @@ host, the run directory shared (the hosts share this machine's file system, as m
   timeout naming the lost ranks, host and phase; the launch exits non-zero within timeout + 30 s; every checkpoint
   left is complete; with the link back, the run resumes from the newest one and ends bit for bit as the
   uninterrupted run.
+- A machine-wide crash: every process on both hosts SIGKILLed while a checkpoint is half-written; the same command
+  again resumes from the newest complete checkpoint and ends bit for bit as the uninterrupted run, leaving no
+  process, segment, partial checkpoint, temporary file or namespace behind.
 
 Needs root and namespaces: skipped with the reason otherwise. Slow (a torchrun start per run).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
+import os
 import re
 import shutil
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -30,7 +38,7 @@ from moe.trainer.train.faults import ENV as FAULTS_ENV
 from moe.trainer.train.metrics import read_metrics
 from mtdeepep.utils.hosts import Hosts
 from mtdeepep.utils.testing import run_processes
-from tests.hosts.test_hosts import ROOT, hosts_or_skip, logs, torchrun, wait_all
+from tests.hosts.test_hosts import ROOT, TMP, hosts_or_skip, logs, torchrun, wait_all
 from tests.train import train_cases as tc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -89,17 +97,20 @@ def runs(tmp_path_factory, config):
     """The one-process run; the run on 2 hosts x 2 ranks; the run on 1 host x 4 ranks resumed from the 2-host run's
     step_2 (the checkpoints of steps 3-5 are written by 1 host x 4 ranks)."""
     root = tmp_path_factory.mktemp("runs")
-    one = root / "one"
-    run_processes(tc.torchrun_rank, 1, (["--config", str(config), "--out", str(one), "--seed", "7"],), timeout_s=300)
+    one, two_hosts, one_host = root / "one", root / "two_hosts", root / "one_host"
     hosts = hosts_or_skip(2)
-    try:
-        two_hosts = root / "two_hosts"
-        _run_ok(hosts, 2, _argv(config, two_hosts), root / "logs_two_hosts")
-        one_host = root / "one_host"
-        _copy_up_to(two_hosts, one_host, 2)
-        _run_ok(hosts, 4, _argv(config, one_host, "--resume"), root / "logs_one_host", num_hosts=1)
-    finally:
-        hosts.close()
+    # The one-process run beside the host runs (it needs nothing of theirs): it fills their waits (start-up,
+    # rendezvous, the checkpoint writes).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        one_argv = ["--config", str(config), "--out", str(one), "--seed", "7"]
+        one_process = pool.submit(run_processes, tc.torchrun_rank, 1, (one_argv,), timeout_s=300)
+        try:
+            _run_ok(hosts, 2, _argv(config, two_hosts), root / "logs_two_hosts")
+            _copy_up_to(two_hosts, one_host, 2)
+            _run_ok(hosts, 4, _argv(config, one_host, "--resume"), root / "logs_one_host", num_hosts=1)
+        finally:
+            hosts.close()
+        one_process.result()
     return {"one": one, "two_hosts": two_hosts, "one_host": one_host}
 
 
@@ -192,3 +203,89 @@ def test_link_down_in_a_checkpoint_write_then_resume(tmp_path, config, runs):
         hosts.close()
     assert _losses(run_dir) == ref
     _same_states(runs["two_hosts"] / "checkpoints" / f"step_{STEPS}", run_dir / "checkpoints" / f"step_{STEPS}")
+
+
+def _files_under(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if not p.is_dir())
+
+
+def _host_shm(hosts: Hosts, index: int) -> list[str]:
+    """The names in host `index`'s own /dev/shm."""
+    out = subprocess.run(hosts.command(index, ["ls", "-A", "/dev/shm"]), capture_output=True, text=True, check=True,
+                         timeout=30).stdout  # fmt: skip
+    return out.split()
+
+
+def _processes_naming(text: str) -> list[str]:
+    """The command lines of this machine's processes that contain `text` (any namespace)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and entry.name != str(os.getpid()):
+            with contextlib.suppress(OSError):
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if text in cmdline:
+                    found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+def test_every_process_sigkilled_in_a_checkpoint_write_then_relaunched(tmp_path, config, runs):
+    """A machine-wide crash: 2 hosts x 2 ranks resume the run from its step-2 checkpoint (`--resume`) and train step
+    3; while host 1's ranks are halfway through their shards of step 3's checkpoint, every process on both hosts
+    (both torchrun agents and all four ranks, each rank in a session of its own) is SIGKILLed in one sweep. The
+    half-written checkpoint is never trusted: the newest complete one is step 2's. The same command, launched
+    again, resumes from step 2 and ends bit for bit as the uninterrupted run (per-step records and final model and
+    optimizer state). Nothing is left behind: no process (on the hosts or anywhere on the machine), no segment in
+    either host's /dev/shm, no hidden partial checkpoint, no temporary file, and, once the hosts close, no
+    namespace."""
+    ref = _losses(runs["two_hosts"])
+    run_dir = tmp_path / "run"
+    _copy_up_to(runs["two_hosts"], run_dir, 2)
+    argv = _argv(config, run_dir, "--resume")  # both launches: the same command
+    hosts = hosts_or_skip(2)
+    tag = hosts.tag
+    try:
+        # Host 1's ranks hold halfway through their shards long enough for the kill (they never wake up from it).
+        pause = [{"kind": "pause_in_write", "step": 3, "rank": r, "seconds": 300} for r in (2, 3)]
+        log_dir = tmp_path / "logs_killed"
+        procs = launch(hosts, 2, argv, log_dir, env={1: {FAULTS_ENV: json.dumps(pause)}})
+        root = run_dir / "checkpoints"
+        deadline = time.monotonic() + 300
+        # In the middle of the write: host 1 paused in its shards, and the hidden directory of step 3 holds files.
+        while "fault injection: pause rank" not in (log_dir / "agent1.log").read_text() or not any(
+            _files_under(p) for p in root.glob(".step_3.partial-*")
+        ):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs(log_dir, 2)
+            time.sleep(0.05)
+        pids = {i: sorted(set(hosts.pids(i)) - {hosts.hosts[i].holder_pid}) for i in range(2)}
+        assert all(len(p) >= 3 for p in pids.values()), pids  # an agent and its two ranks on each host (at least)
+        # torchrun starts each rank in a session of its own: ending the agents' process groups would leave them.
+        sessions = {i: {os.getsid(pid) for pid in p} for i, p in pids.items()}
+        assert all(len(s) >= 3 for s in sessions.values()), sessions
+        hosts.kill()
+        assert [p.wait(timeout=30) for p in procs] == [-signal.SIGKILL] * 2
+        for i in range(2):
+            assert hosts.pids(i) == [hosts.hosts[i].holder_pid], (i, hosts.pids(i))
+        assert not _processes_naming(str(run_dir)), _processes_naming(str(run_dir))
+        # What the crash left: step 3's checkpoint half-written (hidden, never published), the ones before complete.
+        assert [p.name for p in root.glob(".step_3.partial-*")], list(root.iterdir())
+        assert sorted(p.name for p in root.glob("step_*")) == ["step_1", "step_2"]
+        assert all(ckpt.is_complete(p, verify_checksums=True) for p in root.glob("step_*"))
+        assert ckpt.latest_checkpoint(run_dir).name == "step_2"
+        left_in_shm = {i: _host_shm(hosts, i) for i in range(2)}  # segments are unlinked once mapped: expect none
+
+        log_dir = tmp_path / "logs_relaunch"
+        _run_ok(hosts, 2, argv, log_dir)
+        assert f"from step 2 to {STEPS}" in (log_dir / "agent0.log").read_text(), logs(log_dir, 2)
+        for i in range(2):
+            assert hosts.pids(i) == [hosts.hosts[i].holder_pid], (i, hosts.pids(i))
+            assert _host_shm(hosts, i) == [], (i, _host_shm(hosts, i), left_in_shm)
+    finally:
+        hosts.close()
+    assert _losses(run_dir) == ref
+    _same_states(runs["two_hosts"] / "checkpoints" / f"step_{STEPS}", run_dir / "checkpoints" / f"step_{STEPS}")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", *(f"step_{s}" for s in range(1, STEPS + 1))]
+    # Temporary files: none (torchrun keeps an empty log directory per launch; the launches' TMPDIR holds them).
+    for launch_dir in (tmp_path / "logs_killed", tmp_path / "logs_relaunch"):
+        assert not _files_under(launch_dir / TMP), _files_under(launch_dir / TMP)
+    assert tag not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not _processes_naming(str(run_dir)), _processes_naming(str(run_dir))
