@@ -42,7 +42,7 @@ from moe.trainer.train.checkpoint import ModelIO
 from moe.trainer.train.metrics import read_metrics
 from moe.trainer.train.parallel_state import ParallelState
 from moe.trainer.train.trainer import Trainer
-from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.training_config import TrainerConfig
 from mtdeepep.utils.testing import run_processes
 from tests.train import train_cases as tc
 
@@ -558,7 +558,7 @@ def _bias_run(tmp_path, corpus_and_cache, speed, steps=range(1, 31)):
     corpus, cache = corpus_and_cache
     path = tc.make_config(tmp_path / f"b{speed}.toml", corpus, cache, model={"bias_update_speed": speed},
                           training={"steps": 30, "lr": 1e-8, "min_lr": 0.0, "warmup_steps": 0})  # fmt: skip
-    model_cfg, train_cfg = DeepseekV3Config.from_toml(path), TrainingConfig.from_toml(path)
+    model_cfg, train_cfg = DeepseekV3Config.from_toml(path), TrainerConfig.from_toml(path)
     data = prepare_tokens(train_cfg.data, model_cfg.vocab_size)
     batches = TokenBatches(data.tokens, seq_len=32, global_batch=8, val_sequences=8, seed=0)
     model = DeepseekV3ForCausalLM(model_cfg)
@@ -655,7 +655,7 @@ def test_init_starts_from_a_model_directory(tmp_path, config, one_process_run):
     state_dict, model_cfg = read_model_dir(step4)
     model = DeepseekV3ForCausalLM(model_cfg)
     model.load_full_state_dict(state_dict)
-    train_cfg = TrainingConfig.from_toml(config)
+    train_cfg = TrainerConfig.from_toml(config)
     data = prepare_tokens(train_cfg.data, model_cfg.vocab_size)
     batch = TokenBatches(data.tokens, seq_len=32, global_batch=8, val_sequences=8, seed=7).global_batch_tokens(1)
     with torch.no_grad():

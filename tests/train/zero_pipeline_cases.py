@@ -15,7 +15,7 @@ from moe.trainer.pipeline.split import split_layers, stages_per_rank
 from moe.trainer.train.checkpoint import ModelIO
 from moe.trainer.train.parallel_state import Layout, ParallelState
 from moe.trainer.train.trainer import Trainer
-from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.training_config import TrainerConfig
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ_LEN, BUCKET = 16, 20_000  # tiny has ~1.3M parameters: several buckets per stage
@@ -26,7 +26,7 @@ def _run(parallel: ParallelState, schedule: str, vpp: int, micro: int, overlap: 
     stage-done times against the schedule's span, and the final local parameters."""
     cfg = DeepseekV3Config.from_toml(REPO / "examples" / "deepseek_v3" / "configs" / "tiny.toml")
     dp = parallel.layout.dp
-    train_cfg = TrainingConfig(steps=steps, global_batch=dp * micro, micro_batches=micro, seq_len=SEQ_LEN, lr=3e-3,
+    train_cfg = TrainerConfig.flat(steps=steps, global_batch=dp * micro, micro_batches=micro, seq_len=SEQ_LEN, lr=3e-3,
                                clip_grad=0.5, use_distributed_optimizer=True, ddp_bucket_size=BUCKET,
                                overlap_grad_reduce=overlap)  # fmt: skip
     torch.manual_seed(0)
