@@ -207,14 +207,12 @@ def build(args, checked: CheckedJob) -> BuiltRun:
     profiler = None
     if job.profiling.profiles_rank(parallel.rank):
         profiler = StepProfiler(job.profiling, checked.run_dir, parallel.rank, train_cfg.steps)
-    trainer = Trainer(model, job.trainer, parallel, checked.batches, checked.run_dir, seed=args.seed,
-                          model_io=model_io, mtp_loss_weight=model_cfg.mtp_loss_weight,
-                          num_mtp=model_cfg.num_nextn_predict_layers,
-                          extra_checkpoint_files=checked.data.tokenizer_files,
-                          run_info={"title": _title(args, layout)}, pipeline=pipeline, faults=checked.faults,
-                          checkpoint_timeout_s=args.timeout,
-                          model_flops_per_token=mfu_basis["model_flops_per_token"] if peak is not None else None,
-                          peak_flops_per_rank=peak, loggers=loggers, profiler=profiler)  # fmt: skip
+    trainer = build_trainer(job, model, parallel, checked.batches, checked.run_dir, seed=args.seed, model_io=model_io,
+                            extra_checkpoint_files=checked.data.tokenizer_files,
+                            run_info={"title": _title(args, layout)}, pipeline=pipeline, faults=checked.faults,
+                            checkpoint_timeout_s=args.timeout,
+                            model_flops_per_token=mfu_basis["model_flops_per_token"] if peak is not None else None,
+                            peak_flops_per_rank=peak, loggers=loggers, profiler=profiler)  # fmt: skip
     return BuiltRun(parallel, ep_buffers, model, pipeline, trainer, mfu_basis)
 
 
@@ -267,6 +265,25 @@ def build_model(
                                   p2p_transport="deepep" if job.parallel.use_deepep_p2p else "torch",
                                   p2p_timeout_s=p2p_timeout_s)  # fmt: skip
     return model, pipeline
+
+
+def build_trainer(
+    job: job_config.Job,
+    model: DeepseekV3ForCausalLM,
+    parallel: ParallelState,
+    batches: DataSource,
+    run_dir: str | Path,
+    *,
+    seed: int,
+    model_io: ckpt.ModelIO | None = None,
+    pipeline: PipelineRunner | None = None,
+    **options,
+) -> Trainer:
+    """The `Trainer` of `model` (from `build_model`) as every run builds it: the job's component configs, its MTP
+    loss weight and depth; `options`: the rest of `Trainer`'s keywords (checkpoint files, faults, MFU, loggers)."""
+    return Trainer(model, job.trainer, parallel, batches, run_dir, seed=seed, model_io=model_io,
+                   mtp_loss_weight=job.model.mtp_loss_weight, num_mtp=job.model.num_nextn_predict_layers,
+                   pipeline=pipeline, **options)  # fmt: skip
 
 
 def _mfu_basis(job: job_config.Job, layout: Layout, device: torch.device) -> dict:

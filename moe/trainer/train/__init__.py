@@ -17,26 +17,6 @@
 """
 
 from moe.trainer.train.parallel_state import Layout, ParallelState
-from moe.trainer.train.training_config import (
-    CheckpointConfig,
-    DataConfig,
-    DistributedOptimizerConfig,
-    OptimizerConfig,
-    RewindConfig,
-    StragglerConfig,
-    TrainerConfig,
-    TrainingConfig,
-)
+from moe.trainer.train.training_config import DataConfig, TrainerConfig, TrainingConfig
 
-__all__ = [
-    "CheckpointConfig",
-    "DataConfig",
-    "DistributedOptimizerConfig",
-    "Layout",
-    "OptimizerConfig",
-    "ParallelState",
-    "RewindConfig",
-    "StragglerConfig",
-    "TrainerConfig",
-    "TrainingConfig",
-]
+__all__ = ["DataConfig", "Layout", "ParallelState", "TrainerConfig", "TrainingConfig"]

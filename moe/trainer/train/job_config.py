@@ -30,6 +30,7 @@ import dataclasses
 import os
 import sys
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -322,6 +323,15 @@ def load_job(config: str | Path, overrides, world: int | None = None) -> Job:
     recompute.full_chunks(model.num_hidden_layers)  # recompute_num_layers fits the model
     return Job(model=model, **trainer, parallel=parallel, recompute=recompute, metrics=metrics, profiling=profiling,
                layout=layout, split=split, tables=TREE.resolved(built))  # fmt: skip
+
+
+def job_from_args(config: str | Path, argv: Sequence[str] = (), world: int = 1) -> Job:
+    """`load_job` with the overrides of a command line (`--section.key value` and the aliases), as benches and
+    tests describe a run: `job_from_args(TINY, ["--steps", "4", "--use-distributed-optimizer"], world=2)`."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_tree_options(parser)
+    _, overrides = parse(parser, list(argv))
+    return load_job(config, overrides, world=world)
 
 
 def pipeline_split(model_cfg, train_cfg: TrainingConfig, layout: Layout, parallel: ParallelConfig):
