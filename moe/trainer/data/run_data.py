@@ -1,4 +1,4 @@
-"""A run's data from its `[training.data]` table: the `DataSource` the trainer reads, the tokenizer saved with the
+"""A run's data from its `[data]` table: the `DataSource` the trainer reads, the tokenizer saved with the
 run, and what run.json records. Everything is checked here, before any process group exists.
 
 Three paths (`DataConfig` has the keys):
