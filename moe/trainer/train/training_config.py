@@ -145,7 +145,7 @@ class DataConfig:
         if not isinstance(self.text_field, str) or not self.text_field:
             raise ValueError(f"[data] text_field must be a non-empty string, got {self.text_field!r}")
         if self.max_bytes is not None:
-            _positive_int("[data]", "max_bytes", self.max_bytes)
+            positive_int("[data]", "max_bytes", self.max_bytes)
         if isinstance(self.val_sequences, bool) or not isinstance(self.val_sequences, int) or self.val_sequences < 0:
             raise ValueError(f"[data] val_sequences must be an int >= 0, got {self.val_sequences!r}")
         held = self.held_out_documents
@@ -264,7 +264,7 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len", "micro_batches", "log_every"):
-            _positive_int("[training]", name, getattr(self, name))
+            positive_int("[training]", name, getattr(self, name))
         if self.seq_len < 2:
             raise ValueError(f"[training] seq_len must be >= 2 (next-token targets), got {self.seq_len}")
         if self.global_batch % self.micro_batches:
@@ -333,7 +333,7 @@ class DistributedOptimizerConfig:
     def __post_init__(self) -> None:
         _check_bools("[zero]", self, ("use_distributed_optimizer", "overlap_grad_reduce"))
         if self.ddp_bucket_size is not None:
-            _positive_int("[zero]", "ddp_bucket_size", self.ddp_bucket_size)
+            positive_int("[zero]", "ddp_bucket_size", self.ddp_bucket_size)
 
 
 @dataclass(kw_only=True)
@@ -363,7 +363,7 @@ class RewindConfig:
 
     def __post_init__(self) -> None:
         _check_bools("[rewind]", self, ("check_for_nan_in_loss_and_grad", "check_for_spiky_loss"))
-        _positive_int("[rewind]", "spiky_loss_window", self.spiky_loss_window)
+        positive_int("[rewind]", "spiky_loss_window", self.spiky_loss_window)
         for name in ("spiky_loss_min_steps", "rewind_snapshot_interval", "rewind_max_retries"):
             _non_negative_int("[rewind]", name, getattr(self, name))
         if self.spiky_loss_min_steps < 2:
@@ -395,7 +395,7 @@ class StragglerConfig:
 
     def __post_init__(self) -> None:
         _check_bools("[straggler]", self, ("log_straggler",))
-        _positive_int("[straggler]", "straggler_interval", self.straggler_interval)
+        positive_int("[straggler]", "straggler_interval", self.straggler_interval)
         _positive_number("[straggler]", "straggler_factor", self.straggler_factor)
         if self.straggler_factor <= 1:
             raise ValueError(
@@ -521,9 +521,10 @@ def _check_bools(where: str, config: Any, names: tuple[str, ...]) -> None:
             raise ValueError(f"{where} {name} must be true or false, got {getattr(config, name)!r}")
 
 
-def _positive_int(where: str, name: str, value: object) -> None:
+def positive_int(where: str, name: str, value: object) -> None:
+    """ValueError naming `[table] name` (`where`, may be empty) unless `value` is an int > 0 (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{where} {name} must be a positive int, got {value!r}")
+        raise ValueError(f"{where} {name}".strip() + f" must be a positive int, got {value!r}")
 
 
 def _non_negative_int(where: str, name: str, value: object) -> None:
