@@ -127,7 +127,7 @@ def test_run_outputs(one_process_run):
     saved = tomllib.loads((run_dir / "config.toml").read_text())
     assert set(saved) == {"model", "training", "parallel", "recompute", "metrics", "profiling"}
     assert saved["training"]["steps"] == 8
-    assert saved["parallel"]["ep"] == 1 and saved["training"]["data"]["val_sequences"] == 8
+    assert saved["parallel"]["ep"] == 1 and saved["data"]["val_sequences"] == 8
     assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [4, 8]
     assert ckpt.latest_checkpoint(run_dir).name == "step_8"
@@ -283,7 +283,7 @@ def test_layout_matches_one_process(config, one_process_run, layout_run, layout)
     assert lay["etp"] == (2 if "--etp" in flags else 1)
     virtual = 2 if {"--vpp", "--num-virtual-stages-per-pipeline-rank"} & set(flags) else 1
     assert lay.get("vpp", 1) == virtual  # run.json (and the checkpoints' manifests) name V only where it is > 1
-    assert info["config"]["training"]["use_distributed_optimizer"] is zero
+    assert info["config"]["zero"]["use_distributed_optimizer"] is zero
     ref, got = _records(one_process_run), _records(run_dir)
     assert len(got) == len(ref) == 8
     # FP32 throughout; the layouts differ only in the order of reductions (micro-batch shapes in the GEMMs, the

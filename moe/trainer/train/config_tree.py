@@ -5,7 +5,7 @@ A tree is a list of `Section`s, one per top-level table (`[model]`, `[training]`
 the keys it accepts (its `schema`, read off a dataclass by `dataclass_schema`) and how to build its config object
 from its table (the dataclass's own validation raises ValueError). On the command line:
 
-    --training.lr 1e-3    --training.data.corpus DIR    --model.rope_parameters.rope_theta 5e4    --parallel.tp=2
+    --optimizer.lr 1e-3    --data.corpus DIR            --model.rope_parameters.rope_theta 5e4    --parallel.tp=2
 
 A value is read as a TOML value (`1e-3`, `true`, `[0.9, 0.95]`, `"text"`), and as a plain string when it is not one
 (`DIR`, `full`). Dashes in keys read as underscores (`--training.global-batch 32`). A key the schema does not know is
