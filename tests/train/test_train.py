@@ -21,6 +21,7 @@ import re
 import shutil
 import signal
 import stat
+import warnings
 
 import numpy as np
 import pytest
@@ -37,7 +38,7 @@ from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausal
 from moe.trainer.models.deepseek_v3.flops import model_flops_per_token
 from moe.trainer.models.deepseek_v3.model_tokens import tokenizer_eos_token_id
 from moe.trainer.train import checkpoint as ckpt
-from moe.trainer.train import evaluate, faults
+from moe.trainer.train import evaluate, faults, job_config
 from moe.trainer.train.checkpoint import ModelIO
 from moe.trainer.train.metrics import read_metrics
 from moe.trainer.train.parallel_state import ParallelState
@@ -125,8 +126,16 @@ def test_run_outputs(one_process_run):
                                          basis["peak_flops_per_rank"], rel=1e-12)  # fmt: skip
     # The resolved config tree, saved with the run, is the run's config: every table, every default filled in.
     saved = tomllib.loads((run_dir / "config.toml").read_text())
-    assert set(saved) == {"model", "training", "parallel", "recompute", "metrics", "profiling"}
-    assert saved["training"]["steps"] == 8
+    assert set(saved) == {"model", "training", "optimizer", "zero", "checkpoint", "rewind", "straggler", "data",
+                          "parallel", "recompute", "metrics", "profiling"}  # fmt: skip
+    assert saved["training"]["steps"] == 8 and saved["optimizer"]["eps"] == 1e-6
+    # It round-trips: read back (no moved key, so no warning), the same tree, written again to the same text.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = job_config.load_job(run_dir / "config.toml", [], world=1)
+    assert again.toml() == (run_dir / "config.toml").read_text()
+    resolved = {k: v for k, v in info["config"].items() if k != "path"}  # run.json's copy of the same tree
+    assert json.loads(json.dumps(job_config._drop_none(again.tables))) == job_config._drop_none(resolved)
     assert saved["parallel"]["ep"] == 1 and saved["data"]["val_sequences"] == 8
     assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [4, 8]
