@@ -42,13 +42,13 @@ import torch.distributed as dist
 from _common import RESULTS_DIR, make_parser, num_cores, print_table, run_ranks, save_run
 
 from moe import EPBuffers
+from moe.trainer import run
 from moe.trainer.data.token_file import TokenBatches, prepare_tokens
-from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from moe.trainer.train.checkpoint import ModelIO
 from moe.trainer.train.checkpoint.train_state import optimizer_entries
-from moe.trainer.train.parallel_state import Layout, ParallelState
+from moe.trainer.train.job_config import job_from_args
+from moe.trainer.train.parallel_state import ParallelState
 from moe.trainer.train.trainer import Trainer
-from moe.trainer.train.training_config import TrainingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 # name -> (ranks, expert-parallel size, ZeRO-1, dtype)
@@ -58,7 +58,6 @@ ROWS = {
     "dp2-zero1": (2, 1, True, "float32"),
     "ep2": (2, 2, False, "float32"),
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _median(values: list[float]) -> float:
@@ -67,25 +66,23 @@ def _median(values: list[float]) -> float:
 
 def measure(rank: int, world: int, group, args: argparse.Namespace, row: str, work: str) -> dict[str, Any]:
     _, ep, zero, dtype = ROWS[row]
-    model_cfg = DeepseekV3Config.from_toml(REPO / args.config)
-    train_cfg = TrainingConfig.from_toml(REPO / args.config)
-    train_cfg = TrainingConfig(**{**vars(train_cfg), "global_batch": args.global_batch, "seq_len": args.seq_len,
-                                  "micro_batches": args.micro_batches, "dtype": dtype, "checkpoint_every": 1,
-                                  "use_distributed_optimizer": zero, "steps": 10_000})  # fmt: skip
-    layout = Layout(world=world, ep=ep)
-    parallel = ParallelState.from_process_group(layout) if world > 1 else ParallelState.single()
-    data = prepare_tokens(train_cfg.data, model_cfg.vocab_size, build=rank == 0, timeout_s=args.timeout)
+    # The config's model and trainer as train.py builds them (moe/trainer/run.py), with this row's batch, dtype,
+    # expert parallelism and ZeRO-1, a checkpoint allowed at every step.
+    argv = ["--global-batch-size", str(args.global_batch), "--seq-length", str(args.seq_len), "--micro-batches",
+            str(args.micro_batches), "--save-interval", "1", "--steps", "10000", "--ep", str(ep),
+            *(["--bf16"] if dtype == "bfloat16" else []),
+            *(["--use-distributed-optimizer"] if zero else [])]  # fmt: skip
+    job = job_from_args(REPO / args.config, argv, world=world)
+    parallel = ParallelState.from_process_group(job.layout) if world > 1 else ParallelState.single()
+    data = prepare_tokens(job.data, job.model.vocab_size, build=rank == 0, timeout_s=args.timeout)
     batches = TokenBatches(data.tokens, seq_len=args.seq_len, global_batch=args.global_batch,
-                           val_sequences=train_cfg.data.val_sequences, seed=0)  # fmt: skip
+                           val_sequences=job.data.val_sequences, seed=0)  # fmt: skip
     buffers = EPBuffers(timeout_s=args.timeout)
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(model_cfg, ep_group=parallel.ep_group, ep_buffers=buffers,
-                                  aux_loss_group=parallel.token_group, dtype=DTYPES[dtype])  # fmt: skip
+    model, _ = run.build_model(job, parallel, buffers, seed=0)
     io = ModelIO(model.full_state_dict, lambda path, sd: None, lambda path: None)
     run_dir = Path(work) / row
-    trainer = Trainer(model, train_cfg, parallel, batches, run_dir, seed=0, model_io=io,
-                      mtp_loss_weight=model_cfg.mtp_loss_weight, num_mtp=model_cfg.num_nextn_predict_layers,
-                      checkpoint_timeout_s=args.timeout)  # fmt: skip
+    trainer = run.build_trainer(job, model, parallel, batches, run_dir, seed=0, model_io=io,
+                                checkpoint_timeout_s=args.timeout)  # fmt: skip
     step = 0
 
     def train(n: int) -> list[float]:

@@ -24,13 +24,10 @@ from pathlib import Path
 import torch
 from _common import RESULTS_DIR, environment, make_parser, print_table, save_results
 
-from moe.layer.fp8.convert import apply_fp8, fp8_moe_options
+from moe.trainer import run as assembly
 from moe.trainer.data.token_file import TokenBatches, prepare_tokens
-from moe.trainer.models.deepseek_v3 import DeepseekV3ForCausalLM
-from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
+from moe.trainer.train.job_config import job_from_args
 from moe.trainer.train.parallel_state import ParallelState
-from moe.trainer.train.trainer import Trainer
-from moe.trainer.train.training_config import DataConfig, TrainingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "deepseek_v3" / "configs" / "tiny.toml"
@@ -39,29 +36,28 @@ PERTURBATION = 2.0**-8  # relative, Gaussian, once on every matrix at initialisa
 
 
 def train(run: str, args: argparse.Namespace, workdir: Path) -> dict:
-    model_cfg = DeepseekV3Config.from_toml(TINY)
-    data = DataConfig(corpus="python-stdlib", tokenizer="bpe", val_sequences=32, cache_dir=args.data_cache)
-    config = TrainingConfig(
-        steps=args.steps, global_batch=args.batch, micro_batches=1, seq_len=args.seq_len, lr=args.lr,
-        min_lr=args.lr / 10, warmup_steps=10, betas=(0.9, 0.95), weight_decay=0.1, clip_grad=1.0, data=data,
-    )  # fmt: skip
-    tokens = prepare_tokens(config.data, model_cfg.vocab_size)
-    batches = TokenBatches(tokens.tokens, seq_len=config.seq_len, global_batch=config.global_batch,
-                           val_sequences=config.data.val_sequences, seed=args.seed)  # fmt: skip
-    torch.manual_seed(args.seed)
+    # tiny's model and trainer as train.py builds them (moe/trainer/run.py; the recipe's FP8 conversion there).
     recipe = run if run in ("delayed", "blockwise") else None
-    model = DeepseekV3ForCausalLM(model_cfg, moe_options=fp8_moe_options(recipe))
+    job = job_from_args(TINY, [
+        "--steps", str(args.steps), "--global-batch-size", str(args.batch), "--micro-batches", "1",
+        "--seq-length", str(args.seq_len), "--lr", str(args.lr), "--min-lr", str(args.lr / 10),
+        "--lr-warmup-iters", "10", "--optimizer.betas", "[0.9, 0.95]", "--weight-decay", "0.1", "--clip-grad", "1.0",
+        "--corpus", "python-stdlib", "--tokenizer", "bpe", "--data.val_sequences", "32",
+        *(["--data-cache", args.data_cache] if args.data_cache else []), "--fp8", recipe or "none",
+    ])  # fmt: skip
+    config = job.training
+    tokens = prepare_tokens(job.data, job.model.vocab_size)
+    batches = TokenBatches(tokens.tokens, seq_len=config.seq_len, global_batch=config.global_batch,
+                           val_sequences=job.data.val_sequences, seed=args.seed)  # fmt: skip
+    parallel = ParallelState.single()
+    model, _ = assembly.build_model(job, parallel, None, seed=args.seed)
     if run == "fp32-perturbed":
         gen = torch.Generator().manual_seed(args.seed + 1)
         with torch.no_grad():
             for p in model.parameters():
                 if p.dim() >= 2:
                     p.mul_(1 + PERTURBATION * torch.randn(p.shape, generator=gen))
-    elif recipe is not None:
-        apply_fp8(model, recipe)
-    trainer = Trainer(model, config, ParallelState.single(), batches, workdir / run, seed=args.seed, model_io=None,
-                      mtp_loss_weight=model_cfg.mtp_loss_weight,
-                      num_mtp=model_cfg.num_nextn_predict_layers)  # fmt: skip
+    trainer = assembly.build_trainer(job, model, parallel, batches, workdir / run, seed=args.seed)
     start = time.perf_counter()
     losses = [trainer.train_step(step)["loss"] for step in range(1, args.steps + 1)]
     seconds = time.perf_counter() - start

@@ -43,26 +43,28 @@ from bench._common import make_parser  # noqa: E402
 from moe import layer as moe_layer  # noqa: E402
 from moe.layer import trace_regions  # noqa: E402
 from moe.layer.phase_timer import NULL_PHASE  # noqa: E402
+from moe.trainer import run  # noqa: E402
 from moe.trainer.data.token_file import TokenBatches  # noqa: E402
-from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM  # noqa: E402
+from moe.trainer.train.job_config import job_from_args  # noqa: E402
 from moe.trainer.train.loggers import MetricsConfig, open_loggers, scalars  # noqa: E402
 from moe.trainer.train.parallel_state import ParallelState  # noqa: E402
 from moe.trainer.train.trainer import Trainer  # noqa: E402
-from moe.trainer.train.training_config import TrainingConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "deepseek_v3" / "configs" / "tiny.toml"
 
 
 def build_trainer(run_dir: Path, global_batch: int, seq_len: int, steps: int) -> Trainer:
-    cfg = DeepseekV3Config.from_toml(TINY)
-    train_cfg = TrainingConfig(steps=steps, global_batch=global_batch, micro_batches=2, seq_len=seq_len, lr=3e-4)
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(cfg)
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (global_batch + 1) * seq_len).astype(np.int64)
+    """tiny's model and trainer as train.py builds them (moe/trainer/run.py), constant learning rate 3e-4."""
+    job = job_from_args(TINY, ["--steps", str(steps), "--global-batch-size", str(global_batch), "--micro-batches", "2",
+                               "--seq-length", str(seq_len), "--lr", "3e-4", "--min-lr", "0",
+                               "--lr-warmup-iters", "0"])  # fmt: skip
+    parallel = ParallelState.single()
+    model, _ = run.build_model(job, parallel, None, seed=0)
+    vocab = job.model.vocab_size
+    tokens = np.random.default_rng(0).integers(0, vocab, (global_batch + 1) * seq_len).astype(np.int64)
     batches = TokenBatches(tokens, seq_len=seq_len, global_batch=global_batch, val_sequences=1, seed=0)
-    return Trainer(model, train_cfg, ParallelState.single(), batches, run_dir, seed=0, model_io=None,
-                   mtp_loss_weight=cfg.mtp_loss_weight, num_mtp=cfg.num_nextn_predict_layers)  # fmt: skip
+    return run.build_trainer(job, model, parallel, batches, run_dir, seed=0)
 
 
 def timed_step(trainer: Trainer, step: int) -> tuple[float, float, dict]:

@@ -416,8 +416,7 @@ def build_trainer(job: job_config.Job, batches: TokenBatches, run_dir: Path, hf_
     parallel = parallel if parallel is not None else ParallelState.single()
     initial_state = from_hf_state_dict(hf_state, job.model, log=lambda message: None)
     model, _ = run.build_model(job, parallel, ep_buffers, seed=None, initial_state=initial_state)  # train.py's build
-    return Trainer(model, job.training, parallel, batches, run_dir, seed=0, model_io=None,
-                   mtp_loss_weight=job.model.mtp_loss_weight, num_mtp=job.model.num_nextn_predict_layers)  # fmt: skip
+    return run.build_trainer(job, model, parallel, batches, run_dir, seed=0)
 
 
 @dataclass
@@ -432,20 +431,20 @@ class HFLoop:
     rank's (its micro-batches' mean); the global one is the mean over the ranks."""
 
     model: torch.nn.Module
-    training: Any  # TrainingConfig
+    config: Any  # TrainerConfig: [training] and [optimizer]
     batches: TokenBatches
     dp_rank: int = 0
     dp: int = 1
 
     def __post_init__(self) -> None:
-        t = self.training
+        o = self.config.optimizer
         params = list(self.model.parameters())
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
-        self.optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas, eps=t.eps)
+        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
 
     def train_step(self, step: int) -> dict[str, float]:
-        t = self.training
+        t, o = self.config.training, self.config.optimizer
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros(())
         ddp = isinstance(self.model, DistributedDataParallel)
@@ -455,8 +454,8 @@ class HFLoop:
                 loss = self.model(input_ids=mb, labels=mb).loss / t.micro_batches
                 loss.backward()
             total += loss.detach()
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.clip_grad)
-        lr = lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps, total_steps=t.steps)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), o.clip_grad)
+        lr = lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps, total_steps=t.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
@@ -499,7 +498,7 @@ def trainer_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, bench: Tra
         if num_ranks > 1:
             # torch's defaults: 25 MiB buckets, the buffers broadcast from rank 0 at every forward.
             hf = DistributedDataParallel(hf, process_group=group)
-        loop = HFLoop(hf, job.training, batches, dp_rank=rank, dp=num_ranks)
+        loop = HFLoop(hf, job.trainer, batches, dp_rank=rank, dp=num_ranks)
         steps = {"trainer": 0, "transformers": 0}
         sides = {"trainer": trainer.train_step, "transformers": loop.train_step}
         cpu: dict[str, list[float]] = {name: [] for name in sides}

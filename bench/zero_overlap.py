@@ -39,14 +39,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moe.trainer import run
 from moe.trainer.data.token_file import TokenBatches
-from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from moe.trainer.pipeline import PipelineRunner, pipeline_moe_options
-from moe.trainer.pipeline.split import split_layers, stages_per_rank
 from moe.trainer.train.checkpoint import ModelIO
+from moe.trainer.train.job_config import job_from_args
 from moe.trainer.train.parallel_state import Layout, ParallelState
 from moe.trainer.train.trainer import Trainer
-from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.training_config import OptimizerConfig
 from moe.trainer.train.zero import DistributedAdamW, ZeroConfig
 from mtdeepep.utils.testing import run_ranks
 
@@ -57,7 +56,7 @@ PP = 2
 def _worker(rank, world, group, args):
     del group
     par = ParallelState.from_process_group(Layout(world=world))
-    cfg = TrainingConfig(steps=1, global_batch=world, seq_len=2, lr=1e-3, clip_grad=1.0)
+    cfg = OptimizerConfig(lr=1e-3, clip_grad=1.0)
     results = {}
     for overlap in (False, True):
         torch.manual_seed(0)
@@ -91,23 +90,22 @@ def _worker(rank, world, group, args):
 def _trainer(parallel: ParallelState, args, overlap: bool, run_dir: str) -> Trainer:
     """A fresh tiny model (seed 0) in its pipeline stages, and its Trainer with ZeRO-1 (`overlap_grad_reduce`)."""
     named = REPO / "examples" / "deepseek_v3" / "configs" / f"{args.config}.toml"
-    cfg = DeepseekV3Config.from_toml(Path(args.config) if args.config.endswith(".toml") else named)
+    config = Path(args.config) if args.config.endswith(".toml") else named
     dp, micro = parallel.layout.dp, args.micro_batches
-    train_cfg = TrainingConfig(steps=args.warmup + args.steps, global_batch=dp * micro, micro_batches=micro,
-                               seq_len=args.seq_len, lr=1e-3, use_distributed_optimizer=True,
-                               ddp_bucket_size=args.bucket_size, overlap_grad_reduce=overlap)  # fmt: skip
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(cfg, moe_options=pipeline_moe_options(args.pipeline))
-    stages = PP * stages_per_rank(args.pipeline, args.vpp)
-    runner = PipelineRunner(model, parallel, schedule=args.pipeline, split=split_layers(cfg.num_hidden_layers, stages),
-                            micro_batches=micro, micro_rows=1, seq_len=args.seq_len,
-                            mtp_loss_weight=cfg.mtp_loss_weight, num_mtp=cfg.num_nextn_predict_layers,
-                            virtual_stages=args.vpp)  # fmt: skip
-    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, 1 << 16).astype(np.int64)
+    # The model in its stages and the trainer as train.py builds them (moe/trainer/run.py), constant learning rate.
+    job = job_from_args(config, [
+        "--pp", str(PP), "--pp-schedule", args.pipeline, "--vpp", str(args.vpp),
+        "--steps", str(args.warmup + args.steps),
+        "--global-batch-size", str(dp * micro), "--micro-batches", str(micro), "--seq-length", str(args.seq_len),
+        "--lr", "1e-3", "--min-lr", "0", "--lr-warmup-iters", "0", "--weight-decay", "0.1", "--clip-grad", "1.0",
+        "--use-distributed-optimizer", "--ddp-bucket-size", str(args.bucket_size),
+        "--zero.overlap_grad_reduce", str(overlap).lower(),
+    ], world=parallel.layout.world)  # fmt: skip
+    model, runner = run.build_model(job, parallel, None, seed=0)
+    tokens = np.random.default_rng(1).integers(0, job.model.vocab_size, 1 << 16).astype(np.int64)
     batches = TokenBatches(tokens, seq_len=args.seq_len, global_batch=dp * micro, val_sequences=0, seed=0)
     io = ModelIO(model.full_state_dict, lambda p, sd: None, lambda p: None)
-    return Trainer(model, train_cfg, parallel, batches, run_dir, seed=0, model_io=io, pipeline=runner,
-                   mtp_loss_weight=cfg.mtp_loss_weight, num_mtp=cfg.num_nextn_predict_layers)  # fmt: skip
+    return run.build_trainer(job, model, parallel, batches, run_dir, seed=0, model_io=io, pipeline=runner)
 
 
 def _pipeline_worker(rank, world, group, args):

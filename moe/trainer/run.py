@@ -11,14 +11,14 @@ layout starts from the same weights, trains on the same tokens and does the same
 moe/trainer/train/trainer.py).
 
 A step whose loss or gradients are NaN/Inf, or whose loss spikes, can be rewound from an in-memory snapshot and
-skipped ([training] rewind_*, check_for_*; moe/trainer/train/rewind.py); a run that cannot continue exits with status 3.
+skipped ([rewind] rewind_*, check_for_*; moe/trainer/train/rewind.py); a run that cannot continue exits with status 3.
 Slow ranks are reported with `log_straggler` (moe/trainer/train/straggler.py).
 
 Every step's MFU (model FLOPs utilisation) is its model FLOPs per token (moe/trainer/models/deepseek_v3/flops.py,
 counted from the config) x tokens/s over the peak FLOP/s of one rank (moe/trainer/plan/peak.py: the device's spec, or on
 the CPU a matmul measured by rank 0 at start-up) x the ranks; run.json records the figures ("mfu").
 
-Data ([training.data], moe/trainer/data/run_data.py): this Python's standard library or a corpus (a directory, file or
+Data ([data], moe/trainer/data/run_data.py): this Python's standard library or a corpus (a directory, file or
 glob of .py/.txt/.md/.jsonl/.jsonl.gz/.parquet; `--corpus`, `--tokenizer bpe|bytes|PATH`), or Megatron-prepared indexed
 datasets blended by weight (`--data-path W1 PREFIX1 ...`), with Megatron's `--eod-mask-loss`, `--reset-position-ids`
 and `--reset-attention-mask`.
@@ -84,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     (moe/trainer/train/job_config.py)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter,
                                 epilog=job_config.__doc__)  # fmt: skip
-    p.add_argument("--config", required=True, help="TOML file with [model] and [training] tables")
+    p.add_argument(
+        "--config",
+        required=True,
+        help="TOML file with [model], [training], [optimizer] ... tables (moe/trainer/train/job_config.py)",
+    )
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--seed", type=int, default=0, help="initial weights, data order, per-step randomness")
     p.add_argument("--init", default=None, help="start from the weights of this checkpoint / model directory")
@@ -107,7 +111,7 @@ def check_run_dir(run_dir: Path, resume: bool, init: str | None) -> Path | None:
         raise ValueError("--resume continues a run from its own checkpoint; --init starts a new one: pick one")
     # The trainer state's sha256 is verified here (its step decides what is left to train); every file's is verified
     # by rank 0 once the process groups exist (Checkpointer.find_resumable), before anything is loaded.
-    latest, skipped = ckpt.find_resumable(run_dir, verify_state=True, warn=resume and env_rank() == 0)
+    latest, skipped = ckpt.find_resumable(run_dir, verify_state=True, warn=resume and job_config.env_rank() == 0)
     if resume and latest is None:
         raise ValueError(f"--resume: {ckpt.no_resumable_reason(run_dir, skipped)}")
     if not resume and latest is not None:
@@ -161,14 +165,14 @@ def check(args, overrides) -> CheckedJob:
     latest = None if args.prepare_data else check_run_dir(run_dir, args.resume, args.init)
     if args.init is not None:
         job_config.check_init_config(args.init, model_cfg)
-    data = prepare_run_data(train_cfg, model_cfg.vocab_size, seed=args.seed, build=env_local_rank() == 0,
+    data = prepare_run_data(job.data, train_cfg, model_cfg.vocab_size, seed=args.seed, build=env_local_rank() == 0,
                             prepare_only=args.prepare_data)  # fmt: skip
     batches = data.batches
     if latest is not None:  # a resume on other data (or other blend weights) is refused here, before any group
         ckpt.check_same_data(ckpt.read_trainer_state(latest).get("data", {}), batches.identity(), latest)
     faults = FaultPlan.from_env()
-    if faults is not None and faults.has_delays and not train_cfg.log_straggler:
-        raise ValueError("injected sleep faults act on the phase timer: set [training] log_straggler = true")
+    if faults is not None and faults.has_delays and not job.straggler.log_straggler:
+        raise ValueError("injected sleep faults act on the phase timer: set [straggler] log_straggler = true")
     return CheckedJob(job, run_dir, latest, data, batches, faults)
 
 
@@ -203,14 +207,12 @@ def build(args, checked: CheckedJob) -> BuiltRun:
     profiler = None
     if job.profiling.profiles_rank(parallel.rank):
         profiler = StepProfiler(job.profiling, checked.run_dir, parallel.rank, train_cfg.steps)
-    trainer = Trainer(model, train_cfg, parallel, checked.batches, checked.run_dir, seed=args.seed,
-                          model_io=model_io, mtp_loss_weight=model_cfg.mtp_loss_weight,
-                          num_mtp=model_cfg.num_nextn_predict_layers,
-                          extra_checkpoint_files=checked.data.tokenizer_files,
-                          run_info={"title": _title(args, layout)}, pipeline=pipeline, faults=checked.faults,
-                          checkpoint_timeout_s=args.timeout,
-                          model_flops_per_token=mfu_basis["model_flops_per_token"] if peak is not None else None,
-                          peak_flops_per_rank=peak, loggers=loggers, profiler=profiler)  # fmt: skip
+    trainer = build_trainer(job, model, parallel, checked.batches, checked.run_dir, seed=args.seed, model_io=model_io,
+                            extra_checkpoint_files=checked.data.tokenizer_files,
+                            run_info={"title": _title(args, layout)}, pipeline=pipeline, faults=checked.faults,
+                            checkpoint_timeout_s=args.timeout,
+                            model_flops_per_token=mfu_basis["model_flops_per_token"] if peak is not None else None,
+                            peak_flops_per_rank=peak, loggers=loggers, profiler=profiler)  # fmt: skip
     return BuiltRun(parallel, ep_buffers, model, pipeline, trainer, mfu_basis)
 
 
@@ -263,6 +265,25 @@ def build_model(
                                   p2p_transport="deepep" if job.parallel.use_deepep_p2p else "torch",
                                   p2p_timeout_s=p2p_timeout_s)  # fmt: skip
     return model, pipeline
+
+
+def build_trainer(
+    job: job_config.Job,
+    model: DeepseekV3ForCausalLM,
+    parallel: ParallelState,
+    batches: DataSource,
+    run_dir: str | Path,
+    *,
+    seed: int,
+    model_io: ckpt.ModelIO | None = None,
+    pipeline: PipelineRunner | None = None,
+    **options,
+) -> Trainer:
+    """The `Trainer` of `model` (from `build_model`) as every run builds it: the job's component configs, its MTP
+    loss weight and depth; `options`: the rest of `Trainer`'s keywords (checkpoint files, faults, MFU, loggers)."""
+    return Trainer(model, job.trainer, parallel, batches, run_dir, seed=seed, model_io=model_io,
+                   mtp_loss_weight=job.model.mtp_loss_weight, num_mtp=job.model.num_nextn_predict_layers,
+                   pipeline=pipeline, **options)  # fmt: skip
 
 
 def _mfu_basis(job: job_config.Job, layout: Layout, device: torch.device) -> dict:
@@ -359,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data ready: {checked.data.summary}")
         return 0
     if checked.already_trained():
-        if env_rank() == 0:
+        if job_config.env_rank() == 0:
             print(f"{checked.run_dir}: already trained to step {checked.job.training.steps}; nothing to do")
             _summary(checked.run_dir)
         return 0
@@ -409,10 +430,6 @@ def _read_model(read_model_dir, path: Path):
     """`(state_dict, config)` of a model directory, whatever order `read_model_dir` returns them in."""
     first, second = read_model_dir(path)
     return (first, second) if isinstance(first, dict) else (second, first)
-
-
-def env_rank() -> int:
-    return int(os.environ.get("RANK", "0"))
 
 
 def _title(args, layout: Layout) -> str:

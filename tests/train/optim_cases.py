@@ -8,7 +8,7 @@ from torch import nn
 
 from moe.trainer.train.optim import MasterAdamW
 from moe.trainer.train.parallel_state import Layout, ParallelState
-from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.training_config import OptimizerConfig
 from tests.train.optim_step import optimizer_step
 from tests.train.state_io import gathered_state, load_state
 
@@ -36,8 +36,8 @@ def rank_grads(rank: int, step: int) -> dict[str, torch.Tensor]:
             "experts_full": torch.randn(E, 2, 3, generator=gen)}  # fmt: skip
 
 
-def _config(clip: float) -> TrainingConfig:
-    return TrainingConfig(steps=10, global_batch=4, seq_len=8, lr=1e-2, weight_decay=0.1, clip_grad=clip)
+def _config(clip: float) -> OptimizerConfig:
+    return OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=clip)
 
 
 def _run(model: Toy, opt: MasterAdamW, ranks: list[int], ep: int, ep_rank: int, steps: int) -> list[float]:

@@ -9,27 +9,28 @@ import torch
 
 from moe import EPBuffers
 from moe.layer.interleave import compute_spans
-from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, RecomputeConfig
-from moe.trainer.pipeline import PipelineRunner, TimelineRecorder, pipeline_moe_options
-from moe.trainer.pipeline.split import split_layers
+from moe.trainer import run
+from moe.trainer.models.deepseek_v3 import DeepseekV3Config
+from moe.trainer.train.job_config import job_from_args
 from moe.trainer.train.parallel_state import Layout, ParallelState
 from moe.trainer.train.trainer import target_counts
 
 REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "examples" / "deepseek_v3" / "configs" / "tiny.toml"
 MICRO_BATCHES, ROWS, SEQ_LEN = 4, 1, 32  # per data-parallel rank
 
 
-def _step(parallel, ep_buffers, cfg, recompute, overlap: bool, tokens_BS, counts, seed: int):
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(cfg, ep_group=parallel.ep_group, ep_buffers=ep_buffers,
-                                  aux_loss_group=parallel.token_group,
-                                  moe_options=pipeline_moe_options("dualpipev"))  # fmt: skip
-    model.set_recompute(recompute)
-    recorder = TimelineRecorder(parallel.pp_rank)
-    runner = PipelineRunner(model, parallel, schedule="dualpipev", split=split_layers(cfg.num_hidden_layers, 4),
-                            micro_batches=MICRO_BATCHES, micro_rows=ROWS, seq_len=SEQ_LEN,
-                            mtp_loss_weight=cfg.mtp_loss_weight, num_mtp=cfg.num_nextn_predict_layers,
-                            recorder=recorder, overlap_moe_comm=overlap)  # fmt: skip
+def _step(parallel, ep_buffers, recompute_modules, overlap: bool, tokens_BS, counts, seed: int):
+    # tiny's model in its DualPipeV stages as train.py builds it (moe/trainer/run.py), the timeline recorded.
+    recompute = ["--recompute-granularity", "selective", "--recompute-modules", *recompute_modules] \
+        if recompute_modules else []  # fmt: skip
+    job = job_from_args(TINY, [
+        "--pp", "2", "--ep", "2", "--pp-schedule", "dualpipev", "--micro-batches", str(MICRO_BATCHES),
+        "--global-batch-size", str(parallel.layout.dp * MICRO_BATCHES * ROWS), "--seq-length", str(SEQ_LEN),
+        "--pipeline-timeline", *(["--overlap-moe-expert-parallel-comm"] if overlap else []), *recompute,
+    ], world=parallel.layout.world)  # fmt: skip
+    model, runner = run.build_model(job, parallel, ep_buffers, seed=seed)
+    recorder = runner.recorder
     sums, loads = runner.step(tokens_BS, counts, step=1)
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     slots = [(s.kind, s.stage, s.microbatch) for s in recorder.slots]
@@ -60,11 +61,10 @@ def overlap_case(ctx, recompute_modules: tuple[str, ...] | None) -> dict:
     """One step with the overlap off and one with it on (fresh models, same seed and tokens). Returns, per rank:
     whether the loss sums, the gradients (bitwise) and the expert loads are identical, the F&B records' facts, and
     the timeline slots of the overlapped step."""
-    cfg = DeepseekV3Config.from_toml(REPO / "examples" / "deepseek_v3" / "configs" / "tiny.toml")
+    cfg = DeepseekV3Config.from_toml(TINY)
     layout = Layout(world=4, pp=2, ep=2, pp_schedule="dualpipev")
     parallel = ParallelState.from_process_group(layout)
     ep_buffers = EPBuffers(timeout_s=60)
-    recompute = RecomputeConfig("selective", modules=recompute_modules) if recompute_modules else None
     gen = torch.Generator().manual_seed(11)
     dp = layout.dp
     global_BS = torch.randint(0, cfg.vocab_size, (dp * MICRO_BATCHES * ROWS, SEQ_LEN), generator=gen)
@@ -72,8 +72,8 @@ def overlap_case(ctx, recompute_modules: tuple[str, ...] | None) -> dict:
     rows = MICRO_BATCHES * ROWS
     tokens_BS = global_BS[parallel.dp_rank * rows : (parallel.dp_rank + 1) * rows]
     try:
-        off = _step(parallel, ep_buffers, cfg, recompute, False, tokens_BS, counts, seed=5)
-        on = _step(parallel, ep_buffers, cfg, recompute, True, tokens_BS, counts, seed=5)
+        off = _step(parallel, ep_buffers, recompute_modules, False, tokens_BS, counts, seed=5)
+        on = _step(parallel, ep_buffers, recompute_modules, True, tokens_BS, counts, seed=5)
     finally:
         ep_buffers.destroy()
     sums_off, grads_off, loads_off, _, slots_off = off

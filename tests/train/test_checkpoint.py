@@ -25,7 +25,7 @@ from moe.trainer.train.checkpoint import train_state as ts
 from moe.trainer.train.checkpoint.writer import CheckpointWriteError, SaveRequest, ShardWriter
 from moe.trainer.train.optim import MasterAdamW
 from moe.trainer.train.parallel_state import Layout, ParallelState
-from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.training_config import OptimizerConfig, TrainingConfig
 from mtdeepep.utils.testing import run_processes
 
 PAR = ParallelState.single()
@@ -35,7 +35,7 @@ def _trained(seed: int = 0, par: ParallelState = PAR) -> tuple[nn.Module, Master
     """A small model after one AdamW step (moments exist), random weights (the same on every rank)."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(32, 96), nn.ReLU(), nn.Linear(96, 64), nn.ReLU(), nn.Linear(64, 16))
-    opt = MasterAdamW(model, [], TrainingConfig(steps=4, global_batch=1, seq_len=2, lr=1e-2), par)
+    opt = MasterAdamW(model, [], OptimizerConfig(lr=1e-2), par)
     model(torch.randn(8, 32)).square().sum().backward()
     opt.reduce_gradients()
     opt.step(1e-2)
@@ -244,11 +244,12 @@ def test_fault_specs_are_checked():
 
 def _state_list(model: nn.Module, opt: MasterAdamW, seed: int = 0) -> ts.TrainState:
     """The trainer's state list for a small model (the data position of 10 training windows)."""
-    cfg = TrainingConfig(steps=4, global_batch=1, seq_len=2, lr=1e-2)
+    cfg = TrainingConfig(steps=4, global_batch=1, seq_len=2)
     progress = ts.TrainProgress(seed, PAR, {"title": "t"})
     return ts.TrainState([progress, ts.DataPosition(cfg, SimpleNamespace(num_train=10), progress),
-                          ts.LRSchedule(cfg, progress, is_main=True), ts.ModelState(model, PAR),
-                          ts.OptimizerState(opt, PAR), ts.RankLocalState(model, PAR)])  # fmt: skip
+                          ts.LRSchedule(OptimizerConfig(lr=1e-2), cfg.steps, progress, is_main=True),
+                          ts.ModelState(model, PAR), ts.OptimizerState(opt, PAR),
+                          ts.RankLocalState(model, PAR)])  # fmt: skip
 
 
 def test_checkpointer_owns_cadence_purging_and_load(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The [training] table and the learning-rate schedule."""
+"""The trainer's tables (moe/trainer/train/training_config.py) and the learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from moe.trainer.train.schedule import lr_at
-from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.training_config import TrainerConfig, TrainingConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3" / "configs"
 BASE = {"steps": 10, "global_batch": 8, "seq_len": 16, "lr": 1e-3}
@@ -16,9 +16,10 @@ BASE = {"steps": 10, "global_batch": 8, "seq_len": 16, "lr": 1e-3}
 
 @pytest.mark.parametrize("name", ["tiny", "small", "671b"])
 def test_shipped_configs_parse(name):
-    cfg = TrainingConfig.from_toml(CONFIGS / f"{name}.toml")
-    assert cfg.global_batch % cfg.micro_batches == 0
-    assert cfg.to_dict()["data"]["corpus"] == "python-stdlib"
+    cfg = TrainerConfig.from_toml(CONFIGS / f"{name}.toml")
+    assert cfg.training.global_batch % cfg.training.micro_batches == 0
+    assert cfg.to_tables()["data"]["corpus"] == "python-stdlib"
+    assert cfg.training == TrainingConfig.from_toml(CONFIGS / f"{name}.toml")
 
 
 def test_tiny_admits_every_layout_of_four_ranks():
@@ -38,19 +39,20 @@ def test_tiny_admits_every_layout_of_four_ranks():
         ({"betas": [0.9]}, "betas"),
         ({"clip_grad": -1.0}, "clip_grad"),
         ({"steps": 0}, "steps"),
-        ({"lr_warmup": 3}, "unknown keys"),
         ({"data": {"tokenizer": "wordpiece"}}, "tokenizer"),
         ({"data": {"corpus_path": "x"}}, "unknown keys"),
     ],
 )
 def test_bad_training_tables_raise(change, message):
     with pytest.raises(ValueError, match=message):
-        TrainingConfig.from_dict({**BASE, **change})
+        TrainerConfig.flat(**{**BASE, **change})
 
 
-def test_missing_required_key():
-    with pytest.raises(ValueError, match="missing"):
-        TrainingConfig.from_dict({"steps": 3, "global_batch": 2, "seq_len": 8})
+def test_unknown_and_missing_keys_name_their_table():
+    with pytest.raises(ValueError, match=r"\[optimizer\] is missing \['lr'\]"):
+        TrainerConfig.flat(steps=3, global_batch=2, seq_len=8)
+    with pytest.raises(ValueError, match=r"\[training\]: unknown keys \['lr_warmup'\]"):
+        TrainerConfig.flat(**BASE, lr_warmup=3)
 
 
 def test_missing_table(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from moe.trainer.train.config_tree import (
     split_overrides,
 )
 from moe.trainer.train.parallel_state import Layout
-from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.training_config import MOVED, TrainerConfig, TrainingConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -158,16 +159,18 @@ def test_short_flags_megatron_names_and_paths_set_the_same_field(argv):
 
 
 def test_every_section_takes_overrides_and_the_saved_tree_runs_again(tmp_path):
-    job = _job(["--train-iters", "7", "--training.lr", "1e-3", "--training.data.val-sequences", "4", "--ep", "4",
+    job = _job(["--train-iters", "7", "--optimizer.lr", "1e-3", "--data.val-sequences", "4", "--ep", "4",
                 "--model.rope_parameters.rope_theta", "5e4", "--recompute-granularity", "selective",
                 "--bf16"])  # fmt: skip
-    assert (job.training.steps, job.training.lr, job.training.data.val_sequences) == (7, 1e-3, 4)
+    assert (job.training.steps, job.optimizer.lr, job.data.val_sequences) == (7, 1e-3, 4)
     assert job.training.dtype == "bfloat16" and job.layout.ep == 4
     assert job.model.rope_parameters["rope_theta"] == 5e4 and job.recompute.granularity == "selective"
     job.save(tmp_path)
-    again = job_config.load_job(tmp_path / job_config.CONFIG_TOML, [], world=4)
-    assert again.tables == job.tables
-    assert again.model == job.model and again.training == job.training and again.recompute == job.recompute
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the saved tree is in the new layout: no moved key
+        again = job_config.load_job(tmp_path / job_config.CONFIG_TOML, [], world=4)
+    assert again.tables == job.tables and again.toml() == job.toml()
+    assert again.model == job.model and again.trainer == job.trainer and again.recompute == job.recompute
 
 
 @pytest.mark.parametrize("argv", [["--compile"], ["--training.compile", "true"]])
@@ -180,6 +183,7 @@ def test_the_file_alone_gives_what_train_py_read_before():
     """No override: the model and training configs equal those the file's own readers give."""
     job = _job([], world=1)
     assert job.model == DeepseekV3Config.from_toml(TINY) and job.training == TrainingConfig.from_toml(TINY)
+    assert job.trainer == TrainerConfig.from_toml(TINY)
     assert job.layout == Layout(world=1) and job.split is None
 
 
@@ -190,7 +194,7 @@ def test_the_file_alone_gives_what_train_py_read_before():
         (["--model.hidden_sise", "64"], r"unknown key 'model.hidden_sise' \(did you mean hidden_size\?\)"),
         (["--parallel.pp", "4", "--parallel.pp_schedule", "dualpipev"], r"DualPipeV needs at least 2 \* pp = 8"),
         (["--recompute.granularity", "full"], "needs recompute_method"),
-        (["--training.betas", "[0.9]"], "betas must be two numbers"),
+        (["--optimizer.betas", "[0.9]"], r"\[optimizer\] betas must be two numbers"),
         # Virtual pipeline stages (--num-virtual-stages-per-pipeline-rank): each rule before any process group.
         (["--num-virtual-stages-per-pipeline-rank", "2"], r"vpp 2 \(--num-virtual-stages-per-pipeline-rank\) needs pp"),
         (["--pp", "2", "--pp-schedule", "dualpipev", "--vpp", "2"], "DualPipeV already holds 2 stages per rank in a V"),
@@ -226,3 +230,80 @@ def test_virtual_stages_set_the_layout_and_the_split(argv):
     uneven = _job(["--pp", "2", *argv, "--decoder-first-pipeline-num-layers", "2"])
     assert uneven.split.slots == ((0,), (1,), (2,), (3,))
     assert _job(["--pp", "2"]).layout.vpp == 1 and _job(["--pp", "2"]).split.slots == ((0, 1), (2, 3))
+
+
+# -- the trainer's tables, split by component: old files and flags still read ------------------------------------
+
+
+def _old_layout(job) -> dict:
+    """`job`'s tables as a file written before the split: every trainer key in [training], [training.data]."""
+    tables = {name: dict(table) for name, table in job.tables.items()}
+    training = tables["training"]
+    for (_, key), new in MOVED.items():
+        if key != "data":
+            training[key] = tables[new[0]].pop(key)
+    training["data"] = tables.pop("data")
+    return {name: table for name, table in tables.items() if table}
+
+
+def test_an_old_file_reads_the_same_and_names_each_moved_key(tmp_path):
+    import tomli_w
+
+    job = _job([], world=1)
+    old = tmp_path / "old.toml"
+    old.write_text(tomli_w.dumps(job_config._drop_none(_old_layout(job))))
+    with pytest.warns(FutureWarning) as caught:
+        again = job_config.load_job(old, [], world=1)
+    message = str(caught[0].message)
+    for moved in ("[training] lr -> [optimizer] lr", "[training] use_distributed_optimizer -> [zero]",
+                  "[training] checkpoint_every -> [checkpoint]", "[training] rewind_max_retries -> [rewind]",
+                  "[training] log_straggler -> [straggler]", "[training.data] -> [data]"):  # fmt: skip
+        assert moved in message
+    assert len(caught) == 1 and again.tables == job.tables and again.trainer == job.trainer
+
+
+@pytest.mark.parametrize(
+    "argv, path, value",
+    [
+        (["--training.lr", "0.5"], ("optimizer", "lr"), 0.5),
+        (["--training.use_distributed_optimizer", "true"], ("zero", "use_distributed_optimizer"), True),
+        (["--training.data.val_sequences", "4"], ("data", "val_sequences"), 4),
+        (["--training.rewind_snapshot_interval", "2"], ("rewind", "rewind_snapshot_interval"), 2),
+    ],
+)
+def test_an_old_flag_sets_the_moved_key_with_a_warning(argv, path, value):
+    with pytest.warns(FutureWarning, match=rf"--{'.'.join(argv[0][2:].split('.'))} -> --{path[0]}\."):
+        job = _job(argv, world=2)
+    assert job.tables[path[0]][path[1]] == value
+
+
+@pytest.mark.parametrize(
+    "argv, path, value",
+    [
+        (["--lr", "0.5"], ("optimizer", "lr"), 0.5),
+        (["--min-lr", "0"], ("optimizer", "min_lr"), 0.0),
+        (["--lr-warmup-iters", "3"], ("optimizer", "warmup_steps"), 3),
+        (["--weight-decay", "0.2"], ("optimizer", "weight_decay"), 0.2),
+        (["--clip-grad", "0"], ("optimizer", "clip_grad"), 0.0),
+        (["--save-interval", "5"], ("checkpoint", "checkpoint_every"), 5),
+        (["--use-distributed-optimizer"], ("zero", "use_distributed_optimizer"), True),
+        (["--ddp-bucket-size", "1000"], ("zero", "ddp_bucket_size"), 1000),
+        (["--overlap-grad-reduce"], ("zero", "overlap_grad_reduce"), True),
+        (["--corpus", "x"], ("data", "corpus"), "x"),
+        (["--eod-mask-loss"], ("data", "eod_mask_loss"), True),
+        (["--train-iters", "9"], ("training", "steps"), 9),
+        (["--seq-length", "64"], ("training", "seq_len"), 64),
+    ],
+)
+def test_megatron_names_set_their_components_field(argv, path, value):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        job = _job(argv, world=2)
+    assert job.tables[path[0]][path[1]] == value and getattr(getattr(job, path[0]), path[1]) == value
+
+
+def test_a_key_in_both_places_is_refused(tmp_path):
+    path = tmp_path / "both.toml"
+    path.write_text(TINY.read_text().replace("[training]\n", "[training]\nclip_grad = 0.5\n", 1))  # and [optimizer]
+    with pytest.raises(ValueError, match=r"clip_grad is given in \[training\] and in \[optimizer\]"):
+        job_config.load_job(path, [], world=1)

@@ -1,4 +1,4 @@
-"""The trainer's indexed data without training: the `[training.data]` keys and their errors, `BlendedBatches`
+"""The trainer's indexed data without training: the `[data]` keys and their errors, `BlendedBatches`
 (rows per rank, order independent of the run's length, vocabulary check, validation windows), the
 `DataPosition` refusing other data, Megatron's eod_mask_loss labels and target counts, and the path choice."""
 
@@ -18,7 +18,7 @@ from moe.trainer.data.source import IGNORE_INDEX, eod_masked_labels
 from moe.trainer.train.checkpoint.train_state import DataPosition, TrainProgress
 from moe.trainer.train.job_config import add_tree_options, parse
 from moe.trainer.train.trainer import target_counts
-from moe.trainer.train.training_config import DataConfig, TrainingConfig
+from moe.trainer.train.training_config import DataConfig, TrainerConfig
 from tests.train import indexed_cases as ic
 
 
@@ -27,8 +27,8 @@ def blend(tmp_path_factory):
     return ic.write_blend(tmp_path_factory.mktemp("blend"))
 
 
-def _training(**data) -> TrainingConfig:
-    return TrainingConfig(steps=8, global_batch=8, seq_len=32, lr=1e-3, data=DataConfig(**data))
+def _training(**data) -> TrainerConfig:
+    return TrainerConfig.flat(steps=8, global_batch=8, seq_len=32, lr=1e-3, data=DataConfig(**data))
 
 
 def _batches(data_path, steps=8, **kw) -> BlendedBatches:
@@ -126,10 +126,10 @@ def test_missing_prefix_is_named_before_training(tmp_path, blend):
     cfg = _training(data_path=[0.5, data_path[1], 0.5, str(tmp_path / "missing")], tokenizer=str(tokenizer),
                     cache_dir=str(tmp_path / "cache"))  # fmt: skip
     with pytest.raises(ValueError, match=r"data_path entry 3 .*missing\.idx does not exist"):
-        prepare_run_data(cfg, 512, seed=0, build=True)
+        prepare_run_data(cfg.data, cfg.training, 512, seed=0, build=True)
     cfg = _training(data_path=data_path, tokenizer=str(tokenizer), cache_dir=str(tmp_path / "cache"))
     with pytest.raises(ValueError, match="has ids up to 256 but the model's vocab_size is 200"):
-        prepare_run_data(cfg, 200, seed=0, build=True)
+        prepare_run_data(cfg.data, cfg.training, 200, seed=0, build=True)
 
 
 def test_command_line_keys_and_normalised_data_path(tmp_path):
@@ -140,10 +140,10 @@ def test_command_line_keys_and_normalised_data_path(tmp_path):
     _, overrides = parse(parser, ["--data-path", "0.3", "x/a", "0.7", "x/b", "--tokenizer", "tok.json",
                                   "--eod-mask-loss"])  # fmt: skip
     given = {o.path: o.value for o in overrides}
-    assert given[("training", "data", "data_path")] == ["0.3", "x/a", "0.7", "x/b"]
-    assert given[("training", "data", "tokenizer")] == "tok.json"
-    assert given[("training", "data", "eod_mask_loss")] is True
-    cfg = DataConfig(data_path=given[("training", "data", "data_path")], tokenizer="bytes")
+    assert given[("data", "data_path")] == ["0.3", "x/a", "0.7", "x/b"]
+    assert given[("data", "tokenizer")] == "tok.json"
+    assert given[("data", "eod_mask_loss")] is True
+    cfg = DataConfig(data_path=given[("data", "data_path")], tokenizer="bytes")
     assert cfg.data_path == [0.3, "x/a", 0.7, "x/b"]  # weights as numbers: the saved config.toml reads back
 
 
@@ -170,7 +170,7 @@ def test_a_truncated_shard_is_an_error_naming_it(tmp_path, blend):
     cfg = _training(data_path=[0.5, data_path[1], 0.5, str(bad)], tokenizer=str(tokenizer),
                     cache_dir=str(tmp_path / "cache"))  # fmt: skip
     with pytest.raises(ValueError, match=r"cut\.(bin|idx)"):
-        prepare_run_data(cfg, 512, seed=0, build=True)
+        prepare_run_data(cfg.data, cfg.training, 512, seed=0, build=True)
 
 
 def test_a_bad_jsonl_record_names_its_file_and_line_before_training(tmp_path):
@@ -180,12 +180,12 @@ def test_a_bad_jsonl_record_names_its_file_and_line_before_training(tmp_path):
     ic.byte_tokenizer().save(tmp_path / "tok")
     cfg = _training(corpus=str(corpus), tokenizer=str(tmp_path / "tok"), cache_dir=str(tmp_path / "cache"))
     with pytest.raises(ValueError, match=r"docs\.jsonl:7: no field 'text'"):
-        prepare_run_data(cfg, 512, seed=0, build=True)
+        prepare_run_data(cfg.data, cfg.training, 512, seed=0, build=True)
     assert not any((tmp_path / "cache").glob("indexed-*"))  # nothing half-built is left to be reused
     cfg = _training(corpus=str(corpus), text_field="txt", tokenizer=str(tmp_path / "tok"),
                     cache_dir=str(tmp_path / "cache"))  # fmt: skip
     with pytest.raises(ValueError, match=r"docs\.jsonl:1: no field 'txt'"):
-        prepare_run_data(cfg, 512, seed=0, build=True)
+        prepare_run_data(cfg.data, cfg.training, 512, seed=0, build=True)
 
 
 def test_an_out_of_vocabulary_id_is_named_before_training(tmp_path, blend):
@@ -210,16 +210,18 @@ def test_an_out_of_vocabulary_id_is_named_before_training(tmp_path, blend):
     cfg = _training(data_path=[0.7, data_path[1], 0.3, oov], tokenizer=str(tokenizer), cache_dir=str(tmp_path / "c"))
     with pytest.raises(ValueError, match=r"oov_text_document\.bin: document 1, position 7 .* holds id 700, outside "
                                          r"the model's vocabulary \[0, 512\)"):  # fmt: skip
-        prepare_run_data(cfg, 512, seed=0, build=True)
+        prepare_run_data(cfg.data, cfg.training, 512, seed=0, build=True)
     clean = _training(data_path=data_path, tokenizer=str(tokenizer), cache_dir=str(tmp_path / "c"))
-    prepare_run_data(clean, 512, seed=0, build=True)
+    prepare_run_data(clean.data, clean.training, 512, seed=0, build=True)
     from moe.trainer.data import vocab_check
 
     scanned = []
     real = vocab_check.IndexedDataset
     vocab_check.IndexedDataset = lambda prefix: scanned.append(prefix) or real(prefix)
     try:
-        prepare_run_data(clean, 512, seed=0, build=True)  # a second run: the cached verdict, no rescan
+        prepare_run_data(
+            clean.data, clean.training, 512, seed=0, build=True
+        )  # a second run: the cached verdict, no rescan
     finally:
         vocab_check.IndexedDataset = real
     assert scanned == []

@@ -24,7 +24,7 @@ from moe.trainer.train.metrics import (
 )
 from moe.trainer.train.parallel_state import ParallelState
 from moe.trainer.train.trainer import Trainer
-from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.training_config import TrainerConfig
 from tests.train import train_cases as tc
 
 
@@ -92,7 +92,7 @@ def test_mfu_in_log_line_table_and_title(tmp_path):
 def _trainer(tmp_path, **mfu_args) -> Trainer:
     """tiny's model on random tokens, 2 steps of 4 sequences of 16 (one process)."""
     cfg = DeepseekV3Config.from_toml(tc.TINY)
-    train_cfg = TrainingConfig(steps=2, global_batch=4, micro_batches=2, seq_len=16, lr=3e-3, log_every=1)
+    train_cfg = TrainerConfig.flat(steps=2, global_batch=4, micro_batches=2, seq_len=16, lr=3e-3, log_every=1)
     torch.manual_seed(0)
     model = DeepseekV3ForCausalLM(cfg)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, 4000).astype(np.int64)

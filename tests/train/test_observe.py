@@ -197,7 +197,7 @@ def test_tensorboard_wandb_and_profile_across_a_resume(tmp_path, wandb_offline, 
     shard.write_bytes(bytes(raw))
     shutil.rmtree(run_dir / "profile_traces")
     profile = ["--profile", "--profile-step-start", "3", "--profile-step-end", "4", "--profile-ranks", "1"]
-    _run([*common, "--resume", "--steps", "5", "--training.iterations_to_skip", "[5]", "--ep", "2", *profile,
+    _run([*common, "--resume", "--steps", "5", "--rewind.iterations_to_skip", "[5]", "--ep", "2", *profile,
           "--wandb-project", "observe-test"], nproc=2)  # fmt: skip
     out = capfd.readouterr().out
     final = _expected(run_dir)

@@ -8,7 +8,7 @@ from torch import nn
 
 from moe.trainer.train.optim import MasterAdamW
 from moe.trainer.train.parallel_state import ParallelState
-from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.training_config import OptimizerConfig
 from tests.train import optim_cases as cases
 from tests.train.state_io import load_state, save_state
 
@@ -59,15 +59,14 @@ def test_bf16_parameters_keep_fp32_master_weights(tmp_path):
 
 def test_weight_decay_only_on_matrices():
     model = cases.Toy(cases.E)
-    opt = MasterAdamW(model, [model.experts], TrainingConfig(steps=1, global_batch=1, seq_len=2, lr=1.0,
-                      weight_decay=0.5), ParallelState.single())  # fmt: skip
+    opt = MasterAdamW(model, [model.experts], OptimizerConfig(lr=1.0, weight_decay=0.5), ParallelState.single())
     decay, no_decay = opt.adamw.param_groups
     assert decay["weight_decay"] == 0.5 and {id(p) for p in decay["params"]} == {id(model.dense), id(model.experts)}
     assert no_decay["weight_decay"] == 0.0 and [id(p) for p in no_decay["params"]] == [id(model.norm)]
 
 
 def test_state_mismatch_is_reported(tmp_path):
-    cfg = TrainingConfig(steps=1, global_batch=1, seq_len=2, lr=1.0)
+    cfg = OptimizerConfig(lr=1.0)
     model = cases.Toy(cases.E)
     opt = MasterAdamW(model, [model.experts], cfg, ParallelState.single())
     other = nn.Linear(5, 3)  # "weight" [3, 5] and "bias", not the Toy's parameters

@@ -24,7 +24,7 @@ from moe.trainer.train.metrics import read_events, read_metrics
 from moe.trainer.train.parallel_state import ParallelState
 from moe.trainer.train.rewind import AnomalyDetected, SpikeDetector, StateSnapshot
 from moe.trainer.train.trainer import Trainer
-from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.training_config import TrainerConfig
 from mtdeepep.utils.testing import run_processes
 from tests.train import train_cases as tc
 
@@ -72,7 +72,7 @@ def test_spike_needs_history_and_a_flat_window_has_a_floor():
 def _trainer(tmp_path, *, zero: bool, dtype: str = "float32", fp8: str | None = None) -> Trainer:
     """tiny's model on random tokens (4 sequences of 16, two micro-batches) with snapshots every step."""
     cfg = DeepseekV3Config.from_toml(tc.TINY)
-    train_cfg = TrainingConfig(steps=10, global_batch=4, micro_batches=2, seq_len=16, lr=3e-3, dtype=dtype,
+    train_cfg = TrainerConfig.flat(steps=10, global_batch=4, micro_batches=2, seq_len=16, lr=3e-3, dtype=dtype,
                                use_distributed_optimizer=zero, ddp_bucket_size=50_000,
                                rewind_snapshot_interval=1)  # fmt: skip
     torch.manual_seed(0)
@@ -188,13 +188,12 @@ def test_fault_plan_parsing():
 )
 def test_bad_anomaly_settings_raise(change, message):
     with pytest.raises(ValueError, match=message):
-        TrainingConfig.from_dict({"steps": 10, "global_batch": 8, "seq_len": 16, "lr": 1e-3, **change})
+        TrainerConfig.flat(**{"steps": 10, "global_batch": 8, "seq_len": 16, "lr": 1e-3, **change})
 
 
 def test_skip_list_is_sorted_and_listed():
-    cfg = TrainingConfig.from_dict({"steps": 10, "global_batch": 8, "seq_len": 16, "lr": 1e-3,
-                                    "iterations_to_skip": [6, 3, 6]})  # fmt: skip
-    assert cfg.iterations_to_skip == (3, 6) and cfg.to_dict()["iterations_to_skip"] == [3, 6]
+    cfg = TrainerConfig.flat(steps=10, global_batch=8, seq_len=16, lr=1e-3, iterations_to_skip=[6, 3, 6])
+    assert cfg.rewind.iterations_to_skip == (3, 6) and cfg.to_tables()["rewind"]["iterations_to_skip"] == [3, 6]
 
 
 # ---------------------------------------------------------------------------------------------------------------

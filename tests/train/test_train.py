@@ -21,6 +21,7 @@ import re
 import shutil
 import signal
 import stat
+import warnings
 
 import numpy as np
 import pytest
@@ -37,12 +38,12 @@ from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausal
 from moe.trainer.models.deepseek_v3.flops import model_flops_per_token
 from moe.trainer.models.deepseek_v3.model_tokens import tokenizer_eos_token_id
 from moe.trainer.train import checkpoint as ckpt
-from moe.trainer.train import evaluate, faults
+from moe.trainer.train import evaluate, faults, job_config
 from moe.trainer.train.checkpoint import ModelIO
 from moe.trainer.train.metrics import read_metrics
 from moe.trainer.train.parallel_state import ParallelState
 from moe.trainer.train.trainer import Trainer
-from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.training_config import TrainerConfig
 from mtdeepep.utils.testing import run_processes
 from tests.train import train_cases as tc
 
@@ -125,9 +126,17 @@ def test_run_outputs(one_process_run):
                                          basis["peak_flops_per_rank"], rel=1e-12)  # fmt: skip
     # The resolved config tree, saved with the run, is the run's config: every table, every default filled in.
     saved = tomllib.loads((run_dir / "config.toml").read_text())
-    assert set(saved) == {"model", "training", "parallel", "recompute", "metrics", "profiling"}
-    assert saved["training"]["steps"] == 8
-    assert saved["parallel"]["ep"] == 1 and saved["training"]["data"]["val_sequences"] == 8
+    assert set(saved) == {"model", "training", "optimizer", "zero", "checkpoint", "rewind", "straggler", "data",
+                          "parallel", "recompute", "metrics", "profiling"}  # fmt: skip
+    assert saved["training"]["steps"] == 8 and saved["optimizer"]["eps"] == 1e-6
+    # It round-trips: read back (no moved key, so no warning), the same tree, written again to the same text.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = job_config.load_job(run_dir / "config.toml", [], world=1)
+    assert again.toml() == (run_dir / "config.toml").read_text()
+    resolved = {k: v for k, v in info["config"].items() if k != "path"}  # run.json's copy of the same tree
+    assert json.loads(json.dumps(job_config._drop_none(again.tables))) == job_config._drop_none(resolved)
+    assert saved["parallel"]["ep"] == 1 and saved["data"]["val_sequences"] == 8
     assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert [s for s, _ in ckpt.list_checkpoints(run_dir)] == [4, 8]
     assert ckpt.latest_checkpoint(run_dir).name == "step_8"
@@ -283,7 +292,7 @@ def test_layout_matches_one_process(config, one_process_run, layout_run, layout)
     assert lay["etp"] == (2 if "--etp" in flags else 1)
     virtual = 2 if {"--vpp", "--num-virtual-stages-per-pipeline-rank"} & set(flags) else 1
     assert lay.get("vpp", 1) == virtual  # run.json (and the checkpoints' manifests) name V only where it is > 1
-    assert info["config"]["training"]["use_distributed_optimizer"] is zero
+    assert info["config"]["zero"]["use_distributed_optimizer"] is zero
     ref, got = _records(one_process_run), _records(run_dir)
     assert len(got) == len(ref) == 8
     # FP32 throughout; the layouts differ only in the order of reductions (micro-batch shapes in the GEMMs, the
@@ -558,7 +567,7 @@ def _bias_run(tmp_path, corpus_and_cache, speed, steps=range(1, 31)):
     corpus, cache = corpus_and_cache
     path = tc.make_config(tmp_path / f"b{speed}.toml", corpus, cache, model={"bias_update_speed": speed},
                           training={"steps": 30, "lr": 1e-8, "min_lr": 0.0, "warmup_steps": 0})  # fmt: skip
-    model_cfg, train_cfg = DeepseekV3Config.from_toml(path), TrainingConfig.from_toml(path)
+    model_cfg, train_cfg = DeepseekV3Config.from_toml(path), TrainerConfig.from_toml(path)
     data = prepare_tokens(train_cfg.data, model_cfg.vocab_size)
     batches = TokenBatches(data.tokens, seq_len=32, global_batch=8, val_sequences=8, seed=0)
     model = DeepseekV3ForCausalLM(model_cfg)
@@ -655,7 +664,7 @@ def test_init_starts_from_a_model_directory(tmp_path, config, one_process_run):
     state_dict, model_cfg = read_model_dir(step4)
     model = DeepseekV3ForCausalLM(model_cfg)
     model.load_full_state_dict(state_dict)
-    train_cfg = TrainingConfig.from_toml(config)
+    train_cfg = TrainerConfig.from_toml(config)
     data = prepare_tokens(train_cfg.data, model_cfg.vocab_size)
     batch = TokenBatches(data.tokens, seq_len=32, global_batch=8, val_sequences=8, seed=7).global_batch_tokens(1)
     with torch.no_grad():

@@ -10,7 +10,7 @@ from torch import nn
 
 from moe.trainer.train.optim import MasterAdamW
 from moe.trainer.train.parallel_state import ParallelState
-from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.training_config import OptimizerConfig
 from moe.trainer.train.zero import DistributedAdamW, ZeroConfig
 from tests.train import zero_cases as cases
 from tests.train import zero_pipeline_cases as zcases
@@ -24,8 +24,8 @@ from tests.train.state_io import load_state, save_state
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _config(**kw) -> TrainingConfig:
-    return TrainingConfig(steps=1, global_batch=1, seq_len=2, lr=1e-2, **kw)
+def _config(**kw) -> OptimizerConfig:
+    return OptimizerConfig(lr=1e-2, **kw)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import torch
 
 from moe.trainer import run
 from moe.trainer.models.deepseek_v3 import generate_cli
+from moe.trainer.train.training_config import split_moved
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "deepseek_v3" / "configs" / "tiny.toml"
@@ -46,11 +47,12 @@ def _without_none(doc: dict[str, Any]) -> dict[str, Any]:
 
 def make_config(path: Path, corpus: Path, cache: Path, *, model: dict | None = None, training: dict | None = None,
                 data: dict | None = None) -> Path:  # fmt: skip
-    """tiny's [model] (with `model` changes) and a short [training] table (with `training` changes) at `path`."""
+    """tiny's [model] (with `model` changes) and short trainer tables at `path`: `training` changes any trainer key
+    by name (`lr`, `use_distributed_optimizer`, `log_straggler`, ...: each written into its own table)."""
     with TINY.open("rb") as f:
-        doc = tomllib.load(f)
-    doc["model"].update(model or {})
-    doc["training"] = {
+        model_table = tomllib.load(f)["model"]
+    model_table.update(model or {})
+    flat = {
         "steps": 8, "global_batch": 8, "micro_batches": 2, "seq_len": 32, "lr": 3e-3, "min_lr": 3e-4,
         "warmup_steps": 2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "clip_grad": 1.0,
         "dtype": "float32", "checkpoint_every": 4, "log_every": 4,
@@ -58,7 +60,8 @@ def make_config(path: Path, corpus: Path, cache: Path, *, model: dict | None = N
         "data": {"corpus": str(corpus), "tokenizer": "bpe", "val_sequences": 8, "cache_dir": str(cache),
                  **(data or {})},
     }  # fmt: skip
-    path.write_text(tomli_w.dumps(_without_none(doc)))
+    tables, _ = split_moved({"training": flat})
+    path.write_text(tomli_w.dumps(_without_none({"model": model_table, **tables})))
     return path
 
 

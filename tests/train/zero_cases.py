@@ -13,7 +13,7 @@ from torch import nn
 
 from moe.trainer.train.optim import MasterAdamW
 from moe.trainer.train.parallel_state import Layout, ParallelState
-from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.training_config import OptimizerConfig
 from moe.trainer.train.zero import CollectiveTimeout, DistributedAdamW, ZeroConfig
 from tests.train.optim_step import optimizer_step
 from tests.train.state_io import gathered_state, load_state, save_state
@@ -54,8 +54,8 @@ class Net(nn.Module):
         return self.out(h)
 
 
-def config(clip: float) -> TrainingConfig:
-    return TrainingConfig(steps=10, global_batch=8, seq_len=4, lr=1e-2, weight_decay=0.1, clip_grad=clip)
+def config(clip: float) -> OptimizerConfig:
+    return OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=clip)
 
 
 def batch(rank: int, step: int, micro: int, rows: int = 6, dtype=torch.float32):

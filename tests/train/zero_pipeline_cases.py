@@ -6,40 +6,34 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 
+from moe.trainer import run
 from moe.trainer.data.token_file import TokenBatches
-from moe.trainer.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
-from moe.trainer.pipeline import PipelineRunner, pipeline_moe_options
-from moe.trainer.pipeline.split import split_layers, stages_per_rank
 from moe.trainer.train.checkpoint import ModelIO
+from moe.trainer.train.job_config import job_from_args
 from moe.trainer.train.parallel_state import Layout, ParallelState
-from moe.trainer.train.trainer import Trainer
-from moe.trainer.train.training_config import TrainingConfig
 
 REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "examples" / "deepseek_v3" / "configs" / "tiny.toml"
 SEQ_LEN, BUCKET = 16, 20_000  # tiny has ~1.3M parameters: several buckets per stage
 
 
 def _run(parallel: ParallelState, schedule: str, vpp: int, micro: int, overlap: bool, steps: int, run_dir: str):
     """`steps` steps of a fresh model; per step the record's loss and grad norm, the optimizer's launch and
     stage-done times against the schedule's span, and the final local parameters."""
-    cfg = DeepseekV3Config.from_toml(REPO / "examples" / "deepseek_v3" / "configs" / "tiny.toml")
     dp = parallel.layout.dp
-    train_cfg = TrainingConfig(steps=steps, global_batch=dp * micro, micro_batches=micro, seq_len=SEQ_LEN, lr=3e-3,
-                               clip_grad=0.5, use_distributed_optimizer=True, ddp_bucket_size=BUCKET,
-                               overlap_grad_reduce=overlap)  # fmt: skip
-    torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(cfg, moe_options=pipeline_moe_options(schedule))
-    num_stages = parallel.layout.pp * stages_per_rank(schedule, vpp)
-    runner = PipelineRunner(model, parallel, schedule=schedule, split=split_layers(cfg.num_hidden_layers, num_stages),
-                            micro_batches=micro, micro_rows=1, seq_len=SEQ_LEN, mtp_loss_weight=cfg.mtp_loss_weight,
-                            num_mtp=cfg.num_nextn_predict_layers, virtual_stages=vpp)  # fmt: skip
-    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, 4000).astype(np.int64)
+    # tiny's model and trainer as train.py builds them (moe/trainer/run.py), constant learning rate.
+    job = job_from_args(TINY, [
+        "--pp", "2", "--pp-schedule", schedule, "--vpp", str(vpp), "--steps", str(steps), "--global-batch-size",
+        str(dp * micro), "--micro-batches", str(micro), "--seq-length", str(SEQ_LEN), "--lr", "3e-3", "--min-lr", "0",
+        "--lr-warmup-iters", "0", "--clip-grad", "0.5", "--use-distributed-optimizer", "--ddp-bucket-size",
+        str(BUCKET), "--zero.overlap_grad_reduce", str(overlap).lower(),
+    ], world=parallel.layout.world)  # fmt: skip
+    model, runner = run.build_model(job, parallel, None, seed=0)
+    tokens = np.random.default_rng(1).integers(0, job.model.vocab_size, 4000).astype(np.int64)
     batches = TokenBatches(tokens, seq_len=SEQ_LEN, global_batch=dp * micro, val_sequences=0, seed=0)
     io = ModelIO(model.full_state_dict, lambda p, sd: None, lambda p: None)
-    trainer = Trainer(model, train_cfg, parallel, batches, run_dir, seed=0, model_io=io, pipeline=runner,
-                      mtp_loss_weight=cfg.mtp_loss_weight, num_mtp=cfg.num_nextn_predict_layers)  # fmt: skip
+    trainer = run.build_trainer(job, model, parallel, batches, run_dir, seed=0, model_io=io, pipeline=runner)
     opt = trainer.optimizer
     out = {"records": [], "timing": []}
     for step in range(1, steps + 1):

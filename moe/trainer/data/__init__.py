@@ -11,5 +11,5 @@
   atomically.
 - `token_file`: the built-in corpus, its trained tokenizer, the cached token file and `TokenBatches`.
 - `source`: `DataSource`, the seam the trainer reads batches through; `blended_batches`: `BlendedBatches`.
-- `run_data`: which of them a run's `[training.data]` table takes, checked before any process group.
+- `run_data`: which of them a run's `[data]` table takes, checked before any process group.
 """

@@ -1,4 +1,4 @@
-"""A run's data from its `[training.data]` table: the `DataSource` the trainer reads, the tokenizer saved with the
+"""A run's data from its `[data]` table: the `DataSource` the trainer reads, the tokenizer saved with the
 run, and what run.json records. Everything is checked here, before any process group exists.
 
 Three paths (`DataConfig` has the keys):
@@ -32,7 +32,7 @@ from moe.trainer.data.tokenizer import load_tokenizer, resolve_tokenizer, tokeni
 from moe.trainer.data.vocab_check import check_token_ids
 
 if TYPE_CHECKING:  # annotations only: the config tree sits above the data
-    from moe.trainer.train.training_config import TrainingConfig
+    from moe.trainer.train.training_config import DataConfig, TrainingConfig
 
 WAIT_S = 3600.0  # how long the other ranks of a host wait for local rank 0's tokenization
 
@@ -54,12 +54,12 @@ class RunData:
         return self.tokenizer_files[0]
 
 
-def prepare_run_data(cfg: TrainingConfig, vocab_size: int, *, seed: int, build: bool,
+def prepare_run_data(data: DataConfig, cfg: TrainingConfig, vocab_size: int, *, seed: int, build: bool,
                      prepare_only: bool = False) -> RunData:  # fmt: skip
-    """The data of a run of `cfg` for a model of `vocab_size` ids, seeded `seed`. `build`: this process builds
+    """The data of a run of `data` ([data]) and `cfg` ([training]: batch, sequence length, steps) for a model of
+    `vocab_size` ids, seeded `seed`. `build`: this process builds
     what is missing from the cache (local rank 0; the others wait). `prepare_only`: build the cache, skip the
     batches. ValueError (naming the file, the line or the key) for anything that does not fit."""
-    data = cfg.data
     if data.builtin:
         tokens = prepare_tokens(data, vocab_size, build=build)
         batches = TokenBatches(tokens.tokens, seq_len=cfg.seq_len, global_batch=cfg.global_batch,
@@ -82,7 +82,7 @@ def prepare_run_data(cfg: TrainingConfig, vocab_size: int, *, seed: int, build: 
     meta.update(tokenizer=data.tokenizer, eos_token=tok.eos_token, eos_id=tok.eos_id)
     if prepare_only:
         return RunData(None, files, tok.eos_id, meta, f"{tokenizer_dir} ({meta.get('num_tokens', '?')} tokens)")
-    batches = _blended_batches(cfg, prefixes, seed, tok.eos_id, vocab_size)  # the blend's files checked first
+    batches = _blended_batches(data, cfg, prefixes, seed, tok.eos_id, vocab_size)  # the blend's files checked first
     # Every id of every dataset against the vocabulary, before any process group exists (cached once clean).
     check_token_ids([e.prefix for e in parse_data_path(prefixes)], vocab_size, cache)
     meta["datasets"] = batches.summary()
@@ -91,8 +91,7 @@ def prepare_run_data(cfg: TrainingConfig, vocab_size: int, *, seed: int, build: 
     return RunData(batches, files, tok.eos_id, meta, summary)
 
 
-def _blended_batches(cfg: TrainingConfig, prefixes: list, seed: int, eos_id: int, vocab_size: int):
-    data = cfg.data
+def _blended_batches(data: DataConfig, cfg: TrainingConfig, prefixes: list, seed: int, eos_id: int, vocab_size: int):
     windows = BlendedWindows(prefixes, seq_len=cfg.seq_len, num_samples=cfg.steps * cfg.global_batch, seed=seed,
                              held_out=data.held_out_documents)  # fmt: skip
     return BlendedBatches(windows, global_batch=cfg.global_batch, val_sequences=data.val_sequences, eod_id=eos_id,

@@ -47,7 +47,7 @@ from moe.trainer.train.training_config import TrainingConfig
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", help="TOML file with [model] and [training] tables")
+    p.add_argument("--config", help="TOML file with [model] and [training] tables (the old flat [training] too)")
     p.add_argument("--devices", type=int, help="number of devices (ranks)")
     p.add_argument("--device-spec", help=f"one of {', '.join(SPECS)}, or a JSON file of DeviceSpec fields")
     p.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")

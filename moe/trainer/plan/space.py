@@ -36,6 +36,7 @@ from moe.trainer.plan.devices import DeviceSpec
 from moe.trainer.plan.model_shape import DTYPE_BYTES, RECOMPUTE_CHOICES
 from moe.trainer.train.layout_rules import check_expert_tensor_parallel, check_model_layout
 from moe.trainer.train.parallel_state import FP8_RECIPES, PP_SCHEDULES, Layout
+from moe.trainer.train.training_config import positive_int
 
 # (schedule, chunks per rank) for pp > 1; 'interleaved' is Megatron's virtual pipeline (train.py: 1f1b with vpp).
 PIPELINE_SCHEDULES: tuple[tuple[str, int], ...] = (
@@ -71,9 +72,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "micro_batches", "seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            positive_int("", name, getattr(self, name))
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {tuple(DTYPE_BYTES)}, got {self.dtype!r}")
 

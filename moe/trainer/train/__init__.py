@@ -1,6 +1,8 @@
 """The trainer core: run configuration, parallel layout, optimizer, checkpoints, metrics and the loop.
 
-- `training_config`: the `[training]` table (`TrainingConfig`, `DataConfig`).
+- `training_config`: the trainer's tables, one dataclass per component (`TrainingConfig`, `OptimizerConfig`,
+  `DistributedOptimizerConfig`, `CheckpointConfig`, `RewindConfig`, `StragglerConfig`, `DataConfig`), bundled as
+  `TrainerConfig`.
 - `parallel_state`: `Layout` (checked before any process group) and `ParallelState` (the groups, built once).
 - `schedule`: warm-up + cosine learning rate.
 - `optim`: `MasterAdamW` (FP32 master weights, gradient reduction over the layout, global-norm clipping).
@@ -15,6 +17,6 @@
 """
 
 from moe.trainer.train.parallel_state import Layout, ParallelState
-from moe.trainer.train.training_config import DataConfig, TrainingConfig
+from moe.trainer.train.training_config import DataConfig, TrainerConfig, TrainingConfig
 
-__all__ = ["DataConfig", "Layout", "ParallelState", "TrainingConfig"]
+__all__ = ["DataConfig", "Layout", "ParallelState", "TrainerConfig", "TrainingConfig"]

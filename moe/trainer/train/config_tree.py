@@ -5,13 +5,18 @@ A tree is a list of `Section`s, one per top-level table (`[model]`, `[training]`
 the keys it accepts (its `schema`, read off a dataclass by `dataclass_schema`) and how to build its config object
 from its table (the dataclass's own validation raises ValueError). On the command line:
 
-    --training.lr 1e-3    --training.data.corpus DIR    --model.rope_parameters.rope_theta 5e4    --parallel.tp=2
+    --optimizer.lr 1e-3    --data.corpus DIR            --model.rope_parameters.rope_theta 5e4    --parallel.tp=2
 
 A value is read as a TOML value (`1e-3`, `true`, `[0.9, 0.95]`, `"text"`), and as a plain string when it is not one
 (`DIR`, `full`). Dashes in keys read as underscores (`--training.global-batch 32`). A key the schema does not know is
 an error that names the close matches, before anything runs. Precedence: the command line over the file over the
 dataclasses' defaults. Aliases (e.g. Megatron's `--tensor-model-parallel-size`) are the caller's argparse options
 whose `dest` is a tree path (`dest="parallel.tp"`): `overrides_from_namespace` turns the ones given into overrides.
+
+A key that moved to another table (`moved`: `(old table, key) -> new path`) is still read at its old place, in the
+file and on the command line (`--training.lr`), and put at its new one; one `FutureWarning` names every moved key
+given and its new home. A warning rather than an error, so that users' files and command lines keep working; the
+resolved tree a run saves is in the new layout, so `--config RUN_DIR/config.toml` never warns.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,13 +119,18 @@ def overrides_from_namespace(namespace: Any) -> list[Override]:
 class ConfigTree:
     """The sections of a run's config, loaded from a TOML file with command-line overrides."""
 
-    def __init__(self, sections: Iterable[Section]) -> None:
+    def __init__(
+        self, sections: Iterable[Section], moved: Mapping[tuple[str, str], tuple[str, ...]] | None = None
+    ) -> None:
         self.sections = {s.name: s for s in sections}
+        self.moved = dict(moved or {})  # (old table, key) -> new path: read at the old place, with a warning
 
     def read(self, path: str | Path | None, overrides: Iterable[Override] = ()) -> dict[str, dict[str, Any]]:
         """The merged tables: the file's (only the tree's sections; an unknown table or key is an error) with the
-        overrides applied in order. ValueError names the file, the key and the close matches."""
+        overrides applied in order. ValueError names the file, the key and the close matches. Moved keys are read
+        at their old place, with one `FutureWarning` naming them."""
         doc: dict[str, Any] = {}
+        notes: list[str] = []
         if path is not None:
             path = Path(path)
             if not path.is_file():
@@ -129,15 +140,26 @@ class ConfigTree:
                     doc = tomllib.load(f)
                 except tomllib.TOMLDecodeError as exc:
                     raise ValueError(f"{path}: not valid TOML: {exc}") from None
+            doc, notes = move_keys(doc, self.moved)
             for name in doc:
                 if name not in self.sections:
                     raise ValueError(f"{path}: unknown table [{name}]{_close(name, self.sections)}")
                 if not isinstance(doc[name], dict):
                     raise ValueError(f"{path}: {name} must be a table")
                 _check_table(self.sections[name].schema, doc[name], (name,), str(path))
+        if notes:
+            warnings.warn(moved_keys_message(notes, path), FutureWarning, stacklevel=2)
         tables = {name: copy.deepcopy(doc.get(name, {})) for name in self.sections}
+        notes = []
         for override in overrides:
+            new = self.moved.get(override.path[:2])
+            if new is not None:
+                path_text = ".".join((*new, *override.path[2:]))
+                notes.append(f"--{'.'.join(override.path)} -> --{path_text}")
+                override = Override((*new, *override.path[2:]), override.value, override.source)
             self._apply(tables, override)
+        if notes:
+            warnings.warn(moved_keys_message(notes, "the command line"), FutureWarning, stacklevel=2)
         return tables
 
     def build(self, tables: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
@@ -180,6 +202,40 @@ class ConfigTree:
                 table = table.setdefault(key, {})
                 if not isinstance(table, dict):
                     raise ValueError(f"{override.source}: {key!r} is not a table in the config")
+
+
+def move_keys(
+    doc: Mapping[str, Any], moved: Mapping[tuple[str, str], tuple[str, ...]]
+) -> tuple[dict[str, Any], list[str]]:
+    """`(doc with every moved key at its new path, a note per key moved)`: `moved` maps `(old table, key)` to the
+    new path, `(table, key)` or `(table,)` for a sub-table that became a table. ValueError for a key given at both
+    places."""
+    out = {name: dict(table) if isinstance(table, dict) else table for name, table in doc.items()}
+    notes = []
+    for (old, key), new in moved.items():
+        if not isinstance(out.get(old), dict) or key not in out[old]:
+            continue
+        value = out[old].pop(key)
+        if len(new) == 1:  # a sub-table that became a table
+            if new[0] in out:
+                raise ValueError(f"[{old}.{key}] and [{new[0]}] are both given: keep [{new[0]}]")
+            out[new[0]] = value
+            notes.append(f"[{old}.{key}] -> [{new[0]}]")
+            continue
+        target = out.setdefault(new[0], {})
+        if not isinstance(target, dict):
+            raise ValueError(f"{new[0]} must be a table")
+        if new[1] in target:
+            raise ValueError(f"{key} is given in [{old}] and in [{new[0]}]: keep [{new[0]}] {new[1]}")
+        target[new[1]] = value
+        notes.append(f"[{old}] {key} -> [{new[0]}] {new[1]}")
+    return out, notes
+
+
+def moved_keys_message(notes: Iterable[str], source: str | Path) -> str:
+    """The warning for keys given at their old place (`notes`: old -> new, one per key)."""
+    return (f"{source}: keys read at their old place, which still works but is deprecated (the run's saved "
+            f"config.toml has the new layout): {'; '.join(notes)}")  # fmt: skip
 
 
 def _check_table(schema: Mapping[str, Any], table: Mapping[str, Any], where: tuple[str, ...], source: str) -> None:

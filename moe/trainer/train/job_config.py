@@ -2,24 +2,35 @@
 the command line, validated before any process group exists (moe/trainer/train/config_tree.py has the mechanism).
 
     [model]       DeepseekV3Config     (moe/trainer/models/deepseek_v3/model_config.py)
-    [training]    TrainingConfig       (moe/trainer/train/training_config.py), with [training.data] DataConfig
+    [training]    TrainingConfig       the loop: steps, batch, precision (moe/trainer/train/training_config.py, as the
+    [optimizer]   OptimizerConfig      next five): AdamW, clip and learning-rate schedule
+    [zero]        DistributedOptimizerConfig: ZeRO-1
+    [checkpoint]  CheckpointConfig
+    [rewind]      RewindConfig         anomaly checks and rewind
+    [straggler]   StragglerConfig      slow-rank detection
+    [data]        DataConfig           corpus, tokenizer, Megatron's indexed data
     [parallel]    ParallelConfig       (below): tp, pp, ep, etp, the schedule, the FP8 recipe, pipeline options
     [recompute]   RecomputeConfig      (moe/trainer/models/deepseek_v3/model_recompute.py)
     [metrics]     MetricsConfig        (moe/trainer/train/loggers.py): TensorBoard and Weights & Biases
     [profiling]   ProfilingConfig      (moe/trainer/train/profiling.py): torch.profiler over chosen steps and ranks
 
-Every field can be set in the file or as `--section.key value` (`--training.lr 1e-3`, `--parallel.tp 2`,
+Every field can be set in the file or as `--section.key value` (`--optimizer.lr 1e-3`, `--parallel.tp 2`,
 `--model.rope_parameters.rope_theta 5e4`). The short flags (`--tp`, `--ep`, `--steps`, ...) and Megatron's option
 names (`--tensor-model-parallel-size`, `--train-iters`, `--global-batch-size`, `--lr`, ...) are aliases of tree
 fields. Command line over file over defaults; the resolved tree is printed by rank 0 and saved as RUN_DIR/config.toml
-(`--config RUN_DIR/config.toml` runs it again).
+(`--config RUN_DIR/config.toml` runs it again). A file (or `--training.<key>`) in the layout before the trainer's
+tables were split, every key in one `[training]` table, still runs: each moved key is read at its old place and named
+with its new table in one warning (`training_config.MOVED`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +54,21 @@ from moe.trainer.train.layout_rules import check_model_layout
 from moe.trainer.train.loggers import MetricsConfig
 from moe.trainer.train.parallel_state import FP8_RECIPES, PP_SCHEDULES, Layout, env_world_size
 from moe.trainer.train.profiling import ProfilingConfig
-from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.training_config import (
+    MOVED,
+    REQUIRED,
+    SECTIONS,
+    CheckpointConfig,
+    DataConfig,
+    DistributedOptimizerConfig,
+    OptimizerConfig,
+    RewindConfig,
+    StragglerConfig,
+    TrainerConfig,
+    TrainingConfig,
+    build_table,
+    section_table,
+)
 
 CONFIG_TOML = "config.toml"
 
@@ -88,11 +113,17 @@ class ParallelConfig:
 
 @dataclass
 class Job:
-    """A validated run: the six configs, the layout over this world, the pipeline split (None without pipeline
-    parallelism) and the resolved tree (what is printed and saved)."""
+    """A validated run: the configs of its tables, the layout over this world, the pipeline split (None without
+    pipeline parallelism) and the resolved tree (what is printed and saved)."""
 
     model: DeepseekV3Config
     training: TrainingConfig
+    optimizer: OptimizerConfig
+    zero: DistributedOptimizerConfig
+    checkpoint: CheckpointConfig
+    rewind: RewindConfig
+    straggler: StragglerConfig
+    data: DataConfig
     parallel: ParallelConfig
     recompute: RecomputeConfig
     metrics: MetricsConfig
@@ -100,6 +131,11 @@ class Job:
     layout: Layout
     split: StageSplit | None
     tables: dict[str, dict[str, Any]]
+
+    @property
+    def trainer(self) -> TrainerConfig:
+        """The trainer's component configs (what `Trainer` is given)."""
+        return TrainerConfig(**{name: getattr(self, name) for name in SECTIONS})
 
     def toml(self) -> str:
         """The resolved tree as TOML (unset optional fields, None, are left out: TOML has no null)."""
@@ -115,10 +151,16 @@ def _build_model(table: dict[str, Any]) -> DeepseekV3Config:
     return DeepseekV3Config.from_dict(table, strict=True, source="[model]")
 
 
-def _build_training(table: dict[str, Any]) -> TrainingConfig:
-    if not table:
-        raise ValueError("no [training] table")
-    return TrainingConfig.from_dict(table)
+def _trainer_section(name: str) -> Section:
+    """A table of the trainer's (training_config.SECTIONS): built with its required keys checked."""
+    cls = SECTIONS[name]
+
+    def build(table: dict[str, Any]) -> Any:
+        if not table and name in REQUIRED:
+            raise ValueError(f"no [{name}] table")
+        return build_table(cls, name, table)
+
+    return Section(name, dataclass_schema(cls), build, section_table)
 
 
 def _build_recompute(table: dict[str, Any]) -> RecomputeConfig:
@@ -130,7 +172,7 @@ def _build_recompute(table: dict[str, Any]) -> RecomputeConfig:
 TREE = ConfigTree(
     [
         Section("model", dataclass_schema(DeepseekV3Config), _build_model, DeepseekV3Config.to_dict),
-        Section("training", dataclass_schema(TrainingConfig), _build_training, TrainingConfig.to_dict),
+        *(_trainer_section(name) for name in SECTIONS),
         Section("parallel", dataclass_schema(ParallelConfig), lambda t: ParallelConfig(**t), dataclasses.asdict),
         Section(
             "recompute",
@@ -140,7 +182,8 @@ TREE = ConfigTree(
         ),
         Section("metrics", dataclass_schema(MetricsConfig), lambda t: MetricsConfig(**t), dataclasses.asdict),
         Section("profiling", dataclass_schema(ProfilingConfig), lambda t: ProfilingConfig(**t), dataclasses.asdict),
-    ]
+    ],
+    moved=MOVED,
 )
 
 
@@ -156,40 +199,40 @@ def add_tree_options(p: argparse.ArgumentParser) -> None:
           help="micro-batches per step per data-parallel rank (default: [training])")  # fmt: skip
     alias("--global-batch-size", dest="training.global_batch", type=int, help="sequences per optimizer step")
     alias("--seq-length", dest="training.seq_len", type=int, help="tokens per sequence")
-    alias("--lr", dest="training.lr", type=float, help="peak learning rate")
-    alias("--min-lr", dest="training.min_lr", type=float, help="learning rate at the end of the cosine decay")
-    alias("--lr-warmup-iters", dest="training.warmup_steps", type=int, help="linear warm-up steps")
-    alias("--weight-decay", dest="training.weight_decay", type=float, help="AdamW weight decay")
-    alias("--clip-grad", dest="training.clip_grad", type=float, help="global gradient-norm clip (0: off)")
-    alias("--save-interval", dest="training.checkpoint_every", type=int, help="steps between checkpoints")
+    alias("--lr", dest="optimizer.lr", type=float, help="peak learning rate")
+    alias("--min-lr", dest="optimizer.min_lr", type=float, help="learning rate at the end of the cosine decay")
+    alias("--lr-warmup-iters", dest="optimizer.warmup_steps", type=int, help="linear warm-up steps")
+    alias("--weight-decay", dest="optimizer.weight_decay", type=float, help="AdamW weight decay")
+    alias("--clip-grad", dest="optimizer.clip_grad", type=float, help="global gradient-norm clip (0: off)")
+    alias("--save-interval", dest="checkpoint.checkpoint_every", type=int, help="steps between checkpoints")
     alias("--log-interval", dest="training.log_every", type=int, help="steps between console log lines")
     alias("--bf16", dest="training.dtype", action="store_const", const="bfloat16", help="BF16 parameters/activations")
-    alias("--use-distributed-optimizer", dest="training.use_distributed_optimizer", action="store_const", const=True,
+    alias("--use-distributed-optimizer", dest="zero.use_distributed_optimizer", action="store_const", const=True,
           help="ZeRO-1: optimizer states and FP32 masters sharded over the data-parallel ranks "
-          "(default: [training] use_distributed_optimizer)")  # fmt: skip
-    alias("--ddp-bucket-size", dest="training.ddp_bucket_size", type=int,
+          "(default: [zero] use_distributed_optimizer)")  # fmt: skip
+    alias("--ddp-bucket-size", dest="zero.ddp_bucket_size", type=int,
           help="gradient bucket size in elements (ZeRO-1)")  # fmt: skip
-    alias("--overlap-grad-reduce", dest="training.overlap_grad_reduce", action="store_const", const=True,
+    alias("--overlap-grad-reduce", dest="zero.overlap_grad_reduce", action="store_const", const=True,
           help="ZeRO-1: start each gradient bucket's reduction as soon as it is complete, in the backward or, under a "
-          "pipeline, once its stage's last weight-gradient action ran (default: [training] overlap_grad_reduce, true; "
-          "--training.overlap_grad_reduce false reduces every bucket after the backward)")  # fmt: skip
+          "pipeline, once its stage's last weight-gradient action ran (default: [zero] overlap_grad_reduce, true; "
+          "--zero.overlap_grad_reduce false reduces every bucket after the backward)")  # fmt: skip
     alias("--attention-backend", dest="training.attention_backend", choices=ATTENTION_BACKENDS,
           help="MLA's attention core: sdpa (default), unfused, auto (models/deepseek_v3/attention.py)")  # fmt: skip
     alias("--compile", dest="training.compile", action="store_const", const=True,
           help="torch.compile (inductor) every layer's attention (default: [training] compile; the first step "
           "compiles)")  # fmt: skip
-    alias("--data-cache", dest="training.data.cache_dir", help="token cache directory (default: [training.data])")
-    alias("--data-path", dest="training.data.data_path", nargs="+", metavar="W_OR_PREFIX",
+    alias("--data-cache", dest="data.cache_dir", help="token cache directory (default: [data])")
+    alias("--data-path", dest="data.data_path", nargs="+", metavar="W_OR_PREFIX",
           help="Megatron's blend of indexed datasets: w1 prefix1 w2 prefix2 ... or prefixes alone (then the corpus "
           "is unused; --tokenizer names the tokenizer that prepared them)")  # fmt: skip
-    alias("--tokenizer", dest="training.data.tokenizer",
-          help="bpe, bytes, or a tokenizer.json / tokenizer directory (default: [training.data])")  # fmt: skip
-    alias("--corpus", dest="training.data.corpus", help="a directory, a file or a glob of corpus files")
-    alias("--reset-position-ids", dest="training.data.reset_position_ids", action="store_const", const=True,
+    alias("--tokenizer", dest="data.tokenizer",
+          help="bpe, bytes, or a tokenizer.json / tokenizer directory (default: [data])")  # fmt: skip
+    alias("--corpus", dest="data.corpus", help="a directory, a file or a glob of corpus files")
+    alias("--reset-position-ids", dest="data.reset_position_ids", action="store_const", const=True,
           help="position ids restart after every end-of-text token (Megatron's)")  # fmt: skip
-    alias("--reset-attention-mask", dest="training.data.reset_attention_mask", action="store_const", const=True,
+    alias("--reset-attention-mask", dest="data.reset_attention_mask", action="store_const", const=True,
           help="attention does not cross an end-of-text token (Megatron's)")  # fmt: skip
-    alias("--eod-mask-loss", dest="training.data.eod_mask_loss", action="store_const", const=True,
+    alias("--eod-mask-loss", dest="data.eod_mask_loss", action="store_const", const=True,
           help="no loss on the target after an end-of-text token (Megatron's)")  # fmt: skip
     alias("--ep", "--expert-model-parallel-size", dest="parallel.ep", type=int,
           help="expert-parallel ranks (divides the world size)")  # fmt: skip
@@ -259,10 +302,14 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None):
 def load_job(config: str | Path, overrides, world: int | None = None) -> Job:
     """The run's configs from the TOML file and the overrides, with every rule the layout, the batch and the pipeline
     put on the model checked (ValueError, before any process group)."""
-    tables = TREE.read(config, overrides)
+    with warnings.catch_warnings():
+        if env_rank() != 0:  # the moved keys' warning once per run, not once per rank
+            warnings.simplefilter("ignore", FutureWarning)
+        tables = TREE.read(config, overrides)
     built = TREE.build(tables)
     model, training, parallel, recompute = built["model"], built["training"], built["parallel"], built["recompute"]
     metrics, profiling = built["metrics"], built["profiling"]
+    trainer = {name: built[name] for name in SECTIONS}
     layout = parallel.layout(env_world_size() if world is None else world)
     metrics.check()
     profiling.check(training.steps, layout.world)
@@ -274,7 +321,17 @@ def load_job(config: str | Path, overrides, world: int | None = None) -> Job:
         )
     split = pipeline_split(model, training, layout, parallel)
     recompute.full_chunks(model.num_hidden_layers)  # recompute_num_layers fits the model
-    return Job(model, training, parallel, recompute, metrics, profiling, layout, split, TREE.resolved(built))
+    return Job(model=model, **trainer, parallel=parallel, recompute=recompute, metrics=metrics, profiling=profiling,
+               layout=layout, split=split, tables=TREE.resolved(built))  # fmt: skip
+
+
+def job_from_args(config: str | Path, argv: Sequence[str] = (), world: int = 1) -> Job:
+    """`load_job` with the overrides of a command line (`--section.key value` and the aliases), as benches and
+    tests describe a run: `job_from_args(TINY, ["--steps", "4", "--use-distributed-optimizer"], world=2)`."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_tree_options(parser)
+    _, overrides = parse(parser, list(argv))
+    return load_job(config, overrides, world=world)
 
 
 def pipeline_split(model_cfg, train_cfg: TrainingConfig, layout: Layout, parallel: ParallelConfig):
@@ -309,6 +366,11 @@ def check_init_config(init: str, model_cfg: DeepseekV3Config) -> None:
     diff = {k: (theirs[k], ours[k]) for k in ours if k not in EXTENSION_FIELDS and theirs.get(k) != ours[k]}
     if diff:
         raise ValueError(f"--init {init}: its model differs from the [model] of --config: {diff} (checkpoint, config)")
+
+
+def env_rank() -> int:
+    """This process's global rank under torchrun (0 alone)."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def _drop_none(value: Any) -> Any:

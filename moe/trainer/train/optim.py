@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe.trainer.train.parallel_state import ParallelState, all_reduce_sum
-from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.training_config import OptimizerConfig
 
 
 @dataclass
@@ -62,12 +62,12 @@ class MasterAdamW:
     Args:
         model: the module whose `named_parameters()` are trained.
         expert_params: the parameters sharded over the EP group (dim 0 = local experts, in EP-rank order).
-        config: lr, betas, eps, weight_decay, clip_grad.
+        config: [optimizer]: lr, betas, eps, weight_decay, clip_grad.
         parallel: the groups (dp, ep, expert_dp).
     """
 
     def __init__(
-        self, model: nn.Module, expert_params: list[nn.Parameter], config: TrainingConfig, parallel: ParallelState
+        self, model: nn.Module, expert_params: list[nn.Parameter], config: OptimizerConfig, parallel: ParallelState
     ) -> None:
         self.config = config
         self.parallel = parallel
@@ -199,7 +199,7 @@ def decays(param: torch.Tensor) -> bool:
     return param.dim() >= 2
 
 
-def build_adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], config: TrainingConfig) -> torch.optim.AdamW:
+def build_adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], config: OptimizerConfig) -> torch.optim.AdamW:
     """torch's single-tensor AdamW (foreach=False: the element-wise maths does not depend on how the tensors are
     cut, so a sharded optimizer stepping slices of a parameter computes the same bits as one stepping all of it)."""
     return torch.optim.AdamW(

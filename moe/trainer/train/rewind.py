@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from moe.trainer.train.checkpoint.train_state import TrainState
+    from moe.trainer.train.training_config import RewindConfig
 
 
 REASONS = ("nan_loss", "nan_grad_norm", "loss_spike")
@@ -204,13 +205,13 @@ class RewindGuard:
     """The trainer's anomaly checks and rewinds (see the module docstring).
 
     Args:
-        config: the [training] settings (check_for_*, spiky_loss_*, rewind_*).
+        config: the [rewind] settings (`RewindConfig`: check_for_*, spiky_loss_*, rewind_*).
         state: what the snapshot copies (the state list, `TrainState`).
         world: ranks that must agree (the flags are all-reduced over the default group when > 1).
         rank: this rank's global rank (named in the event when its own loss was non-finite).
     """
 
-    def __init__(self, config, state: TrainState, *, world: int, rank: int) -> None:
+    def __init__(self, config: RewindConfig, state: TrainState, *, world: int, rank: int) -> None:
         self.config = config
         self.world, self.rank = world, rank
         self.spikes = (

@@ -65,7 +65,7 @@ from moe.trainer.train.profiling import StepProfiler
 from moe.trainer.train.rewind import AnomalyDetected, RewindGuard, TrainingStopped
 from moe.trainer.train.schedule import lr_at
 from moe.trainer.train.straggler import StragglerMonitor, slow_rank_event
-from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.training_config import TrainerConfig
 from moe.trainer.train.zero import DistributedAdamW, ZeroConfig
 
 
@@ -91,9 +91,10 @@ class Trainer:
         model: `forward(input_ids [B, S] int64, labels=[B, S] int64)` returning an object with `lm_loss_sum`
             (0-d FP32 sum of next-token cross-entropy), `mtp_loss_sums` (list of 0-d sums, one per MTP depth) and
             `num_tokens`; `moe_layers()` listing its `moe.MoELayer`s.
-        config: the [training] settings.
+        config: the components' configs (`TrainerConfig`: [training], [optimizer], [zero], [checkpoint],
+            [rewind], [straggler], [data]), each handed to its component alone.
         parallel: this rank's groups.
-        batches: the run's global batches (a `DataSource`); with `config.data.eod_mask_loss` it must know its
+        batches: the run's global batches (a `DataSource`); with `[data] eod_mask_loss` it must know its
             `eod_id`.
         run_dir: where metrics, the plot and checkpoints go (rank 0 writes).
         seed: the run's seed (data order and per-step generator).
@@ -119,7 +120,7 @@ class Trainer:
     def __init__(
         self,
         model: nn.Module,
-        config: TrainingConfig,
+        config: TrainerConfig,
         parallel: ParallelState,
         batches: DataSource,
         run_dir: str | Path,
@@ -149,7 +150,7 @@ class Trainer:
         data = config.data
         flags = [n for n in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask") if getattr(data, n)]
         if flags and batches.eod_id is None:
-            raise ValueError(f"[training.data] {', '.join(flags)}: the data's end-of-text id is not known")
+            raise ValueError(f"[data] {', '.join(flags)}: the data's end-of-text id is not known")
         self.eod_mask_id = batches.eod_id if data.eod_mask_loss else None
         self.reset_position_ids, self.reset_attention_mask = data.reset_position_ids, data.reset_attention_mask
         self.run_dir = Path(run_dir)
@@ -172,29 +173,33 @@ class Trainer:
         sharded = lay.ep * lay.etp > 1
         if sharded and any((layer.ep_size, layer.etp_size) != (lay.ep, lay.etp) for layer in self.moe_layers):
             raise ValueError(f"the model's MoE layers are not sharded over --ep {lay.ep} --etp {lay.etp}")
-        if config.use_distributed_optimizer:  # built before any backward: it installs the gradient hooks
-            zero = ZeroConfig(bucket_size=config.ddp_bucket_size, overlap_grad_reduce=config.overlap_grad_reduce)
+        training = config.training
+        if config.zero.use_distributed_optimizer:  # built before any backward: it installs the gradient hooks
+            zero = ZeroConfig(
+                bucket_size=config.zero.ddp_bucket_size, overlap_grad_reduce=config.zero.overlap_grad_reduce
+            )
             # Under a pipeline the buckets follow the stages, and each stage's buckets start reducing once the
             # schedule has run its last weight-gradient action (with overlap_grad_reduce).
             stage_params = pipeline.stage_parameters() if pipeline is not None else None
-            self.optimizer = DistributedAdamW(model, expert_params, config, parallel, zero, stage_params=stage_params)
+            self.optimizer = DistributedAdamW(model, expert_params, config.optimizer, parallel, zero,
+                                             stage_params=stage_params)  # fmt: skip
             if pipeline is not None:
                 pipeline.set_weight_grads_done(self.optimizer.stage_grads_done)
         else:
-            self.optimizer = MasterAdamW(model, expert_params, config, parallel)
-        self.local_rows = config.global_batch // parallel.layout.dp
-        self.micro_rows = self.local_rows // config.micro_batches
+            self.optimizer = MasterAdamW(model, expert_params, config.optimizer, parallel)
+        self.local_rows = training.global_batch // parallel.layout.dp
+        self.micro_rows = self.local_rows // training.micro_batches
         # The state list: what checkpoints save and load, and what the rewind snapshot copies.
         self.state = TrainState.of_trainer(
-            model, self.optimizer, config, parallel, batches, seed=seed, run_info=self.run_info,
+            model, self.optimizer, training, config.optimizer, parallel, batches, seed=seed, run_info=self.run_info,
             full_state_dict=model_io.full_state_dict if model_io is not None else None,
         )  # fmt: skip
         # Anomaly checks and rewind, slow-rank detection, injected faults.
         self.faults = faults if faults is not None else FaultPlan()
-        self.guard = RewindGuard(config, self.state, world=parallel.layout.world, rank=parallel.rank)
+        self.guard = RewindGuard(config.rewind, self.state, world=parallel.layout.world, rank=parallel.rank)
         self.phase_timer: PhaseTimer | None = None
         self.straggler: StragglerMonitor | None = None
-        if config.log_straggler:
+        if config.straggler.log_straggler:
             self.phase_timer = PhaseTimer()
             for layer in self.moe_layers:
                 layer.set_phase_timer(self.phase_timer)
@@ -202,14 +207,14 @@ class Trainer:
                 pipeline.set_phase_timer(self.phase_timer)
             self.straggler = StragglerMonitor(
                 self.phase_timer, world=parallel.layout.world, pp=parallel.layout.pp,
-                interval=config.straggler_interval, factor=config.straggler_factor,
-                min_seconds=config.straggler_min_seconds,
+                interval=config.straggler.straggler_interval, factor=config.straggler.straggler_factor,
+                min_seconds=config.straggler.straggler_min_seconds,
             )  # fmt: skip
         elif self.faults.has_delays:
-            raise ValueError("injected sleep faults act on the phase timer: set [training] log_straggler = true")
+            raise ValueError("injected sleep faults act on the phase timer: set [straggler] log_straggler = true")
         if pipeline is not None and self.faults.has_loss_faults:
             raise ValueError("injected loss faults act in the trainer's micro-batch loop, which pipeline runs skip")
-        self.checkpointer = Checkpointer(self.run_dir, parallel, self.state, every=config.checkpoint_every,
+        self.checkpointer = Checkpointer(self.run_dir, parallel, self.state, every=config.checkpoint.checkpoint_every,
                                          model_io=model_io, extra_files=extra_checkpoint_files, faults=self.faults,
                                          timeout_s=checkpoint_timeout_s)  # fmt: skip
 
@@ -219,7 +224,7 @@ class Trainer:
         """Optimizer step `step` (1-based); returns its metrics record (the same on every rank). Raises
         `AnomalyDetected` on every rank, before any update, when the step fails its checks
         (moe/trainer/train/rewind.py)."""
-        cfg, par = self.config, self.parallel
+        cfg, par = self.config.training, self.parallel
         timer = self.phase_timer
         self.faults.at("step_start", step=step, rank=par.rank, timer=timer)
         start = time.perf_counter()
@@ -259,7 +264,8 @@ class Trainer:
         self.guard.check(step, loss, mtp_loss, grad_norm, local_finite)
         with phase(timer, "optimizer"):
             self.optimizer.clip(grad_norm)
-            lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
+            opt = self.config.optimizer
+            lr = lr_at(step, lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps, total_steps=cfg.steps)
             self.optimizer.step(lr)
         # Every rank of the stage routed other tokens (other sequences, or under sequence parallelism another part
         # of the sequence): the expert loads are summed over dp x tp.
@@ -321,7 +327,7 @@ class Trainer:
         """Forward and backward of each micro-batch in turn (no pipeline) of step `step`: `(loss sums [1 + D]
         float64, tokens per expert of each MoE layer)`. The "loss" fault hook point (test hook) may corrupt the
         first micro-batch's LM loss sum."""
-        cfg, timer = self.config, self.phase_timer
+        cfg, timer = self.config.training, self.phase_timer
         sums = torch.zeros(1 + self.num_mtp, dtype=torch.float64)
         loads = [torch.zeros(layer.config.num_moe_experts, dtype=torch.float64) for layer in self.moe_layers]
         micro_packed = [dict(zip(packed, parts)) for parts in zip(*(t.split(self.micro_rows) for t in packed.values()))]
@@ -354,10 +360,11 @@ class Trainer:
         rewound raises `TrainingStopped` after a "stop" event. With `log_straggler`, "phase_times" and
         "slow_rank" events every `straggler_interval` steps.
         """
-        last, rank = self.config.steps, self.parallel.rank
+        last, rank = self.config.training.steps, self.parallel.rank
         loggers = self.loggers(start_step) if self.loggers is not None and self.parallel.is_main else []
-        report = RunReport(self.run_dir, total_steps=last, start_step=start_step, log_every=self.config.log_every,
-                           main=self.parallel.is_main, loggers=loggers)  # fmt: skip
+        report = RunReport(self.run_dir, total_steps=last, start_step=start_step,
+                           log_every=self.config.training.log_every, main=self.parallel.is_main,
+                           loggers=loggers)  # fmt: skip
         records: dict[int, dict[str, Any]] = {}
         step, ok = start_step + 1, False
         profiler = self.profiler
@@ -389,7 +396,7 @@ class Trainer:
     def _step(self, step: int, report: RunReport, records: dict[int, dict[str, Any]]) -> int | None:
         """Step `step`: skipped (configured, or rewound before), or trained and reported (its record into
         `records`); an anomaly rewinds. Returns the step to run next after a rewind, None otherwise."""
-        configured_skip = step in self.config.iterations_to_skip
+        configured_skip = step in self.config.rewind.iterations_to_skip
         if configured_skip or step in self.guard.skipped:
             if configured_skip and report.fresh(step):
                 report.event(

@@ -68,7 +68,7 @@ from moe.trainer.train.optim import (
     decays,
 )
 from moe.trainer.train.parallel_state import ParallelState
-from moe.trainer.train.training_config import TrainingConfig
+from moe.trainer.train.training_config import OptimizerConfig
 
 MEGATRON_MIN_BUCKET = 40_000_000  # Megatron's default bucket size: max(40M, 1M * dp) elements
 
@@ -169,7 +169,7 @@ class DistributedAdamW:
     Args:
         model: the module whose `named_parameters()` are trained (on every rank the same names and local shapes).
         expert_params: parameters to treat as expert parameters besides those tagged `expert_parallel`.
-        config: lr, betas, eps, weight_decay, clip_grad.
+        config: [optimizer]: lr, betas, eps, weight_decay, clip_grad.
         parallel: the groups (dp, tp, ep, expert_dp).
         zero: bucket size, overlap, timeout.
         stage_params: under a pipeline, `{stage index: that stage's parameters}` for the stages this rank holds:
@@ -185,7 +185,7 @@ class DistributedAdamW:
         self,
         model: nn.Module,
         expert_params: list[nn.Parameter],
-        config: TrainingConfig,
+        config: OptimizerConfig,
         parallel: ParallelState,
         zero: ZeroConfig | None = None,
         stage_params: Mapping[int, Iterable[nn.Parameter]] | None = None,

@@ -358,17 +358,17 @@ def check_same_data(saved: dict[str, Any], identity: dict[str, Any], path) -> No
 class LRSchedule(Component):
     """The learning-rate schedule (a function of the step): recorded; a resumed run may change it (noted)."""
 
-    def __init__(self, config, progress: TrainProgress, is_main: bool) -> None:
-        self.config, self.progress, self.is_main = config, progress, is_main
+    def __init__(self, config, total_steps: int, progress: TrainProgress, is_main: bool) -> None:
+        self.config, self.total_steps, self.progress, self.is_main = config, total_steps, progress, is_main
 
     def _settings(self) -> dict[str, Any]:
-        cfg = self.config
-        return {"lr": cfg.lr, "min_lr": cfg.min_lr, "warmup_steps": cfg.warmup_steps, "total_steps": cfg.steps}
+        cfg = self.config  # [optimizer]
+        return {"lr": cfg.lr, "min_lr": cfg.min_lr, "warmup_steps": cfg.warmup_steps, "total_steps": self.total_steps}
 
     def state_dict(self) -> StatePart:
         cfg = self.config
         last = lr_at(self.progress.step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
-                     total_steps=cfg.steps)  # fmt: skip
+                     total_steps=self.total_steps)  # fmt: skip
         return StatePart(trainer={"schedule": {**self._settings(), "last_lr": last}})
 
     def load_state_dict(self, source: LoadSource) -> None:
@@ -492,12 +492,15 @@ class TrainState:
         self.components = list(components)
 
     @classmethod
-    def of_trainer(cls, model: nn.Module, optimizer, config, parallel: ParallelState, batches, *, seed: int,
+    def of_trainer(cls, model: nn.Module, optimizer, training, optimizer_config, parallel: ParallelState, batches, *,
+                   seed: int,
                    run_info: dict[str, Any],
                    full_state_dict: Callable[[], dict[str, torch.Tensor]] | None = None) -> TrainState:  # fmt: skip
-        """The trainer's state list (`full_state_dict`: the model's gather, for the model-directory export)."""
+        """The trainer's state list (`training`: the [training] config, `optimizer_config` the [optimizer] one;
+        `full_state_dict`: the model's gather, for the model-directory export)."""
         progress = TrainProgress(seed, parallel, run_info)
-        return cls([progress, DataPosition(config, batches, progress), LRSchedule(config, progress, parallel.is_main),
+        return cls([progress, DataPosition(training, batches, progress),
+                    LRSchedule(optimizer_config, training.steps, progress, parallel.is_main),
                     ModelState(model, parallel, full_state_dict), OptimizerState(optimizer, parallel),
                     RankLocalState(model, parallel)])  # fmt: skip
 
