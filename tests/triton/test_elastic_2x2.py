@@ -1,0 +1,42 @@
+"""DeepEP V2's `ElasticBuffer` on the triton executor over 2 nodes x 2 ranks (four rank processes; the internode
+engine composing the triton executor as its node-local stage), under Triton's interpreter: the cases the CPU
+executor runs at 2 x 2 in tests/clients/test_elastic_v21.py, unchanged: DeepEP 2.1's primitives, upstream's V2 mode
+grid (a sparser stride: the interpreter's cost is per launch) and the FP8 dispatch with an idle rank.
+
+Run only them: `pytest tests/triton/test_elastic_2x2.py`."""
+
+from __future__ import annotations
+
+import pytest
+
+from ..clients import v2_grid_cases as grid
+from ..clients.test_elastic_v21 import CASES as V21_CASES
+from ..conformance.topology import INTERNODE_2X2
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+# Strides of upstream's 144-mode grid that take every value of every dimension (coprime with the grid's periods:
+# 6 combinations of previous event / async / comm-stream allocation, then biases 0 / 1 / 2, FP8, alignment, handle
+# copy): with CPU sync every 25th mode (6 modes: all 6 inner combinations too), without every 29th (5 modes, the
+# fewest from mode 0 that do); the interpreter's cost is per launch, about 30 s a mode on the loaded shared machine.
+STRIDES = {True: 25, False: 29}
+
+
+@pytest.mark.parametrize("topology", [INTERNODE_2X2], ids=str)
+@pytest.mark.parametrize("case", V21_CASES, ids=lambda case: case.__name__)
+def test_v21_case(pool, case, topology):
+    pool.run(case, topology.ranks_per_node)
+
+
+@pytest.mark.parametrize("topology", [INTERNODE_2X2], ids=str)
+@pytest.mark.parametrize("do_cpu_sync", [True, False], ids=["cpu-sync", "no-cpu-sync"])
+def test_v2_mode_grid(pool, topology, do_cpu_sync):
+    stride = STRIDES[do_cpu_sync]
+    checked = pool.run(grid.v2_mode_grid_matches_reference, topology.ranks_per_node, stride, do_cpu_sync, (0, 1))
+    expected = list(range(0, len(list(grid.enumerate_ep_modes())), stride))
+    assert checked == [expected] * topology.world_size
+
+
+@pytest.mark.parametrize("topology", [INTERNODE_2X2], ids=str)
+def test_fp8_internode_dispatch_with_an_idle_rank(pool, topology):
+    pool.run(grid.fp8_internode_dispatch_with_an_idle_rank)
