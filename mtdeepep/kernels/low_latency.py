@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -669,6 +670,7 @@ class LowLatencyKernels:
         if hook_mode and self.device.type == "cpu":
             if self._sender is None:
                 self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mtdeepep-ll-send-{self.rank}")
+                weakref.finalize(self, self._sender.shutdown, wait=False)  # kernels dropped without destroy()
             future = self._sender.submit(send)
             self._sends.append(future)
             return future
