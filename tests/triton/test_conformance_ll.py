@@ -1,8 +1,8 @@
-"""The low-latency conformance cases (tests/conformance/low_latency_cases.py, unchanged) on the triton executor
-(`mtdeepep.kernels.low_latency` through `TritonEngine`) under Triton's interpreter, 2 rank processes, every case
-(`overlap_is_real` at a smaller shape, below). Measured: 274 s for the file when 4 cases were skipped (15 passed),
-on the shared 2-core machine at load average ~10; the three cases added since: `overlap_is_real` ~41-46 s,
-`wait_stats_name_the_late_rank` ~10 s, `missing_rank_times_out_then_clean_recovers` ~7 s (at load average ~13)."""
+"""The low-latency conformance cases (tests/conformance/low_latency_cases.py, their assertions unchanged) on the
+triton executor (`mtdeepep.kernels.low_latency` through `TritonEngine`) under Triton's interpreter, 2 rank
+processes, every case (`overlap_is_real` at a smaller shape, below). Measured on the shared 2-core machine: 600 s
+for the file, 19 passed, at load average ~25-30 (274 s at load ~10 when 4 cases were skipped); the three cases added
+since: `overlap_is_real` 35 s, `wait_stats_name_the_late_rank` 5 s, `missing_rank_times_out_then_clean_recovers` 4 s."""
 
 from __future__ import annotations
 
