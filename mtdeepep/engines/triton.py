@@ -27,7 +27,8 @@ aliases (`_unversioned`), so autograd never sees them modified in place. Triton'
 being run in module globals, so interpreted launches of every thread take one lock (`_serialize_interpreted_launches`).
 
 Low-latency mode runs `mtdeepep.kernels.low_latency` (its own control part, double buffer and hooks) on the
-runtime's low-latency areas (`Runtime.region_addresses(True)`), on the caller's thread after the worker drained.
+runtime's low-latency areas (`Runtime.region_addresses(True)`), on the caller's thread after the worker drained
+(under the interpreter a hook-mode call's send phase on the kernels' sender thread, which the hook joins).
 
 Several nodes: the internode engine composes this executor as the node-local stage, as it composes the CPU one.
 """

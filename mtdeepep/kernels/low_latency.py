@@ -27,8 +27,17 @@ waits end at once naming it. With wait statistics, each peer is waited for in it
 kernels have no clock in the interpreter).
 
 The calls are synchronous on the caller's thread (and the device's current stream): a hook-mode call sends in the
-call and receives in the hook. The FP8 sender casts once per (token, expert) row it writes, i.e. up to top-k times
-per token (simple, one launch; the CUDA executor casts once per token).
+call and receives in the hook. Under the interpreter a hook-mode call's send phase (the entry wait and the send
+kernel) runs on this rank's sender thread instead, in call order, so that the caller's work until the hook overlaps
+the transfer as it does a GPU's kernel; the hook first joins it (and raises its error).
+
+Wait statistics (`wait_stats`, nanoseconds per rank): the time the receiving side waited for each rank, counted from
+the start of the receiving side (the call's start without a hook, as upstream's receiving warps poll from the
+kernel's launch alongside the senders; the hook's start with one) until that rank's signal was there, the peers
+waited for in rank order, each stretch counted once; a hook-mode call's entry wait counts as well.
+
+The FP8 sender casts once per (token, expert) row it writes, i.e. up to top-k times per token (simple, one launch;
+the CUDA executor casts once per token).
 
 Interpreter traps avoided (see `/work/shared/reference/triton_notes.md`): bfloat16 is upcast before arithmetic and
 rounded back to bfloat16 with integer operations (the interpreter truncates `.to(tl.bfloat16)`); E4M3 is cast with
@@ -41,9 +50,12 @@ RT = R * T_max rows per local expert.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import time
+import weakref
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -517,6 +529,8 @@ class LowLatencyKernels:
         self.hook_pending = [False, False]
         self.combine_areas: list[torch.Tensor | None] = [None, None]
         self.zero_copy_combines = 0
+        self._sender: ThreadPoolExecutor | None = None  # the interpreter's hook-mode sends (`_start_send`)
+        self._sends: list[Future] = []  # those not joined yet, in call order
 
     # ---- helpers ----
 
@@ -571,26 +585,29 @@ class LowLatencyKernels:
             self.hook_pending[call.seq % 2] = False
 
     def _wait(self, phase: int, offset: int, stride: int, target: int, peer_area: bool,
-              wait_ns: torch.Tensor | None) -> None:  # fmt: skip
+              wait_ns: torch.Tensor | None, since_ns: int | None = None) -> None:  # fmt: skip
         """Waits (`_wait_kernel`, bounded by the timeout) until every rank's flag reached `target`; raises the status
         word's error (`CommTimeoutError` naming the rank that did not arrive and the phase). With `wait_ns`, one
-        launch per rank, each timed: `wait_ns[p]` gets the time spent waiting for rank p. In the interpreter the host
-        first sleeps until the flags are there (`_host_wait`), so the timeout is wall-clock time there too."""
+        launch per rank, each timed: `wait_ns[p]` gets the time spent waiting for rank p (the first from `since_ns`,
+        a `time.perf_counter_ns()`, when given: see the module docstring). In the interpreter the host first sleeps
+        until the flags are there (`_host_wait`), so the timeout is wall-clock time there too."""
         # This rank's own flag is already there (its own launches, in order): with `wait_ns`, not timed.
         spans = (
             [(0, self.num_ranks)] if wait_ns is None else [(p, p + 1) for p in range(self.num_ranks) if p != self.rank]
         )
         waited = []
         deadline = time.monotonic() + self.timeout_s
+        start = time.perf_counter_ns() if since_ns is None else since_ns
         for first, last in spans:
-            start = time.perf_counter_ns()
             bound = self._host_wait(offset, stride, target, peer_area, first, last, deadline)
             _wait_kernel[(1,)](
                 self.peer_table, self.poison_table, self.status.words, self.rank, self.num_ranks, first, last, offset,
                 stride, target, bound, phase, PEER_AREA=peer_area, CLOCK=self.bound.clock,
             )  # fmt: skip
             self._check_status()
-            waited.append(time.perf_counter_ns() - start)
+            end = time.perf_counter_ns()
+            waited.append(end - start)
+            start = end
         if wait_ns is not None:
             waited.insert(self.rank, 0)
             wait_ns += torch.tensor(waited, dtype=torch.int64, device=wait_ns.device)
@@ -631,10 +648,10 @@ class LowLatencyKernels:
         if call.seq > 2:
             self._wait(sync.PHASE_LOW_LATENCY_ENTER, self.control.entered, 0, call.seq, True, wait_ns)
 
-    def _wait_signals(self, call: _Call, phase: int, expected: list[int], wait_ns) -> str:
+    def _wait_signals(self, call: _Call, phase: int, expected: list[int], wait_ns, since_ns: int | None) -> str:
         """Waits for every source's signal of `call`; returns a mismatch message when they did not all make it."""
         signals = self.control.signal(call.seq, 0)
-        self._wait(phase, signals, SIGNAL_BYTES, call.seq, False, wait_ns)
+        self._wait(phase, signals, SIGNAL_BYTES, call.seq, False, wait_ns, since_ns)
         block = self.area[signals : signals + SIGNAL_BYTES * self.num_ranks].view(torch.int64)
         block = block.view(self.num_ranks, SIGNAL_BYTES // 8)[:, 1 : 1 + SIGNATURE_FIELDS].cpu().tolist()
         for source, theirs in enumerate(block):
@@ -647,6 +664,34 @@ class LowLatencyKernels:
                     "its handle: every rank must combine the same dispatch"
                 )
         return ""
+
+    def _start_send(self, send: Callable[[], None], hook_mode: bool) -> Future | None:
+        """Runs a call's send phase: under the interpreter a hook-mode call's on this rank's sender thread (returns
+        its future, for the hook to join), else now on the caller's thread, after the sends still running."""
+        if hook_mode and self.device.type == "cpu":
+            if self._sender is None:
+                self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mtdeepep-ll-send-{self.rank}")
+                weakref.finalize(self, self._sender.shutdown, wait=False)  # kernels dropped without destroy()
+            future = self._sender.submit(send)
+            self._sends.append(future)
+            return future
+        self._join_sends()
+        send()
+        return None
+
+    def _join_send(self, sending: Future | None) -> None:
+        """Waits for a hook-mode call's send phase (bounded: its waits are) and raises its error."""
+        if sending is not None:
+            try:
+                sending.result()
+            finally:
+                self._sends = [f for f in self._sends if f is not sending]
+
+    def _join_sends(self) -> None:
+        """Waits for the sends still running (their errors belong to their hooks)."""
+        for future in self._sends:
+            with contextlib.suppress(BaseException):  # raised by the hook of its own call
+                future.result()
 
     def _check_epoch(self, call: _Call) -> None:
         if call.epoch != self.epoch:
@@ -696,9 +741,10 @@ class LowLatencyKernels:
             (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | (FLAG_UE8M0 if use_ue8m0 else 0)
         )
         signature = [KIND_DISPATCH, H, num_max_dispatch_tokens_per_rank, num_experts, flags, self.uid, call.seq]
+        called_ns = time.perf_counter_ns()
 
-        try:
-            self._enter_and_wait_peers(call, wait_stats)
+        def send() -> None:
+            self._enter_and_wait_peers(call, wait_stats if return_recv_hook else None)
             status = torch.zeros(1, dtype=torch.int32, device=self.device)
             token_list = torch.empty(num_experts, num_max_dispatch_tokens_per_rank, dtype=torch.int32,
                                      device=self.device)  # fmt: skip
@@ -723,13 +769,18 @@ class LowLatencyKernels:
                     f"mtdeepep: rank {failed - 1} has more rows reserved in low-latency op #{call.seq} than its "
                     f"{RT} slots per expert; the signalling state is stale: call clean_low_latency_buffer"
                 )
+
+        try:
+            sending = self._start_send(send, return_recv_hook)
         except BaseException:
             self._end(call)
             raise
 
         def receive() -> None:
             try:
-                mismatch = self._wait_signals(call, sync.PHASE_LOW_LATENCY_DISPATCH_RECEIVE, signature, wait_stats)
+                self._join_send(sending)
+                mismatch = self._wait_signals(call, sync.PHASE_LOW_LATENCY_DISPATCH_RECEIVE, signature, wait_stats,
+                                              None if return_recv_hook else called_ns)  # fmt: skip
                 _dispatch_finish_kernel[(L,)](
                     self.peer_table, self.rank, self.num_ranks, half, self._counter_offset(call.seq), recv_count,
                     src_info, layout_range, cumulative_stats if cumulative_stats is not None else recv_count, RT,
@@ -772,8 +823,10 @@ class LowLatencyKernels:
             self.zero_copy_combines += 1
         half = self._half_offset(call.seq)
         signature = [KIND_COMBINE, H, T_max, num_experts, 0, dispatch_uid, dispatch_seq]
-        try:
-            self._enter_and_wait_peers(call, wait_stats)
+        called_ns = time.perf_counter_ns()
+
+        def send() -> None:
+            self._enter_and_wait_peers(call, wait_stats if return_recv_hook else None)
             _combine_send_kernel[(L, self.num_ranks)](
                 x, src_info, layout_range, self.peer_table, self.rank, call.seq, half,
                 self.control.signal(call.seq, self.rank),
@@ -782,13 +835,18 @@ class LowLatencyKernels:
                 layout.combine_recv, BLOCK_T=self.blocks.rows,
                 BLOCK_H=min(self.blocks.hidden, triton.next_power_of_2(H)),
             )  # fmt: skip
+
+        try:
+            sending = self._start_send(send, return_recv_hook)
         except BaseException:
             self._end(call)
             raise
 
         def receive() -> None:
             try:
-                mismatch = self._wait_signals(call, sync.PHASE_LOW_LATENCY_COMBINE_RECEIVE, signature, wait_stats)
+                self._join_send(sending)
+                mismatch = self._wait_signals(call, sync.PHASE_LOW_LATENCY_COMBINE_RECEIVE, signature, wait_stats,
+                                              None if return_recv_hook else called_ns)  # fmt: skip
                 num_tokens = topk_idx.size(0)
                 if num_tokens:
                     block_t = min(self.blocks.reduce_tokens, triton.next_power_of_2(num_tokens))
@@ -836,6 +894,10 @@ class LowLatencyKernels:
     def destroy(self) -> None:
         """This rank's buffer goes away: every peer's low-latency wait ends at once with `CommError` naming this rank
         (call before the area is unmapped; the poison goes into the peers' areas)."""
+        self._join_sends()  # bounded by the timeout
+        if self._sender is not None:
+            self._sender.shutdown(wait=True)
+            self._sender = None
         code = sync.encode_error(sync.KIND_PEER_FAILED, DESTROYED_PHASE, self.rank, self.rank)
         _poison_peers_kernel[(1,)](self.poison_table, self.rank, self.num_ranks, code)
 
@@ -848,6 +910,8 @@ class LowLatencyKernels:
         """Zeroes this rank's signalling state and restarts the call numbering, between two barriers of all ranks
         (collective; no low-latency call in flight)."""
         layout = self._layout(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self._join_sends()  # no send of this rank still in flight (each ends within the timeout)
+        self._sends = []
         # A failed call left this rank's status word or poison set: clear both, then meet the others.
         self.status = sync.StatusWord(self.device)
         self.area[self.control.poison : self.control.poison + 8].zero_()

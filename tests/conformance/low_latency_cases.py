@@ -632,10 +632,11 @@ def collective_transport_equals_shared_memory(ctx, topo):
 # Overlap
 
 
-def overlap_is_real(ctx, topo):
+def overlap_is_real(ctx, topo, num_tokens: int = 128, hidden: int = 7168):
     """Computation between the dispatch call and hook() overlaps the transfer.
 
-    The transfer (128 tokens x top-8, hidden 7168, BF16: 14.7 MB written per rank) runs on the buffer's comm
+    The transfer (by default 128 tokens x top-8, hidden 7168, BF16: 14.7 MB written per rank; an executor whose
+    cost does not grow with the bytes, as Triton's interpreter's, may run it smaller) runs on the buffer's comm
     thread after `low_latency_dispatch(..., return_recv_hook=True)` returns. The computation in between is a
     stand-in for accelerator work: `time.sleep` frees the core. (A CPU-bound computation cannot overlap a CPU
     copy on this 2-core machine: both need the same cores.) With compute time S ~ t = t(dispatch + hook), serial
@@ -643,15 +644,15 @@ def overlap_is_real(ctx, topo):
     best). Medians of interleaved repetitions, all ranks starting together, make it robust to a noisy machine.
     """
     num_experts = 4 * ctx.world_size
-    buffer = ll_buffer(ctx, topo, "overlap", num_max_tokens=128, hidden=7168, experts_per_rank=4)
-    x = make_x(ctx, 128, 7168, seed=13)
-    topk_idx, _ = make_routing(ctx, 128, num_experts, 8, seed=13, num_masked=0)
+    buffer = ll_buffer(ctx, topo, "overlap", num_max_tokens=num_tokens, hidden=hidden, experts_per_rank=4)
+    x = make_x(ctx, num_tokens, hidden, seed=13)
+    topk_idx, _ = make_routing(ctx, num_tokens, num_experts, 8, seed=13, num_masked=0)
 
     def run(compute_s: float, check: bool = False) -> float:
         barrier(ctx)
         start = time.perf_counter()
         recv, count, handle, _, hook = buffer.low_latency_dispatch(
-            x, topk_idx, 128, num_experts, use_fp8=False, return_recv_hook=True
+            x, topk_idx, num_tokens, num_experts, use_fp8=False, return_recv_hook=True
         )
         if compute_s:
             time.sleep(compute_s)
