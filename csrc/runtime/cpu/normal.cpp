@@ -683,7 +683,11 @@ namespace {
 // Rank i's block: [half 0][half 1][chunk table], the table written by i before the combine's first barrier:
 // int32 num_chunks, then for k in 0..num_chunks the rows rank i has received from each rank j (j = 0..R-1) for its
 // tokens before chunk k starts (R values per k). Peers read it until the last round's barrier.
-constexpr size_t kChunkStagingBytes = size_t(1) << 20;  // one half: written by peers, read by the owner from cache
+// A half holds at least kChunkStagingBytes, and more when a rank receives so many rows that the chunks would exceed
+// kTargetChunks: every round ends at a barrier, and on a loaded machine each barrier may wait for a peer to be
+// scheduled again, so their number is bounded before the halves' fit in the caches is sought.
+constexpr size_t kChunkStagingBytes = size_t(1) << 20;
+constexpr int64_t kTargetChunks = 8;
 
 struct ChunkStaging {
     bool usable = false;  // the block holds both halves of >= 2 * (R - 1) rows and the longest possible table
@@ -695,7 +699,9 @@ struct ChunkStaging {
 // Every rank computes every rank's staging from the published block size and the traffic alone.
 ChunkStaging chunk_staging(const RowFormat& format, size_t block_bytes, int64_t remote_rows, int num_ranks) {
     ChunkStaging staging;
-    staging.half_bytes = std::min(kChunkStagingBytes, block_bytes / 4) / kFieldAlignment * kFieldAlignment;
+    const size_t wanted =
+        std::max(kChunkStagingBytes, static_cast<size_t>(remote_rows / kTargetChunks + 1) * format.row_bytes());
+    staging.half_bytes = std::min(wanted, block_bytes / 4) / kFieldAlignment * kFieldAlignment;
     staging.half = RegionLayout::fitting(format, staging.half_bytes);
     const auto capacity = static_cast<int64_t>(staging.half.capacity);
     if (capacity < 2 * std::max(num_ranks - 1, 1)) return staging;
