@@ -513,20 +513,6 @@ def small_buffer_moves_in_rounds(ctx, topo):
         assert torch.allclose(combined_w, d.topk_weights.masked_fill(d.topk_idx < 0, 0.0), rtol=1e-6, atol=0)
 
 
-def combine_in_chunks_matches_one_chunk(ctx, topo):
-    """A 64 KiB region stages the combine a few dozen rows per chunk (rounds through two alternating halves); the
-    results have the same bits as with the default region's one chunk: the same FP32 sums in the same rank order,
-    rounded once. 320 tokens, so that every rank's combine takes several chunks."""
-    results = []
-    for buffer in (topo.buffer(ctx, num_nvl_bytes=64 << 10), topo.buffer(ctx)):
-        d = check_dispatch(ctx, topo, buffer, 320, 96, 16, 4, seed=97)
-        combined, combined_w, _ = buffer.combine(d.recv_x, d.handle, topk_weights=d.recv_w)
-        results.append(topo.placement.host((combined, combined_w)))
-    (chunked, chunked_w), (whole, whole_w) = results
-    assert torch.equal(chunked, whole) and torch.equal(chunked_w, whole_w)
-    assert_combine_close(chunked, identity_partials(topo, d.x, d.in_rank), torch.bfloat16)
-
-
 def region_too_small_for_one_row_says_how_much(ctx, topo):
     """A region smaller than one row fails on every rank, naming the bytes needed (where a node has several ranks:
     a node of one rank moves its rows without the region)."""

@@ -38,7 +38,6 @@ CASES = [
     cases.async_outputs_are_not_modified_in_place_after_return,
     cases.async_outputs_staged_in_rounds_are_not_modified_in_place,
     cases.small_buffer_moves_in_rounds,
-    cases.combine_in_chunks_matches_one_chunk,
     cases.region_too_small_for_one_row_says_how_much,
     cases.edge_cases,
     cases.local_buffer_tensor_is_the_shared_region,

@@ -52,10 +52,9 @@ struct RowArrays {
 void write_dispatch_rows(const DispatchSource& src, const int32_t* tokens, size_t begin, size_t end,
                          const RowArrays& dst, size_t first_row, int64_t first_local_expert, int num_local_experts);
 
-// Copies rows [src_row, src_row + n) of `src` into rows [dst_row, ...) of `dst` (contiguous blocks). `stream_x`: large
-// x blocks bypass the caches (for rows read long after); false keeps them in cache for a reader that comes next.
+// Copies rows [src_row, src_row + n) of `src` into rows [dst_row, ...) of `dst` (contiguous blocks).
 void copy_rows(const RowArrays& src, size_t src_row, const RowArrays& dst, size_t dst_row, size_t num_rows,
-               size_t x_row_bytes, size_t scale_row_bytes, int num_topk, bool stream_x = true);
+               size_t x_row_bytes, size_t scale_row_bytes, int num_topk);
 
 // ---- combine ----
 enum class FloatKind { kBFloat16, kFloat16, kFloat32 };
@@ -70,10 +69,9 @@ struct CombineSources {
     std::vector<const float*> weight_rows;  // per rank j (only with topk weights)
 };
 
-// out[t] = sum of token t's contributions in rank order (+ bias0[t] + bias1[t]), accumulated in FP32, rounded once.
-// `stream_output`: write `out` past the caches (an output larger than them, not read back soon).
+// out[t] = sum of token t's contributions (+ bias0[t] + bias1[t]), accumulated in FP32.
 void combine_reduce(FloatKind kind, const CombineSources& sources, int num_tokens, int hidden, int num_topk,
-                    const uint8_t* bias0, const uint8_t* bias1, uint8_t* out, float* out_weights, bool stream_output);
+                    const uint8_t* bias0, const uint8_t* bias1, uint8_t* out, float* out_weights);
 
 // acc[tokens[k]] += rows[k] for k in [0, n), in FP32 (multi-round combine).
 void accumulate_rows(FloatKind kind, const uint8_t* rows, const float* weight_rows, const int32_t* tokens, size_t n,

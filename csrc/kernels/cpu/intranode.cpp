@@ -268,19 +268,14 @@ void write_dispatch_rows(const DispatchSource& src, const int32_t* tokens, size_
 }
 
 void copy_rows(const RowArrays& src, size_t src_row, const RowArrays& dst, size_t dst_row, size_t num_rows,
-               size_t x_row_bytes, size_t scale_row_bytes, int num_topk, bool stream_x) {
+               size_t x_row_bytes, size_t scale_row_bytes, int num_topk) {
     if (num_rows == 0) return;
     // One contiguous block per field; the x block is split so that several threads share the bandwidth.
     const int64_t x_bytes = static_cast<int64_t>(num_rows * x_row_bytes);
     const int64_t chunk = 1 << 20;
     at::parallel_for(0, (x_bytes + chunk - 1) / chunk, 1, [&](int64_t lo, int64_t hi) {
         const int64_t first = lo * chunk, last = std::min(x_bytes, hi * chunk);
-        uint8_t* to = dst.x + dst_row * x_row_bytes + first;
-        const uint8_t* from = src.x + src_row * x_row_bytes + first;
-        if (stream_x)
-            stream_copy(to, from, last - first);
-        else
-            std::memcpy(to, from, last - first);
+        stream_copy(dst.x + dst_row * x_row_bytes + first, src.x + src_row * x_row_bytes + first, last - first);
     });
     if (dst.scales != nullptr && scale_row_bytes > 0)
         std::memcpy(dst.scales + dst_row * scale_row_bytes, src.scales + src_row * scale_row_bytes,
@@ -295,13 +290,14 @@ void copy_rows(const RowArrays& src, size_t src_row, const RowArrays& dst, size_
 }
 
 void combine_reduce(FloatKind kind, const CombineSources& sources, int num_tokens, int hidden, int num_topk,
-                    const uint8_t* bias0, const uint8_t* bias1, uint8_t* out, float* out_weights, bool stream_output) {
+                    const uint8_t* bias0, const uint8_t* bias1, uint8_t* out, float* out_weights) {
     // Columns are reduced in chunks that stay in L1 while every contribution is added (the general path).
     constexpr int kChunk = 512;
     const size_t element = element_bytes(kind);
     const size_t row_bytes = static_cast<size_t>(hidden) * element;
     const int num_ranks = sources.num_ranks;
-    const bool stream = stream_output;
+    // An output larger than the caches is streamed to memory: its lines are not read before being written.
+    const bool stream = static_cast<size_t>(num_tokens) * row_bytes >= (size_t(8) << 20);
     at::parallel_for(0, num_tokens, 16, [&](int64_t lo, int64_t hi) {
         alignas(64) float acc[kChunk];
         std::vector<const uint8_t*> rows, next;

@@ -671,94 +671,6 @@ std::optional<at::Tensor> NormalProtocol::region_empty(at::IntArrayRef sizes, at
 // ---------------------------------------------------------------------------------------------------------------
 // Combine
 
-namespace {
-
-// The pipelined combine: each rank splits its tokens into chunks whose rows from the other ranks fit one half of a
-// small staging area (kept in the caches); in round k the peers copy their rows of every rank's chunk k into half
-// k % 2 of that rank's block, and after the round's barrier each rank reduces its chunk k straight from its own
-// expert output and that half. A row thus crosses memory once into the cache and is read from there, instead of
-// being staged whole (a write and a read of the remote rows more than a memory copy). Half k % 2 is written again
-// in round k + 2 only after its owner has passed barrier k + 1, which it reaches after reducing chunk k.
-//
-// Rank i's block: [half 0][half 1][chunk table], the table written by i before the combine's first barrier:
-// int32 num_chunks, then for k in 0..num_chunks the rows rank i has received from each rank j (j = 0..R-1) for its
-// tokens before chunk k starts (R values per k). Peers read it until the last round's barrier.
-// A half holds at least kChunkStagingBytes, and more when a rank receives so many rows that the chunks would exceed
-// kTargetChunks: every round ends at a barrier, and on a loaded machine each barrier may wait for a peer to be
-// scheduled again, so their number is bounded before the halves' fit in the caches is sought.
-constexpr size_t kChunkStagingBytes = size_t(1) << 20;
-constexpr int64_t kTargetChunks = 8;
-
-struct ChunkStaging {
-    bool usable = false;  // the block holds both halves of >= 2 * (R - 1) rows and the longest possible table
-    size_t half_bytes = 0, table_offset = 0;
-    int64_t max_chunks = 0;
-    RegionLayout half;
-};
-
-// Every rank computes every rank's staging from the published block size and the traffic alone.
-ChunkStaging chunk_staging(const RowFormat& format, size_t block_bytes, int64_t remote_rows, int num_ranks) {
-    ChunkStaging staging;
-    const size_t wanted =
-        std::max(kChunkStagingBytes, static_cast<size_t>(remote_rows / kTargetChunks + 1) * format.row_bytes());
-    staging.half_bytes = std::min(wanted, block_bytes / 4) / kFieldAlignment * kFieldAlignment;
-    staging.half = RegionLayout::fitting(format, staging.half_bytes);
-    const auto capacity = static_cast<int64_t>(staging.half.capacity);
-    if (capacity < 2 * std::max(num_ranks - 1, 1)) return staging;
-    // A chunk closes only when its next token's rows (at most R - 1) would not fit: every chunk but the last holds
-    // more than capacity - (R - 1) >= capacity / 2 rows.
-    staging.max_chunks = 2 * remote_rows / capacity + 1;
-    staging.table_offset = 2 * staging.half_bytes;
-    const size_t table_bytes = sizeof(int32_t) * (1 + static_cast<size_t>(staging.max_chunks + 1) * num_ranks);
-    staging.usable = staging.table_offset + table_bytes <= block_bytes;
-    return staging;
-}
-
-// Splits `rank`'s tokens into chunks (see ChunkStaging), writes the table into `table` and returns the chunks' token
-// bounds [num_chunks + 1].
-std::vector<int64_t> write_chunk_table(const int32_t* send_head, int num_tokens, int num_ranks, int rank,
-                                       const ChunkStaging& staging, int32_t* table) {
-    const auto capacity = static_cast<int64_t>(staging.half.capacity);
-    std::vector<int32_t> received(num_ranks, 0);  // rows received from each rank for the tokens so far
-    std::vector<int64_t> bounds;
-    auto close_chunk = [&](int64_t token) {                            // records where chunk bounds.size() starts
-        if (static_cast<int64_t>(bounds.size()) > staging.max_chunks)  // the table's room (see chunk_staging)
-            throw std::logic_error(concat("mtdeepep: combine needs more than ", staging.max_chunks, " chunks"));
-        std::copy(received.begin(), received.end(), table + 1 + bounds.size() * num_ranks);
-        bounds.push_back(token);
-    };
-    close_chunk(0);
-    int64_t rows_in_chunk = 0;
-    for (int t = 0; t < num_tokens; ++t) {
-        const int32_t* head = send_head + static_cast<int64_t>(t) * num_ranks;
-        int64_t rows = 0;
-        for (int j = 0; j < num_ranks; ++j) rows += j != rank && head[j] >= 0;
-        if (rows_in_chunk + rows > capacity) {
-            close_chunk(t);
-            rows_in_chunk = 0;
-        }
-        rows_in_chunk += rows;
-        for (int j = 0; j < num_ranks; ++j) received[j] += j != rank && head[j] >= 0;
-    }
-    close_chunk(num_tokens);
-    table[0] = static_cast<int32_t>(bounds.size() - 1);
-    return bounds;
-}
-
-// An output larger than the caches is streamed to memory: its lines are not read before being written.
-bool stream_output(int64_t num_tokens, size_t row_bytes) {
-    return static_cast<size_t>(num_tokens) * row_bytes >= (size_t(8) << 20);
-}
-
-int64_t remote_rows_of(const TrafficMatrix& traffic, int rank) {
-    int64_t rows = 0;
-    for (int j = 0; j < traffic.num_ranks; ++j)
-        if (j != rank) rows += traffic.at(rank, j);
-    return rows;
-}
-
-}  // namespace
-
 struct NormalProtocol::CombineArgs {
     at::Tensor x;
     OptTensor topk_weights, bias0, bias1;
@@ -819,19 +731,9 @@ void NormalProtocol::run_combine(CombineArgs& a) {
     push_int64(signature, a.id.uid);
     push_int64(signature, a.id.seq);
     signature.push_back(a.checksum);
-    // The chunk table goes into this rank's block before the first barrier, where the peers read it.
-    std::vector<int64_t> chunk_bounds;  // this rank's chunk k covers tokens [chunk_bounds[k], chunk_bounds[k + 1])
-    const ChunkStaging my_chunks =
-        chunk_staging(format, reservation.block.size, remote_rows_of(traffic, rank_), num_ranks_);
-    if (my_chunks.usable && remote_rows_of(traffic, rank_) > 0)
-        chunk_bounds = write_chunk_table(
-            a.send_head.data_ptr<int32_t>(), static_cast<int>(a.send_head.size(0)), num_ranks_, rank_, my_chunks,
-            reinterpret_cast<int32_t*>(data_region(rank_) + reservation.block.offset + my_chunks.table_offset));
     exchange_signature(signature, "combine: begin");
-    if (run_chunked_combine(a, traffic, chunk_bounds)) return;
 
-    // Fallback when some rank's block is too small for the chunked staging: rank i stages the rows of the tokens it
-    // sent, from every other rank j (ordered by j), in the block it lent.
+    // Rank i stages the rows of the tokens it sent, from every other rank j (ordered by j), in the block it lent.
     std::vector<RegionLayout> staging(num_ranks_);
     std::vector<uint8_t*> block_base(num_ranks_);
     int64_t num_rounds = 0;
@@ -890,8 +792,7 @@ void NormalProtocol::run_combine(CombineArgs& a) {
             sources.row_offset.push_back(local ? traffic.recv_offset(rank_, rank_) : combine_offset(j, rank_));
             sources.weight_rows.push_back(local ? weight_rows : my_staging.topk_weights);
         }
-        combine_reduce(kind, sources, num_tokens, hidden, num_topk, bias0, bias1, out, out_weights,
-                       stream_output(num_tokens, format.x_bytes));
+        combine_reduce(kind, sources, num_tokens, hidden, num_topk, bias0, bias1, out, out_weights);
         return;
     }
 
@@ -922,111 +823,6 @@ void NormalProtocol::run_combine(CombineArgs& a) {
         if (round + 1 < num_rounds) runtime_->peers().barrier("combine: round consumed");
     }
     finish_accumulation(kind, acc.data_ptr<float>(), num_tokens, hidden, bias0, bias1, out);
-}
-
-bool NormalProtocol::run_chunked_combine(CombineArgs& a, const TrafficMatrix& traffic,
-                                         const std::vector<int64_t>& chunk_bounds) {
-    RowFormat format;
-    format.x_bytes = a.x.size(1) * a.x.element_size();
-    format.num_topk = a.topk_weights ? static_cast<int>(a.topk_weights->size(1)) : 0;
-    format.with_weights = a.topk_weights.has_value();
-    // Every rank takes this path or none: the decision depends only on what all of them read alike.
-    std::vector<ChunkStaging> staging(num_ranks_);
-    std::vector<uint8_t*> block_base(num_ranks_);
-    for (int i = 0; i < num_ranks_; ++i) {
-        const RegionArena::Block block = read_reservation(i).block;
-        block_base[i] = data_region(i) + block.offset;
-        const int64_t remote = remote_rows_of(traffic, i);
-        staging[i] = chunk_staging(format, block.size, remote, num_ranks_);
-        if (remote > 0 && !staging[i].usable) return false;
-    }
-    // Rank i's table, checked before any row moves by it: a table that does not add up to the traffic the ranks
-    // agreed on would send rows out of range.
-    std::vector<const int32_t*> tables(num_ranks_, nullptr);
-    std::vector<int64_t> num_chunks(num_ranks_, 0);
-    int64_t num_rounds = 0;
-    for (int i = 0; i < num_ranks_; ++i) {
-        if (remote_rows_of(traffic, i) == 0) continue;
-        tables[i] = reinterpret_cast<const int32_t*>(block_base[i] + staging[i].table_offset);
-        num_chunks[i] = tables[i][0];
-        bool valid = num_chunks[i] >= 1 && num_chunks[i] <= staging[i].max_chunks;
-        for (int64_t k = 0; valid && k < num_chunks[i]; ++k) {
-            int64_t rows = 0;
-            for (int j = 0; j < num_ranks_; ++j) {
-                const int64_t begin = tables[i][1 + k * num_ranks_ + j], end = tables[i][1 + (k + 1) * num_ranks_ + j];
-                valid = valid && begin <= end && (k > 0 || begin == 0);
-                rows += end - begin;
-            }
-            valid = valid && rows <= static_cast<int64_t>(staging[i].half.capacity);
-        }
-        for (int j = 0; valid && j < num_ranks_; ++j)
-            valid = tables[i][1 + num_chunks[i] * num_ranks_ + j] == (j == i ? 0 : traffic.at(i, j));
-        if (!valid)
-            throw CommError(concat("mtdeepep: rank ", rank_, " found rank ", i,
-                                   "'s combine chunk table inconsistent with the dispatch's traffic"));
-        num_rounds = std::max(num_rounds, num_chunks[i]);
-    }
-    auto received_before = [&](int i, int64_t chunk, int j) -> int64_t {
-        return tables[i][1 + chunk * num_ranks_ + j];
-    };
-    // Where rank j's rows of rank i's chunk k start in its staging half (rows ordered by j).
-    auto staged_offset = [&](int i, int64_t chunk, int j) {
-        int64_t offset = 0;
-        for (int s = 0; s < j; ++s)
-            if (s != i) offset += received_before(i, chunk + 1, s) - received_before(i, chunk, s);
-        return offset;
-    };
-    auto half_base = [&](int i, int64_t chunk) { return block_base[i] + (chunk & 1) * staging[i].half_bytes; };
-
-    const int num_tokens = static_cast<int>(a.send_head.size(0));
-    const int hidden = static_cast<int>(a.x.size(1));
-    const int num_topk = format.num_topk;
-    const bool with_weights = format.with_weights;
-    const FloatKind kind = float_kind(a.x.scalar_type());
-    const size_t row_bytes = format.x_bytes;
-    const uint8_t* x_rows = static_cast<const uint8_t*>(a.x.data_ptr());
-    const float* weight_rows = with_weights ? a.topk_weights->data_ptr<float>() : nullptr;
-    const RowArrays my_rows{const_cast<uint8_t*>(x_rows), nullptr, nullptr, const_cast<float*>(weight_rows), nullptr};
-    const uint8_t* bias0 = a.bias0 ? static_cast<const uint8_t*>(a.bias0->data_ptr()) : nullptr;
-    const uint8_t* bias1 = a.bias1 ? static_cast<const uint8_t*>(a.bias1->data_ptr()) : nullptr;
-    uint8_t* out = static_cast<uint8_t*>(a.combined_x.data_ptr());
-    float* out_weights = with_weights ? a.combined_topk_weights->data_ptr<float>() : nullptr;
-    const bool stream = stream_output(num_tokens, row_bytes);
-    const int32_t* send_head = a.send_head.data_ptr<int32_t>();
-
-    // Tokens [first, last) from this rank's expert output and, for chunk `chunk` (-1: none), its staging half.
-    auto reduce = [&](int64_t first, int64_t last, int64_t chunk) {
-        if (last <= first) return;
-        CombineSources sources{send_head + first * num_ranks_, num_ranks_, {}, {}, {}};
-        const RowArrays half = chunk >= 0 ? staging[rank_].half.arrays(half_base(rank_, chunk)) : RowArrays{};
-        for (int j = 0; j < num_ranks_; ++j) {
-            const bool local = j == rank_;
-            sources.rows.push_back(local ? x_rows : half.x);
-            // Row send_head[t, j] of the rows from j sits at (staged offset) + send_head[t, j] - (rows before chunk).
-            sources.row_offset.push_back(local || chunk < 0
-                                             ? traffic.recv_offset(rank_, rank_)
-                                             : staged_offset(rank_, chunk, j) - received_before(rank_, chunk, j));
-            sources.weight_rows.push_back(local ? weight_rows : half.topk_weights);
-        }
-        const auto shift = static_cast<size_t>(first) * row_bytes;
-        combine_reduce(kind, sources, static_cast<int>(last - first), hidden, num_topk,
-                       bias0 != nullptr ? bias0 + shift : nullptr, bias1 != nullptr ? bias1 + shift : nullptr,
-                       out + shift, out_weights != nullptr ? out_weights + first * num_topk : nullptr, stream);
-    };
-
-    for (int64_t round = 0; round < num_rounds; ++round) {
-        for (int i = 0; i < num_ranks_; ++i) {
-            if (i == rank_ || round >= num_chunks[i]) continue;
-            const int64_t begin = received_before(i, round, rank_), end = received_before(i, round + 1, rank_);
-            if (end == begin) continue;
-            copy_rows(my_rows, traffic.recv_offset(i, rank_) + begin, staging[i].half.arrays(half_base(i, round)),
-                      staged_offset(i, round, rank_), end - begin, row_bytes, 0, num_topk, /*stream_x=*/false);
-        }
-        runtime_->peers().barrier("combine: chunk written");
-        if (round < num_chunks[rank_]) reduce(chunk_bounds[round], chunk_bounds[round + 1], round);
-    }
-    if (num_chunks[rank_] == 0) reduce(0, num_tokens, -1);  // nothing from the peers: the expert output alone
-    return true;
 }
 
 }  // namespace mtdeepep::cpu

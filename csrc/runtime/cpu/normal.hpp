@@ -97,9 +97,6 @@ class NormalProtocol : public std::enable_shared_from_this<NormalProtocol> {
     void publish_reservation(const Reservation& reservation);
     Reservation read_reservation(int rank);
     void run_combine(CombineArgs& args);
-    // The combine in chunks staged through the caches (see normal.cpp); false (before anything moves) when some
-    // rank's block cannot hold the chunked staging, which every rank then finds alike.
-    bool run_chunked_combine(CombineArgs& args, const TrafficMatrix& traffic, const std::vector<int64_t>& chunk_bounds);
 
     uint8_t* data_region(int rank) const { return runtime_->nvl_region(rank); }
     // A field of `rank`'s mailbox slot for the current operation.
