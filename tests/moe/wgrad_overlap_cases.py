@@ -19,6 +19,7 @@ from moe import EPBuffers, MoEConfig, MoELayer
 from moe.layer import wgrad as wgrad_module
 from moe.layer.fp8 import Fp8SwiGLUExperts
 from moe.layer.fp8.recipe import BlockwiseScaling, DelayedScaling
+from mtdeepep import in_flight
 
 from .ep_buffer_cases import config
 from .moe_testlib import ep_group
@@ -128,7 +129,7 @@ def delayed_wgrad_is_bitwise_the_undelayed(ctx) -> dict[str, int]:
             assert delayed[name, False, together] == 0, f"{name}: delayed GEMMs with the option off"
             # 2 micro-batches x (FC1, FC2) weight gradients, delayed and run.
             assert delayed[name, True, together] == 4, f"{name}: {delayed[name, True, together]} delayed GEMMs ran"
-    assert not wgrad_module._pending(), "a queued weight gradient was left behind"
+    assert not in_flight.has_work(), "a queued weight gradient was left behind"
     return {name: delayed[name, True, False] for name in VARIANTS}
 
 
