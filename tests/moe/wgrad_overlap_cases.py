@@ -142,7 +142,8 @@ def _order_config(hidden: int, dispatcher: str, on: bool) -> MoEConfig:
 
 def _comm_log(dispatcher: str, layer: MoELayer, events: list, in_flight: list):
     """Context logging the start ('comm_begin') and the wait ('comm_end') of every gradient communication that
-    could overlap: the buffer's asynchronous combines ('flex': the dispatch's backward) or the asynchronous
+    could overlap: the buffer's asynchronous combines ('flex': the dispatch's backward; a synchronous one is
+    'comm_sync') or the asynchronous
     all-to-alls ('alltoall': the combine's and the dispatch's backward). `in_flight[0]()` then tells whether the
     last one started is still running."""
     if dispatcher == "flex":
@@ -152,6 +153,9 @@ def _comm_log(dispatcher: str, layer: MoELayer, events: list, in_flight: list):
         def logged_combine(*args, **kwargs):
             out = combine(*args, **kwargs)
             event = out[-1]
+            if not kwargs.get("async_finish"):  # nothing to run while in flight: the op's backward waits at once
+                events.append(("comm_sync",))
+                return out
             if not isinstance(event, deep_ep.EventOverlap):
                 return out
             events.append(("comm_begin",))
@@ -224,6 +228,8 @@ def delayed_wgrad_runs_inside_the_dispatch_backward(ctx, dispatcher: str) -> Non
     ep_buffers.destroy()
 
     expected_on, expected_off = ["comm_begin", "wgrad", "wgrad", "comm_end"], ["comm_begin", "comm_end"]
+    if dispatcher == "flex":  # with no in-flight work the op's backward combines synchronously (mtdeepep.in_flight)
+        expected_off = ["comm_sync"]
     if dispatcher == "alltoall":  # the combine's backward all-to-all comes first, with nothing delayed yet
         expected_on, expected_off = expected_off + expected_on, expected_off * 2
     assert orders[True] == expected_on, f"option on: {orders[True]}"
