@@ -30,7 +30,8 @@ those of the undelayed backward. Cost: each queued closure keeps its two operand
 gradient) until it runs, a little after the experts' backward.
 
 Everything is thread-local: the autograd engine runs a CPU backward on the thread that called it. `timer` (the MoE
-layer's `PhaseTimer`) times the closures as 'backward' compute inside the dispatch's backward communication phase.
+layer's `PhaseTimer`) times the closures run at an in-flight point as 'backward' compute inside the dispatch's
+backward communication phase.
 
 The second use: the pipeline's split backward (zero-bubble schedules' I and W actions; see the section "Pipeline
 I / W split" below). There a GEMM's weight gradient leaves autograd altogether: it is queued during the I action's
@@ -59,7 +60,7 @@ class WeightGradStore:
 
     Args:
         params: the weights whose gradients may be delayed (the experts' `w13`, `w2`); each is one slot.
-        timer: times the queued closures as 'backward' (None: untimed).
+        timer: times the closures run at an in-flight point as 'backward' (None: untimed).
     """
 
     def __init__(self, params: Sequence[torch.Tensor], timer: PhaseTimer | None = None) -> None:
@@ -77,22 +78,25 @@ class WeightGradStore:
         """Queue `wgrad()`, whose result is added to slot `index`'s gradient when it runs."""
         self._queue.append((index, wgrad))
         if not self._listed:
-            run_at_next_in_flight(self.run)
+            run_at_next_in_flight(self._run_in_flight)
             self._listed = True
+
+    def _run_in_flight(self) -> int:
+        """`run`, timed as 'backward' compute: what the in-flight point of the dispatch's backward calls."""
+        with phase(self.timer, "backward"):
+            return self.run()
 
     def run(self) -> int:
         """Runs the queued closures in order (gradients of a slot summed in that order); returns how many ran."""
         count = 0
-        if self._queue:
-            with phase(self.timer, "backward"):
-                while self._queue:
-                    index, wgrad = self._queue.pop(0)
-                    grad = wgrad()
-                    previous = self._grads[index]
-                    self._grads[index] = grad if previous is None else previous + grad
-                    count += 1
+        while self._queue:
+            index, wgrad = self._queue.pop(0)
+            grad = wgrad()
+            previous = self._grads[index]
+            self._grads[index] = grad if previous is None else previous + grad
+            count += 1
         if self._listed:
-            withdraw(self.run)
+            withdraw(self._run_in_flight)
             self._listed = False
         return count
 
