@@ -39,7 +39,7 @@ Three layers with the same weights alternate iteration by iteration (barrier bef
 - serial: both options on, but the benchmark waits for each communication as soon as it has started (wrapping the
   start calls), so the compute meant to overlap it runs after it: per phase, the communication alone `C` (the
   window) and the compute alone `W` (the shared expert's forward timed by module hooks, the delayed GEMMs by
-  wrapping `moe.layer.wgrad.run_deferred`);
+  wrapping `moe.layer.wgrad.WeightGradStore.run`, which the dispatch's backward runs at its in-flight point);
 - on: both options on: the window `T` holds the communication and the compute `W_in` (timed the same way).
 Per phase, the communication still exposed on this rank's critical path is `T - W_in` (window time spent outside the
 compute: starting the communication, then waiting after the compute ended), and hidden = clip(C - (T - W_in), 0, C)
@@ -330,16 +330,16 @@ class PhaseClock:
 
     def instrument_wgrad(self) -> None:
         """Times the delayed weight-gradient GEMMs where the dispatch's backward runs them."""
-        run_deferred = moe.layer.wgrad.run_deferred
+        run = moe.layer.wgrad.WeightGradStore.run
 
-        def timed_run_deferred():
+        def timed_run(store):
             start = time.perf_counter()
-            count = run_deferred()
+            count = run(store)
             if count:
                 self.add_compute("bwd of dispatch", time.perf_counter() - start)
             return count
 
-        moe.layer.wgrad.run_deferred = timed_run_deferred
+        moe.layer.wgrad.WeightGradStore.run = timed_run
 
 
 def overlap_layer(cfg: BenchConfig, mode: str, group: dist.ProcessGroup) -> MoELayer:

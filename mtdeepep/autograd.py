@@ -16,21 +16,25 @@ and moves the rows on the buffer's comm thread; it also returns the `EventOverla
 (e.g. a shared expert) can run while the rows are in flight, with autograd recording the dispatch.
 `combine(..., async_finish=True)` likewise returns the event: wait on it before reading the result.
 
-The backward's communication is synchronous, unless a schedule that runs other work at the same time (a pipeline's
-overlapped forward-backward of two micro-batches) set `backward_comm_hook(hook)` on the calling thread: then the
-backward starts its combine / cached dispatch with `async_finish=True` and waits for it inside `with hook(name):`,
-so the hook can run independent work while the data moves. The same kernels run either way (same results).
+FP8 wire (`fp8=True`, DeepSeek-V3's dispatch): the op casts `x` to E4M3 with one float32 scale per token per 128
+channels (`mtdeepep.utils.fp8.per_token_cast_to_fp8`), sends the (tensor, scales) pair and returns the received rows
+dequantised to `x`'s dtype (after the wait when asynchronous: a hook of the returned event fills them). Autograd
+treats the cast as the identity (straight-through): the backward is the same combine of the gradients, in their own
+dtype. So FP8 on the way out, full precision on the way back, with one backward rule.
+
+The backward's communication is synchronous, unless the calling thread has work to run while it is in flight
+(`mtdeepep.in_flight`: the MoE layer's deferred expert weight gradients, a pipeline's overlapped forward-backward of
+two micro-batches): then the backward starts its combine / cached dispatch with `async_finish=True` and waits for it
+inside `with in_flight(name):` ('dispatch_backward', 'combine_backward'), where that work runs while the data moves.
+The same kernels run either way (same results).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
-import threading
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Callable
 
 import torch
 
@@ -38,13 +42,13 @@ from .buffer import Buffer
 from .config import Config
 from .engines.handles import flatten_handle, unflatten_handle
 from .event import EventOverlap
-from .utils.thread_local import thread_local_setting
+from .in_flight import has_work, in_flight
+from .utils.fp8 import FP8_BLOCK, per_token_cast_back, per_token_cast_to_fp8
 
 _EVENT = "_mtdeepep_event"
 _NO_TENSOR = torch.empty(0, dtype=torch.float32)  # stands for an absent optional output (ops return tensors only)
 _BUFFERS: weakref.WeakValueDictionary[int, Buffer] = weakref.WeakValueDictionary()
 _NEXT_BUFFER_ID = itertools.count(1)
-_THREAD = threading.local()  # `backward_comm_hook`: the hook of the calling thread
 
 
 def buffer_id(buffer: Buffer) -> int:
@@ -86,32 +90,27 @@ def _present(tensor: torch.Tensor) -> torch.Tensor | None:
     return None if tensor.numel() == 0 and tensor.dim() == 1 else tensor
 
 
-@contextlib.contextmanager
-def backward_comm_hook(hook: Callable[[str], AbstractContextManager] | None) -> Iterator[None]:
-    """On this thread, while active: the backward of `dispatch` (a combine of the gradients, `name`
-    'dispatch_backward') and of `combine` (a cached dispatch of the gradient, 'combine_backward') start their
-    communication asynchronously and wait for it inside `with hook(name):`. The hook's `__enter__` runs while the
-    data moves (it must not touch the gradients being sent or received); its `__exit__` follows the wait.
-
-    Thread-local, because a CPU backward runs on the thread that called it: only that thread's backward changes.
-    `hook=None` turns it off inside the block. Nesting restores the outer hook on exit.
-    """
-    with thread_local_setting(_THREAD, "hook", hook):
-        yield
-
-
 def _backward_comm(name: str, starts: list[Callable[[bool], tuple]]) -> list[tuple]:
     """Runs the communication calls `starts` of one backward (each `start(async_finish)` returns the buffer call's
-    tuple, its event last when async): synchronously, or, under a `backward_comm_hook`, all started asynchronously,
-    then waited inside `with hook(name):`. Returns each call's tuple without the event."""
-    hook = getattr(_THREAD, "hook", None)
-    if hook is None:
+    tuple, its event last when async): synchronously, or, when this thread has in-flight work
+    (`mtdeepep.in_flight.has_work`), all started asynchronously, then waited inside `with in_flight(name):`.
+    Returns each call's tuple without the event. Never returns or raises with a communication still in flight."""
+    if not has_work():
         return [start(False)[:-1] for start in starts]
-    results = [start(True) for start in starts]
-    with hook(name):
-        for result in results:
+    started: list[tuple] = []
+    done: list[tuple] = []
+    try:
+        for start in starts:
+            started.append(start(True))
+        with in_flight(name):
+            while started:
+                result = started.pop(0)
+                result[-1].current_stream_wait()
+                done.append(result[:-1])
+    finally:
+        for result in started:  # the in-flight work or a wait raised: never leave a communication in flight
             result[-1].current_stream_wait()
-    return [result[:-1] for result in results]
+    return done
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -121,23 +120,46 @@ def _backward_comm(name: str, starts: list[Callable[[bool], tuple]]) -> list[tup
 @torch.library.custom_op("mtdeepep::dispatch", mutates_args=())
 def _dispatch_op(
     x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, buffer_id: int, num_experts: int,
-    expert_alignment: int, config: list[int], async_finish: bool,
+    expert_alignment: int, config: list[int], async_finish: bool, fp8: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:  # fmt: skip
-    """Layout + dispatch: `(recv_x, recv_topk_idx, recv_topk_weights or [0], counts [L] int64, handle tensors)`."""
+    """Layout + dispatch: `(recv_x, recv_topk_idx, recv_topk_weights or [0], counts [L] int64, handle tensors)`;
+    with `fp8` the rows travel as E4M3 + scales and `recv_x` is their dequantisation to `x.dtype`."""
     buffer = _buffer(buffer_id)
     per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    sent = per_token_cast_to_fp8(x) if fp8 else x  # FP8: the (E4M3 rows, scales) pair
     recv_x, recv_idx, recv_weights, counts, handle, event = buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
+        sent, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
         expert_alignment=expert_alignment, config=_config(config), async_finish=async_finish,
     )  # fmt: skip
+    if fp8:
+        recv_x = _dequantised_when_received(recv_x, x.dtype, event if async_finish else None)
     if async_finish:
         setattr(recv_x, _EVENT, event)
     return recv_x, recv_idx, _optional(recv_weights), torch.tensor(counts, dtype=torch.int64), flatten_handle(handle)
 
 
+def _dequantised_when_received(
+    recv_pair: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype, event: EventOverlap | None
+) -> torch.Tensor:
+    """`[U, H]` of `dtype`: the received E4M3 rows times their scales, now (`event` None: they are in) or by a hook of
+    `event` once its wait returned. Written through `.data`, as the transfer itself writes the rows: autograd sees no
+    in-place change of the op's output (views of it made before the wait stay valid)."""
+    recv_x8, recv_scales = recv_pair
+    recv_x = torch.empty(recv_x8.shape, dtype=dtype, device=recv_x8.device)
+
+    def dequantise() -> None:
+        recv_x.data.copy_(per_token_cast_back(recv_x8, recv_scales).to(dtype))
+
+    if event is None:
+        dequantise()
+    else:
+        event.register_hook_after_wait(dequantise)
+    return recv_x
+
+
 def _dispatch_setup(ctx, inputs, output) -> None:
-    _, _, topk_weights, ident, _, _, ctx.config, _ = inputs
+    _, _, topk_weights, ident, _, _, ctx.config, _, _ = inputs
     ctx.buffer = _buffer(ident)  # the graph keeps the buffer alive until its backward ran
     _, recv_idx, _, _, ctx.handle = output
     ctx.has_weights = topk_weights is not None
@@ -158,7 +180,7 @@ def _dispatch_backward(ctx, grad_recv_x, _grad_idx, grad_recv_weights, _grad_cou
                                                     config=config, async_finish=async_finish),
         ])  # fmt: skip
     no_config = [None] * len(ctx.config)  # the gradients' structure must match the inputs' (lists included)
-    return grad_x, None, grad_weights if ctx.has_weights else None, None, None, None, no_config, None
+    return grad_x, None, grad_weights if ctx.has_weights else None, None, None, None, no_config, None, None
 
 
 torch.library.register_autograd("mtdeepep::dispatch", _dispatch_backward, setup_context=_dispatch_setup)
@@ -230,6 +252,7 @@ def dispatch(
     expert_alignment: int = 1,
     config: Config | None = None,
     async_finish: bool = False,
+    fp8: bool = False,
 ) -> (
     tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int], tuple]
     | tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int], tuple, EventOverlap]
@@ -245,10 +268,16 @@ def dispatch(
     are final at once; the *contents* of the three tensors are not: call `event.current_stream_wait()` before
     reading them (or anything computed from them), and leave `x`, `topk_idx` and `topk_weights` unchanged until
     then. The backward is the same combine of the gradients.
+
+    With `fp8=True` the rows travel as E4M3 with float32 scales per token per 128 channels (`H % 128 == 0`); `recv_x`
+    is their dequantisation to `x.dtype` (complete after the wait when async); the gradient treats the cast as the
+    identity (see the module docstring).
     """
+    if fp8 and x.size(-1) % FP8_BLOCK:
+        raise ValueError(f"mtdeepep: an FP8 dispatch needs hidden % {FP8_BLOCK} == 0, got hidden={x.size(-1)}")
     recv_x, recv_idx, recv_weights, counts, handle = torch.ops.mtdeepep.dispatch(
         x, topk_idx, topk_weights, buffer_id(buffer), num_experts, expert_alignment, _config_values(config),
-        async_finish,
+        async_finish, fp8,
     )  # fmt: skip
     outputs = (recv_x, recv_idx, None if topk_weights is None else recv_weights, counts.tolist(),
                unflatten_handle(handle))  # fmt: skip

@@ -9,14 +9,15 @@ other's compute. `Interleaver.run(first, second)` does that for two callables ("
 
 A side runs until it has *started* a communication it will wait for, then hands over to the other side, which runs
 until it has started one of its own and hands back; the first side then waits (its data has been moving all along)
-and goes on. The points where a side may hand over are marked in the code that communicates:
+and goes on. The points where a side may hand over are the in-flight points of the code that communicates
+(`mtdeepep.in_flight`, the one seam for "run this while a communication is in flight"):
 
     with in_flight("dispatch"):           # moe/layer/moe_layer.py: the forward's dispatch / combine
         dispatched = dispatcher.dispatch_end(pending)
 
-and, for the backward's communication inside autograd, mtdeepep's `backward_comm_hook` (the combine of the
-dispatch's backward, the cached dispatch of the combine's backward), which the interleaver sets on its threads.
-Outside an interleaver (on any other thread) `in_flight` does nothing.
+and, for the backward's communication inside autograd, mtdeepep's ops (the combine of the dispatch's backward, the
+cached dispatch of the combine's backward). Each side registers its hand-over as the in-flight worker of its thread
+(`while_in_flight`); on any other thread the points do not hand over.
 
 Why threads: the communication points lie deep in a call stack (an MoE layer inside a decoder layer inside a
 pipeline stage's forward, or inside an autograd node of a backward). A thread per side keeps each side's stack
@@ -44,9 +45,7 @@ from typing import Any
 
 import torch
 
-from mtdeepep.autograd import backward_comm_hook
-
-_THREAD = threading.local()  # `.side`: the `_Side` this thread runs, if any
+from mtdeepep.in_flight import while_in_flight, workers
 
 EVENT_KINDS = ("start", "issue", "resume", "done", "end")
 
@@ -98,28 +97,20 @@ class _Side:
     def record(self, kind: str, name: str = "") -> None:
         self.owner._record(self.name, kind, name)
 
-
-@contextlib.contextmanager
-def in_flight(name: str, active: bool = True) -> Iterator[None]:
-    """Marks a communication that this thread has started and is about to wait for (the block is the wait).
-
-    On a side of a running `Interleaver`: enter hands the baton to the other side and returns when it comes back;
-    the events 'issue', 'resume' and (after the block) 'done' are recorded. Anywhere else, or with `active=False`
-    (nothing is in flight, e.g. a dispatcher whose `*_begin` already finished the communication), it does nothing.
-    """
-    side = getattr(_THREAD, "side", None) if active else None
-    if side is None:
+    @contextlib.contextmanager
+    def in_flight(self, name: str) -> Iterator[None]:
+        """This side's in-flight worker (`mtdeepep.in_flight.while_in_flight`): at a communication this side started
+        and is about to wait for, hand the baton to the other side and return when it comes back; the events
+        'issue', 'resume' and (after the wait) 'done' are recorded."""
+        self.record("issue", name)
+        self.hand_over()
+        self.record("resume", name)
         yield
-        return
-    side.record("issue", name)
-    side.hand_over()
-    side.record("resume", name)
-    yield
-    side.record("done", name)
+        self.record("done", name)
 
 
-def _backward_hook(name: str):
-    return in_flight(name)
+def _is_side(worker) -> bool:
+    return isinstance(getattr(worker, "__self__", None), _Side)
 
 
 class Interleaver:
@@ -163,7 +154,7 @@ class Interleaver:
 
     def run(self, first: Callable[[], Any], second: Callable[[], Any], *, interleave: bool = True,
             start: int = 0) -> tuple[Any, Any]:  # fmt: skip
-        if getattr(_THREAD, "side", None) is not None:
+        if any(_is_side(worker) for worker in workers()):
             raise RuntimeError("Interleaver.run inside a side of an interleaver: sides do not nest")
         self.events = []
         a, b = (self._sides[n] for n in self.names)
@@ -211,15 +202,11 @@ class Interleaver:
             self.events.append(Event(side, kind, name, self.clock()))
 
     def _run_on_this_thread(self, side: _Side, fn: Callable[[], Any]) -> Any:
-        _THREAD.side = side
-        try:
-            side.record("start")
-            with backward_comm_hook(_backward_hook):
-                result = fn()
-            side.record("end")
-            return result
-        finally:
-            _THREAD.side = None
+        side.record("start")
+        with while_in_flight(side.in_flight):
+            result = fn()
+        side.record("end")
+        return result
 
     def _run_side(self, side: _Side, fn: Callable[[], Any]) -> tuple[bool, Any]:
         """Waits for the baton, runs `fn` as `side`, then passes the baton on for good."""

@@ -20,7 +20,6 @@ from moe.layer.dispatcher.comm import group_rank, group_size
 from moe.layer.dispatcher.etp import ExpertTensorParallelDispatcher
 from moe.layer.experts import SwiGLUExperts, SwiGLUMLP
 from moe.layer.fp8 import Fp8SwiGLUExperts, fp8_switches
-from moe.layer.interleave import in_flight
 from moe.layer.moe_config import MoEConfig
 from moe.layer.moe_recompute import checkpointed
 from moe.layer.parallel.sharding import TPShard, tag_sharded
@@ -28,6 +27,7 @@ from moe.layer.phase_timer import PhaseTimer, mark_backward, phase
 from moe.layer.replication import HotExpertReplicas
 from moe.layer.router import RouterOutput, TopKRouter
 from moe.layer.trace_regions import COMBINE, DISPATCH, EXPERT_GEMM, ROUTER, SHARED_EXPERTS, region
+from mtdeepep.in_flight import in_flight
 
 
 class MoELayer(nn.Module):
@@ -200,7 +200,7 @@ class MoELayer(nn.Module):
 
         # Step 2: dispatch, except the slots of hot experts (computed here with copies); the shared expert runs
         # while the tokens are in flight (if the dispatcher allows it), and so does another micro-batch when an
-        # overlapped pipeline chunk interleaves two (`in_flight`: moe/layer/interleave.py).
+        # overlapped pipeline chunk interleaves two (`in_flight`: mtdeepep/in_flight.py, moe/layer/interleave.py).
         hot_TK = None
         if self.replicas is not None:
             self.replicas.record(topk_idx_TK)
@@ -271,7 +271,7 @@ class MoELayer(nn.Module):
             return None
         if not any(p.requires_grad for p in params):
             return None
-        return wgrad.WeightGradStore(params)
+        return wgrad.WeightGradStore(params, self.phase_timer)
 
     def _expert_recompute(self, num_rows: int) -> str | None:
         """What the experts rebuild in backward: 'fc1' at level 'medium' or when this rank computes more than

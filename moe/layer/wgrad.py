@@ -4,21 +4,24 @@ Megatron's `overlap_dispatch_backward_with_experts_wgrad`: the backward of an Mo
 dispatch of the output gradients) -> experts -> dispatch-backward (a combine of the experts' input gradients). The
 experts' input gradients are all that dispatch-backward needs, so the expert GEMMs compute them first and queue their
 weight-gradient GEMMs; the dispatcher's backward starts its gradient all-to-all, runs the queue while the rows
-travel, then waits. With SwiGLU experts two of the four backward GEMMs (FC2 and FC1 weight gradients) move into the
-communication window.
+travel, then waits: the queue is work for the next in-flight point of the thread (`mtdeepep.in_flight`, the one
+seam for "run this while a communication is in flight"), which the dispatch's backward marks. With SwiGLU experts
+two of the four backward GEMMs (FC2 and FC1 weight gradients) move into the communication window.
 
 Pieces:
 
 - `WeightGradStore`: one per MoE-layer call under autograd (per micro-batch: calls in flight at once never share
-  one), holding slots for the expert weights and the queued closures of their weight-gradient GEMMs.
+  one), holding slots for the expert weights and the queued closures of their weight-gradient GEMMs. Its first
+  queued closure queues the store's `run` at the thread's next in-flight point (`run_at_next_in_flight`).
 - `deferring(store)`: in this context the expert GEMMs (`moe.layer.experts`, `moe.layer.fp8.grouped`)
   take their weight's slot at forward time (`slot_for(weight)`); their backward then hands the weight-gradient
   closure to `wgrad_or_defer`, which queues it and returns None as that weight's gradient.
-- `run_deferred()`: runs every queued closure of this thread. A dispatcher's backward calls it between starting and
-  waiting for its gradient communication ('flex' and 'alltoall' do).
+- The in-flight point: the dispatch's backward starts its gradient communication, then `with in_flight(name):` waits
+  for it, and the stores queued on this thread run (oldest first) on entering. 'flex' (mtdeepep's op, whose
+  backward sees the queued work and starts its combine asynchronously) and 'alltoall' mark it.
 - `WeightGradStore.anchor(x)`: an identity on the dispatcher's input (Megatron places its wgrad hook there too).
   The dispatch's backward consumes the anchored tensor's gradient, so the anchor's backward always runs after it:
-  it runs whatever is still queued (a dispatcher that does not call `run_deferred`, one process) and returns the
+  it runs whatever is still queued (a dispatcher that marks no in-flight point, one process) and returns the
   summed weight gradients as the gradients of the weights. They reach `.grad` through autograd as without the store
   (AccumulateGrad, accumulation over micro-batches, post-accumulate hooks such as ZeRO's, `torch.autograd.grad`).
 
@@ -26,7 +29,9 @@ Numerics: the queued closures run the GEMMs autograd would run, on the same oper
 those of the undelayed backward. Cost: each queued closure keeps its two operands (the GEMM's input and output
 gradient) until it runs, a little after the experts' backward.
 
-Everything is thread-local: the autograd engine runs a CPU backward on the thread that called it.
+Everything is thread-local: the autograd engine runs a CPU backward on the thread that called it. `timer` (the MoE
+layer's `PhaseTimer`) times the closures run at an in-flight point as 'backward' compute inside the dispatch's
+backward communication phase.
 
 The second use: the pipeline's split backward (zero-bubble schedules' I and W actions; see the section "Pipeline
 I / W split" below). There a GEMM's weight gradient leaves autograd altogether: it is queued during the I action's
@@ -43,17 +48,11 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from moe.layer.modules import ModuleReplacements
+from moe.layer.phase_timer import PhaseTimer, phase
+from mtdeepep.in_flight import run_at_next_in_flight, withdraw
 from mtdeepep.utils.thread_local import thread_local_setting
 
 _local = threading.local()
-
-
-def _pending() -> list[WeightGradStore]:
-    """This thread's stores with queued closures."""
-    pending = getattr(_local, "pending", None)
-    if pending is None:
-        pending = _local.pending = []
-    return pending
 
 
 class WeightGradStore:
@@ -61,10 +60,12 @@ class WeightGradStore:
 
     Args:
         params: the weights whose gradients may be delayed (the experts' `w13`, `w2`); each is one slot.
+        timer: times the closures run at an in-flight point as 'backward' (None: untimed).
     """
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], timer: PhaseTimer | None = None) -> None:
         self.params = tuple(params)
+        self.timer = timer
         self._queue: list[tuple[int, Callable[[], torch.Tensor]]] = []
         self._grads: list[torch.Tensor | None] = [None] * len(self.params)
         self._listed = False
@@ -77,8 +78,13 @@ class WeightGradStore:
         """Queue `wgrad()`, whose result is added to slot `index`'s gradient when it runs."""
         self._queue.append((index, wgrad))
         if not self._listed:
-            _pending().append(self)
+            run_at_next_in_flight(self._run_in_flight)
             self._listed = True
+
+    def _run_in_flight(self) -> int:
+        """`run`, timed as 'backward' compute: what the in-flight point of the dispatch's backward calls."""
+        with phase(self.timer, "backward"):
+            return self.run()
 
     def run(self) -> int:
         """Runs the queued closures in order (gradients of a slot summed in that order); returns how many ran."""
@@ -90,7 +96,7 @@ class WeightGradStore:
             self._grads[index] = grad if previous is None else previous + grad
             count += 1
         if self._listed:
-            _pending().remove(self)
+            withdraw(self._run_in_flight)
             self._listed = False
         return count
 
@@ -129,16 +135,6 @@ class _WgradAnchor(torch.autograd.Function):
             if grad is not None and grad.dtype != param.dtype:
                 raise RuntimeError(f"a delayed weight gradient of slot {i} has dtype {grad.dtype}, not {param.dtype}")
         return None, grad_x, *grads
-
-
-def run_deferred() -> int:
-    """Runs every queued weight-gradient closure of this thread (oldest store first); returns how many ran. Called by
-    a dispatcher's backward while its gradient communication is in flight."""
-    count = 0
-    pending = _pending()
-    while pending:
-        count += pending[0].run()
-    return count
 
 
 @contextlib.contextmanager

@@ -429,7 +429,8 @@ def async_finish_overlaps_the_transfer(ctx, topo):
 
 class _ReceivedView(torch.autograd.Function):
     """What a MoE layer does with an async dispatch's outputs before they are complete (moe/layer/dispatcher/flex.py's
-    `_DispatchGrad`): forward returns views of them, made inside a custom Function."""
+    phase mark, moe/layer/phase_timer.py `_BackwardMark`): forward returns views of them, made inside a custom
+    Function."""
 
     @staticmethod
     def forward(ctx, x, recv_x):
@@ -444,7 +445,8 @@ def async_outputs_are_not_modified_in_place_after_return(ctx, topo):
     """The outputs an async dispatch or combine hands out are written later by the transfer, as a comm stream would
     write them: autograd never sees an in-place change of them (their version counter stays), so a view of them made
     in a custom Function right away is still usable after the wait (the trainer's use, which failed with "Output 0 of
-    _DispatchGrad is a view and its base ... has been modified inplace"). Outputs out of the default region."""
+    _DispatchGrad is a view and its base ... has been modified inplace", of the dispatcher's own autograd Function
+    then). Outputs out of the default region."""
     _check_async_outputs_unversioned(ctx, topo, topo.buffer(ctx))
 
 

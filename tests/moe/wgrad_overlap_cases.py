@@ -19,6 +19,7 @@ from moe import EPBuffers, MoEConfig, MoELayer
 from moe.layer import wgrad as wgrad_module
 from moe.layer.fp8 import Fp8SwiGLUExperts
 from moe.layer.fp8.recipe import BlockwiseScaling, DelayedScaling
+from mtdeepep import in_flight
 
 from .ep_buffer_cases import config
 from .moe_testlib import ep_group
@@ -128,7 +129,7 @@ def delayed_wgrad_is_bitwise_the_undelayed(ctx) -> dict[str, int]:
             assert delayed[name, False, together] == 0, f"{name}: delayed GEMMs with the option off"
             # 2 micro-batches x (FC1, FC2) weight gradients, delayed and run.
             assert delayed[name, True, together] == 4, f"{name}: {delayed[name, True, together]} delayed GEMMs ran"
-    assert not wgrad_module._pending(), "a queued weight gradient was left behind"
+    assert not in_flight.has_work(), "a queued weight gradient was left behind"
     return {name: delayed[name, True, False] for name in VARIANTS}
 
 
@@ -141,7 +142,8 @@ def _order_config(hidden: int, dispatcher: str, on: bool) -> MoEConfig:
 
 def _comm_log(dispatcher: str, layer: MoELayer, events: list, in_flight: list):
     """Context logging the start ('comm_begin') and the wait ('comm_end') of every gradient communication that
-    could overlap: the buffer's asynchronous combines ('flex': the dispatch's backward) or the asynchronous
+    could overlap: the buffer's asynchronous combines ('flex': the dispatch's backward; a synchronous one is
+    'comm_sync') or the asynchronous
     all-to-alls ('alltoall': the combine's and the dispatch's backward). `in_flight[0]()` then tells whether the
     last one started is still running."""
     if dispatcher == "flex":
@@ -151,6 +153,9 @@ def _comm_log(dispatcher: str, layer: MoELayer, events: list, in_flight: list):
         def logged_combine(*args, **kwargs):
             out = combine(*args, **kwargs)
             event = out[-1]
+            if not kwargs.get("async_finish"):  # nothing to run while in flight: the op's backward waits at once
+                events.append(("comm_sync",))
+                return out
             if not isinstance(event, deep_ep.EventOverlap):
                 return out
             events.append(("comm_begin",))
@@ -223,6 +228,8 @@ def delayed_wgrad_runs_inside_the_dispatch_backward(ctx, dispatcher: str) -> Non
     ep_buffers.destroy()
 
     expected_on, expected_off = ["comm_begin", "wgrad", "wgrad", "comm_end"], ["comm_begin", "comm_end"]
+    if dispatcher == "flex":  # with no in-flight work the op's backward combines synchronously (mtdeepep.in_flight)
+        expected_off = ["comm_sync"]
     if dispatcher == "alltoall":  # the combine's backward all-to-all comes first, with nothing delayed yet
         expected_on, expected_off = expected_off + expected_on, expected_off * 2
     assert orders[True] == expected_on, f"option on: {orders[True]}"

@@ -11,15 +11,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from types import SimpleNamespace
 
 import pytest
 
-from moe.layer.interleave import Interleaver, comms_of, compute_spans, in_flight
+from moe.layer.interleave import Interleaver, comms_of, compute_spans
 from moe.trainer.pipeline.overlap import plot_fb, sequential_reason, summarize
-from mtdeepep.autograd import _THREAD as MTDEEPEP_THREAD
-from mtdeepep.autograd import backward_comm_hook
+from mtdeepep.in_flight import has_work, in_flight, run_at_next_in_flight, while_in_flight, withdraw, workers
 from tests.train import pipeline_overlap_cases as cases
 
 pytestmark = pytest.mark.slow  # slow: DualPipeV overlap runs on 2 ranks
@@ -95,20 +95,45 @@ def test_an_error_of_one_side_reaches_the_caller_and_unwinds_the_other():
     inter.close()
 
 
-def test_backward_comm_hook_is_per_thread_and_nests():
-    def hook(name):
-        return in_flight(name)
+def test_in_flight_work_is_per_thread_ordered_and_nests():
+    """The seam (mtdeepep/in_flight.py): queued one-shot work runs first (oldest first, once), then the workers'
+    enters outermost first, the block, their exits innermost first; per thread; nesting restores the outer set."""
+    log: list[str] = []
 
+    def worker(tag):
+        @contextlib.contextmanager
+        def enter(name):
+            log.append(f"{tag} enter {name}")
+            yield
+            log.append(f"{tag} exit {name}")
+
+        return enter
+
+    def work(tag):
+        return lambda: log.append(f"work {tag}")
+
+    outer, inner = worker("outer"), worker("inner")
     seen = []
-    with backward_comm_hook(hook):
-        assert MTDEEPEP_THREAD.hook is hook
-        worker = threading.Thread(target=lambda: seen.append(getattr(MTDEEPEP_THREAD, "hook", None)))
-        worker.start()
-        worker.join()
-        with backward_comm_hook(None):
-            assert MTDEEPEP_THREAD.hook is None
-        assert MTDEEPEP_THREAD.hook is hook
-    assert MTDEEPEP_THREAD.hook is None and seen == [None]
+    assert not has_work()
+    with while_in_flight(outer):
+        with while_in_flight(inner):
+            assert workers() == (outer, inner) and has_work()
+            worker_thread = threading.Thread(target=lambda: seen.append((workers(), has_work())))
+            worker_thread.start()
+            worker_thread.join()
+            first, dropped = work("a"), work("dropped")
+            run_at_next_in_flight(first)
+            run_at_next_in_flight(dropped)
+            run_at_next_in_flight(work("b"))
+            withdraw(dropped)
+            with in_flight("x"):
+                log.append("wait x")
+            with in_flight("y", active=False):  # nothing in flight: nothing runs
+                log.append("wait y")
+        assert workers() == (outer,)
+    assert workers() == () and not has_work() and seen == [((), False)]
+    assert log == ["work a", "work b", "outer enter x", "inner enter x", "wait x", "inner exit x", "outer exit x",
+                   "wait y"]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------

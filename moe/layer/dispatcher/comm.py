@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moe.layer import wgrad
 from moe.layer.adjoint import adjoint_pair
+from mtdeepep.in_flight import in_flight
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -74,11 +74,15 @@ class _FinishAllToAll(torch.autograd.Function):
     def backward(ctx, grad_recv: torch.Tensor):
         p = ctx.pending
         grad_send, work = _all_to_all_raw(grad_recv, p.input_splits, p.output_splits, p.group, async_op=True)
-        # The experts' delayed weight-gradient GEMMs (after the dispatch: see moe/layer/wgrad.py) run while it travels.
+        # This thread's in-flight work (the experts' delayed weight-gradient GEMMs after the dispatch: see
+        # moe/layer/wgrad.py) runs while it travels.
         try:
-            wgrad.run_deferred()
+            with in_flight("all_to_all_backward"):
+                work.wait()
+                work = None
         finally:
-            work.wait()  # never leave the all-to-all in flight
+            if work is not None:
+                work.wait()  # the in-flight work raised: never leave the all-to-all in flight
         return grad_send, None, None
 
 

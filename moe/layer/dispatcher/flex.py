@@ -20,17 +20,19 @@ computes while the rows are in flight, whether or not autograd records the dispa
 `deep_ep.combine(..., async_finish=True)` and `combine_end` waits. Results do not depend on the overlap: nothing
 reads the received rows (or the combined sums) before the wait.
 
-Backward: the dispatch's backward is a combine of the gradients (DeepEP's rule), started asynchronously; while it
-is in flight the experts' delayed weight-gradient GEMMs run (`moe.layer.wgrad.run_deferred`; MoEConfig
-`overlap_dispatch_backward_with_experts_wgrad`), then it waits. The combine's backward (a dispatch of the output
-gradients, mtdeepep's op) stays synchronous.
+Backward: autograd records mtdeepep's ops, whose backward rules (DeepEP's: the dispatch's backward is a combine of
+the gradients, the combine's a cached dispatch) are written once, in `mtdeepep.autograd`. The dispatch's backward
+starts its combine and, while it is in flight, runs the thread's in-flight work (`mtdeepep.in_flight`): the
+experts' delayed weight-gradient GEMMs (`moe.layer.wgrad`; MoEConfig `overlap_dispatch_backward_with_experts_wgrad`)
+and, in an overlapped DualPipeV chunk, the other micro-batch; then it waits. Without such work it is synchronous.
 
-FP8 dispatch (`use_fp8`, config `moe_flex_use_fp8`; DeepSeek-V3's recipe): `dispatch_begin` casts the tokens to E4M3
-with one float32 scale per token per 128 channels (`mtdeepep.utils.fp8.per_token_cast_to_fp8`) and sends the pair,
-1 + 4/128 bytes per element instead of 2 (BF16) or 4 (FP32); `dispatch_end` dequantises the received rows to the
-hidden dtype for the experts (an FP8 expert GEMM re-tiling them 1x128 gets the same E4M3 values back). The backward
-treats the cast as the identity (straight-through) and combines the gradients in their own dtype, and the forward
-combine stays in float32 partial sums: FP8 on the way out, high precision on the way back, as DeepSeek-V3 does.
+FP8 dispatch (`use_fp8`, config `moe_flex_use_fp8`; DeepSeek-V3's recipe): the same op with `fp8=True` casts the
+tokens to E4M3 with one float32 scale per token per 128 channels (`mtdeepep.utils.fp8.per_token_cast_to_fp8`) and
+sends the pair, 1 + 4/128 bytes per element instead of 2 (BF16) or 4 (FP32); the wait in `dispatch_end` dequantises
+the received rows to the hidden dtype for the experts (an FP8 expert GEMM re-tiling them 1x128 gets the same E4M3
+values back). The op's backward treats the cast as the identity (straight-through) and combines the gradients in
+their own dtype, and the forward combine stays in float32 partial sums: FP8 on the way out, high precision on the
+way back, as DeepSeek-V3 does.
 Without communication (one process) the rows go through the same E4M3 round trip, so every layout computes alike.
 
 Buffers: the dispatcher asks an `EPBuffers` (`moe.layer.dispatcher.buffers`) for its group's normal-mode buffer at every
@@ -49,12 +51,10 @@ import torch
 import torch.distributed as dist
 
 import mtdeepep as deep_ep
-from moe.layer import wgrad
 from moe.layer.dispatcher.base import DispatchResult, TokenDispatcher, sort_slots_by_expert, weighted_scatter_sum
 from moe.layer.dispatcher.buffers import EPBuffers, buffer_group, buffer_source
 from moe.layer.fp8.recipe import fp8_switches
-from moe.layer.interleave import in_flight
-from moe.layer.phase_timer import phase
+from moe.layer.phase_timer import mark_backward
 from mtdeepep.utils.fp8 import FP8_BLOCK, per_token_cast_back, per_token_cast_to_fp8
 
 # Combine sends float32 partial sums (exact FP32 reduction across ranks); size the buffer for float32 rows.
@@ -94,7 +94,6 @@ class _PendingFlexDispatch:
     comm_handle: tuple | None
     buffer: deep_ep.Buffer | None
     event: deep_ep.EventOverlap | None
-    fp8_sources: tuple[torch.Tensor, torch.Tensor] | None = None  # FP8 dispatch: the (x, weights) sent, for autograd
 
 
 @dataclass
@@ -132,42 +131,6 @@ class _Fp8RoundTrip(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_TH: torch.Tensor) -> torch.Tensor:
         return grad_TH
-
-
-class _DispatchGrad(torch.autograd.Function):
-    """Connects the rows and weights received by a dispatch run without autograd to the sent `x` and weights:
-    forward returns the received tensors (their contents may still be in flight: nothing is read), backward
-    combines their gradients through the dispatch's handle (DeepEP's dispatch backward, as `mtdeepep.autograd`'s op
-    does; an FP8 cast is treated as the identity). The combine is asynchronous: the experts' delayed weight
-    gradients (`moe.layer.wgrad.run_deferred`) run while the gradients travel."""
-
-    @staticmethod
-    def forward(ctx, x_TH, weights_TK, recv_x_UH, recv_weights_UK, recv_idx_UK, buffer, comm_handle, timer):
-        ctx.buffer, ctx.comm_handle, ctx.timer = buffer, comm_handle, timer
-        ctx.save_for_backward(recv_idx_UK)
-        return recv_x_UH.view_as(recv_x_UH), recv_weights_UK.view_as(recv_weights_UK)
-
-    @staticmethod
-    def backward(ctx, grad_recv_x, grad_recv_weights):
-        (recv_idx,) = ctx.saved_tensors
-        timer = ctx.timer  # the combine and its wait are 'dispatch' time, the delayed GEMMs 'backward'
-        with phase(timer, "dispatch"):
-            # Slots whose expert lives elsewhere were constant zeros: no gradient flows through them. (Gradients of
-            # unused outputs arrive as zeros: autograd materialises them.)
-            weights = grad_recv_weights.masked_fill(recv_idx < 0, 0.0).float().contiguous()
-            grad_x, grad_weights, event = ctx.buffer.combine(
-                grad_recv_x.contiguous(), ctx.comm_handle, topk_weights=weights, async_finish=True
-            )
-            try:
-                with phase(timer, "backward"):
-                    wgrad.run_deferred()
-            except BaseException:
-                event.current_stream_wait()  # never leave the combine in flight
-                raise
-            # In an overlapped DualPipeV chunk the other micro-batch computes while this combine is in flight.
-            with in_flight("dispatch_backward"):
-                event.current_stream_wait()
-        return grad_x, grad_weights, None, None, None, None, None, None
 
 
 def nvl_bytes_hint(hidden_size: int, num_ranks: int) -> int:
@@ -239,46 +202,22 @@ class FlexDispatcher(TokenDispatcher):
             counts = torch.bincount(topk_idx_TK[topk_idx_TK >= 0], minlength=self.num_experts).tolist()
             return _PendingFlexDispatch(T, x_TH.dtype, x_TH, topk_idx_TK, weights_TK, counts, None, None, None)
 
-        if self.use_fp8:
-            return self._dispatch_begin_fp8(buffer, x_TH, weights_TK, topk_idx_TK)
-        # mtdeepep's dispatch op (so that selective checkpointing can save its outputs) on the detached inputs;
-        # `_DispatchGrad` records the backward, whose combine overlaps the experts' delayed weight gradients (the op's
-        # own backward combines synchronously). The received tensors are not read before `dispatch_end` waits.
+        # mtdeepep's dispatch op, differentiable (its backward, DeepEP's rule, is a combine of the gradients that runs
+        # the experts' delayed weight gradients while in flight: `mtdeepep.in_flight`), and an op, so that selective
+        # checkpointing can save its outputs. FP8: the op sends E4M3 + scales and dequantises after the wait. The
+        # received tensors are not read before `dispatch_end` waits.
+        # The marks time the op's backward as 'dispatch' (its delayed weight gradients time themselves 'backward').
+        timer = self.phase_timer
         recv_x, recv_idx, recv_weights, counts, comm_handle, event = deep_ep.dispatch(
-            buffer, x_TH.detach(), topk_idx_TK, weights_TK.detach(), self.num_experts, async_finish=True
-        )
-        if torch.is_grad_enabled() and (x_TH.requires_grad or weights_TK.requires_grad):
-            recv_x, recv_weights = _DispatchGrad.apply(
-                x_TH, weights_TK, recv_x, recv_weights, recv_idx, buffer, comm_handle, self.phase_timer
-            )
+            buffer, mark_backward(x_TH, timer, "dispatch", enter=False), topk_idx_TK, weights_TK, self.num_experts,
+            async_finish=True, fp8=self.use_fp8,
+        )  # fmt: skip
+        recv_x = mark_backward(recv_x, timer, "dispatch", enter=True)
         return _PendingFlexDispatch(T, x_TH.dtype, recv_x, recv_idx, recv_weights, counts, comm_handle, buffer, event)
-
-    def _dispatch_begin_fp8(self, buffer, x_TH, weights_TK, topk_idx_TK) -> _PendingFlexDispatch:
-        """Raw (non-differentiable) dispatch of the E4M3 pair; `dispatch_end` dequantises and attaches autograd."""
-        if x_TH.size(1) % FP8_BLOCK:
-            raise ValueError(f"FP8 dispatch needs hidden % {FP8_BLOCK} == 0, got hidden={x_TH.size(1)}")
-        x8_TH, scales = per_token_cast_to_fp8(x_TH.detach())
-        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx_TK, self.num_experts)
-        recv_pair, recv_idx, recv_weights, counts, comm_handle, event = buffer.dispatch(
-            (x8_TH, scales), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
-            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx_TK,
-            topk_weights=weights_TK.detach(), async_finish=True,
-        )  # fmt: skip
-        return _PendingFlexDispatch(
-            x_TH.size(0), x_TH.dtype, recv_pair, recv_idx, recv_weights, counts, comm_handle, buffer, event,
-            fp8_sources=(x_TH, weights_TK),
-        )  # fmt: skip
 
     def dispatch_end(self, pending: _PendingFlexDispatch) -> DispatchResult:
         if pending.event is not None:
-            pending.event.current_stream_wait()
-        if pending.fp8_sources is not None:
-            recv_x_UH = per_token_cast_back(*pending.recv_x_UH).to(pending.dtype)
-            recv_x_UH, recv_weights_UK = _DispatchGrad.apply(
-                *pending.fp8_sources, recv_x_UH, pending.recv_weights_UK, pending.recv_idx_UK, pending.buffer,
-                pending.comm_handle, self.phase_timer,
-            )  # fmt: skip
-            pending.recv_x_UH, pending.recv_weights_UK = recv_x_UH, recv_weights_UK
+            pending.event.current_stream_wait()  # FP8: also dequantises the received rows
         recv_row_N, _, weights_N = expand_by_local_expert(pending.recv_idx_UK, pending.recv_weights_UK)
         tokens_per_expert = [int(c) for c in pending.tokens_per_expert]
         if len(tokens_per_expert) != self.num_local_experts or sum(tokens_per_expert) != recv_row_N.numel():
