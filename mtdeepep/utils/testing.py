@@ -136,7 +136,8 @@ class _PoolSettings:
 # for torch's own import. A fork server's children inherit the environment it started with, not the caller's, so it
 # is used only while the caller's environment is that one (else spawn, as with MTDEEPEP_TEST_START_METHOD=spawn).
 START_METHOD_ENV = "MTDEEPEP_TEST_START_METHOD"
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch.multiprocessing"]
+# Third party only; torch.distributed.pipelining (the trainer's schedules) pulls in torch._dynamo and DTensor: ~2 s.
+_FORKSERVER_PRELOAD = ["numpy", "torch", "torch.distributed", "torch.multiprocessing", "torch.distributed.pipelining"]
 _forkserver_env: dict[str, str] | None = None  # the environment the fork server started with (None: not started)
 
 
