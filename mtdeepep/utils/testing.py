@@ -15,8 +15,9 @@
 - `cuda_skip_reason()`: why the GPU tests cannot run here (no CUDA device, or the CUDA executor is not built), or
   None; the one place that decides it for tests/cuda and bench/cuda_kernels.py.
 
-Cases and targets must be module-level functions (they are pickled by name) of modules that the spawned
-processes can import: spawned children inherit the parent's `sys.path`.
+Cases and targets must be module-level functions (they are pickled by name) of modules that the rank processes can
+import: they inherit the parent's `sys.path`. The ranks are forked from a fork server that has imported torch (a
+fresh interpreter otherwise: `MTDEEPEP_TEST_START_METHOD=spawn`, see `_start_context`).
 """
 
 from __future__ import annotations
