@@ -15,8 +15,9 @@
 - `cuda_skip_reason()`: why the GPU tests cannot run here (no CUDA device, or the CUDA executor is not built), or
   None; the one place that decides it for tests/cuda and bench/cuda_kernels.py.
 
-Cases and targets must be module-level functions (they are pickled by name) of modules that the spawned
-processes can import: spawned children inherit the parent's `sys.path`.
+Cases and targets must be module-level functions (they are pickled by name) of modules that the rank processes can
+import: they inherit the parent's `sys.path`. The ranks are forked from a fork server that has imported torch (a
+fresh interpreter otherwise: `MTDEEPEP_TEST_START_METHOD=spawn`, see `_start_context`).
 """
 
 from __future__ import annotations
@@ -130,6 +131,39 @@ class _PoolSettings:
     pg_timeout_s: float | None
 
 
+# How rank processes start. A spawned process is a fresh interpreter that imports torch: ~2.5 s of CPU per rank on
+# the 2-core test machine, most of a short multi-process test. Instead a fork server that has imported torch (and
+# nothing of this library, whose modules read their environment at import) forks each rank: the same fresh state but
+# for torch's own import. A fork server's children inherit the environment it started with, not the caller's, so it
+# is used only while the caller's environment is that one (else spawn, as with MTDEEPEP_TEST_START_METHOD=spawn).
+START_METHOD_ENV = "MTDEEPEP_TEST_START_METHOD"
+# Third party only; torch.distributed.pipelining (the trainer's schedules) pulls in torch._dynamo and DTensor: ~2 s.
+_FORKSERVER_PRELOAD = ["numpy", "torch", "torch.distributed", "torch.multiprocessing", "torch.distributed.pipelining"]
+_forkserver_env: dict[str, str] | None = None  # the environment the fork server started with (None: not started)
+
+
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # pytest rewrites it every test
+
+
+def _start_context():
+    """The multiprocessing context that starts the next ranks (see `START_METHOD_ENV`)."""
+    global _forkserver_env
+    method = os.environ.get(START_METHOD_ENV, "forkserver")
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(f"{START_METHOD_ENV} must be 'spawn' or 'forkserver', got {method!r}")
+    if method == "forkserver":
+        env = _environment()
+        if _forkserver_env is None:
+            context = mp.get_context("forkserver")
+            context.set_forkserver_preload(_FORKSERVER_PRELOAD)
+            _forkserver_env = env
+            return context
+        if env == _forkserver_env:
+            return mp.get_context("forkserver")
+    return mp.get_context("spawn")
+
+
 _READY = -1  # the task id of the start-up report
 
 
@@ -184,7 +218,7 @@ class RankPool:
     # -- lifetime
 
     def _start(self) -> None:
-        context = mp.get_context("spawn")
+        context = _start_context()
         settings = _PoolSettings(self.world_size, free_port(), self._threads, self._env, self._pg_timeout_s)
         self._tasks = [context.Queue() for _ in range(self.world_size)]
         self._results = context.Queue()
@@ -347,7 +381,7 @@ def run_processes(target: Callable[..., Any], num_processes: int, args: tuple = 
     """Runs `target(proc, *args)` in `num_processes` spawned processes (`proc` a `ProcessContext`) and joins them
     all within `timeout_s`. A process may kill itself (its exit code says so); one that raises fails the call
     with its traceback, and one still alive at the deadline is killed and fails it too."""
-    context = mp.get_context("spawn")
+    context = _start_context()
     results = context.SimpleQueue()  # put() writes to the pipe before it returns, unlike Queue's feeder thread
     port = free_port()
     processes = [
