@@ -78,7 +78,7 @@ def test_accepted_layouts_pass_the_trainer_rules():
         schedule = given.get(("parallel", "pp_schedule"), "1f1b")
         vpp = given.get(("parallel", "num_virtual_stages_per_pipeline_rank"), 1)
         assert c.pp == 1 or (schedule, vpp) == ((c.schedule, 1) if c.schedule != "interleaved" else ("1f1b", c.vpp))
-        assert bool(given.get(("training", "use_distributed_optimizer"))) == c.zero1
+        assert bool(given.get(("zero", "use_distributed_optimizer"))) == c.zero1
         assert given.get(("parallel", "fp8"), "none") == c.fp8
     assert {c.etp for c in space.accepted} == {1, 2, 4, 8}  # ETP layouts are choices, not refusals
 
