@@ -668,7 +668,8 @@ class TritonEngine(Engine):
         bias1 = None if bias1 is None else bias1.contiguous()
         fields, own_apart = self._plan(traffic.T, x_bytes, 0, num_topk, False, "combine")
         head = send_head.long()
-        dev = head.device  # the host's bookkeeping (traffic, prefixes) is on the CPU; index tensors go to the rows'
+        dev = head.device  # the host's bookkeeping is on the CPU: what meets the rows here goes to their device (the
+        # launchers move the index tensors they are handed themselves)
         source = torch.repeat_interleave(torch.arange(R), traffic[:, me])  # the source of every received row
         first_row = rank_prefix_matrix[:, me].long() - traffic[:, me]  # where source i's rows start here
         position = torch.arange(num_recv) - first_row[source]
@@ -684,10 +685,10 @@ class TritonEngine(Engine):
             intranode.launch_combine_send(
                 self.region_table, 0, intranode.word_view(x[:num_recv]),
                 None if topk_weights is None else topk_weights[:num_recv].contiguous().float(),
-                source.to(dev, torch.int32), dst_row.to(dev, torch.int32), fields, self.device.type == "cpu",
+                source.to(torch.int32), dst_row.to(torch.int32), fields, self.device.type == "cpu",
             )  # fmt: skip
             self._signal_and_wait(self.layout_.combine_flags, sync.PHASE_COMBINE_RECEIVE)
-            send_offset = (traffic[me].cumsum(0) - traffic[me]).to(dev)
+            send_offset = traffic[me].cumsum(0) - traffic[me]
             area_x, area_w = self._combine_area(fields, x.dtype, hidden, num_topk)
             intranode.launch_combine_reduce(
                 area_x, area_w, send_head.contiguous(), send_offset.to(torch.int32), bias0, bias1, combined,
