@@ -68,7 +68,7 @@ from _common import RESULTS_DIR, environment, make_parser, print_table, save_res
 import moe.layer.fp8.gemm
 from moe import MoEConfig, MoELayer
 from moe.layer.experts import grouped_mm_available
-from moe.layer.fp8 import COL_TILE, WEIGHT_TILE, scaled_mm_variant
+from moe.layer.fp8 import COL_TILE, WEIGHT_TILE, probe_scaled_mm, scaled_mm_variant
 
 DTYPE = torch.bfloat16
 BASELINE = "loop"
@@ -170,11 +170,10 @@ def skip_reason(variant: Variant, cfg: BenchConfig, device: torch.device) -> str
                 "dequantise + FP32 matmul, no FP8 timing)"
             )
         # Probe both tilings now: the first FP8 step would otherwise probe inside the counted step (checked_step).
-        weight_grad_ok = scaled_mm_variant(device, COL_TILE) is not None
-        if scaled_mm_variant(device, WEIGHT_TILE) is None:
-            return "torch._scaled_mm failed moe.layer.fp8's block-wise probe on this GPU (the layer would emulate FP8)"
-        if not weight_grad_ok:
-            return "torch._scaled_mm failed moe.layer.fp8's 128x1 probe: every FP8 weight gradient would be emulated"
+        for tile, what in ((WEIGHT_TILE, "block-wise"), (COL_TILE, "128x1 (weight gradient)")):
+            if scaled_mm_variant(device, tile) is None:
+                tried = "; ".join(f"{tuple(v)}: {why}" for v, why in probe_scaled_mm(device, tile))
+                return f"torch._scaled_mm failed moe.layer.fp8's {what} probe (the layer would emulate): {tried}"
         if cfg.hidden % 16 or cfg.ffn_hidden % 16:
             return "torch._scaled_mm needs hidden and FFN hidden multiples of 16 (the layer would emulate FP8)"
     return None

@@ -52,6 +52,7 @@ class Config:
     warmup: int = 2
     device: str = "cuda"
     timeout_s: float = 60.0
+    profile_iters: int = 0  # > 0: after the measurement, torch.profiler over this many uniform dispatch + combine calls
 
 
 def routing(cfg: Config, rank: int, skewed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +133,40 @@ def measure_routing(buffer, timer: Timer, cfg: Config, x, topk_idx, topk_weights
     return rows
 
 
-def bench_rank(rank: int, cfg: Config, port: int, results: dict) -> None:
+def profile_tables(buffer, timer: Timer, cfg: Config, x, topk_idx, topk_weights) -> str:
+    """torch.profiler over `cfg.profile_iters` dispatch + combine calls (after one untimed call): where the time goes,
+    as two tables, by device time and by host time (launches, host synchronisations, the Python around them)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, cfg.experts)
+
+    def step():
+        with record_function("dispatch"):
+            recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
+                x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=topk_idx, topk_weights=topk_weights,
+            )  # fmt: skip
+        with record_function("combine"):
+            buffer.combine(recv_x, handle, topk_weights=recv_w)
+
+    step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if timer.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(cfg.profile_iters):
+            dist.barrier(group=timer.group)
+            step()
+            timer.sync()
+    events = prof.key_averages()
+    device_key = "cuda_time_total" if timer.device.type == "cuda" else "cpu_time_total"
+    return "\n".join([
+        f"# {cfg.profile_iters} x (dispatch + combine), uniform routing, by device time",
+        events.table(sort_by=device_key, row_limit=25, max_name_column_width=60),
+        "# by host time",
+        events.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60),
+    ])  # fmt: skip
+
+
+def bench_rank(rank: int, cfg: Config, port: int, results: dict, profiles: dict) -> None:
     os.environ.update(MTDEEPEP_ENGINE="triton", MTDEEPEP_DEVICE=cfg.device)
     if cfg.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
@@ -161,6 +195,9 @@ def bench_rank(rank: int, cfg: Config, port: int, results: dict) -> None:
             copy = timer.copy_seconds(num_bytes) if num_bytes else None
             measured.append({"op": op, "routing": name, "seconds": seconds, "bytes": num_bytes, "copy_seconds": copy})
         results[rank] = measured
+        if cfg.profile_iters > 0:
+            topk_idx, topk_weights = routing(cfg, rank, False, device)
+            profiles[rank] = profile_tables(buffer, timer, cfg, x, topk_idx, topk_weights)
     finally:
         buffer.destroy()
         dist.destroy_process_group()
@@ -197,12 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     for field, default in asdict(Config()).items():
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--profile-out", type=Path, default=None, help="where the profile tables go (a text file)")
     args = parser.parse_args(argv)
     cfg = Config(**{k: getattr(args, k) for k in asdict(Config())})
     with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(bench_rank, args=(cfg, free_port(), results), nprocs=cfg.ranks, join=True)
-        per_rank = dict(results)
+        results, profiles = manager.dict(), manager.dict()
+        mp.spawn(bench_rank, args=(cfg, free_port(), results, profiles), nprocs=cfg.ranks, join=True)
+        per_rank, per_rank_profiles = dict(results), dict(profiles)
     rows = summarize(per_rank)
     for row in rows:
         figure = (f"{row['fraction_of_copy']:.2f} of a copy" if "fraction_of_copy" in row
@@ -211,6 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"config": asdict(cfg), "mps": MPS, "rows": rows}, indent=1))
+    if per_rank_profiles:
+        text = "\n\n".join(f"## rank {r}\n{per_rank_profiles[r]}" for r in sorted(per_rank_profiles))
+        if args.profile_out is not None:
+            args.profile_out.parent.mkdir(parents=True, exist_ok=True)
+            args.profile_out.write_text(text)
+        else:
+            print(text)
     print(f"ranks as processes {'under MPS' if MPS else 'time-sliced (no MPS)'}; every step passed ({len(rows)} rows)")
     return 0
 

@@ -228,7 +228,7 @@ else
     # Under MPS when its daemon starts: the ranks are processes on one GPU, and without MPS the GPU time-slices
     # between their contexts, so a rank's spinning wait holds the GPU for its slice while the peer it waits for
     # cannot run (11-28, without MPS: 13-17 ms dispatches, 5 ms low-latency calls: the slices, not the kernels).
-    stage measure 120 bench.log "if nvidia-cuda-mps-control -d; then trap 'echo quit | nvidia-cuda-mps-control' EXIT; \
+    stage measure "${GPU_CHECK_MEASURE_S:-120}" bench.log "if nvidia-cuda-mps-control -d; then trap 'echo quit | nvidia-cuda-mps-control' EXIT; \
 export MTDEEPEP_BENCH_MPS=1; echo '[mps] daemon started'; else echo '[mps] not available: time-sliced'; fi; \
 $PY bench/triton_gpu.py ${GPU_CHECK_TRITON_BENCH_ARGS:-} --json $WORK/triton_gpu.json \
 && $PY -c \"import json, os; p='$OUT/bench.json'; a=json.load(open(p)) if os.path.exists(p) else {}; \

@@ -51,4 +51,9 @@ def flex_layer_matches_single_process(ctx, hidden: int):
     w13_grads = [None] * ctx.world_size
     dist.all_gather_object(w13_grads, ref.experts.w13.grad, group=ctx.group)
     assert_close(ep.experts.w13.grad.cpu(), sum(w13_grads)[start:stop], atol=1e-4, msg="w13 grad")
-    assert_close(router_grad, sum(ref_router_grads), atol=1e-4, msg="router grad summed over ranks")
+    # The router gradient sums ~100 tokens' hidden-wide products: at hidden 256 its elements reach ~560, and the host
+    # FP32 reference itself is 1.5e-4 off a float64 run (2.7e-7 of the largest element). An absolute floor scaled by
+    # the largest element (1e-6, ~8 FP32 ulps of it) allows another summation order the same error, not more.
+    ref_router_grad = sum(ref_router_grads)
+    atol = 1e-4 + 1e-6 * float(ref_router_grad.abs().max())
+    assert_close(router_grad, ref_router_grad, atol=atol, msg="router grad summed over ranks")

@@ -29,6 +29,7 @@ from moe.layer.fp8 import (
     Fp8SwiGLUExperts,
     fake_quantize,
     fp8_linear,
+    probe_scaled_mm,
     scaled_mm_variant,
 )
 
@@ -125,7 +126,8 @@ def test_fp8_linear_runs_torch_scaled_mm_for_all_three_gemms(spy):
     """Forward, input grad and weight grad each run one `torch._scaled_mm` (1x128 activations with 128x128 weight
     blocks, and 128x1 tiles for the weight gradient), equal to the emulated recipe on the same quantised operands."""
     for tile in (WEIGHT_TILE, COL_TILE):
-        assert scaled_mm_variant(CUDA, tile) is not None, f"torch._scaled_mm failed its probe for {tile} tiles"
+        tried = "; ".join(f"{tuple(v)}: {why}" for v, why in probe_scaled_mm(CUDA, tile))
+        assert scaled_mm_variant(CUDA, tile) is not None, f"torch._scaled_mm failed its probe for {tile}: {tried}"
     calls = spy("_scaled_mm")
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(256, 512, generator=gen)
@@ -146,7 +148,7 @@ def test_fp8_linear_runs_torch_scaled_mm_for_all_three_gemms(spy):
     }
     # Hopper's FP8 tensor cores accumulate a 128-wide block with ~14 mantissa bits before the scaled FP32 sum
     # (DeepSeek-V3's report): ~2^-14 relative per block, under 1e-3 overall; a bf16 output adds one 2^-8 rounding.
-    bf16_out = scaled_mm_variant(CUDA, WEIGHT_TILE)[1] == torch.bfloat16
+    bf16_out = scaled_mm_variant(CUDA, WEIGHT_TILE).out_dtype == torch.bfloat16
     limit = 1e-2 if bf16_out else 1e-3
     for name, actual in (("y", y.detach()), ("x.grad", x_d.grad), ("w.grad", w_d.grad)):
         ref = expected[name]

@@ -57,7 +57,7 @@ per-tensor E4M3 cast) when it is installed.
 
 from moe.layer.fp8.amax_history import AmaxHistory, DelayedState, delayed_states
 from moe.layer.fp8.cast import Fp8Operand, amax_to_scale, cast_blockwise, cast_per_tensor, fake_quantize
-from moe.layer.fp8.gemm import scaled_matmul, scaled_mm_variant
+from moe.layer.fp8.gemm import probe_scaled_mm, scaled_matmul, scaled_mm_variant
 from moe.layer.fp8.grouped import Fp8SwiGLUExperts, fp8_grouped_linear
 from moe.layer.fp8.linear import Fp8Caster, Fp8LinearFn, fp8_linear
 from moe.layer.fp8.recipe import (
@@ -99,6 +99,7 @@ __all__ = [
     "fp8_linear",
     "fp8_switches",
     "recipe_from_name",
+    "probe_scaled_mm",
     "scaled_matmul",
     "scaled_mm_variant",
 ]
