@@ -35,7 +35,7 @@
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=600)
 #   run(command="GPU_CHECK_STAGES=build,smoke,local bash scripts/gpu_check.sh", carry=[".whl", "prebuilt"])
 # GPU_CHECK_STAGES: comma-separated stages to run (facts and build always run). GPU_CHECK_PYTEST_ARGS: extra pytest
-# arguments. GPU_CHECK_LOCAL_K / GPU_CHECK_LOCAL_S: the local stage's -k selection (default: every rank count) and
+# arguments (GPU_CHECK_PER_TEST_S: the per-test timeout, 120 s). GPU_CHECK_LOCAL_K / GPU_CHECK_LOCAL_S: the local stage's -k selection (default: every rank count) and
 # limit. GPU_CHECK_SMOKE_ARGS, GPU_CHECK_BENCH_ARGS, GPU_CHECK_MOE_ARGS: arguments of gpu_smoke.py,
 # bench/cuda_kernels.py and bench/moe_layer_gpu.py. GPU_CHECK_SANITIZER_TOOLS (default: memcheck racecheck synccheck)
 # and GPU_CHECK_SANITIZER_TOOL_S (40 s each).
@@ -140,7 +140,7 @@ T_NORMAL=tests/cuda/test_normal.py T_LL=tests/cuda/test_low_latency.py
 T_MP="$T_NORMAL $T_LL tests/cuda/test_moe_ep.py"
 # pytest_stage NAME LIMIT FILES K: the pytest stage (dry run: collect only, once, and an empty selection fails).
 pytest_stage() {
-    local name="$1" limit="$2" files="$3" k="$4" per_test="${5:-120}"
+    local name="$1" limit="$2" files="$3" k="$4" per_test="${5:-${GPU_CHECK_PER_TEST_S:-120}}"
     if [ "$DRY" = 1 ]; then
         stage "$name" "$limit" tests.log \
             "collected=\$(${PYTEST[*]} --collect-only $files -k \"$k\"); echo \"\$collected\" | tail -n 3; echo \"\$collected\" | grep -q '::'"

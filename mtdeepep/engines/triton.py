@@ -543,7 +543,10 @@ class TritonEngine(Engine):
 
         # Routing: each token's position among the tokens sent to each rank, and the counts per rank and channel.
         in_rank = is_token_in_rank.to(torch.int32)
-        send_head = torch.where(is_token_in_rank, in_rank.cumsum(0) - 1, -1).to(torch.int32)
+        # A scan along the tokens as an inner dimension: along dim 0 of [T, R] the GPU scan runs one thread per rank
+        # column (380 us at 4096 x 2 on an H200, 11-28); along the inner dimension it is parallel over the tokens.
+        positions = in_rank.t().contiguous().cumsum(1).t()
+        send_head = torch.where(is_token_in_rank, positions - 1, -1).to(torch.int32)
         per_channel = max(1, -(-num_tokens // num_channels))
         channel = torch.clamp(torch.arange(num_tokens, device=self.device) // per_channel, max=num_channels - 1)
         channel_counts = torch.zeros((num_channels, R), dtype=torch.int32, device=self.device)

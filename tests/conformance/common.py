@@ -203,6 +203,8 @@ def node_partials_f64(ctx, topo, expert_out, src_rank, src_idx, num_tokens) -> t
 def assert_combine_close(actual, partials, dtype, extra=None) -> None:
     """`actual` vs the exact sum of `partials [num_nodes, T, H]` (+ `extra`), within the module docstring's bound."""
     assert actual.dtype == dtype, (actual.dtype, dtype)
+    actual = actual.to(partials.device)  # the GPU executors' outputs against the host's exact sums
+    extra = None if extra is None else extra.to(partials.device)
     u = UNIT_ROUNDOFF[dtype]
     exact = partials.sum(dim=0) + (0 if extra is None else extra)
     magnitude = partials.abs().sum(dim=0) + (0 if extra is None else extra.abs())

@@ -33,6 +33,7 @@ class Variant(NamedTuple):
     a_scale_col_major: bool
     b_scale: str  # "row" (as cast), "col" (column-major), "col_pad4" (column-major, leading dimension padded to 4)
     out_dtype: torch.dtype
+    row_align: int = 1  # the left operand's rows are padded to a multiple of this (cuBLASLt rejects some row counts)
 
 
 BLOCK_VARIANTS: tuple[Variant, ...] = tuple(
@@ -58,36 +59,78 @@ def _b_scale(scale: torch.Tensor, layout: str) -> torch.Tensor:
 
 def _scaled_mm(a: Fp8Operand, b: Fp8Operand, variant: Variant) -> torch.Tensor:
     """`torch._scaled_mm(a, b)` in `variant`'s convention (b column-major, as cuBLASLt wants): `[M, N]` float32."""
-    a_s = a.scale.t().contiguous().t() if variant.a_scale_col_major else a.scale
+    M = a.q.size(0)
+    a_q, a_scale = a.q.contiguous(), a.scale
+    pad = -M % variant.row_align
+    if pad:  # zero rows (scale 1) to the row count the kernels take; their outputs are dropped below
+        a_q = torch.cat([a_q.view(torch.uint8), a_q.new_zeros((pad, a_q.size(1)), dtype=torch.uint8)]).view(a.q.dtype)
+        if a_scale.dim() == 2:
+            a_scale = torch.cat([a_scale, a_scale.new_ones((pad, a_scale.size(1)))])
+    a_s = a_scale.t().contiguous().t() if variant.a_scale_col_major else a_scale.contiguous()
     b_col_major = b.q.t().contiguous().t()
     b_s = _b_scale(b.scale, variant.b_scale)
-    return torch._scaled_mm(a.q.contiguous(), b_col_major, a_s, b_s, out_dtype=variant.out_dtype).float()
+    out = torch._scaled_mm(a_q, b_col_major, a_s, b_s, out_dtype=variant.out_dtype)
+    return out[:M].float()
+
+
+def _probe_tensor(rows: int, cols: int, tile: tuple[int, int] | None, gen: torch.Generator) -> torch.Tensor:
+    """Random `[rows, cols]` whose blocks of `tile` differ in magnitude by powers of two up to 2^+-4, so every block
+    has its own scale and a scale read from the wrong block (a layout mix-up) shows in the product."""
+    x = torch.randn(rows, cols, generator=gen)
+    if tile is None:
+        return x
+    r, c = tile
+    exponents = torch.randint(-4, 5, (-(-rows // r), -(-cols // c)), generator=gen).float()
+    return x * torch.exp2(exponents).repeat_interleave(r, 0)[:rows].repeat_interleave(c, 1)[:, :cols]
 
 
 def _probe_operand(x: torch.Tensor, tile: tuple[int, int] | None) -> Fp8Operand:
     return cast_per_tensor(x, amax_to_scale(x.abs().amax())) if tile is None else cast_blockwise(x, tile)
 
 
+# The probe's shape: K/128 = 3 (not a multiple of 4, where padded and unpadded scale layouts differ), M, K, N distinct
+# (a transposed reading fails), and the left operand's row alignments tried, smallest first.
+PROBE_K, PROBE_N = 384, 256
+PROBE_ROW_ALIGNS = (1, 8, 16, 128)
+
+
+def _try(variant: Variant, M: int, b_tile: tuple[int, int] | None, device: torch.device) -> str:
+    """ "ok", "mismatch ...", or the error, of `variant` on an `[M, PROBE_K] @ [PROBE_K, PROBE_N]` probe."""
+    gen = torch.Generator().manual_seed(M)
+    a_tile = None if b_tile is None else ACT_TILE
+    a8 = _probe_operand(_probe_tensor(M, PROBE_K, a_tile, gen).to(device), a_tile)
+    b8 = _probe_operand(_probe_tensor(PROBE_K, PROBE_N, b_tile, gen).to(device), b_tile)
+    expected = a8.dequantize() @ b8.dequantize()
+    try:
+        got = _scaled_mm(a8, b8, variant)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as err:
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    tol = 1e-2 if variant.out_dtype == torch.bfloat16 else 1e-3
+    if torch.allclose(got, expected, rtol=tol, atol=tol * float(expected.abs().max())):
+        return "ok"
+    worst, largest = float((got - expected).abs().max()), float(expected.abs().max())
+    return f"mismatch: max abs difference {worst:.3e} of {largest:.3e}"
+
+
 def probe_scaled_mm(device: torch.device, b_tile: tuple[int, int] | None) -> list[tuple[Variant, str]]:
     """Every convention tried for `b_tile` on `device` with its outcome ("ok", "mismatch ...", or the error), in the
-    order `scaled_mm_variant` tries them; stops at the first "ok". For a GPU run's log when the probe fails."""
-    gen = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(256, 256, generator=gen).to(device) for _ in range(2))
-    a8 = _probe_operand(a, None if b_tile is None else ACT_TILE)
-    b8 = _probe_operand(b, b_tile)
-    expected = a8.dequantize() @ b8.dequantize()
+    order `scaled_mm_variant` tries them, on 128 rows; the first that passes is then tried on an odd multiple of
+    each of `PROBE_ROW_ALIGNS` rows, and the report ends with `(variant with its row_align, "ok")` where one passes.
+    For a GPU run's log when the probe fails."""
     report = []
     for variant in PER_TENSOR_VARIANTS if b_tile is None else BLOCK_VARIANTS:
-        try:
-            got = _scaled_mm(a8, b8, variant)
-        except (RuntimeError, NotImplementedError, TypeError, ValueError) as err:
-            report.append((variant, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"))
+        outcome = _try(variant, 128, b_tile, device)
+        report.append((variant, outcome))
+        if outcome != "ok":
             continue
-        tol = 1e-2 if variant.out_dtype == torch.bfloat16 else 1e-3
-        if torch.allclose(got, expected, rtol=tol, atol=tol * float(expected.abs().max())):
-            report.append((variant, "ok"))
-            return report
-        report.append((variant, f"mismatch: max abs difference {float((got - expected).abs().max()):.3e}"))
+        for align in PROBE_ROW_ALIGNS:
+            rows = 3 * align if align > 1 else 37
+            aligned = variant._replace(row_align=align)
+            outcome = _try(aligned, rows, b_tile, device)
+            report.append((aligned, f"{rows} rows: {outcome}"))
+            if outcome == "ok":
+                report.append((aligned, "ok"))
+                return report
     return report
 
 
@@ -96,9 +139,9 @@ def scaled_mm_variant(device: torch.device, b_tile: tuple[int, int] | None) -> V
     """The `torch._scaled_mm` calling convention that reproduces the emulation on `device`, or None (emulate).
 
     `b_tile`: None for per-tensor operands, else the right operand's tiles (128x128 weights, 128x1 weight-gradient
-    operands) with the left one in 1x128 tiles. Probed once per (device, tiling) on 256x256x256 random operands; any
-    error or mismatch disables the real path, so an unsupported build or GPU silently uses the emulation
-    (`probe_scaled_mm` says why).
+    operands) with the left one in 1x128 tiles. Probed once per (device, tiling) on random operands whose blocks
+    differ in scale (`probe_scaled_mm`, which also says why a convention failed); any error or mismatch disables
+    the real path, so an unsupported build or GPU silently uses the emulation.
     """
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return None
