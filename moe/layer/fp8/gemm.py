@@ -34,10 +34,16 @@ class Variant(NamedTuple):
     b_scale: str  # "row" (as cast), "col" (column-major), "col_pad4" (column-major, leading dimension padded to 4)
     out_dtype: torch.dtype
     row_align: int = 1  # the left operand's rows are padded to a multiple of this (cuBLASLt rejects some row counts)
+    k_align: int = 1  # the reduction dimension is zero-padded to a multiple of this (see K_ALIGNS)
 
 
+# The reduction dimension's alignments tried: on the H200 with torch 2.11 (11-28) the 128x128 kernels accept
+# unpadded column-major scales but read them as if `K/128` were rounded up to 4: right at K = 512, wrong at K = 384.
+# Zero-padding K to a multiple of 512 (zero data, scale 1) gives the same product for any K.
+K_ALIGNS = (1, 512)
 BLOCK_VARIANTS: tuple[Variant, ...] = tuple(
-    Variant(a_col, b_layout, out)
+    Variant(a_col, b_layout, out, 1, k_align)
+    for k_align in K_ALIGNS
     for out in (torch.float32, torch.bfloat16)
     for b_layout in ("row", "col", "col_pad4")
     for a_col in (False, True)
@@ -59,18 +65,38 @@ def _b_scale(scale: torch.Tensor, layout: str) -> torch.Tensor:
 
 def _scaled_mm(a: Fp8Operand, b: Fp8Operand, variant: Variant) -> torch.Tensor:
     """`torch._scaled_mm(a, b)` in `variant`'s convention (b column-major, as cuBLASLt wants): `[M, N]` float32."""
-    M = a.q.size(0)
-    a_q, a_scale = a.q.contiguous(), a.scale
-    pad = -M % variant.row_align
-    if pad:  # zero rows (scale 1) to the row count the kernels take; their outputs are dropped below
-        a_q = torch.cat([a_q.view(torch.uint8), a_q.new_zeros((pad, a_q.size(1)), dtype=torch.uint8)]).view(a.q.dtype)
-        if a_scale.dim() == 2:
-            a_scale = torch.cat([a_scale, a_scale.new_ones((pad, a_scale.size(1)))])
+    M, K = a.q.shape
+    a_q, a_scale, b_q, b_scale = a.q, a.scale, b.q, b.scale
+    row_pad, k_pad = -M % variant.row_align, -K % variant.k_align
+    if row_pad:  # zero rows (scale 1) to the row count the kernels take; their outputs are dropped below
+        a_q = _pad_fp8(a_q, 0, row_pad)
+        a_scale = _pad_ones(a_scale, 0, row_pad)
+    if k_pad:  # zero columns of a / rows of b, each new 128-block with scale 1: the product is unchanged
+        a_q, b_q = _pad_fp8(a_q, 1, k_pad), _pad_fp8(b_q, 0, k_pad)
+        new_blocks = -(-(K + k_pad) // 128) - -(-K // 128)
+        a_scale, b_scale = _pad_ones(a_scale, 1, new_blocks), _pad_ones(b_scale, 0, new_blocks)
     a_s = a_scale.t().contiguous().t() if variant.a_scale_col_major else a_scale.contiguous()
-    b_col_major = b.q.t().contiguous().t()
-    b_s = _b_scale(b.scale, variant.b_scale)
-    out = torch._scaled_mm(a_q, b_col_major, a_s, b_s, out_dtype=variant.out_dtype)
+    b_col_major = b_q.t().contiguous().t()
+    b_s = _b_scale(b_scale, variant.b_scale)
+    out = torch._scaled_mm(a_q.contiguous(), b_col_major, a_s, b_s, out_dtype=variant.out_dtype)
     return out[:M].float()
+
+
+def _pad_fp8(q: torch.Tensor, dim: int, extra: int) -> torch.Tensor:
+    """`q` (E4M3) with `extra` zero rows (dim 0) or columns (dim 1) appended (through bytes: cat of FP8 is not
+    implemented everywhere)."""
+    shape = list(q.shape)
+    shape[dim] = extra
+    return torch.cat([q.view(torch.uint8), q.new_zeros(shape, dtype=torch.uint8)], dim=dim).view(q.dtype)
+
+
+def _pad_ones(scale: torch.Tensor, dim: int, extra: int) -> torch.Tensor:
+    """Block scales with `extra` blocks of scale 1 appended along `dim` (a per-tensor 0-d scale is returned as is)."""
+    if scale.dim() == 0 or extra == 0:
+        return scale
+    shape = list(scale.shape)
+    shape[dim] = extra
+    return torch.cat([scale, scale.new_ones(shape)], dim=dim)
 
 
 def _probe_tensor(rows: int, cols: int, tile: tuple[int, int] | None, gen: torch.Generator) -> torch.Tensor:
@@ -95,7 +121,7 @@ PROBE_ROW_ALIGNS = (1, 8, 16, 128)
 
 
 def _try(variant: Variant, M: int, b_tile: tuple[int, int] | None, device: torch.device) -> str:
-    """ "ok", "mismatch ...", or the error, of `variant` on an `[M, PROBE_K] @ [PROBE_K, PROBE_N]` probe."""
+    """The outcome of `variant` on an `[M, PROBE_K] @ [PROBE_K, PROBE_N]` probe: "ok", "mismatch ..." or the error."""
     gen = torch.Generator().manual_seed(M)
     a_tile = None if b_tile is None else ACT_TILE
     a8 = _probe_operand(_probe_tensor(M, PROBE_K, a_tile, gen).to(device), a_tile)
