@@ -14,7 +14,8 @@ control group), as the one-GPU machine allows. Per routing, the medians over `--
 
 `fraction` = copy time / operation time for the same bytes (1.0: as fast as a copy; the issue's target 0.7, goal
 0.9). Timing: a gloo barrier, then the call between `torch.cuda.synchronize()`s (`perf_counter`); the slowest rank
-counts. The copy runs in the same process right after, `dst.copy_(src)` of a byte tensor of that size.
+counts, against the busiest rank's bytes. The copy runs in the same process right after, `dst.copy_(src)` of a byte
+tensor of that size.
 
 Run on the GPU machine (scripts/gpu_check.sh's `measure` stage):
 
@@ -204,16 +205,20 @@ def bench_rank(rank: int, cfg: Config, port: int, results: dict, profiles: dict)
 
 
 def summarize(per_rank: dict[int, list[dict]]) -> list[dict]:
-    """Per (op, routing): the slowest rank's time, its bytes and copy time, and the fraction of the copy."""
+    """Per (op, routing): the slowest rank's time against the busiest rank's bytes and its copy of them (under skewed
+    routing a rank that receives little can be the slowest, waiting for the others: its own bytes would understate
+    what the call moved), and the fraction of that copy."""
     out = []
     for i, row in enumerate(per_rank[0]):
-        slowest = max((per_rank[r][i] for r in per_rank), key=lambda m: m["seconds"])
-        entry = {"op": row["op"], "routing": row["routing"], "seconds": slowest["seconds"], "bytes": slowest["bytes"]}
-        if slowest["copy_seconds"]:
-            entry["copy_seconds"] = slowest["copy_seconds"]
-            entry["fraction_of_copy"] = slowest["copy_seconds"] / slowest["seconds"]
+        entries = [per_rank[r][i] for r in per_rank]
+        seconds = max(m["seconds"] for m in entries)
+        busiest = max(entries, key=lambda m: m["bytes"])
+        entry = {"op": row["op"], "routing": row["routing"], "seconds": seconds, "bytes": busiest["bytes"]}
+        if busiest["copy_seconds"]:
+            entry["copy_seconds"] = busiest["copy_seconds"]
+            entry["fraction_of_copy"] = busiest["copy_seconds"] / seconds
         else:
-            entry["microseconds"] = 1e6 * slowest["seconds"]
+            entry["microseconds"] = 1e6 * seconds
         out.append(entry)
     return out
 
