@@ -17,9 +17,9 @@ hence the same routing of the same tokens:
 - fp8:          `fp8='e4m3'`: `moe.layer.fp8.Fp8SwiGLUExperts`, DeepSeek-V3 block-wise FP8 (1x128 activation tiles,
                 128x128 weight blocks, FP32 accumulation) through `torch._scaled_mm`, one call per expert per GEMM;
                 the BF16 weights are master weights quantised every step. Skipped where `_scaled_mm` fails
-                moe.layer.fp8's probe (the layer would emulate FP8 in FP32) and always on the CPU. A weight-gradient
-                GEMM of an expert whose row count is not a multiple of 16 is emulated by the layer (`scaled_matmul`):
-                the JSON's `kernel_calls` and the notes say what share of the FP8 GEMMs ran on `_scaled_mm`.
+                moe.layer.fp8's probe (the layer would emulate FP8 in FP32) and always on the CPU. The JSON's
+                `kernel_calls` and the notes say what share of the FP8 GEMMs ran on `_scaled_mm` (`scaled_matmul`
+                emulates a GEMM whose output width is not a multiple of 16).
 
 Correctness first: each variant runs one step before any timing, and its output, input gradient and expert weight
 gradients are compared with the loop's (relative RMS error, `||a - b|| / ||b||`). BF16 GEMMs accumulate in FP32 and
@@ -388,8 +388,7 @@ def notes(rows: list[dict[str, Any]]) -> list[str]:
             share = calls["_scaled_mm"] / calls["fp8_matmul"]
             lines.append(
                 f"{row['variant']}: {calls['_scaled_mm']} of {calls['fp8_matmul']} FP8 GEMMs per step on "
-                f"torch._scaled_mm ({share:.0%}); the rest emulated (weight grads of experts whose row count is not "
-                "a multiple of 16)"
+                f"torch._scaled_mm ({share:.0%}); the rest emulated (output widths not a multiple of 16)"
             )
     return lines
 

@@ -51,23 +51,30 @@ BLOCK_VARIANTS: tuple[Variant, ...] = tuple(
 PER_TENSOR_VARIANTS: tuple[Variant, ...] = (Variant(False, "row", torch.float32),)  # per-tensor: the plain one only
 
 
+def _column_major(t: torch.Tensor, leading: int | None = None) -> torch.Tensor:
+    """2-D `t` (same values) with strides `(1, leading)` (default: its row count), set explicitly: `.t().contiguous()
+    .t()` leaves arbitrary strides on size-1 dimensions, which the kernels' layout checks reject."""
+    rows, cols = t.shape
+    leading = rows if leading is None else leading
+    storage = torch.ones(max(cols, 1) * leading, dtype=t.dtype, device=t.device)
+    out = storage.as_strided((rows, cols), (1, leading))
+    out.copy_(t)
+    return out
+
+
 def _b_scale(scale: torch.Tensor, layout: str) -> torch.Tensor:
     """`b`'s block scales `[Kb, Nb]` (same values) in `layout`'s strides."""
     if scale.dim() == 0 or layout == "row":
         return scale.contiguous()
-    if layout == "col":
-        return scale.t().contiguous().t()
-    kb, nb = scale.shape
-    storage = torch.zeros(nb, -(-kb // 4) * 4, dtype=scale.dtype, device=scale.device)
-    storage[:, :kb] = scale.t()
-    return storage[:, :kb].t()
+    return _column_major(scale, None if layout == "col" else -(-scale.size(0) // 4) * 4)
 
 
 def _scaled_mm(a: Fp8Operand, b: Fp8Operand, variant: Variant) -> torch.Tensor:
     """`torch._scaled_mm(a, b)` in `variant`'s convention (b column-major, as cuBLASLt wants): `[M, N]` float32."""
     M, K = a.q.shape
     a_q, a_scale, b_q, b_scale = a.q, a.scale, b.q, b.scale
-    row_pad, k_pad = -M % variant.row_align, -K % variant.k_align
+    # K to a multiple of 16 always (the FP8 kernels' minimum: a weight gradient's K is an expert's row count).
+    row_pad, k_pad = -M % variant.row_align, -K % max(variant.k_align, 16)
     if row_pad:  # zero rows (scale 1) to the row count the kernels take; their outputs are dropped below
         a_q = _pad_fp8(a_q, 0, row_pad)
         a_scale = _pad_ones(a_scale, 0, row_pad)
@@ -75,7 +82,7 @@ def _scaled_mm(a: Fp8Operand, b: Fp8Operand, variant: Variant) -> torch.Tensor:
         a_q, b_q = _pad_fp8(a_q, 1, k_pad), _pad_fp8(b_q, 0, k_pad)
         new_blocks = -(-(K + k_pad) // 128) - -(-K // 128)
         a_scale, b_scale = _pad_ones(a_scale, 1, new_blocks), _pad_ones(b_scale, 0, new_blocks)
-    a_s = a_scale.t().contiguous().t() if variant.a_scale_col_major else a_scale.contiguous()
+    a_s = _column_major(a_scale) if variant.a_scale_col_major and a_scale.dim() == 2 else a_scale.contiguous()
     b_col_major = b_q.t().contiguous().t()
     b_s = _b_scale(b_scale, variant.b_scale)
     out = torch._scaled_mm(a_q.contiguous(), b_col_major, a_s, b_s, out_dtype=variant.out_dtype)
@@ -177,7 +184,7 @@ def scaled_mm_variant(device: torch.device, b_tile: tuple[int, int] | None) -> V
 
 def _real_variant(a: Fp8Operand, b: Fp8Operand) -> Variant | None:
     """The real GEMM's convention for these operands on their device, or None (emulate)."""
-    if not a.q.is_cuda or a.q.size(1) % 16 or b.q.size(1) % 16:
+    if not a.q.is_cuda or b.q.size(1) % 16:
         return None
     if a.tile is None and b.tile is None:
         return scaled_mm_variant(a.q.device, None)
