@@ -9,6 +9,8 @@ host, the run directory shared (the hosts share this machine's file system, as m
   timeout naming the lost ranks, host and phase; the launch exits non-zero within timeout + 30 s; every checkpoint
   left is complete; with the link back, the run resumes from the newest one and ends bit for bit as the
   uninterrupted run.
+- Host 1 SIGKILLed mid-run (its agent and ranks): host 0's ranks raise naming ranks 2, 3, host 1 and the phase; the
+  launch exits non-zero within timeout + 30 s, leaving no process, segment, temporary file or namespace.
 - A machine-wide crash: every process on both hosts SIGKILLed while a checkpoint is half-written; the same command
   again resumes from the newest complete checkpoint and ends bit for bit as the uninterrupted run, leaving no
   process, segment, partial checkpoint, temporary file or namespace behind.
