@@ -14,6 +14,9 @@ Bytes, as upstream's test_internode.py counts them (per rank, the slowest rank's
   FP8 counts the e4m3 bytes plus the scales (upstream's factor (1 + 4/128) / 2). The JSON also holds the bytes
   that leave the node (own node excluded). Combine counts the bf16 dispatch's bytes.
 - NVL bytes: the bytes of `recv_x` this rank received (FP8: data + scales).
+- net bytes: the bytes that leave the node (what crosses the network between hosts): mtdeepep's RDMA bytes without
+  the own node; the baseline's: one row per (token, destination rank on another node), so a token bound for two
+  ranks of one node crosses twice. Each implementation's net GB/s divides its own net bytes by its own time.
 GB/s = bytes / median time of the whole call (both stages), as upstream reports both against one time.
 
 Baseline, in the same processes, iteration by iteration alternating with mtdeepep: `all_to_all_single` over the
@@ -90,13 +93,21 @@ class BenchConfig:
 # Byte counts
 
 
-def rdma_rows(topk_idx_TK: torch.Tensor, num_experts: int, num_nodes: int, rank_node: int) -> tuple[int, int]:
-    """`(rows, rows leaving the node)`: tokens x distinct destination nodes, with and without the own node."""
-    node_TK = torch.where(topk_idx_TK >= 0, topk_idx_TK // (num_experts // num_nodes), num_nodes)
-    in_node_TN = torch.zeros(topk_idx_TK.size(0), num_nodes + 1, dtype=torch.bool)
-    in_node_TN.scatter_(1, node_TK, True)
-    per_node = in_node_TN[:, :num_nodes].sum(dim=0)
-    return int(per_node.sum()), int(per_node.sum() - per_node[rank_node])
+def rows_per_destination(topk_idx_TK: torch.Tensor, num_experts: int, num_destinations: int) -> torch.Tensor:
+    """`[num_destinations]` int64: the tokens bound for each destination (node or rank), each token once."""
+    dest_TK = torch.where(topk_idx_TK >= 0, topk_idx_TK // (num_experts // num_destinations), num_destinations)
+    in_dest_TD = torch.zeros(topk_idx_TK.size(0), num_destinations + 1, dtype=torch.bool)
+    in_dest_TD.scatter_(1, dest_TK, True)
+    return in_dest_TD[:, :num_destinations].sum(dim=0)
+
+
+def rdma_rows(topk_idx_TK: torch.Tensor, cfg: BenchConfig, rank_node: int) -> tuple[int, int, int]:
+    """`(rows, rows leaving the node, the baseline's rows leaving the node)`: tokens x distinct destination nodes,
+    with and without the own node; tokens x distinct destination ranks on other nodes."""
+    per_node = rows_per_destination(topk_idx_TK, cfg.num_experts, cfg.num_nodes)
+    per_rank = rows_per_destination(topk_idx_TK, cfg.num_experts, cfg.num_ranks).view(cfg.num_nodes, -1).sum(dim=1)
+    leaving = lambda rows: int(rows.sum() - rows[rank_node])
+    return int(per_node.sum()), leaving(per_node), leaving(per_rank)
 
 
 def row_bytes(x) -> int:
@@ -105,10 +116,11 @@ def row_bytes(x) -> int:
     return sum(t.size(1) * t.element_size() for t in parts)
 
 
-def counted_bytes(rows: tuple[int, int], x, recv_x) -> dict[str, int]:
+def counted_bytes(rows: tuple[int, int, int], x, recv_x) -> dict[str, int]:
     """An op's bytes (see the module docstring), from this rank's `rdma_rows`, the tokens sent and those received."""
     per_row = row_bytes(x)
-    return {"rdma": rows[0] * per_row, "rdma_leaving_node": rows[1] * per_row, "nvl": payload_bytes(recv_x)}
+    return {"rdma": rows[0] * per_row, "rdma_leaving_node": rows[1] * per_row, "nvl": payload_bytes(recv_x),
+            "a2a_leaving_node": rows[2] * per_row}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -118,7 +130,7 @@ def counted_bytes(rows: tuple[int, int], x, recv_x) -> dict[str, int]:
 def bench_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, cfg: BenchConfig) -> dict[str, Any]:
     """Checks parity once per operation, then times mtdeepep and the all-to-all baseline interleaved."""
     inputs = make_inputs(cfg, rank)
-    rows = rdma_rows(inputs.topk_idx_TK, cfg.num_experts, cfg.num_nodes, rank // cfg.ranks_per_node)
+    rows = rdma_rows(inputs.topk_idx_TK, cfg, rank // cfg.ranks_per_node)
     buffer = deep_ep.Buffer(group, cfg.nvl_bytes, explicitly_destroy=True, num_ranks_per_node=cfg.ranks_per_node)
     try:
         assert buffer.get_num_rdma_ranks() == cfg.num_nodes
@@ -132,10 +144,16 @@ def bench_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, cfg: BenchCo
 # Report
 
 
-def rates(bytes_per_rank: Sequence[dict[str, int]], seconds: Sequence[float], slowest: int) -> dict[str, float]:
-    """The slowest rank's RDMA and NVL GB/s."""
-    counted = bytes_per_rank[slowest]
-    return {"rdma_gbps": gbps(counted["rdma"], seconds[slowest]), "nvl_gbps": gbps(counted["nvl"], seconds[slowest])}
+NET_BYTES = {"mtdeepep": "rdma_leaving_node", "all-to-all": "a2a_leaving_node"}  # each one's bytes leaving the node
+
+
+def rates(
+    bytes_per_rank: Sequence[dict[str, int]], seconds: Sequence[float], slowest: int, impl: str = "mtdeepep"
+) -> dict[str, float]:
+    """The slowest rank's RDMA, NVL and net GB/s (net: `impl`'s own bytes leaving the node)."""
+    counted, time_s = bytes_per_rank[slowest], seconds[slowest]
+    return {"rdma_gbps": gbps(counted["rdma"], time_s), "nvl_gbps": gbps(counted["nvl"], time_s),
+            "net_gbps": gbps(counted[NET_BYTES[impl]], time_s)}  # fmt: skip
 
 
 def summarize(cfg: BenchConfig, per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -144,7 +162,7 @@ def summarize(cfg: BenchConfig, per_rank: list[dict[str, Any]]) -> list[dict[str
     for op in OPS:
         row: dict[str, Any] = {"op": op, "num_nodes": cfg.num_nodes, "ranks_per_node": cfg.ranks_per_node}
         for impl in IMPLS:
-            row[impl] = slowest_rank_timing(per_rank, op, impl, "ms", rates)
+            row[impl] = slowest_rank_timing(per_rank, op, impl, "ms", partial(rates, impl=impl))
         row["bytes_per_rank"] = [r["bytes"][op] for r in per_rank]
         row["speedup"] = row["all-to-all"]["time_ms"] / row["mtdeepep"]["time_ms"]
         row["parity"] = [r["parity"][op] for r in per_rank]
@@ -153,12 +171,14 @@ def summarize(cfg: BenchConfig, per_rank: list[dict[str, Any]]) -> list[dict[str
 
 
 TABLE_HEADERS = (
-    "op", "time ms", "RDMA GB/s", "NVL GB/s", "RDMA MB", "NVL MB", "a2a ms", "a2a NVL-equiv GB/s", "speedup",
+    "op", "time ms", "RDMA GB/s", "NVL GB/s", "RDMA MB", "NVL MB", "net MB", "net GB/s", "a2a ms",
+    "a2a NVL-equiv GB/s", "a2a net MB", "a2a net GB/s", "speedup",
 )  # fmt: skip
 TABLE_NOTE = (
     "Slowest rank's median time. RDMA bytes = tokens x distinct destination nodes x row bytes (own node included, as\n"
     "upstream); NVL bytes = recv_x bytes; both divided by the same time. a2a: all_to_all_single over the 4 ranks with\n"
-    "the same payload (its GB/s counts the same recv_x bytes); speedup = a2a time / mtdeepep time."
+    "the same payload (its GB/s counts the same recv_x bytes); speedup = a2a time / mtdeepep time. net: the bytes\n"
+    "that leave the node (mtdeepep: once per destination node; a2a: once per destination rank), over each one's time."
 )
 
 
@@ -172,8 +192,12 @@ def table_row(row: dict[str, Any]) -> list[str]:
         f"{ours['nvl_gbps']:.2f}",
         f"{counted['rdma'] / 1e6:.1f}",
         f"{counted['nvl'] / 1e6:.1f}",
+        f"{counted['rdma_leaving_node'] / 1e6:.1f}",
+        f"{ours['net_gbps']:.2f}",
         f"{theirs['time_ms']:.1f}",
         f"{theirs['nvl_gbps']:.2f}",
+        f"{row['bytes_per_rank'][theirs['slowest_rank']]['a2a_leaving_node'] / 1e6:.1f}",
+        f"{theirs['net_gbps']:.2f}",
         f"{row['speedup']:.2f}x",
     ]
 

@@ -250,3 +250,27 @@ def test_link_down_in_the_middle_of_a_combine(hosts2, tmp_path):
     for r in lost:
         message = (tmp_path / f"error-rank{r}.txt").read_text().split("\n", 1)[1]
         assert "cut off" in message or "host host0" in message, message
+
+
+def test_internode_bench_across_hosts(hosts2, tmp_path):
+    """bench/internode.py --torchrun on 2 hosts x 2 ranks at tiny shapes: mtdeepep's dispatch and combine and the
+    all_to_all_single baseline in the same processes, the network stage over the hosts' veths; rank 0 prints the
+    table with each op's ratio and writes the JSON: the baseline's results equal mtdeepep's, bytes left each host,
+    and mtdeepep sends a token across once per node where the baseline sends it once per rank."""
+    result = tmp_path / "internode.json"
+    args = ["--torchrun", "--num-tokens", "64", "--hidden", "256", "--num-experts", "16", "--iters", "2", "--warmup",
+            "0", "--timeout", "120", "--json", str(result)]  # fmt: skip
+    bench = ROOT / "bench" / "internode.py"
+    procs = [torchrun(hosts2, i, 2, args, tmp_path, 30, script=bench) for i in range(2)]
+    assert wait_all(procs, tmp_path, 300) == [0, 0], logs(tmp_path, 2)
+    text = (tmp_path / "agent0.log").read_text()
+    assert "2 nodes x 2 ranks on separate hosts (torchrun)" in text and "gloo over eth0" in text, text
+    for op in ("dispatch bf16", "dispatch fp8", "combine bf16"):
+        assert re.search(rf"^{op} .* \d+\.\d\dx$", text, re.MULTILINE), (op, text)
+    rows = json.loads(result.read_text())["rows"]
+    assert [row["op"] for row in rows] == ["dispatch bf16", "dispatch fp8", "combine bf16"]
+    for row in rows:
+        assert row["speedup"] > 0 and row["mtdeepep"]["net_gbps"] > 0 and row["all-to-all"]["net_gbps"] > 0, row
+        for counted in row["bytes_per_rank"]:
+            assert 0 < counted["rdma_leaving_node"] <= counted["a2a_leaving_node"], counted
+    assert "bit-exact" in text, text

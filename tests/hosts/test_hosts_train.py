@@ -9,6 +9,8 @@ host, the run directory shared (the hosts share this machine's file system, as m
   timeout naming the lost ranks, host and phase; the launch exits non-zero within timeout + 30 s; every checkpoint
   left is complete; with the link back, the run resumes from the newest one and ends bit for bit as the
   uninterrupted run.
+- Host 1 SIGKILLed mid-run (its agent and ranks): host 0's ranks raise naming ranks 2, 3, host 1 and the phase; the
+  launch exits non-zero within timeout + 30 s, leaving no process, segment, temporary file or namespace.
 - A machine-wide crash: every process on both hosts SIGKILLed while a checkpoint is half-written; the same command
   again resumes from the newest complete checkpoint and ends bit for bit as the uninterrupted run, leaving no
   process, segment, partial checkpoint, temporary file or namespace behind.
@@ -203,6 +205,51 @@ def test_link_down_in_a_checkpoint_write_then_resume(tmp_path, config, runs):
         hosts.close()
     assert _losses(run_dir) == ref
     _same_states(runs["two_hosts"] / "checkpoints" / f"step_{STEPS}", run_dir / "checkpoints" / f"step_{STEPS}")
+
+
+def test_host_sigkilled_mid_run_is_named_and_nothing_leaks(tmp_path, config):
+    """2 hosts x 2 ranks start the run; while host 1's ranks are halfway through their shards of step 1's checkpoint
+    (host 0's ranks train on into step 2, waiting on them), every process of host 1 (its torchrun agent and both
+    ranks) is SIGKILLed. Host 0's ranks raise naming the lost ranks 2, 3, their host and the phase (not gloo's
+    connection reset and an address alone), and host 0's launch exits non-zero within timeout + 30 s, leaving no
+    process on either host, no segment in either host's /dev/shm, no temporary file and, once the hosts close, no
+    namespace."""
+    run_dir = tmp_path / "run"
+    hosts = hosts_or_skip(2)
+    tag = hosts.tag
+    try:
+        pause = [{"kind": "pause_in_write", "step": 1, "rank": r, "seconds": 300} for r in (2, 3)]
+        log_dir = tmp_path / "logs"
+        argv = _argv(config, run_dir, timeout_s=TIMEOUT_S)
+        procs = launch(hosts, 2, argv, log_dir, env={1: {FAULTS_ENV: json.dumps(pause)}})
+        deadline = time.monotonic() + 300
+        while "fault injection: pause rank" not in (log_dir / "agent1.log").read_text():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs(log_dir, 2)
+            time.sleep(0.05)
+        assert len(set(hosts.pids(1)) - {hosts.hosts[1].holder_pid}) >= 3, hosts.pids(1)  # the agent and its ranks
+        killed = time.monotonic()
+        hosts.kill(1)
+        assert procs[1].wait(timeout=30) == -signal.SIGKILL
+        codes = wait_all(procs[:1], log_dir, TIMEOUT_S + 30)
+        assert codes[0] != 0 and time.monotonic() - killed < TIMEOUT_S + 30, (codes, logs(log_dir, 2))
+        text = (log_dir / "agent0.log").read_text()
+        # Each survivor that raised (its agent may end the other first) names the phase, the ranks and the host.
+        named = re.findall(r"rank [01]: (?:internode \w+|step \d+, \w+ > \w+)[^\n]*ranks 2, 3 on host host1", text)
+        assert named, logs(log_dir, 2)
+        final = {}  # each survivor's last exception line: the one it raised (a chained cause comes before it)
+        for line in text.splitlines():
+            if match := re.match(r"\[rank([01])\]: [\w.]*(?:Error|Exception): ", line):
+                final[match.group(1)] = line
+        assert final and all("ranks 2, 3 on host host1" in line for line in final.values()), final
+        # Nothing hangs or is left: host 0's agent ended its ranks; no segment in either host's /dev/shm.
+        for i in range(2):
+            assert hosts.pids(i) == [hosts.hosts[i].holder_pid], (i, hosts.pids(i))
+            assert _host_shm(hosts, i) == [], (i, _host_shm(hosts, i))
+    finally:
+        hosts.close()
+    assert tag not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not _processes_naming(str(run_dir)), _processes_naming(str(run_dir))
+    assert not _files_under(log_dir / TMP), _files_under(log_dir / TMP)
 
 
 def _files_under(directory: Path) -> list[Path]:
