@@ -313,3 +313,17 @@ def _is_number(cell: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def short_run(doc: dict[str, Any], **training: Any) -> dict[str, Any]:
+    """A train.py config document (either layout) as a short benchmark run's, in the trainer's tables: `training`
+    into [training], one warm-up step ([optimizer]) and no checkpoint but the last ([checkpoint]). The keys go to
+    their own tables: train.py refuses a key given in [training] and in its table (an [optimizer] warmup_steps)."""
+    # imported here: the communication benchmarks share this module and need not load the trainer
+    from moe.trainer.train.training_config import split_moved
+
+    doc, _ = split_moved(doc)
+    doc["training"].update(training)
+    doc.setdefault("optimizer", {})["warmup_steps"] = 1
+    doc.setdefault("checkpoint", {})["checkpoint_every"] = 0
+    return doc

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import tomli_w
 import tomllib
-from _common import RESULTS_DIR, num_cores, print_table, save_run
+from _common import RESULTS_DIR, num_cores, print_table, save_run, short_run
 from train_layouts import bench_config, train_rank
 
 from moe.trainer.models.deepseek_v3.model_config import DeepseekV3Config
@@ -117,10 +117,9 @@ BASELINE_MODEL = dict(
 def measure_runtime_baseline(args, work: Path, spec) -> tuple[float, dict]:
     """The 'runtime_gib' of the cpu spec from a 2-rank train.py run of `BASELINE_MODEL`: its measured peak minus the
     planner's estimate of everything else (state, activations, allocator share: a few MiB)."""
-    doc = tomllib.loads((REPO / args.config).read_text())
+    doc = short_run(tomllib.loads((REPO / args.config).read_text()), global_batch=2, seq_len=args.seq_len,
+                    micro_batches=1, steps=2, dtype=args.dtype, log_every=2)  # fmt: skip
     doc["model"].update(BASELINE_MODEL)
-    doc["training"].update(global_batch=2, seq_len=args.seq_len, micro_batches=1, steps=2, warmup_steps=1,
-                           dtype=args.dtype, checkpoint_every=0, log_every=2)  # fmt: skip
     path = work / "baseline.toml"
     path.write_text(tomli_w.dumps(doc))
     records = run_train(2, [], path, work / "baseline", args.timeout)

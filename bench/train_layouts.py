@@ -39,7 +39,7 @@ from typing import Any
 import tomli_w
 import tomllib
 import torch
-from _common import RESULTS_DIR, make_parser, num_cores, print_table, save_run, threads_per_rank
+from _common import RESULTS_DIR, make_parser, num_cores, print_table, save_run, short_run, threads_per_rank
 
 from moe.trainer import run
 from moe.trainer.train.metrics import read_metrics
@@ -74,13 +74,12 @@ def bench_config(args: argparse.Namespace, dtype: str, out: Path) -> Path:
     """`args.config` with the batch, steps and dtype of a benchmark's args (`global_batch`, `seq_len`,
     `micro_batches`, `steps`, optional `data_cache`): no checkpoints but the last, one line of log at the end.
     Also bench/plan_check.py's."""
-    doc = tomllib.loads((REPO / args.config).read_text())
-    doc["training"].update(
-        global_batch=args.global_batch, seq_len=args.seq_len, micro_batches=args.micro_batches, steps=args.steps,
-        warmup_steps=1, dtype=dtype, checkpoint_every=0, log_every=args.steps,
+    doc = short_run(
+        tomllib.loads((REPO / args.config).read_text()), global_batch=args.global_batch, seq_len=args.seq_len,
+        micro_batches=args.micro_batches, steps=args.steps, dtype=dtype, log_every=args.steps,
     )  # fmt: skip
     if getattr(args, "data_cache", None):
-        doc["training"].setdefault("data", {})["cache_dir"] = args.data_cache
+        doc.setdefault("data", {})["cache_dir"] = args.data_cache
     path = out / f"config-{dtype}.toml"
     path.write_text(tomli_w.dumps(doc))
     return path
