@@ -169,6 +169,15 @@ def test_the_trace_schema_rejects_what_perfetto_cannot_read():
         _trace_validator()({"traceEvents": []})
 
 
+def test_the_overhead_bench_swaps_the_function_the_layer_calls():
+    """bench/observe_overhead.py times the layer with `region` swapped out of the module that calls it: that module
+    must still be where the layer looks the name up."""
+    from bench import observe_overhead
+    from moe.layer import trace_regions
+
+    assert observe_overhead.moe_layer.region is trace_regions.region
+
+
 # -- end to end ------------------------------------------------------------------------------------------------------
 
 
