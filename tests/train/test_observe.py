@@ -2,9 +2,10 @@
 steps (moe/trainer/train/loggers.py, moe/trainer/train/profiling.py, moe/layer/trace_regions.py), with Megatron's and
 torchtitan's names.
 
-- Two launches of examples/deepseek_v3/train.py: one process with --tensorboard-dir, --wandb-project (offline) and
-  --profile of step 2, whose step 3 is rewound (an injected NaN loss); then, after the newest checkpoint is damaged,
-  a --resume from step 2 in another layout (--ep 2 on 2 ranks) that profiles step 4 on both ranks and skips step 5.
+- Two launches of examples/deepseek_v3/train.py: one process with Megatron's --tensorboard-dir, --wandb-project
+  (offline) and --profile of step 2, whose step 3 is rewound (an injected NaN loss); then, after the newest checkpoint
+  is damaged, a --resume from step 2 in another layout (--ep 2 on 2 ranks) with torchtitan's enable_tensorboard and
+  enable_wandb, that profiles step 4 on both ranks and skips step 5.
   TensorBoard's own event reader and the offline W&B run's transaction log give back every number of metrics.jsonl
   (TensorBoard: as float32), the resumed TensorBoard run continues (the steps trained again replace the first
   launch's, the rewind of step 3 included), and each trace is valid against the trace-event schema that Chrome and
@@ -194,15 +195,16 @@ def _run(argv, nproc=1, faults=""):
 
 
 @pytest.mark.slow  # two launches of train.py (one process, then two ranks)
-def test_tensorboard_wandb_and_profile_across_a_resume(tmp_path, wandb_offline, capfd):
+def test_tensorboard_wandb_and_profile_across_a_resume(tmp_path, wandb_offline, monkeypatch, capfd):
     corpus = tc.write_corpus(tmp_path / "corpus", num_files=6, lines=200)
     config = tc.make_config(tmp_path / "c.toml", corpus, tmp_path / "cache",
                             training={"steps": 4, "global_batch": 4, "seq_len": 32, "checkpoint_every": 2,
                                       "rewind_snapshot_interval": 1},
                             data={"val_sequences": 2})  # fmt: skip
-    run_dir, tb = tmp_path / "run", tmp_path / "tb"
-    common = ["--config", str(config), "--out", str(run_dir), "--tensorboard-dir", str(tb)]
-    _run([*common, "--wandb-project", "observe-test", "--wandb-exp-name", "first",
+    run_dir = tmp_path / "run"
+    tb = run_dir / "tb"  # where the resumed launch's torchtitan switch writes too
+    common = ["--config", str(config), "--out", str(run_dir)]
+    _run([*common, "--tensorboard-dir", str(tb), "--wandb-project", "observe-test", "--wandb-exp-name", "first",
           "--profile", "--profile-step-start", "1", "--profile-step-end", "2"],
          faults='[{"kind": "nan_loss", "step": 3, "rank": 0}]')  # fmt: skip
     out = capfd.readouterr().out
@@ -228,15 +230,17 @@ def test_tensorboard_wandb_and_profile_across_a_resume(tmp_path, wandb_offline, 
     assert "rank 0, step 2: top operators" in out and "Self CPU" in out
     assert (trace.parent / "rank0_top_operators.txt").read_text().strip() in out
 
-    # Resume from step 2 (step 4's checkpoint damaged: steps 3 and 4 train again), on 2 ranks, to step 5 (skipped).
+    # Resume from step 2 (step 4's checkpoint damaged: steps 3 and 4 train again), on 2 ranks, to step 5 (skipped),
+    # with torchtitan's switches: enable_tensorboard (into RUN_DIR/tb), enable_wandb (project $WANDB_PROJECT).
     shard = run_dir / "checkpoints" / "step_4" / "rank_00000" / "model.safetensors"
     raw = bytearray(shard.read_bytes())
     raw[-1] ^= 0xFF
     shard.write_bytes(bytes(raw))
     shutil.rmtree(run_dir / "profile_traces")
     profile = ["--profile", "--profile-step-start", "3", "--profile-step-end", "4", "--profile-ranks", "0", "1"]
+    monkeypatch.setenv("WANDB_PROJECT", "observe-test")
     _run([*common, "--resume", "--steps", "5", "--rewind.iterations_to_skip", "[5]", "--ep", "2", *profile,
-          "--wandb-project", "observe-test"], nproc=2)  # fmt: skip
+          "--metrics.enable_tensorboard", "true", "--metrics.enable_wandb", "true"], nproc=2)  # fmt: skip
     out = capfd.readouterr().out
     final = _expected(run_dir)
     assert sorted(final) == [1, 2, 3, 4, 5] and final[5] == {"events/skip": 1.0}
@@ -250,11 +254,12 @@ def test_tensorboard_wandb_and_profile_across_a_resume(tmp_path, wandb_offline, 
         assert {DISPATCH, EXPERT_GEMM, COMBINE, "train_step#4"} <= _check_trace(run_dir / trace)
         assert f"rank {rank}, step 4: top operators" in out
 
-    # The second launch is a second W&B run (named after the run directory), holding steps 3-5.
+    # The second launch is a second W&B run (rank 0's only; named after the run directory), holding steps 3-5.
     logs = [p for p in (run_dir / "wandb").glob("wandb/offline-run-*/run-*.wandb") if p != log]
     (second,) = logs
     history, wb_run = _wandb_history(second)
-    assert history == {s: final[s] for s in (3, 4, 5)} and wb_run["name"] == "run"
+    assert history == {s: final[s] for s in (3, 4, 5)}
+    assert (wb_run["project"], wb_run["name"]) == ("observe-test", "run")
 
 
 # -- bad values fail before anything runs ----------------------------------------------------------------------------
