@@ -136,10 +136,13 @@ def _check_tensorboard(tb: Path, expected: dict[int, dict[str, float]]) -> str:
     return text
 
 
-def _check_trace(path: Path) -> set[str]:
-    """A trace valid against the trace-event schema Chrome and Perfetto read; returns its complete events' names."""
+def _check_trace(path: Path, schema: bool = True) -> set[str]:
+    """A trace valid against the trace-event schema Chrome and Perfetto read (unless `schema` is False: a second
+    trace of one launch, from the same exporter, left to the names, which saves seconds of the suite); returns its
+    complete events' names."""
     trace = json.loads(path.read_text())
-    _trace_validator()(trace)  # JsonSchemaValueException naming the first event that does not conform
+    if schema:
+        _trace_validator()(trace)  # JsonSchemaValueException naming the first event that does not conform
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert complete
     return {e["name"] for e in complete}
@@ -251,7 +254,7 @@ def test_tensorboard_wandb_and_profile_across_a_resume(tmp_path, wandb_offline, 
     traces = sorted(p.relative_to(run_dir).as_posix() for p in (run_dir / "profile_traces").rglob("*.json"))
     assert traces == [f"profile_traces/iteration_4/rank{r}_trace.json" for r in (0, 1)]  # a trace per rank
     for rank, trace in enumerate(traces):
-        assert {DISPATCH, EXPERT_GEMM, COMBINE, "train_step#4"} <= _check_trace(run_dir / trace)
+        assert {DISPATCH, EXPERT_GEMM, COMBINE, "train_step#4"} <= _check_trace(run_dir / trace, schema=rank == 1)
         assert f"rank {rank}, step 4: top operators" in out
 
     # The second launch is a second W&B run (rank 0's only; named after the run directory), holding steps 3-5.
