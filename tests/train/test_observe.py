@@ -337,3 +337,20 @@ def test_profile_windows_and_torchtitans_profile_freq(tmp_path):
         idle.before_step(step)
         idle.after_step(step)
     assert idle.traces == [] and idle.summary() == "" and not (tmp_path / "b").exists()
+
+
+def test_a_rewound_step_is_traced_once(tmp_path):
+    """A rewind at the traced step (its snapshot taken before it) calls the profiler for that step twice, the second
+    time skipped: the window's trace is the step that ran, not overwritten by the skipped one."""
+    profiler = StepProfiler(ProfilingConfig(enable_profiling=True, profile_freq=2), tmp_path, rank=0, steps=3)
+    x = torch.randn(16, 16)
+    for step, runs in ((1, True), (2, True), (2, False), (3, True)):  # step 2 rewound, then skipped
+        profiler.before_step(step)
+        if runs:
+            with torch.profiler.record_function(DISPATCH):
+                x = torch.tanh(x @ x)
+        profiler.after_step(step)
+    profiler.close()
+    (trace,) = profiler.traces
+    assert trace == tmp_path / "profile_traces" / "iteration_2" / "rank0_trace.json"
+    assert {"train_step#2", DISPATCH, "aten::mm"} <= _check_trace(trace)
