@@ -19,10 +19,11 @@ step's record to TensorBoard and to W&B (offline) over the step's time, and the 
 
     PYTHONPATH=. python bench/observe_overhead.py [--iters 30] [--warmup 3]
 
-Measured (2026-11-28, this 2-core machine shared with other jobs, load average about 20, 30 steps per variant): off /
-baseline median CPU time 0.989, least CPU time 1.021, median wall 0.898 (the wall times swing by 2x with the load);
-56 region calls per step x 7.8 us = 0.10% of the step's CPU time (the bound). On: TensorBoard 8.1 ms per step (21
-scalars) = 0.20% of the step, W&B offline 1.7 ms = 0.04%; under torch.profiler a step takes 1.5x.
+Measured (2026-11-28, 20:16 UTC, this 2-core machine shared with other jobs, load average 11-17, 30 steps per
+variant, defaults): off / baseline median CPU time 0.967, least CPU time 0.989, median wall 1.088, least wall 0.851
+(the wall times swing with the load); 56 region calls per step x 1.80 us = 0.026% of the step's CPU time (the
+bound). On: TensorBoard 3.9 ms per step (21 scalars) = 0.29% of the step, W&B offline 0.52 ms = 0.04%; under
+torch.profiler a step took 0.88x off (the load; an earlier run, load 20: 1.5x).
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import make_parser  # noqa: E402
-from moe import layer as moe_layer  # noqa: E402
-from moe.layer import trace_regions  # noqa: E402
+from moe.layer import moe_layer, trace_regions  # noqa: E402
 from moe.layer.phase_timer import NULL_PHASE  # noqa: E402
 from moe.trainer import run  # noqa: E402
 from moe.trainer.data.token_file import TokenBatches  # noqa: E402
@@ -121,6 +121,8 @@ def main() -> None:
         step += 1
         trainer.train_step(step)
         moe_layer.region = real_region
+        if calls == 0:  # the variants above would then have timed the same code
+            raise RuntimeError("no region call counted: moe.layer.moe_layer no longer calls `region` by that name")
         per_call = region_call_cost()
 
         med = {v: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)) for v, ts in times.items()}

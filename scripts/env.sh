@@ -43,10 +43,11 @@ fi
 
 # Where users watch a run (moe/trainer/train/loggers.py): tensorboard for --tensorboard-dir; wandb for --wandb-project, optional
 # for training (asked for without it, train.py stops with a clear error) but installed for the tests, which run it
-# offline and read its transaction log (hence the pin). Neither pulls torch.
-if ! "$VENV_PY" -c "import tensorboard, wandb; assert wandb.__version__ == '0.31.0'" 2>/dev/null; then
-    echo "[env] installing tensorboard and wandb"
-    "$VENV_PY" -m pip install -q tensorboard wandb==0.31.0
+# offline and read its transaction log (hence the pin); fastjsonschema (pure Python, no dependencies) checks the
+# profiler's traces against the trace-event schema in the tests. None pulls torch.
+if ! "$VENV_PY" -c "import tensorboard, wandb, fastjsonschema; assert wandb.__version__ == '0.31.0'" 2>/dev/null; then
+    echo "[env] installing tensorboard, wandb and fastjsonschema"
+    "$VENV_PY" -m pip install -q tensorboard wandb==0.31.0 fastjsonschema
 fi
 
 # Parquet corpora: moe/trainer/data/corpus.py reads .parquet when pyarrow is present, and the tests read one.

@@ -1,6 +1,6 @@
 """Named regions of the MoE layer in a `torch.profiler` trace (Perfetto / Chrome JSON, TensorBoard's profiler).
 
-    moe/layer/router        the router's scores and top-k
+    moe/router        the router's scores and top-k
     moe/dispatch      the token dispatch (`dispatch_begin`, then `dispatch_end`: two slices when the shared expert
                       runs while the tokens are in flight)
     moe/expert_gemm   the local experts' grouped GEMMs (fc1, SwiGLU, fc2) over the received rows
@@ -22,7 +22,7 @@ from torch.profiler import record_function
 
 from moe.layer.phase_timer import NULL_PHASE
 
-ROUTER = "moe/layer/router"
+ROUTER = "moe/router"
 DISPATCH = "moe/dispatch"
 EXPERT_GEMM = "moe/expert_gemm"
 COMBINE = "moe/combine"

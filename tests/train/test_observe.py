@@ -2,17 +2,20 @@
 steps (moe/trainer/train/loggers.py, moe/trainer/train/profiling.py, moe/layer/trace_regions.py), with Megatron's and
 torchtitan's names.
 
-- Two launches of examples/deepseek_v3/train.py: one process with --tensorboard-dir, --wandb-project (offline) and
-  --profile of step 2; then, after the newest checkpoint is damaged, a --resume from step 2 in another layout
-  (--ep 2 on 2 ranks) that profiles step 4 on rank 1 only and skips step 5. TensorBoard's own event reader and the
-  offline W&B run's transaction log give back every number of metrics.jsonl (TensorBoard: as float32), the
-  resumed TensorBoard run continues (the steps trained again replace the first launch's), and each trace is
-  Chrome / Perfetto JSON with the MoE layer's regions named.
+- Two launches of examples/deepseek_v3/train.py: one process with Megatron's --tensorboard-dir, --wandb-project
+  (offline) and --profile of step 2, whose step 3 is rewound (an injected NaN loss); then, after the newest checkpoint
+  is damaged, a --resume from step 2 in another layout (--ep 2 on 2 ranks) with torchtitan's enable_tensorboard and
+  enable_wandb, that profiles step 4 on both ranks and skips step 5.
+  TensorBoard's own event reader and the offline W&B run's transaction log give back every number of metrics.jsonl
+  (TensorBoard: as float32), the resumed TensorBoard run continues (the steps trained again replace the first
+  launch's, the rewind of step 3 included), and each trace is valid against the trace-event schema that Chrome and
+  Perfetto read (tests/train/trace_event_schema.json) with the MoE layer's regions named.
 - Bad values, and W&B asked for without the wandb package, fail before any process group.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -21,6 +24,7 @@ import sys
 import zlib
 from pathlib import Path
 
+import fastjsonschema
 import numpy as np
 import pytest
 import torch
@@ -35,6 +39,7 @@ from mtdeepep.utils.testing import run_processes
 from tests.train import train_cases as tc
 
 train_script = run
+TRACE_SCHEMA = Path(__file__).with_name("trace_event_schema.json")
 
 
 def test_scalars_flatten_a_record_and_an_event():
@@ -59,6 +64,8 @@ def _tensorboard(log_dir: Path) -> tuple[dict[str, dict[int, float]], str]:
     values = {}
     for tag in acc.Tags()["scalars"]:
         events = acc.Scalars(tag)
+        if not events:  # every step of the tag purged by a resumed writer
+            continue
         values[tag] = {e.step: e.value for e in events}
         assert len(values[tag]) == len(events), f"{tag}: a step written twice"
     text = acc.Tensors("config/text_summary")[-1].tensor_proto.string_val[0].decode()
@@ -129,17 +136,50 @@ def _check_tensorboard(tb: Path, expected: dict[int, dict[str, float]]) -> str:
     return text
 
 
-def _check_trace(path: Path) -> set[str]:
-    """A Chrome / Perfetto trace's schema; returns its event names."""
+def _check_trace(path: Path, schema: bool = True) -> set[str]:
+    """A trace valid against the trace-event schema Chrome and Perfetto read (unless `schema` is False: a second
+    trace of one launch, from the same exporter, left to the names, which saves seconds of the suite); returns its
+    complete events' names."""
     trace = json.loads(path.read_text())
-    events = trace["traceEvents"]
-    assert isinstance(events, list) and events
-    complete = [e for e in events if e.get("ph") == "X"]
+    if schema:
+        _trace_validator()(trace)  # JsonSchemaValueException naming the first event that does not conform
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert complete
-    for e in complete:
-        assert isinstance(e["name"], str) and isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float))
-        assert e["dur"] >= 0 and "pid" in e and "tid" in e
     return {e["name"] for e in complete}
+
+
+@functools.cache
+def _trace_validator():
+    return fastjsonschema.compile(json.loads(TRACE_SCHEMA.read_text()))
+
+
+def test_the_trace_schema_rejects_what_perfetto_cannot_read():
+    """The schema check can fail: a complete event without its duration or timestamp, or with a negative duration,
+    an unknown phase, a flow event without its id, an unknown metadata name, and a trace with no events."""
+    event = {"ph": "X", "name": "moe/dispatch", "pid": 1, "tid": 2, "ts": 10.5, "dur": 3.0, "cat": "user_annotation"}
+    flow = {"ph": "f", "name": "fwdbwd", "pid": 1, "tid": 2, "ts": 11.0, "id": 7, "bp": "e"}
+    meta = {"ph": "M", "name": "thread_name", "pid": 1, "tid": 2, "args": {"name": "main"}}
+    _trace_validator()({"traceEvents": [event, flow, meta], "displayTimeUnit": "ms"})
+
+    def without(e, key):
+        return {k: v for k, v in e.items() if k != key}
+
+    bad = [without(event, "dur"), {**event, "dur": -1.0}, without(event, "ts"), {**event, "ph": "Z"},
+           without(flow, "id"), {**meta, "name": "process_nickname"}]  # fmt: skip
+    for e in bad:
+        with pytest.raises(fastjsonschema.JsonSchemaValueException):
+            _trace_validator()({"traceEvents": [event, e]})
+    with pytest.raises(fastjsonschema.JsonSchemaValueException):
+        _trace_validator()({"traceEvents": []})
+
+
+def test_the_overhead_bench_swaps_the_function_the_layer_calls():
+    """bench/observe_overhead.py times the layer with `region` swapped out of the module that calls it: that module
+    must still be where the layer looks the name up."""
+    from bench import observe_overhead
+    from moe.layer import trace_regions
+
+    assert observe_overhead.moe_layer.region is trace_regions.region
 
 
 # -- end to end ------------------------------------------------------------------------------------------------------
@@ -153,24 +193,27 @@ def wandb_offline(tmp_path, monkeypatch):
         monkeypatch.setenv(name, str(tmp_path / name.lower()))
 
 
-def _run(argv, nproc=1):
-    return run_processes(tc.torchrun_rank, nproc, (argv,), timeout_s=300)
+def _run(argv, nproc=1, faults=""):
+    return run_processes(tc.torchrun_rank_with_faults, nproc, (argv, faults), timeout_s=300)
 
 
 @pytest.mark.slow  # two launches of train.py (one process, then two ranks)
-def test_tensorboard_wandb_and_profile_across_a_resume(tmp_path, wandb_offline, capfd):
+def test_tensorboard_wandb_and_profile_across_a_resume(tmp_path, wandb_offline, monkeypatch, capfd):
     corpus = tc.write_corpus(tmp_path / "corpus", num_files=6, lines=200)
     config = tc.make_config(tmp_path / "c.toml", corpus, tmp_path / "cache",
-                            training={"steps": 4, "global_batch": 4, "seq_len": 32, "checkpoint_every": 2},
+                            training={"steps": 4, "global_batch": 4, "seq_len": 32, "checkpoint_every": 2,
+                                      "rewind_snapshot_interval": 1},
                             data={"val_sequences": 2})  # fmt: skip
-    run_dir, tb = tmp_path / "run", tmp_path / "tb"
-    common = ["--config", str(config), "--out", str(run_dir), "--tensorboard-dir", str(tb)]
-    _run([*common, "--wandb-project", "observe-test", "--wandb-exp-name", "first",
-          "--profile", "--profile-step-start", "1", "--profile-step-end", "2"])  # fmt: skip
+    run_dir = tmp_path / "run"
+    tb = run_dir / "tb"  # where the resumed launch's torchtitan switch writes too
+    common = ["--config", str(config), "--out", str(run_dir)]
+    _run([*common, "--tensorboard-dir", str(tb), "--wandb-project", "observe-test", "--wandb-exp-name", "first",
+          "--profile", "--profile-step-start", "1", "--profile-step-end", "2"],
+         faults='[{"kind": "nan_loss", "step": 3, "rank": 0}]')  # fmt: skip
     out = capfd.readouterr().out
     first = _expected(run_dir)
-    assert sorted(first) == [1, 2, 3, 4]
-    assert {"loss", "mtp_loss", "lr", "grad_norm", "tokens_per_s", "step_s", "data_s"} <= set(first[1])
+    assert sorted(first) == [1, 2, 3, 4] and first[3] == {"events/rewind": 1.0}  # step 3 rewound and skipped
+    assert {"loss", "mtp_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_s", "data_s"} <= set(first[1])
     for field in ("expert_load_max_over_mean", "expert_load_min_over_mean", "expert_load_cv"):
         assert sum(tag.startswith(field + "/") for tag in first[1]) == 4  # layers 1-3 and the MTP block
     text = _check_tensorboard(tb, first)
@@ -190,31 +233,36 @@ def test_tensorboard_wandb_and_profile_across_a_resume(tmp_path, wandb_offline, 
     assert "rank 0, step 2: top operators" in out and "Self CPU" in out
     assert (trace.parent / "rank0_top_operators.txt").read_text().strip() in out
 
-    # Resume from step 2 (step 4's checkpoint damaged: steps 3 and 4 train again), on 2 ranks, to step 5 (skipped).
+    # Resume from step 2 (step 4's checkpoint damaged: steps 3 and 4 train again), on 2 ranks, to step 5 (skipped),
+    # with torchtitan's switches: enable_tensorboard (into RUN_DIR/tb), enable_wandb (project $WANDB_PROJECT).
     shard = run_dir / "checkpoints" / "step_4" / "rank_00000" / "model.safetensors"
     raw = bytearray(shard.read_bytes())
     raw[-1] ^= 0xFF
     shard.write_bytes(bytes(raw))
     shutil.rmtree(run_dir / "profile_traces")
-    profile = ["--profile", "--profile-step-start", "3", "--profile-step-end", "4", "--profile-ranks", "1"]
+    profile = ["--profile", "--profile-step-start", "3", "--profile-step-end", "4", "--profile-ranks", "0", "1"]
+    monkeypatch.setenv("WANDB_PROJECT", "observe-test")
     _run([*common, "--resume", "--steps", "5", "--rewind.iterations_to_skip", "[5]", "--ep", "2", *profile,
-          "--wandb-project", "observe-test"], nproc=2)  # fmt: skip
+          "--metrics.enable_tensorboard", "true", "--metrics.enable_wandb", "true"], nproc=2)  # fmt: skip
     out = capfd.readouterr().out
     final = _expected(run_dir)
     assert sorted(final) == [1, 2, 3, 4, 5] and final[5] == {"events/skip": 1.0}
-    assert final[3]["step_s"] != first[3]["step_s"]  # trained again: TensorBoard must hold the new values
+    # Trained again: TensorBoard must hold the new values, and no longer the rewind of step 3.
+    assert "loss" in final[3] and "events/rewind" not in final[3] and final[4]["step_s"] != first[4]["step_s"]
     _check_tensorboard(tb, final)
 
     traces = sorted(p.relative_to(run_dir).as_posix() for p in (run_dir / "profile_traces").rglob("*.json"))
-    assert traces == ["profile_traces/iteration_4/rank1_trace.json"]
-    assert {DISPATCH, EXPERT_GEMM, COMBINE, "train_step#4"} <= _check_trace(run_dir / traces[0])
-    assert "rank 1, step 4: top operators" in out
+    assert traces == [f"profile_traces/iteration_4/rank{r}_trace.json" for r in (0, 1)]  # a trace per rank
+    for rank, trace in enumerate(traces):
+        assert {DISPATCH, EXPERT_GEMM, COMBINE, "train_step#4"} <= _check_trace(run_dir / trace, schema=rank == 1)
+        assert f"rank {rank}, step 4: top operators" in out
 
-    # The second launch is a second W&B run (named after the run directory), holding steps 3-5.
+    # The second launch is a second W&B run (rank 0's only; named after the run directory), holding steps 3-5.
     logs = [p for p in (run_dir / "wandb").glob("wandb/offline-run-*/run-*.wandb") if p != log]
     (second,) = logs
     history, wb_run = _wandb_history(second)
-    assert history == {s: final[s] for s in (3, 4, 5)} and wb_run["name"] == "run"
+    assert history == {s: final[s] for s in (3, 4, 5)}
+    assert (wb_run["project"], wb_run["name"]) == ("observe-test", "run")
 
 
 # -- bad values fail before anything runs ----------------------------------------------------------------------------
@@ -289,3 +337,20 @@ def test_profile_windows_and_torchtitans_profile_freq(tmp_path):
         idle.before_step(step)
         idle.after_step(step)
     assert idle.traces == [] and idle.summary() == "" and not (tmp_path / "b").exists()
+
+
+def test_a_rewound_step_is_traced_once(tmp_path):
+    """A rewind at the traced step (its snapshot taken before it) calls the profiler for that step twice, the second
+    time skipped: the window's trace is the step that ran, not overwritten by the skipped one."""
+    profiler = StepProfiler(ProfilingConfig(enable_profiling=True, profile_freq=2), tmp_path, rank=0, steps=3)
+    x = torch.randn(16, 16)
+    for step, runs in ((1, True), (2, True), (2, False), (3, True)):  # step 2 rewound, then skipped
+        profiler.before_step(step)
+        if runs:
+            with torch.profiler.record_function(DISPATCH):
+                x = torch.tanh(x @ x)
+        profiler.after_step(step)
+    profiler.close()
+    (trace,) = profiler.traces
+    assert trace == tmp_path / "profile_traces" / "iteration_2" / "rank0_trace.json"
+    assert {"train_step#2", DISPATCH, "aten::mm"} <= _check_trace(trace)

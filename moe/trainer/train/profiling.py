@@ -18,7 +18,8 @@ A window writes `RUN_DIR/<save_traces_folder>/iteration_<its last step>/rank<r>_
 open it in https://ui.perfetto.dev or chrome://tracing) and `rank<r>_top_operators.txt`, the table the rank prints
 at the end. The step before a window, when this launch runs it, is the profiler's warm-up (its start-up cost stays
 out of the trace), as Megatron and torchtitan do. The MoE layers name their dispatch, expert GEMMs and combine in
-the trace (moe/layer/trace_regions.py). Nothing is profiled, and nothing costs, without `enable_profiling`.
+the trace (moe/layer/trace_regions.py). Each window is traced once: a rewind (moe/trainer/train/rewind.py) that
+runs its steps again does not trace them again. Nothing is profiled, and nothing costs, without `enable_profiling`.
 """
 
 from __future__ import annotations
@@ -129,6 +130,7 @@ class StepProfiler:
         self.config, self.rank = config, rank
         self.folder = Path(run_dir) / config.save_traces_folder
         self.windows = config.windows(steps) if config.profiles_rank(rank) else []
+        self._pending = list(self.windows)  # not traced yet: a step a rewind runs again is not traced twice
         self.traces: list[Path] = []
         self.tables: list[tuple[tuple[int, int], str]] = []
         self._prof: profile | None = None
@@ -136,9 +138,10 @@ class StepProfiler:
         self._step_region: record_function | None = None
 
     def before_step(self, step: int) -> None:
-        if self._prof is None and self.windows:
-            for first, last in self.windows:
+        if self._prof is None:
+            for first, last in self._pending:
                 if step in (first - 1, first):
+                    self._pending.remove((first, last))
                     warmup = first - step  # 1: this step warms the profiler up, 0: it is traced
                     self._start((first, last), warmup)
                     break
