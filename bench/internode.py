@@ -43,14 +43,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any
 
+import intranode
 import torch
 import torch.distributed as dist
 from _common import (
-    RESULTS_DIR,
     add_config_arguments,
+    add_json_option,
     config_from_args,
     environment,
     gbps,
@@ -69,17 +69,12 @@ import mtdeepep as deep_ep
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    num_tokens: int = 4096
-    hidden: int = 7168
-    num_experts: int = 256
-    num_topk: int = 8
-    num_nodes: int = 2
-    ranks_per_node: int = 2
+class BenchConfig(intranode.BenchConfig):
     iters: int = 5
     warmup: int = 1
     nvl_bytes: int = 1 << 29
-    seed: int = 0
+    num_nodes: int = 2
+    ranks_per_node: int = 2
 
     @property
     def num_ranks(self) -> int:
@@ -118,7 +113,7 @@ def counted_bytes(rows: tuple[int, int], x, recv_x) -> dict[str, int]:
 def bench_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, cfg: BenchConfig) -> dict[str, Any]:
     """Checks parity once per operation, then times mtdeepep and the all-to-all baseline interleaved."""
     inputs = make_inputs(cfg, rank)
-    rows = rdma_rows(inputs.topk_idx_TK, cfg.num_experts, cfg.num_nodes, rank // cfg.ranks_per_node)
+    rows = rdma_rows(inputs.topk_idx_TK, cfg.experts, cfg.num_nodes, rank // cfg.ranks_per_node)
     buffer = deep_ep.Buffer(group, cfg.nvl_bytes, explicitly_destroy=True, num_ranks_per_node=cfg.ranks_per_node)
     try:
         assert buffer.get_num_rdma_ranks() == cfg.num_nodes
@@ -186,7 +181,7 @@ def parse_args() -> argparse.Namespace:
     parser = make_parser(__doc__)
     add_config_arguments(parser, BenchConfig(), helps={**CONFIG_HELP, "num_nodes": "simulated nodes"})
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed for the whole run")
-    parser.add_argument("--json", type=Path, default=RESULTS_DIR / "internode.json")
+    add_json_option(parser, "internode")
     parser.add_argument("--torchrun", action="store_true", help="ranks started by torchrun (several hosts)")
     return parser.parse_args()
 
@@ -221,7 +216,7 @@ def main() -> None:
         per_rank = run_ranks(bench_rank, cfg.num_ranks, (cfg,), timeout_s=args.timeout)
     rows = summarize(cfg, per_rank)
     print(
-        f"T={cfg.num_tokens} H={cfg.hidden} E={cfg.num_experts} K={cfg.num_topk}; {cfg.num_nodes} nodes x "
+        f"T={cfg.tokens} H={cfg.hidden} E={cfg.experts} K={cfg.topk}; {cfg.num_nodes} nodes x "
         f"{cfg.ranks_per_node} ranks {where} ({num_cores()} cores, {threads_per_rank(cfg.num_ranks)} thread(s) per "
         f"rank); network stage: {network}; median of {cfg.iters} iterations"
     )
