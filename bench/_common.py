@@ -127,6 +127,26 @@ def add_json_option(parser: argparse.ArgumentParser, name: str, *aliases: str, h
     parser.add_argument("--json", *aliases, dest="json", type=Path, default=RESULTS_DIR / f"{name}.json", help=help)
 
 
+def config_parser(
+    doc: str,
+    defaults: Any,
+    names: Iterable[str] | None = None,
+    helps: Mapping[str, str] | None = None,
+    results: str | None = None,
+    ranks: str | None = None,
+) -> argparse.ArgumentParser:
+    """A benchmark's parser (`make_parser`): `--num-ranks` when `ranks` gives its default (`add_rank_counts`), the
+    options of the config dataclass `defaults` (`add_config_arguments`), then `--json` when `results` names the
+    results file (`add_json_option`). The benchmark adds its own options, then `config_from_args` builds its config."""
+    parser = make_parser(doc)
+    if ranks is not None:
+        add_rank_counts(parser, ranks)
+    add_config_arguments(parser, defaults, names, helps)
+    if results is not None:
+        add_json_option(parser, results)
+    return parser
+
+
 def config_from_args(cls: type, args: argparse.Namespace) -> Any:
     """The dataclass `cls` with every field that `args` holds taken from it (the others keep their defaults)."""
     return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})

@@ -66,12 +66,10 @@ from typing import Any
 import _common as common
 import torch
 from _common import (
-    add_config_arguments,
-    add_json_option,
     add_rank_counts,
     config_from_args,
+    config_parser,
     environment,
-    make_parser,
     print_table,
     random_routing,
     save_results,
@@ -339,11 +337,8 @@ def measured(results: dict[str, Any], what: str, ranks, section: Callable[..., l
 
 
 def main() -> None:
-    parser = make_parser(__doc__)
-    add_rank_counts(parser, "4,8")
+    parser = config_parser(__doc__, BenchConfig(), helps=CONFIG_HELP, results="cuda_kernels", ranks="4,8")
     add_rank_counts(parser, "8,16,32", "--sms", "SM counts per rank")
-    add_config_arguments(parser, BenchConfig(), helps=CONFIG_HELP)
-    add_json_option(parser, "cuda_kernels")
     args = parser.parse_args()
     reason = None if torch.cuda.is_available() else "no CUDA device"
     reason = reason or cuda_executor_import_error()

@@ -49,12 +49,10 @@ import intranode
 import torch
 import torch.distributed as dist
 from _common import (
-    add_config_arguments,
-    add_json_option,
     config_from_args,
+    config_parser,
     environment,
     gbps,
-    make_parser,
     num_cores,
     print_table,
     run_ranks,
@@ -178,10 +176,9 @@ def table_row(row: dict[str, Any]) -> list[str]:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = make_parser(__doc__)
-    add_config_arguments(parser, BenchConfig(), helps={**CONFIG_HELP, "num_nodes": "simulated nodes"})
+    helps = {**CONFIG_HELP, "num_nodes": "simulated nodes"}
+    parser = config_parser(__doc__, BenchConfig(), helps=helps, results="internode")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed for the whole run")
-    add_json_option(parser, "internode")
     parser.add_argument("--torchrun", action="store_true", help="ranks started by torchrun (several hosts)")
     return parser.parse_args()
 

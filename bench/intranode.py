@@ -50,15 +50,12 @@ import torch.distributed as dist
 from _common import (
     RESULTS_DIR,
     OpCase,
-    add_config_arguments,
-    add_json_option,
-    add_rank_counts,
     combine_parity,
     config_from_args,
+    config_parser,
     environment,
     exchange_rows,
     gbps,
-    make_parser,
     memcpy_seconds,
     num_cores,
     print_table,
@@ -408,9 +405,7 @@ CONFIG_HELP = {"nvl_bytes": "per-rank shared region"}
 
 
 def parse_args() -> argparse.Namespace:
-    parser = make_parser(__doc__)
-    add_rank_counts(parser, "2,4")
-    add_config_arguments(parser, BenchConfig(), helps=CONFIG_HELP)
+    parser = config_parser(__doc__, BenchConfig(), helps=CONFIG_HELP, results="intranode", ranks="2,4")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per rank count")
     parser.add_argument(
         "--thp",
@@ -418,7 +413,6 @@ def parse_args() -> argparse.Namespace:
         help="diagnostic: set THP_MEM_ALLOC_ENABLE=1 in the ranks, so torch backs large tensors with 2 MiB pages "
         "(fewer page faults; applies to mtdeepep and the baselines alike)",
     )
-    add_json_option(parser, "intranode")
     parser.add_argument(
         "--plot",
         nargs="?",

@@ -41,14 +41,12 @@ import torch
 import torch.distributed as dist
 from _common import (
     OpCase,
-    add_config_arguments,
     add_json_option,
-    add_rank_counts,
     combine_parity,
     config_from_args,
+    config_parser,
     environment,
     exchange_rows,
-    make_parser,
     print_table,
     random_routing,
     run_ranks,
@@ -335,9 +333,7 @@ def parity_line(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = make_parser(__doc__)
-    add_rank_counts(parser, "2,4")
-    add_config_arguments(parser, BenchConfig(), ("iters", "warmup", "experts_per_rank"))
+    parser = config_parser(__doc__, BenchConfig(), ("iters", "warmup", "experts_per_rank"), ranks="2,4")
     add_json_option(parser, "low_latency", "--output")
     args = parser.parse_args()
     cfg = config_from_args(BenchConfig, args)

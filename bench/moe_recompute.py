@@ -26,11 +26,9 @@ from dataclasses import asdict, dataclass
 import torch
 from _common import (
     MoELayerBenchConfig,
-    add_config_arguments,
-    add_json_option,
     config_from_args,
+    config_parser,
     environment,
-    make_parser,
     print_table,
     save_results,
 )
@@ -77,9 +75,7 @@ def step(stack: nn.Sequential, x: torch.Tensor):
 
 
 def main() -> None:
-    parser = make_parser(__doc__)
-    add_config_arguments(parser, BenchConfig())
-    add_json_option(parser, "moe_recompute")
+    parser = config_parser(__doc__, BenchConfig(), results="moe_recompute")
     args = parser.parse_args()
     cfg = config_from_args(BenchConfig, args)
 

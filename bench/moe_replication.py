@@ -31,12 +31,10 @@ import torch
 import torch.distributed as dist
 from _common import (
     MoELayerBenchConfig,
-    add_config_arguments,
-    add_json_option,
     add_rank_counts,
     config_from_args,
+    config_parser,
     environment,
-    make_parser,
     print_table,
     run_ranks,
     save_results,
@@ -143,11 +141,9 @@ HEADERS = ["EP", "variant", "step ms", "vs plain", "token MB/rank", "replica MB"
 
 
 def main() -> None:
-    parser = make_parser(__doc__)
-    add_rank_counts(parser, "2,4", "--ep", "expert-parallel sizes")
     fields = ("tokens", "hidden", "ffn", "experts", "topk", "iters", "warmup", "seed", "skewed_share")
-    add_config_arguments(parser, BenchConfig(), fields)
-    add_json_option(parser, "moe_replication")
+    parser = config_parser(__doc__, BenchConfig(), fields, results="moe_replication")
+    add_rank_counts(parser, "2,4", "--ep", "expert-parallel sizes")
     args = parser.parse_args()
     cfg = config_from_args(BenchConfig, args)
     rows, hot = [], {}

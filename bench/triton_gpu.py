@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _common import BenchConfig, add_config_arguments, config_from_args, make_parser
+from _common import BenchConfig, config_from_args, config_parser
 
 
 @dataclass(frozen=True)
@@ -225,8 +225,7 @@ MPS = os.environ.get("MTDEEPEP_BENCH_MPS") == "1"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = make_parser(__doc__)
-    add_config_arguments(parser, Config())
+    parser = config_parser(__doc__, Config())
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--profile-out", type=Path, default=None, help="where the profile tables go (a text file)")
     args = parser.parse_args(argv)
