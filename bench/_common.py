@@ -1,5 +1,6 @@
-"""Helpers shared by the benchmarks: options from a config dataclass, random routing, the gloo all-to-all of
-the baselines, timing (one rank's medians, the slowest rank's row), memcpy, the table and the JSON results.
+"""Helpers shared by the benchmarks: the config fields they share (`BenchConfig`, `MoELayerBenchConfig`) and the
+parser built from a config (`config_parser`), random routing, the gloo all-to-all of the baselines, timing (one
+rank's medians, the slowest rank's row), memcpy, the table and the JSON results.
 
 Every benchmark runs its ranks with the one launcher, `mtdeepep.utils.testing.run_ranks`: processes of this host
 (spawn) joined by gloo on 127.0.0.1, each with `max(1, cores // ranks)` intra-op threads, a deadline on the whole
