@@ -1,5 +1,6 @@
-"""Helpers shared by the benchmarks: options from a config dataclass, random routing, the gloo all-to-all of
-the baselines, timing (one rank's medians, the slowest rank's row), memcpy, the table and the JSON results.
+"""Helpers shared by the benchmarks: the config fields they share (`BenchConfig`, `MoELayerBenchConfig`) and the
+parser built from a config (`config_parser`), random routing, the gloo all-to-all of the baselines, timing (one
+rank's medians, the slowest rank's row), memcpy, the table and the JSON results.
 
 Every benchmark runs its ranks with the one launcher, `mtdeepep.utils.testing.run_ranks`: processes of this host
 (spawn) joined by gloo on 127.0.0.1, each with `max(1, cores // ranks)` intra-op threads, a deadline on the whole
@@ -47,6 +48,52 @@ def environment_variables(values: dict[str, str]):
                 os.environ[key] = value
 
 
+@dataclass(frozen=True)
+class BenchConfig:
+    """What the dispatch and MoE-layer benchmarks share: `tokens` per rank of `hidden` channels, each routed to `topk`
+    experts, timed over `iters` calls after `warmup` untimed ones. The defaults are upstream DeepEP's normal-mode
+    benchmark (4096 x 7168, top-8). A benchmark subclasses it with its own fields (the experts among them: some count
+    them in all, some per rank) and redeclares the defaults its setting changes."""
+
+    tokens: int = 4096
+    hidden: int = 7168
+    topk: int = 8
+    iters: int = 10
+    warmup: int = 2
+
+
+@dataclass(frozen=True)
+class MoELayerBenchConfig(BenchConfig):
+    """One small MoE layer on the CPU (bench/moe_layer.py, moe_replication.py, moe_recompute.py): 2048 tokens per
+    rank, hidden 1024, top-4 of 16 experts, expert FFN hidden 512, float32."""
+
+    tokens: int = 2048
+    hidden: int = 1024
+    topk: int = 4
+    iters: int = 5
+    warmup: int = 1
+    ffn: int = 512
+    experts: int = 16
+    seed: int = 0
+
+
+# Other spellings of some options, kept because commands and scripts use them: the DeepEP-style benchmarks called
+# their fields `num_tokens`, `num_experts` and `num_topk`.
+OPTION_ALIASES = {"tokens": ("--num-tokens",), "experts": ("--num-experts",), "topk": ("--num-topk",)}
+
+# Help texts of the common options (a benchmark's `helps` override them).
+COMMON_HELP = {
+    "tokens": "tokens per rank",
+    "hidden": "hidden size",
+    "topk": "experts per token",
+    "experts": "routed experts in all",
+    "ffn": "expert FFN hidden size",
+    "iters": "timed iterations per operation",
+    "warmup": "untimed iterations per operation",
+    "seed": "seed of the inputs",
+}
+
+
 def make_parser(doc: str) -> argparse.ArgumentParser:
     """A parser whose description is the first paragraph of the benchmark's docstring."""
     return argparse.ArgumentParser(description=doc.split("\n\n")[0])
@@ -59,11 +106,46 @@ def add_config_arguments(
     helps: Mapping[str, str] | None = None,
 ) -> None:
     """One option `--field-name` per field of the dataclass `defaults` in `names` (default: all, in order), typed
-    and defaulted from it; `helps` gives some of them a help text."""
-    helps = helps or {}
+    and defaulted from it (plus its `OPTION_ALIASES`); `helps` gives some of them a help text (over
+    `COMMON_HELP`)."""
+    helps = {**COMMON_HELP, **(helps or {})}
     for name in names if names is not None else [f.name for f in fields(defaults)]:
         default = getattr(defaults, name)
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default, help=helps.get(name))
+        flags = (f"--{name.replace('_', '-')}", *OPTION_ALIASES.get(name, ()))
+        parser.add_argument(*flags, dest=name, type=type(default), default=default, help=helps.get(name))
+
+
+def add_rank_counts(
+    parser: argparse.ArgumentParser, default: str, flag: str = "--num-ranks", what: str = "rank counts"
+):
+    """The option of the rank counts (or EP sizes) a benchmark runs, comma-separated: a list of ints."""
+    parser.add_argument(flag, type=parse_int_list, default=parse_int_list(default),
+                        help=f"comma-separated {what} (default: {default})")  # fmt: skip
+
+
+def add_json_option(parser: argparse.ArgumentParser, name: str, *aliases: str, help: str | None = None) -> None:
+    """`--json PATH` (and `aliases`), where the results go: `bench/results/NAME.json` by default."""
+    parser.add_argument("--json", *aliases, dest="json", type=Path, default=RESULTS_DIR / f"{name}.json", help=help)
+
+
+def config_parser(
+    doc: str,
+    defaults: Any,
+    names: Iterable[str] | None = None,
+    helps: Mapping[str, str] | None = None,
+    results: str | None = None,
+    ranks: str | None = None,
+) -> argparse.ArgumentParser:
+    """A benchmark's parser (`make_parser`): `--num-ranks` when `ranks` gives its default (`add_rank_counts`), the
+    options of the config dataclass `defaults` (`add_config_arguments`), then `--json` when `results` names the
+    results file (`add_json_option`). The benchmark adds its own options, then `config_from_args` builds its config."""
+    parser = make_parser(doc)
+    if ranks is not None:
+        add_rank_counts(parser, ranks)
+    add_config_arguments(parser, defaults, names, helps)
+    if results is not None:
+        add_json_option(parser, results)
+    return parser
 
 
 def config_from_args(cls: type, args: argparse.Namespace) -> Any:

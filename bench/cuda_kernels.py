@@ -63,14 +63,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import _common as common
 import torch
 from _common import (
-    RESULTS_DIR,
-    add_config_arguments,
+    add_rank_counts,
     config_from_args,
+    config_parser,
     environment,
-    make_parser,
-    parse_int_list,
     print_table,
     random_routing,
     save_results,
@@ -84,21 +83,16 @@ from mtdeepep.utils.testing import cuda_executor_import_error
 ROUTINGS = ("uniform", "skewed")
 
 
-@dataclass
-class BenchConfig:
-    num_tokens: int = 4096
-    hidden: int = 7168
-    num_experts: int = 256
-    num_topk: int = 8
-    iters: int = 10
-    warmup: int = 2
+@dataclass(frozen=True)
+class BenchConfig(common.BenchConfig):
+    experts: int = 256
     ll_tokens: int = 128
     ll_experts_per_rank: int = 32
     ll_iters: int = 20
 
 
 CONFIG_HELP = {
-    "num_tokens": "tokens per rank (normal mode)",
+    "tokens": "tokens per rank (normal mode)",
     "iters": "timed calls per operation",
     "warmup": "untimed calls per operation",
     "ll_tokens": "tokens per rank of the low-latency rows",
@@ -153,21 +147,21 @@ class Gate:
 def normal_rows(ranks, buffers, gate: Gate, cfg: BenchConfig, routing: str, sms: list[int]) -> list[dict[str, Any]]:
     """layout, dispatch bf16/fp8, combine and the FP8 cast at each SM count: one row per (op, SMs)."""
     R, H = ranks.num_ranks, cfg.hidden
-    host = [random_routing(cfg.num_tokens, H, cfg.num_experts, cfg.num_topk, seed=1000 * R + r,
+    host = [random_routing(cfg.tokens, H, cfg.experts, cfg.topk, seed=1000 * R + r,
                            skewed=routing == "skewed") for r in range(R)]  # fmt: skip
     dev = ranks.device
     x = [h[0].to(dev) for h in host]
     idx = [h[1].to(dev) for h in host]
     weights = [h[2].to(dev) for h in host]
     fp8 = [per_token_cast_to_fp8(t.float()) for t in x]
-    worst = cfg.num_tokens * R
-    rows_received = [int(refs.ref_dispatch_layout(h[1], cfg.num_experts, R)[2].sum()) for h in host]
+    worst = cfg.tokens * R
+    rows_received = [int(refs.ref_dispatch_layout(h[1], cfg.experts, R)[2].sum()) for h in host]
     rows = sum(rows_received)  # every (token, receiving rank) pair once
     layouts: list[Any] = [None] * R
     dispatched: list[Any] = [None] * R
 
     def layout(r: int):
-        layouts[r] = buffers[r].get_dispatch_layout(idx[r], cfg.num_experts)[:4]
+        layouts[r] = buffers[r].get_dispatch_layout(idx[r], cfg.experts)[:4]
 
     def dispatch(r: int, payload, config):
         per_rank, per_node, per_expert, in_rank = layouts[r]
@@ -186,7 +180,7 @@ def normal_rows(ranks, buffers, gate: Gate, cfg: BenchConfig, routing: str, sms:
                 layout(r)
         ranks.synchronize()
         check_normal(host, layouts, [dispatch_on(ranks, r, dispatch, x[r], None) for r in range(R)], cfg)
-        layout_bytes = sum(cfg.num_tokens * cfg.num_topk * 8 + cfg.num_tokens * R + (R + cfg.num_experts) * 4
+        layout_bytes = sum(cfg.tokens * cfg.topk * 8 + cfg.tokens * R + (R + cfg.experts) * 4
                            for _ in range(R))  # fmt: skip
         out.append(row(gate, ranks, "layout", routing, None, layout, layout_bytes, cfg))
         for num_sms in sms:
@@ -203,9 +197,9 @@ def normal_rows(ranks, buffers, gate: Gate, cfg: BenchConfig, routing: str, sms:
             ranks.synchronize()
             out.append(row(gate, ranks, "combine bf16", routing, num_sms,
                            lambda r, h=handles, c=config: buffers[r].combine(h[r][0], h[r][1], config=c),
-                           rows * 2 * H + R * cfg.num_tokens * 2 * H, cfg))  # fmt: skip
+                           rows * 2 * H + R * cfg.tokens * 2 * H, cfg))  # fmt: skip
     out.append(row(gate, ranks, "fp8 cast", routing, None, cast_call(ranks, x, cfg),
-                   R * cfg.num_tokens * (2 * H + H + H // 32), cfg))  # fmt: skip
+                   R * cfg.tokens * (2 * H + H + H // 32), cfg))  # fmt: skip
     return out
 
 
@@ -219,11 +213,11 @@ def check_normal(host, layouts, outputs, cfg: BenchConfig) -> None:
     torch.cuda.synchronize()
     R = len(host)
     for r in sorted({0, R - 1}):
-        ref = refs.ref_dispatch([h[0] for h in host], [h[1] for h in host], [h[2] for h in host], cfg.num_experts, r)
+        ref = refs.ref_dispatch([h[0] for h in host], [h[1] for h in host], [h[2] for h in host], cfg.experts, r)
         n = ref.recv_x.size(0)
         if not torch.equal(outputs[r][0][:n].cpu(), ref.recv_x):
             raise AssertionError(f"rank {r}: the dispatched rows differ from the reference: no timing")
-        expected = refs.ref_dispatch_layout(host[r][1], cfg.num_experts, R)
+        expected = refs.ref_dispatch_layout(host[r][1], cfg.experts, R)
         if not torch.equal(layouts[r][3].cpu(), expected[2]):
             raise AssertionError(f"rank {r}: is_token_in_rank differs from the reference: no timing")
 
@@ -280,7 +274,7 @@ def low_latency_rows(ranks, gate: Gate, cfg: BenchConfig) -> list[dict[str, Any]
     hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, R, num_experts)
     buffers = ranks.buffers(0, hint, low_latency_mode=True)
     dev = ranks.device
-    host = [random_routing(T, H, num_experts, cfg.num_topk, seed=77 + r) for r in range(R)]
+    host = [random_routing(T, H, num_experts, cfg.topk, seed=77 + r) for r in range(R)]
     x, idx, weights = ([h[i].to(dev) for h in host] for i in range(3))
     selections = sum(int((h[1] >= 0).sum()) for h in host)
     out = []
@@ -343,11 +337,8 @@ def measured(results: dict[str, Any], what: str, ranks, section: Callable[..., l
 
 
 def main() -> None:
-    parser = make_parser(__doc__)
-    parser.add_argument("--num-ranks", default="4,8", help="comma-separated rank counts (default 4,8)")
-    parser.add_argument("--sms", default="8,16,32", help="comma-separated SM counts per rank (default 8,16,32)")
-    add_config_arguments(parser, BenchConfig(), helps=CONFIG_HELP)
-    parser.add_argument("--json", default=str(RESULTS_DIR / "cuda_kernels.json"))
+    parser = config_parser(__doc__, BenchConfig(), helps=CONFIG_HELP, results="cuda_kernels", ranks="4,8")
+    add_rank_counts(parser, "8,16,32", "--sms", "SM counts per rank")
     args = parser.parse_args()
     reason = None if torch.cuda.is_available() else "no CUDA device"
     reason = reason or cuda_executor_import_error()
@@ -362,10 +353,10 @@ def main() -> None:
                                "gpu": {"name": props.name, "multiprocessors": props.multi_processor_count,
                                        "memory_bytes": props.total_memory, "cuda": torch.version.cuda},
                                "normal": [], "low_latency": []}  # fmt: skip
-    for num_ranks in parse_int_list(args.num_ranks):
-        sms = [n for n in parse_int_list(args.sms) if n * num_ranks <= 4 * props.multi_processor_count]
-        worst_rows = cfg.num_tokens * num_ranks
-        nvl_bytes = worst_rows * (2 * cfg.hidden + 16 * (cfg.num_topk + 2) + 64) + (16 << 20)
+    for num_ranks in args.num_ranks:
+        sms = [n for n in args.sms if n * num_ranks <= 4 * props.multi_processor_count]
+        worst_rows = cfg.tokens * num_ranks
+        nvl_bytes = worst_rows * (2 * cfg.hidden + 16 * (cfg.topk + 2) + 64) + (16 << 20)
         with LocalRanks(num_ranks, device=0, timeout_s=30) as ranks:
             gate = Gate(ranks)
             buffers = ranks.buffers(nvl_bytes)
@@ -377,13 +368,13 @@ def main() -> None:
     print(
         f"GPU: {props.name} ({props.multi_processor_count} SMs); torch {torch.__version__}, CUDA {torch.version.cuda}"
     )
-    print(f"T={cfg.num_tokens} H={cfg.hidden} E={cfg.num_experts} K={cfg.num_topk}; ranks as streams of one process; "
+    print(f"T={cfg.tokens} H={cfg.hidden} E={cfg.experts} K={cfg.topk}; ranks as streams of one process; "
           f"{cfg.iters} calls per row after {cfg.warmup}")  # fmt: skip
     print_table(NORMAL_HEADERS, [normal_table_row(r) for r in results["normal"]],
                 "bytes summed over the ranks (what the op must read + write); 'of copy' = the time of plain copies "
                 "of the same bytes, all ranks at once, over the op's time")  # fmt: skip
     print()
-    print(f"low latency: T={cfg.ll_tokens} H={cfg.hidden} E={cfg.ll_experts_per_rank}/rank K={cfg.num_topk}")
+    print(f"low latency: T={cfg.ll_tokens} H={cfg.hidden} E={cfg.ll_experts_per_rank}/rank K={cfg.topk}")
     print_table(LL_HEADERS, [[str(r["num_ranks"]), r["op"], f"{r['seconds'] * 1e6:.1f}",
                               f"{r['bytes'] / r['seconds'] / 1e9:.0f}"] for r in results["low_latency"]],
                 "one call per rank behind a gate, all ranks at once: last rank's end - gate")  # fmt: skip

@@ -46,18 +46,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any
 
+import intranode
 import torch
 import torch.distributed as dist
 from _common import (
-    RESULTS_DIR,
-    add_config_arguments,
     config_from_args,
+    config_parser,
     environment,
     gbps,
-    make_parser,
     num_cores,
     print_table,
     run_ranks,
@@ -72,17 +70,12 @@ import mtdeepep as deep_ep
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    num_tokens: int = 4096
-    hidden: int = 7168
-    num_experts: int = 256
-    num_topk: int = 8
-    num_nodes: int = 2
-    ranks_per_node: int = 2
+class BenchConfig(intranode.BenchConfig):
     iters: int = 5
     warmup: int = 1
     nvl_bytes: int = 1 << 29
-    seed: int = 0
+    num_nodes: int = 2
+    ranks_per_node: int = 2
 
     @property
     def num_ranks(self) -> int:
@@ -104,8 +97,8 @@ def rows_per_destination(topk_idx_TK: torch.Tensor, num_experts: int, num_destin
 def rdma_rows(topk_idx_TK: torch.Tensor, cfg: BenchConfig, rank_node: int) -> tuple[int, int, int]:
     """`(rows, rows leaving the node, the baseline's rows leaving the node)`: tokens x distinct destination nodes,
     with and without the own node; tokens x distinct destination ranks on other nodes."""
-    per_node = rows_per_destination(topk_idx_TK, cfg.num_experts, cfg.num_nodes)
-    per_rank = rows_per_destination(topk_idx_TK, cfg.num_experts, cfg.num_ranks).view(cfg.num_nodes, -1).sum(dim=1)
+    per_node = rows_per_destination(topk_idx_TK, cfg.experts, cfg.num_nodes)
+    per_rank = rows_per_destination(topk_idx_TK, cfg.experts, cfg.num_ranks).view(cfg.num_nodes, -1).sum(dim=1)
     leaving = lambda rows: int(rows.sum() - rows[rank_node])
     return int(per_node.sum()), leaving(per_node), leaving(per_rank)
 
@@ -207,10 +200,9 @@ def table_row(row: dict[str, Any]) -> list[str]:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = make_parser(__doc__)
-    add_config_arguments(parser, BenchConfig(), helps={**CONFIG_HELP, "num_nodes": "simulated nodes"})
+    helps = {**CONFIG_HELP, "num_nodes": "simulated nodes"}
+    parser = config_parser(__doc__, BenchConfig(), helps=helps, results="internode")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed for the whole run")
-    parser.add_argument("--json", type=Path, default=RESULTS_DIR / "internode.json")
     parser.add_argument("--torchrun", action="store_true", help="ranks started by torchrun (several hosts)")
     return parser.parse_args()
 
@@ -245,7 +237,7 @@ def main() -> None:
         per_rank = run_ranks(bench_rank, cfg.num_ranks, (cfg,), timeout_s=args.timeout)
     rows = summarize(cfg, per_rank)
     print(
-        f"T={cfg.num_tokens} H={cfg.hidden} E={cfg.num_experts} K={cfg.num_topk}; {cfg.num_nodes} nodes x "
+        f"T={cfg.tokens} H={cfg.hidden} E={cfg.experts} K={cfg.topk}; {cfg.num_nodes} nodes x "
         f"{cfg.ranks_per_node} ranks {where} ({num_cores()} cores, {threads_per_rank(cfg.num_ranks)} thread(s) per "
         f"rank); network stage: {network}; median of {cfg.iters} iterations"
     )

@@ -44,21 +44,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import _common as common
 import torch
 import torch.distributed as dist
 from _common import (
     RESULTS_DIR,
     OpCase,
-    add_config_arguments,
     combine_parity,
     config_from_args,
+    config_parser,
     environment,
     exchange_rows,
     gbps,
-    make_parser,
     memcpy_seconds,
     num_cores,
-    parse_int_list,
     print_table,
     random_routing,
     run_ranks,
@@ -76,13 +75,8 @@ IMPLS = ("mtdeepep", "all-to-all")
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    num_tokens: int = 4096
-    hidden: int = 7168
-    num_experts: int = 256
-    num_topk: int = 8
-    iters: int = 10
-    warmup: int = 2
+class BenchConfig(common.BenchConfig):
+    experts: int = 256
     nvl_bytes: int = 1 << 30
     seed: int = 0
 
@@ -102,7 +96,7 @@ class RankInputs:
 def make_inputs(cfg: BenchConfig, rank: int) -> RankInputs:
     """Random activations and random routing: each token picks the top-k of random expert scores."""
     x_TH, topk_idx_TK, topk_weights_TK = random_routing(
-        cfg.num_tokens, cfg.hidden, cfg.num_experts, cfg.num_topk, cfg.seed * 1000 + rank
+        cfg.tokens, cfg.hidden, cfg.experts, cfg.topk, cfg.seed * 1000 + rank
     )
     return RankInputs(x_TH, per_token_cast_to_fp8(x_TH), topk_idx_TK, topk_weights_TK)
 
@@ -223,11 +217,11 @@ def recv_bytes(x, recv_x) -> int:
 
 
 def dispatch_case(op: str, buffer: deep_ep.Buffer, x, inputs: RankInputs, cfg, group, count: CountBytes) -> OpCase:
-    a2a_args = (inputs.topk_idx_TK, inputs.topk_weights_TK, cfg.num_experts, group)
-    ours = deepep_dispatch(buffer, x, inputs, cfg.num_experts)
+    a2a_args = (inputs.topk_idx_TK, inputs.topk_weights_TK, cfg.experts, group)
+    ours = deepep_dispatch(buffer, x, inputs, cfg.experts)
     check_dispatch_parity(op, ours, a2a_dispatch(x, *a2a_args))
     fns = {
-        "mtdeepep": lambda: deepep_dispatch(buffer, x, inputs, cfg.num_experts),
+        "mtdeepep": lambda: deepep_dispatch(buffer, x, inputs, cfg.experts),
         "all-to-all": lambda: a2a_dispatch(x, *a2a_args),
     }
     return OpCase(op, count(x, ours[0]), fns, {"identical": True})
@@ -236,19 +230,19 @@ def dispatch_case(op: str, buffer: deep_ep.Buffer, x, inputs: RankInputs, cfg, g
 def combine_case(buffer: deep_ep.Buffer, inputs: RankInputs, cfg, group, count: CountBytes) -> OpCase:
     """Combines the bf16 rows a dispatch received (both implementations get the same rows); counts the bytes of
     that dispatch."""
-    recv_x, _, _, _, handle, _ = deepep_dispatch(buffer, inputs.x_TH, inputs, cfg.num_experts)
-    route = a2a_dispatch(inputs.x_TH, inputs.topk_idx_TK, inputs.topk_weights_TK, cfg.num_experts, group)[3]
-    parity = check_combine_parity(buffer.combine(recv_x, handle)[0], a2a_combine(recv_x, route, cfg.num_tokens, group))
+    recv_x, _, _, _, handle, _ = deepep_dispatch(buffer, inputs.x_TH, inputs, cfg.experts)
+    route = a2a_dispatch(inputs.x_TH, inputs.topk_idx_TK, inputs.topk_weights_TK, cfg.experts, group)[3]
+    parity = check_combine_parity(buffer.combine(recv_x, handle)[0], a2a_combine(recv_x, route, cfg.tokens, group))
     fns = {
         "mtdeepep": lambda: buffer.combine(recv_x, handle),
-        "all-to-all": lambda: a2a_combine(recv_x, route, cfg.num_tokens, group),
+        "all-to-all": lambda: a2a_combine(recv_x, route, cfg.tokens, group),
     }
     return OpCase("combine bf16", count(inputs.x_TH, recv_x), fns, parity)
 
 
 def op_cases(buffer: deep_ep.Buffer, inputs: RankInputs, cfg, group, count: CountBytes = recv_bytes) -> list[OpCase]:
     """The three operations of `OPS`, each checked once against the all-to-all baseline. `cfg` is this module's
-    `BenchConfig` or internode.py's (both have `num_tokens` and `num_experts`)."""
+    `BenchConfig` or internode.py's (both have `tokens` and `experts`)."""
     return [
         dispatch_case("dispatch bf16", buffer, inputs.x_TH, inputs, cfg, group, count),
         dispatch_case("dispatch fp8", buffer, inputs.x_fp8, inputs, cfg, group, count),
@@ -407,18 +401,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 # Help texts of the config options (internode.py's too).
-CONFIG_HELP = {
-    "num_tokens": "tokens per rank",
-    "iters": "timed iterations per op",
-    "warmup": "untimed iterations per op",
-    "nvl_bytes": "per-rank shared region",
-}
+CONFIG_HELP = {"nvl_bytes": "per-rank shared region"}
 
 
 def parse_args() -> argparse.Namespace:
-    parser = make_parser(__doc__)
-    parser.add_argument("--num-ranks", default="2,4", help="comma-separated rank counts (default: 2,4)")
-    add_config_arguments(parser, BenchConfig(), helps=CONFIG_HELP)
+    parser = config_parser(__doc__, BenchConfig(), helps=CONFIG_HELP, results="intranode", ranks="2,4")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per rank count")
     parser.add_argument(
         "--thp",
@@ -426,7 +413,6 @@ def parse_args() -> argparse.Namespace:
         help="diagnostic: set THP_MEM_ALLOC_ENABLE=1 in the ranks, so torch backs large tensors with 2 MiB pages "
         "(fewer page faults; applies to mtdeepep and the baselines alike)",
     )
-    parser.add_argument("--json", type=Path, default=RESULTS_DIR / "intranode.json")
     parser.add_argument(
         "--plot",
         nargs="?",
@@ -444,12 +430,12 @@ def main() -> None:
     if args.thp:
         os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # read by torch's CPU allocator in the spawned ranks
     rows = []
-    for num_ranks in parse_int_list(args.num_ranks):
+    for num_ranks in args.num_ranks:
         per_rank = run_ranks(bench_rank, num_ranks, (cfg,), timeout_s=args.timeout)
         rows.extend(summarize(num_ranks, per_rank))
-    threads = {n: threads_per_rank(n) for n in parse_int_list(args.num_ranks)}
+    threads = {n: threads_per_rank(n) for n in args.num_ranks}
     print(
-        f"T={cfg.num_tokens} H={cfg.hidden} E={cfg.num_experts} K={cfg.num_topk}; {num_cores()} cores, threads per "
+        f"T={cfg.tokens} H={cfg.hidden} E={cfg.experts} K={cfg.topk}; {num_cores()} cores, threads per "
         f"rank {threads}; median of {cfg.iters} iterations{'; THP_MEM_ALLOC_ENABLE=1' if args.thp else ''}"
     )
     print_table(TABLE_HEADERS, [table_row(row) for row in rows], TABLE_NOTE, parity_line(rows))

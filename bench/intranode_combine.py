@@ -67,7 +67,7 @@ def combine_ratio_rank(rank: int, num_ranks: int, group, cfg: BenchConfig) -> Co
     buffer = deep_ep.Buffer(group, num_nvl_bytes=cfg.nvl_bytes, explicitly_destroy=True)
     try:
         inputs = make_inputs(cfg, rank)
-        recv_x, _, _, _, handle, _ = deepep_dispatch(buffer, inputs.x_TH, inputs, cfg.num_experts)
+        recv_x, _, _, _, handle, _ = deepep_dispatch(buffer, inputs.x_TH, inputs, cfg.experts)
         recv_bytes = recv_x.numel() * recv_x.element_size()
         src = torch.ones(recv_bytes, dtype=torch.uint8)
         dst = torch.zeros(recv_bytes, dtype=torch.uint8)
@@ -98,7 +98,7 @@ def combine_ratio_rank(rank: int, num_ranks: int, group, cfg: BenchConfig) -> Co
 
 
 def measure(num_ranks: int = 2, iters: int = 40, warmup: int = 3, num_tokens: int = 4096) -> CombineRatio:
-    cfg = BenchConfig(num_tokens=num_tokens, iters=iters, warmup=warmup)
+    cfg = BenchConfig(tokens=num_tokens, iters=iters, warmup=warmup)
     return run_ranks(combine_ratio_rank, num_ranks, (cfg,))[0]
 
 

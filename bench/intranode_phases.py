@@ -51,12 +51,10 @@ def time_with_faults(fn: Callable[[], Any], group, iters: int, warmup: int) -> t
 
 def pieces(buffer: deep_ep.Buffer, cfg: BenchConfig, rank: int) -> dict[str, Callable[[], Any]]:
     inputs = make_inputs(cfg, rank)
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inputs.topk_idx_TK, cfg.num_experts)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(inputs.topk_idx_TK, cfg.experts)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     topk = dict(topk_idx=inputs.topk_idx_TK, topk_weights=inputs.topk_weights_TK)
-    fns: dict[str, Callable[[], Any]] = {
-        "layout": lambda: buffer.get_dispatch_layout(inputs.topk_idx_TK, cfg.num_experts)
-    }
+    fns: dict[str, Callable[[], Any]] = {"layout": lambda: buffer.get_dispatch_layout(inputs.topk_idx_TK, cfg.experts)}
     for name, x in (("bf16", inputs.x_TH), ("fp8", inputs.x_fp8)):
         handle = buffer.dispatch(x, **layout, **topk)[4]
         fns[f"dispatch {name}"] = lambda x=x: buffer.dispatch(x, **layout, **topk)

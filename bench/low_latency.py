@@ -36,18 +36,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import _common as common
 import torch
 import torch.distributed as dist
 from _common import (
-    RESULTS_DIR,
     OpCase,
-    add_config_arguments,
+    add_json_option,
     combine_parity,
     config_from_args,
+    config_parser,
     environment,
     exchange_rows,
-    make_parser,
-    parse_int_list,
     print_table,
     random_routing,
     run_ranks,
@@ -66,13 +65,11 @@ HEADER_BYTES = 16  # upstream's per-message header (source token index + reserve
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    num_tokens: int = 128
-    hidden: int = 7168
-    experts_per_rank: int = 36
-    num_topk: int = 8
+class BenchConfig(common.BenchConfig):
+    tokens: int = 128
     iters: int = 30
     warmup: int = 3
+    experts_per_rank: int = 36
     seed: int = 0
 
 
@@ -88,7 +85,7 @@ class RankInputs:
 
 
 def make_inputs(cfg: BenchConfig, rank: int, num_experts: int) -> RankInputs:
-    return RankInputs(*random_routing(cfg.num_tokens, cfg.hidden, num_experts, cfg.num_topk, cfg.seed * 1000 + rank))
+    return RankInputs(*random_routing(cfg.tokens, cfg.hidden, num_experts, cfg.topk, cfg.seed * 1000 + rank))
 
 
 def upstream_bytes(op: str, num_selections: int, hidden: int) -> int:
@@ -239,13 +236,13 @@ def check_combine_parity(ours: torch.Tensor, theirs: torch.Tensor, magnitude: to
 
 def dispatch_case(op: str, buffer, inputs: RankInputs, cfg: BenchConfig, num_experts: int, group) -> OpCase:
     use_fp8 = op == "dispatch fp8"
-    recv, _, handle, _, _ = buffer.low_latency_dispatch(inputs.x_TH, inputs.topk_idx_TK, cfg.num_tokens, num_experts,
+    recv, _, handle, _, _ = buffer.low_latency_dispatch(inputs.x_TH, inputs.topk_idx_TK, cfg.tokens, num_experts,
                                                         use_fp8=use_fp8)  # fmt: skip
     received, route = a2a_dispatch(inputs, num_experts, use_fp8, group)
     check_dispatch_parity(op, recv, handle, received, route, cfg.hidden, use_fp8)
     fns = {
         "mtdeepep": lambda: buffer.low_latency_dispatch(
-            inputs.x_TH, inputs.topk_idx_TK, cfg.num_tokens, num_experts, use_fp8=use_fp8
+            inputs.x_TH, inputs.topk_idx_TK, cfg.tokens, num_experts, use_fp8=use_fp8
         ),
         "all-to-all": lambda: a2a_dispatch(inputs, num_experts, use_fp8, group),
     }
@@ -257,7 +254,7 @@ def combine_case(buffer, inputs: RankInputs, cfg: BenchConfig, num_experts: int,
     """Both combine the same expert outputs: bf16(dequantised FP8 row x (1 + global expert / 64))."""
     experts_per_rank = num_experts // group.size()
     recv, recv_count, handle, _, _ = buffer.low_latency_dispatch(
-        inputs.x_TH, inputs.topk_idx_TK, cfg.num_tokens, num_experts
+        inputs.x_TH, inputs.topk_idx_TK, cfg.tokens, num_experts
     )
     y_ours = ours_expert_outputs(recv, recv_count, rank * experts_per_rank)
     received, route = a2a_dispatch(inputs, num_experts, True, group)
@@ -265,11 +262,11 @@ def combine_case(buffer, inputs: RankInputs, cfg: BenchConfig, num_experts: int,
     y_base = (message_rows(received, cfg.hidden, True).float() * expert_factor_E(experts_N).view(-1, 1)).bfloat16()
     args = (inputs.topk_idx_TK, inputs.topk_weights_TK, handle)
     ours = buffer.low_latency_combine(y_ours, *args)[0]
-    theirs, magnitude = a2a_combine(y_base, route, cfg.num_tokens, group, magnitude=True)
-    parity = check_combine_parity(ours, theirs, magnitude, cfg.num_topk)
+    theirs, magnitude = a2a_combine(y_base, route, cfg.tokens, group, magnitude=True)
+    parity = check_combine_parity(ours, theirs, magnitude, cfg.topk)
     fns = {
         "mtdeepep": lambda: buffer.low_latency_combine(y_ours, *args),
-        "all-to-all": lambda: a2a_combine(y_base, route, cfg.num_tokens, group),
+        "all-to-all": lambda: a2a_combine(y_base, route, cfg.tokens, group),
     }
     num_bytes = upstream_bytes("combine bf16", int((inputs.topk_idx_TK >= 0).sum()), cfg.hidden)
     return OpCase("combine bf16", num_bytes, fns, parity)
@@ -278,7 +275,7 @@ def combine_case(buffer, inputs: RankInputs, cfg: BenchConfig, num_experts: int,
 def bench_rank(rank: int, num_ranks: int, group: dist.ProcessGroup, cfg: BenchConfig) -> dict[str, Any]:
     num_experts = cfg.experts_per_rank * num_ranks
     inputs = make_inputs(cfg, rank, num_experts)
-    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(cfg.num_tokens, cfg.hidden, num_ranks, num_experts)
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(cfg.tokens, cfg.hidden, num_ranks, num_experts)
     buffer = deep_ep.Buffer(group, 0, hint, low_latency_mode=True, num_qps_per_rank=cfg.experts_per_rank,
                             explicitly_destroy=True)  # fmt: skip
     try:
@@ -336,10 +333,8 @@ def parity_line(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = make_parser(__doc__)
-    parser.add_argument("--num-ranks", type=parse_int_list, default=[2, 4], help="comma-separated, e.g. 2,4")
-    add_config_arguments(parser, BenchConfig(), ("iters", "warmup", "experts_per_rank"))
-    parser.add_argument("--output", default=str(RESULTS_DIR / "low_latency.json"))
+    parser = config_parser(__doc__, BenchConfig(), ("iters", "warmup", "experts_per_rank"), ranks="2,4")
+    add_json_option(parser, "low_latency", "--output")
     args = parser.parse_args()
     cfg = config_from_args(BenchConfig, args)
 
@@ -350,7 +345,7 @@ def main() -> None:
     print_table(TABLE_HEADERS, [table_row(row) for row in rows], TABLE_NOTE, parity_line(rows))
     threads = {n: threads_per_rank(n) for n in args.num_ranks}
     save_results(
-        args.output, {"config": asdict(cfg), "threads_per_rank": threads, "environment": environment(), "results": rows}
+        args.json, {"config": asdict(cfg), "threads_per_rank": threads, "environment": environment(), "results": rows}
     )
 
 

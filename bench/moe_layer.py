@@ -63,14 +63,15 @@ import argparse
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from _common import (
     RESULTS_DIR,
+    MoELayerBenchConfig,
     add_config_arguments,
+    add_json_option,
     config_from_args,
     environment,
     make_parser,
@@ -95,18 +96,10 @@ EXPERT_IMPLS = ("grouped", "padded", "loop")
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    tokens: int = 2048
-    hidden: int = 1024
-    ffn: int = 512
-    experts: int = 16
-    topk: int = 4
+class BenchConfig(MoELayerBenchConfig):
     dispatchers: tuple[str, ...] = DISPATCHERS
     expert_impls: tuple[str, ...] = EXPERT_IMPLS
     grid: bool = False
-    iters: int = 5
-    warmup: int = 1
-    seed: int = 0
     shared_ffn: int = 1024  # --overlap: the shared expert's FFN hidden size
 
     def variants(self) -> list[tuple[str, str]]:
@@ -556,9 +549,7 @@ def parse_args() -> argparse.Namespace:
     add_config_arguments(parser, defaults, ("iters", "warmup", "seed"), helps)
     add_config_arguments(parser, defaults, ("shared_ffn",), {"shared_ffn": "--overlap: shared expert FFN hidden"})
     parser.add_argument("--timeout", type=float, default=400, help="seconds allowed per EP size")
-    parser.add_argument(
-        "--json", type=Path, default=RESULTS_DIR / "moe_layer.json", help="(--overlap: moe_layer_overlap.json)"
-    )
+    add_json_option(parser, "moe_layer", help="(--overlap: moe_layer_overlap.json)")
     return parser.parse_args()
 
 

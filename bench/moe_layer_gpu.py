@@ -62,6 +62,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+import _common as common
 import torch
 from _common import RESULTS_DIR, environment, make_parser, print_table, save_results, train_step
 
@@ -77,18 +78,15 @@ EXIT_PARITY = 1
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    tokens: int = 8192
-    hidden: int = 2048
+class BenchConfig(common.BenchConfig):
     ffn_hidden: int = 1408
     experts: int = 64
-    topk: int = 6
-    iters: int = 10
-    warmup: int = 3
     rounds: int = 3
     seed: int = 0
 
 
+# The full run: DeepSeek-V2-Lite's MoE layer (hidden 2048, expert FFN 1408, top-6 of 64 experts), 8192 tokens.
+FULL = BenchConfig(tokens=8192, hidden=2048, topk=6, warmup=3)
 # Small enough for a 2-core CPU in seconds; hidden and FFN multiples of 128 like the real sizes.
 DRY_RUN = BenchConfig(tokens=256, hidden=256, ffn_hidden=128, experts=8, topk=2, iters=2, warmup=1, rounds=2)
 
@@ -407,7 +405,7 @@ def device_environment(device: torch.device) -> dict[str, Any]:
 def parse_args():
     parser = make_parser(__doc__)
     for f in fields(BenchConfig):
-        default, dry = getattr(BenchConfig(), f.name), getattr(DRY_RUN, f.name)
+        default, dry = getattr(FULL, f.name), getattr(DRY_RUN, f.name)
         # None = not given: the default of the mode (full or --dry-run) applies.
         parser.add_argument(
             f"--{f.name.replace('_', '-')}", type=int, default=None, help=f"{HELPS[f.name]} ({default}; dry run {dry})"
@@ -422,7 +420,7 @@ def parse_args():
 def config_from_args(args) -> BenchConfig:
     """The mode's defaults (full or --dry-run) with the options given on the command line."""
     given = {f.name: getattr(args, f.name) for f in fields(BenchConfig) if getattr(args, f.name) is not None}
-    cfg = replace(DRY_RUN if args.dry_run else BenchConfig(), **given)
+    cfg = replace(DRY_RUN if args.dry_run else FULL, **given)
     if min(cfg.tokens, cfg.hidden, cfg.ffn_hidden, cfg.experts, cfg.topk, cfg.iters, cfg.rounds) < 1 or cfg.warmup < 0:
         raise SystemExit(f"sizes, --iters and --rounds must be positive, --warmup >= 0: {cfg}")
     return cfg

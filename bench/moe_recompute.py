@@ -22,15 +22,13 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 from _common import (
-    RESULTS_DIR,
-    add_config_arguments,
+    MoELayerBenchConfig,
     config_from_args,
+    config_parser,
     environment,
-    make_parser,
     print_table,
     save_results,
 )
@@ -41,16 +39,11 @@ from moe.layer.peak_memory import peak_memory_bytes
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    layers: int = 4
-    tokens: int = 2048
-    hidden: int = 1024
-    ffn: int = 512
-    shared: int = 1024
-    experts: int = 16
-    topk: int = 4
+class BenchConfig(MoELayerBenchConfig):
     iters: int = 3
-    seed: int = 0
+    warmup: int = 1  # untimed steps per variant, at least one: the first checks parity (and allocates the grads)
+    layers: int = 4
+    shared: int = 1024
 
 
 def variants(cfg: BenchConfig) -> dict[str, dict]:
@@ -82,9 +75,7 @@ def step(stack: nn.Sequential, x: torch.Tensor):
 
 
 def main() -> None:
-    parser = make_parser(__doc__)
-    add_config_arguments(parser, BenchConfig())
-    parser.add_argument("--json", type=Path, default=RESULTS_DIR / "moe_recompute.json")
+    parser = config_parser(__doc__, BenchConfig(), results="moe_recompute")
     args = parser.parse_args()
     cfg = config_from_args(BenchConfig, args)
 
@@ -101,6 +92,9 @@ def main() -> None:
         if not same:
             raise SystemExit(f"parity check failed: {name} differs from the plain stack")
         modes[name] = stack[0].metrics.expert_recompute
+    for _ in range(cfg.warmup - 1):
+        for stack in stacks.values():
+            step(stack, x)
 
     peaks = {name: [] for name in stacks}
     seconds = {name: [] for name in stacks}

@@ -25,18 +25,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from _common import (
-    RESULTS_DIR,
-    add_config_arguments,
+    MoELayerBenchConfig,
+    add_rank_counts,
     config_from_args,
+    config_parser,
     environment,
-    make_parser,
-    parse_int_list,
     print_table,
     run_ranks,
     save_results,
@@ -49,17 +47,10 @@ from moe.layer.replication import update_hot_experts
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    tokens: int = 2048
-    hidden: int = 1024
+class BenchConfig(MoELayerBenchConfig):
     ffn: int = 256  # fine-grained experts (F = H / 4; DeepSeek-V3: 2048 / 7168)
-    experts: int = 16
-    topk: int = 4
     skewed_share: float = 0.7  # fraction of tokens that prefer experts 0 and 1
     dispatchers: tuple[str, ...] = ("alltoall", "flex")
-    iters: int = 5
-    warmup: int = 1
-    seed: int = 0
 
 
 def build_layers(cfg: BenchConfig, dispatcher: str, group) -> dict[str, MoELayer]:
@@ -150,15 +141,13 @@ HEADERS = ["EP", "variant", "step ms", "vs plain", "token MB/rank", "replica MB"
 
 
 def main() -> None:
-    parser = make_parser(__doc__)
-    parser.add_argument("--ep", default="2,4", help="expert-parallel sizes, comma-separated")
     fields = ("tokens", "hidden", "ffn", "experts", "topk", "iters", "warmup", "seed", "skewed_share")
-    add_config_arguments(parser, BenchConfig(), fields)
-    parser.add_argument("--json", type=Path, default=RESULTS_DIR / "moe_replication.json")
+    parser = config_parser(__doc__, BenchConfig(), fields, results="moe_replication")
+    add_rank_counts(parser, "2,4", "--ep", "expert-parallel sizes")
     args = parser.parse_args()
     cfg = config_from_args(BenchConfig, args)
     rows, hot = [], {}
-    for num_ranks in parse_int_list(args.ep):
+    for num_ranks in args.ep:
         start = time.perf_counter()
         per_rank = run_ranks(bench_rank, num_ranks, (cfg,), timeout_s=600)
         print(f"EP {num_ranks}: {time.perf_counter() - start:.0f} s; hot experts {per_rank[0]['hot']}")

@@ -27,7 +27,6 @@ use small shapes, e.g. `--tokens 64 --hidden 256 --experts 8 --topk 2 --ll-token
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -39,18 +38,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import BenchConfig, config_from_args, config_parser
 
 
-@dataclass
-class Config:
+@dataclass(frozen=True)
+class Config(BenchConfig):
     ranks: int = 2
-    tokens: int = 4096
-    hidden: int = 7168
     experts: int = 256
-    topk: int = 8
     ll_tokens: int = 128
-    iters: int = 10
-    warmup: int = 2
     device: str = "cuda"
     timeout_s: float = 60.0
     profile_iters: int = 0  # > 0: after the measurement, torch.profiler over this many uniform dispatch + combine calls
@@ -235,13 +230,11 @@ MPS = os.environ.get("MTDEEPEP_BENCH_MPS") == "1"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for field, default in asdict(Config()).items():
-        parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
+    parser = config_parser(__doc__, Config())
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--profile-out", type=Path, default=None, help="where the profile tables go (a text file)")
     args = parser.parse_args(argv)
-    cfg = Config(**{k: getattr(args, k) for k in asdict(Config())})
+    cfg = config_from_args(Config, args)
     with mp.Manager() as manager:
         results, profiles = manager.dict(), manager.dict()
         mp.spawn(bench_rank, args=(cfg, free_port(), results, profiles), nprocs=cfg.ranks, join=True)

@@ -8,8 +8,11 @@ the data: set-up exchange, layout, dispatch, combine, low-latency dispatch/combi
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,6 +132,91 @@ class Engine(ABC):
 # Engines that run operations on a Python worker thread of their own (the internode engine, the Triton executor) and
 # were not destroyed: the exit hook (`shutdown_all_engines`) ends their waits and joins their workers.
 LIVE_WORKER_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+class WorkerEngine(Engine):
+    """An engine whose operations run in submission order on a Python worker thread of its own (the internode engine,
+    the Triton executor), while the caller waits only for the part of each it needs now (its outputs).
+
+    A subclass calls `_start_worker` in its constructor and provides `_task` (what wraps each operation on the
+    worker) and `_await_outputs` (how long the caller waits for an operation's outputs, and the error after that).
+    """
+
+    rank: int
+
+    def _start_worker(self, name: str) -> None:
+        self._busy = 0  # operations queued on the worker and not finished
+        self._busy_lock = threading.Lock()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mtdeepep-{name}-{self.rank}")
+        LIVE_WORKER_ENGINES.add(self)  # for the exit hook (`shutdown_all_engines`)
+
+    @abstractmethod
+    def _check_usable(self) -> None:
+        """Raises when this engine can take no further operation."""
+
+    @abstractmethod
+    def _task(self, body: Callable[[], None]) -> Callable[[], None]:
+        """`body` as the worker runs it (without autograd, with the engine's own bookkeeping)."""
+
+    @abstractmethod
+    def _await_outputs(self, notified: Future) -> tuple:
+        """The caller's wait for an operation's outputs (`notified`'s result), bounded; raises a CommTimeoutError
+        naming this rank after interrupting it when the worker does not get there."""
+
+    def _queue(self, body: Callable[[], None], finished: Callable[[BaseException | None], None]) -> None:
+        """Queues `body` (see `_task`) on the worker; `finished(its error or None)` runs when it ends."""
+        task = self._task(body)
+
+        def run() -> None:
+            error = None
+            try:
+                task()
+            except BaseException as failure:  # noqa: BLE001 - handed to `finished`
+                error = failure
+            finally:
+                with self._busy_lock:
+                    self._busy -= 1
+            finished(error)
+
+        with self._busy_lock:
+            self._busy += 1
+        self._worker.submit(run)
+
+    def _run(
+        self, operation: Callable[[Callable[[tuple], None]], None], previous: Event | None, async_finish: bool
+    ) -> tuple[tuple, Event | None]:
+        """Queues `operation(notify)` on the worker (after `previous`) and waits until it calls `notify(outputs)`.
+
+        Returns `(outputs, event)`: without `async_finish` the caller also waits for the rest of the operation (the
+        event is then None). An error before `notify` is raised here, one after it by the event's wait.
+        """
+        self._check_usable()
+        notified: Future = Future()
+        done = _C.EventHandle.pending()
+
+        def body() -> None:
+            if previous is not None:
+                previous.wait()
+            operation(notified.set_result)
+            if not notified.done():
+                raise RuntimeError("mtdeepep: internal error: the operation never notified")
+
+        def finished(error: BaseException | None) -> None:
+            if error is not None and not notified.done():
+                notified.set_exception(error)  # raised by the caller's wait below
+                error = None
+            done.complete(error)
+
+        self._queue(body, finished)
+        try:
+            outputs = self._await_outputs(notified)
+            if not async_finish:
+                done.wait()
+                return outputs, None
+        except KeyboardInterrupt:
+            self.interrupt(f"rank {self.rank} was interrupted (KeyboardInterrupt)")
+            raise
+        return outputs, done
 
 
 def shutdown_all_engines() -> None:

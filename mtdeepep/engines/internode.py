@@ -43,7 +43,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .base import LIVE_WORKER_ENGINES, DispatchOutputs, Engine, Event, shutdown_all_engines
+from .base import LIVE_WORKER_ENGINES, DispatchOutputs, Engine, Event, WorkerEngine, shutdown_all_engines
 from .handles import DispatchRecord, InternodeHandle, attach, low_latency_handle
 from .peers import BoundedStore, PeerTable, StoreUnreachable
 from .setup import group_key, group_ranks, new_group
@@ -174,7 +174,7 @@ class _Scratch:
 # The engine
 
 
-class InternodeEngine(Engine):
+class InternodeEngine(WorkerEngine):
     """Two-stage dispatch/combine for a group that spans several nodes (see the module docstring).
 
     Set-up (collective over the group, after the node engine connected): a node group and an RDMA group per rank
@@ -205,7 +205,6 @@ class InternodeEngine(Engine):
         self._progress_prefix = f"mtdeepep/progress/{uid}"
         self._failure_key = f"mtdeepep/failed/{uid}"
         self._failure: str | None = None  # set once the ranks may be out of step: no further work
-        self._busy = 0  # operations queued on the worker and not finished
         self._scratch = _Scratch()  # used by the worker only
         self.node_group, self.rdma_group, self.world_group = self._new_groups(group)
         self.peers = PeerTable(self.world_group, self._store, f"mtdeepep/alive/{uid}")  # hosts, for error messages
@@ -215,8 +214,7 @@ class InternodeEngine(Engine):
             self.low_latency = _C.LowLatencyProtocol(node.host_runtime, self.rank, self.num_ranks, False)
         # Low-latency calls whose exchange may still run on the worker: [event, hook called].
         self._ll_in_flight: deque[list] = deque()
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mtdeepep-internode-{self.rank}")
-        LIVE_WORKER_ENGINES.add(self)  # for the exit hook (`shutdown_all_engines`)
+        self._start_worker("internode")
 
     def _new_groups(self, group: dist.ProcessGroup):
         ranks = group_ranks(group)
@@ -308,70 +306,22 @@ class InternodeEngine(Engine):
 
         return run
 
-    def _run(self, operation: Callable[[Callable[[tuple], None]], None], previous: Event | None,
-             async_finish: bool) -> tuple[tuple, Event | None]:  # fmt: skip
-        """Queues `operation(notify)` on the worker (after `previous`) and waits until it calls `notify(outputs)`.
-
-        Returns `(outputs, event)`: without `async_finish` the caller also waits for the rest of the operation (the
-        event is then None). An error before `notify` is raised here, one after it by the event's wait.
-        """
-        self._check_usable()
-        notified: Future = Future()
-        done = _C.EventHandle.pending()
-
-        def body() -> None:
-            if previous is not None:
-                previous.wait()
-            operation(notified.set_result)
-            if not notified.done():
-                raise RuntimeError("mtdeepep: internal error: the operation never notified")
-
-        def finished(error: BaseException | None) -> None:
-            if error is not None and not notified.done():
-                notified.set_exception(error)  # raised by the caller's wait below
-                error = None
-            done.complete(error)
-
-        # The worker runs the operations queued before this one first, each bounded by the timeout, then this one's
-        # notify part: waited for at most that long (plus a margin), so a stuck worker cannot hang the caller.
-        deadline = self.timeout_s * (self._busy + 1) + _NOTIFY_MARGIN_S
-        self._queue(body, finished)
+    def _await_outputs(self, notified: Future) -> tuple:
+        """The worker runs the operations queued before this one first (those `_busy` counts with it), each bounded
+        by the timeout, then this one's notify part: waited for at most that long (plus a margin), so a stuck worker
+        cannot hang the caller."""
+        deadline = self.timeout_s * max(1, self._busy) + _NOTIFY_MARGIN_S
         try:
-            try:
-                outputs = notified.result(timeout=deadline)
-            except FutureTimeout:
-                if notified.done():  # the operation's own error (a CommTimeoutError is a TimeoutError too)
-                    raise
-                message = (
-                    f"mtdeepep: rank {self.rank}: internode operation #{self._ops + 1}: its outputs were not ready "
-                    f"within {deadline:.1f} s (the worker is stuck in an earlier operation)"
-                )
-                self.interrupt(message)
-                raise _C.CommTimeoutError(message) from None
-            if not async_finish:
-                done.wait()
-                return outputs, None
-        except KeyboardInterrupt:
-            self.interrupt(f"rank {self.rank} was interrupted (KeyboardInterrupt)")
-            raise
-        return outputs, done
-
-    def _queue(self, body: Callable[[], None], finished: Callable[[BaseException | None], None]) -> None:
-        """Queues `body` (see `_task`) on the worker; `finished(its error or None)` runs when it ends."""
-        task = self._task(body)
-
-        def run() -> None:
-            error = None
-            try:
-                task()
-            except BaseException as failure:  # noqa: BLE001 - handed to `finished`
-                error = failure
-            finally:
-                self._busy -= 1
-            finished(error)
-
-        self._busy += 1
-        self._worker.submit(run)
+            return notified.result(timeout=deadline)
+        except FutureTimeout:
+            if notified.done():  # the operation's own error (a CommTimeoutError is a TimeoutError too)
+                raise
+            message = (
+                f"mtdeepep: rank {self.rank}: internode operation #{self._ops + 1}: its outputs were not ready "
+                f"within {deadline:.1f} s (the worker is stuck in an earlier operation)"
+            )
+            self.interrupt(message)
+            raise _C.CommTimeoutError(message) from None
 
     # ---- failure state ----
 

@@ -40,7 +40,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
@@ -50,7 +50,7 @@ from .. import _C
 from ..kernels import intranode, sync
 from ..kernels.layout import dispatch_layout
 from ..kernels.low_latency import LowLatencyKernels
-from .base import LIVE_WORKER_ENGINES, DispatchOutputs, Engine
+from .base import LIVE_WORKER_ENGINES, DispatchOutputs, WorkerEngine
 from .handles import DispatchRecord, attach, intranode_recv_sources, low_latency_handle
 from .peer_table import PeerTable, SharedMemoryRegions, open_regions
 
@@ -91,7 +91,7 @@ def _check_interpreter(device: torch.device) -> None:
         )
 
 
-class TritonEngine(Engine):
+class TritonEngine(WorkerEngine):
     """Normal and low-latency mode for the `num_ranks` ranks of one node (this rank is `rank` among them), on
     `device`: the CPU under Triton's interpreter (the default), or this process's current GPU of a device type
     (`torch.device("cuda")`). Set-up as the CPU executor: `setup_entry()`, then `connect(entries, uid, group)`."""
@@ -129,12 +129,9 @@ class TritonEngine(Engine):
         self.poison_table = torch.empty(0, dtype=torch.int64)
         self.region = torch.empty(0, dtype=torch.uint8)
         self.low_latency: LowLatencyKernels | None = None
-        self._busy = 0  # operations queued on the worker and not finished
-        self._busy_lock = threading.Lock()
         self._progress = 0  # the worker's steps so far: the caller's wait for outputs is bounded by its stalls
         self._destroyed = False
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mtdeepep-triton-{rank}")
-        LIVE_WORKER_ENGINES.add(self)  # for the exit hook (`shutdown_all_engines`)
+        self._start_worker("triton")
         weakref.finalize(self, self._worker.shutdown, wait=False)
 
     @property
@@ -229,45 +226,12 @@ class TritonEngine(Engine):
 
     # ---- the worker: operations in submission order, off the caller's thread ----
 
-    def _run(self, operation: Callable[[Callable[[tuple], None]], None], previous, async_finish: bool):
-        """Queues `operation(notify)` on the worker (after `previous`) and waits until it calls `notify(outputs)`.
-        Returns `(outputs, event)`: without `async_finish` the caller also waits for the rest (the event is then
-        None). An error before `notify` is raised here, one after it by the event's wait."""
-        self._check_usable()
-        notified: Future = Future()
-        done = _C.EventHandle.pending()
-
+    def _task(self, body: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
-            error = None
-            try:
-                if previous is not None:
-                    previous.wait()
-                with torch.no_grad():  # communication is not differentiable (see mtdeepep.autograd)
-                    operation(notified.set_result)
-                if not notified.done():
-                    raise RuntimeError("mtdeepep: internal error: the operation never notified")
-            except BaseException as failure:  # noqa: BLE001 - handed to the caller or the event
-                error = failure
-            finally:
-                with self._busy_lock:
-                    self._busy -= 1
-            if error is not None and not notified.done():
-                notified.set_exception(error)  # raised by the caller's wait below
-                error = None
-            done.complete(error)
+            with torch.no_grad():  # communication is not differentiable (see mtdeepep.autograd)
+                body()
 
-        with self._busy_lock:
-            self._busy += 1
-        self._worker.submit(run)
-        try:
-            outputs = self._await_outputs(notified)
-            if not async_finish:
-                done.wait()
-                return outputs, None
-        except KeyboardInterrupt:
-            self.interrupt(f"rank {self.rank} was interrupted (KeyboardInterrupt)")
-            raise
-        return outputs, done
+        return run
 
     def _await_outputs(self, notified: Future) -> tuple:
         """The caller's wait for an operation's outputs: every step of the worker is bounded by the timeout, so the

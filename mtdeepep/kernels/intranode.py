@@ -252,6 +252,14 @@ def combine_reduce_kernel(area_x, area_weights, send_head, send_offset, num_toke
         tl.store(out_weights + tokens[:, None] * NUM_TOPK + topk[None, :], acc_w, mask=mask)
 
 
+def _row_blocks(num_rows: int, row_width: int, interpreted: bool, interpreted_rows: int = 64) -> tuple[int, int]:
+    """`(BLOCK rows, BLOCK columns)` of the launchers' kernels over `[num_rows, row_width]` rows: under the
+    interpreter up to `interpreted_rows` whole rows per program, on a GPU 4 rows of at most 1024 columns."""
+    if interpreted:
+        return min(interpreted_rows, triton.next_power_of_2(num_rows)), triton.next_power_of_2(row_width)
+    return 4, min(1024, triton.next_power_of_2(row_width))
+
+
 def launch_dispatch_send(region_table, data_offset, x_words, scales, topk_idx, topk_weights, send_head, recv_offset,
                          num_ranks, experts_per_rank, fields: RowFields, interpreted: bool,
                          token_base: int = 0) -> None:  # fmt: skip
@@ -262,8 +270,7 @@ def launch_dispatch_send(region_table, data_offset, x_words, scales, topk_idx, t
     if num_tokens == 0:
         return
     num_topk = 0 if topk_idx is None else topk_idx.size(1)
-    block_t = min(64, triton.next_power_of_2(num_tokens)) if interpreted else 4
-    block_w = triton.next_power_of_2(num_words) if interpreted else min(1024, triton.next_power_of_2(num_words))
+    block_t, block_w = _row_blocks(num_tokens, num_words, interpreted)
     scale_words = None if scales is None else scales.view(torch.int32) if scales.element_size() == 4 else None
     if scales is not None and scale_words is None:
         raise ValueError("mtdeepep: the Triton executor moves 4-byte scales (float32 or packed UE8M0)")
@@ -292,8 +299,7 @@ def launch_combine_send(region_table, data_offset, x_words, weights, dst_rank, d
     if num_rows == 0:
         return
     num_topk = 0 if weights is None else weights.size(1)
-    block_r = min(64, triton.next_power_of_2(num_rows)) if interpreted else 4
-    block_w = triton.next_power_of_2(num_words) if interpreted else min(1024, triton.next_power_of_2(num_words))
+    block_r, block_w = _row_blocks(num_rows, num_words, interpreted)
     combine_send_kernel[(triton.cdiv(num_rows, block_r),)](
         region_table, data_offset, x_words, num_words, x_words if weights is None else weights, dst_rank, dst_row,
         num_rows, fields.x, fields.topk_weights, NUM_TOPK=num_topk, BLOCK_R=block_r, BLOCK_W=block_w,
@@ -310,8 +316,7 @@ def launch_combine_reduce(area_x, area_weights, send_head, send_offset, bias0, b
         return
     num_ranks = send_head.size(1)
     num_topk = 0 if out_weights is None else out_weights.size(1)
-    block_t = min(32, triton.next_power_of_2(num_tokens)) if interpreted else 4
-    block_h = triton.next_power_of_2(hidden) if interpreted else min(1024, triton.next_power_of_2(hidden))
+    block_t, block_h = _row_blocks(num_tokens, hidden, interpreted, interpreted_rows=32)
     combine_reduce_kernel[(triton.cdiv(num_tokens, block_t),)](
         area_x, out if area_weights is None else area_weights, send_head, send_offset, num_tokens, num_ranks,
         hidden, out if bias0 is None else bias0, out if bias1 is None else bias1,

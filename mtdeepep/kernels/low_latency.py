@@ -714,6 +714,34 @@ class LowLatencyKernels:
 
         return hook
 
+    def _send_then_receive(self, call: _Call, send: Callable[[], None], finish: Callable[[], None], phase: int,
+                           signature: list[int], wait_stats: torch.Tensor | None, called_ns: int,
+                           return_recv_hook: bool) -> Callable[[], None] | None:  # fmt: skip
+        """A call's two halves: `send` now (`_start_send`), then the receive: wait for every rank's signal of `phase`
+        (checking `signature`), `finish` (the kernels that read what arrived), and a GroupMismatchError if the ranks
+        disagreed. Returns the receive as the hook with `return_recv_hook`, else runs it now and returns None."""
+        try:
+            sending = self._start_send(send, return_recv_hook)
+        except BaseException:
+            self._end(call)
+            raise
+
+        def receive() -> None:
+            try:
+                self._join_send(sending)
+                mismatch = self._wait_signals(call, phase, signature, wait_stats,
+                                              None if return_recv_hook else called_ns)  # fmt: skip
+                finish()
+            finally:
+                self._end(call)
+            if mismatch:
+                raise _C.GroupMismatchError(mismatch)
+
+        if return_recv_hook:
+            return self._hook(call, receive)
+        receive()
+        return None
+
     # ---- dispatch ----
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
@@ -770,33 +798,18 @@ class LowLatencyKernels:
                     f"{RT} slots per expert; the signalling state is stale: call clean_low_latency_buffer"
                 )
 
-        try:
-            sending = self._start_send(send, return_recv_hook)
-        except BaseException:
-            self._end(call)
-            raise
+        def finish() -> None:
+            _dispatch_finish_kernel[(L,)](
+                self.peer_table, self.rank, self.num_ranks, half, self._counter_offset(call.seq), recv_count,
+                src_info, layout_range, cumulative_stats if cumulative_stats is not None else recv_count, RT,
+                layout.layout_range, layout.src_info, HAS_STATS=cumulative_stats is not None,
+                BLOCK_R=triton.next_power_of_2(self.num_ranks), BLOCK_S=min(self.blocks.src_info,
+                                                                            triton.next_power_of_2(RT)),
+            )  # fmt: skip
 
-        def receive() -> None:
-            try:
-                self._join_send(sending)
-                mismatch = self._wait_signals(call, sync.PHASE_LOW_LATENCY_DISPATCH_RECEIVE, signature, wait_stats,
-                                              None if return_recv_hook else called_ns)  # fmt: skip
-                _dispatch_finish_kernel[(L,)](
-                    self.peer_table, self.rank, self.num_ranks, half, self._counter_offset(call.seq), recv_count,
-                    src_info, layout_range, cumulative_stats if cumulative_stats is not None else recv_count, RT,
-                    layout.layout_range, layout.src_info, HAS_STATS=cumulative_stats is not None,
-                    BLOCK_R=triton.next_power_of_2(self.num_ranks), BLOCK_S=min(self.blocks.src_info,
-                                                                                triton.next_power_of_2(RT)),
-                )  # fmt: skip
-            finally:
-                self._end(call)
-            if mismatch:
-                raise _C.GroupMismatchError(mismatch)
-
-        if return_recv_hook:
-            return recv_x, recv_scales, recv_count, src_info, layout_range, call.seq, self._hook(call, receive)
-        receive()
-        return recv_x, recv_scales, recv_count, src_info, layout_range, call.seq, None
+        hook = self._send_then_receive(call, send, finish, sync.PHASE_LOW_LATENCY_DISPATCH_RECEIVE, signature,
+                                       wait_stats, called_ns, return_recv_hook)  # fmt: skip
+        return recv_x, recv_scales, recv_count, src_info, layout_range, call.seq, hook
 
     # ---- combine ----
 
@@ -836,36 +849,21 @@ class LowLatencyKernels:
                 BLOCK_H=min(self.blocks.hidden, triton.next_power_of_2(H)),
             )  # fmt: skip
 
-        try:
-            sending = self._start_send(send, return_recv_hook)
-        except BaseException:
-            self._end(call)
-            raise
+        def finish() -> None:
+            num_tokens = topk_idx.size(0)
+            if num_tokens:
+                block_t = min(self.blocks.reduce_tokens, triton.next_power_of_2(num_tokens))
+                block_h = min(self.blocks.reduce_hidden, triton.next_power_of_2(H))
+                grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(H, block_h))
+                _combine_reduce_kernel[grid](
+                    self.peer_table, self.rank, half, topk_idx, topk_weights, combined.view(torch.int16),
+                    num_tokens, topk_idx.size(1), T_max, H, layout.combine_recv, BLOCK_T=block_t,
+                    BLOCK_H=block_h,
+                )  # fmt: skip
 
-        def receive() -> None:
-            try:
-                self._join_send(sending)
-                mismatch = self._wait_signals(call, sync.PHASE_LOW_LATENCY_COMBINE_RECEIVE, signature, wait_stats,
-                                              None if return_recv_hook else called_ns)  # fmt: skip
-                num_tokens = topk_idx.size(0)
-                if num_tokens:
-                    block_t = min(self.blocks.reduce_tokens, triton.next_power_of_2(num_tokens))
-                    block_h = min(self.blocks.reduce_hidden, triton.next_power_of_2(H))
-                    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(H, block_h))
-                    _combine_reduce_kernel[grid](
-                        self.peer_table, self.rank, half, topk_idx, topk_weights, combined.view(torch.int16),
-                        num_tokens, topk_idx.size(1), T_max, H, layout.combine_recv, BLOCK_T=block_t,
-                        BLOCK_H=block_h,
-                    )  # fmt: skip
-            finally:
-                self._end(call)
-            if mismatch:
-                raise _C.GroupMismatchError(mismatch)
-
-        if return_recv_hook:
-            return combined, self._hook(call, receive)
-        receive()
-        return combined, None
+        hook = self._send_then_receive(call, send, finish, sync.PHASE_LOW_LATENCY_COMBINE_RECEIVE, signature,
+                                       wait_stats, called_ns, return_recv_hook)  # fmt: skip
+        return combined, hook
 
     def next_combine_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int):
         """The bfloat16 `[L, RT, H]` area the next zero-copy combine reads (two, alternating)."""

@@ -137,26 +137,26 @@ def sources_of(everyone_topk, global_expert):
     return [(topk == global_expert).any(dim=1).nonzero().flatten() for topk in everyone_topk]
 
 
-def segments(recv, handle, recv_count, use_fp8, use_ue8m0=False):
-    """{(local expert, source rank): (rows, scales or None, src_info)} of a dispatch result."""
-    src_info, layout_range, *_ = handle
-    data, scales = recv if use_fp8 else (recv, None)
+def segments(recv_x, recv_scales, src_info, layout_range, recv_count=None):
+    """{(local expert, source rank): (rows as bytes, scales or None, src_info)} of a low-latency dispatch's
+    `recv_x [L, R*T_max, H]`, `recv_scales` (or None) and its handle's `src_info` and `layout_range`. Checks upstream's
+    contract: the sources' segments tile each expert's rows from 0 without gap or overlap, up to `recv_count[e]`."""
     out = {}
     for e in range(layout_range.size(0)):
         spans = []
         for s, packed in enumerate(layout_range[e].tolist()):
             begin, count = packed >> 32, packed & COUNT_MASK
             rows = slice(begin, begin + count)
-            row_data = data[e, rows].view(torch.uint8) if use_fp8 else data[e, rows]
-            out[(e, s)] = (row_data.clone(), None if scales is None else scales[e, rows].clone(), src_info[e, rows])
+            scales = None if recv_scales is None else recv_scales[e, rows].clone()
+            out[(e, s)] = (recv_x[e, rows].view(torch.uint8).clone(), scales, src_info[e, rows].clone())
             if count:
                 spans.append((begin, count))
-        # Upstream's contract: the sources' segments tile [0, recv_count[e]) exactly.
         position = 0
         for begin, count in sorted(spans):
             assert begin == position, f"expert {e}: segments {sorted(spans)} leave a gap or overlap"
             position += count
-        assert position == int(recv_count[e]), f"expert {e}: segments cover {position}, recv_count {int(recv_count[e])}"
+        if recv_count is not None:
+            assert position == int(recv_count[e]), f"expert {e}: segments cover {position}, recv_count {recv_count[e]}"
     return out
 
 
@@ -179,7 +179,7 @@ def check_dispatch(ctx, x, topk_idx, num_experts, recv, recv_count, handle, use_
     for e in range(num_local):
         expected_count = sum(int((topk == ctx.rank * num_local + e).sum()) for _, topk in everyone)
         assert int(recv_count[e]) == expected_count, (e, int(recv_count[e]), expected_count)
-    parts = segments(recv, handle, recv_count, use_fp8, use_ue8m0)
+    parts = segments(data, recv[1] if use_fp8 else None, src_info, layout_range, recv_count)
     for e in range(num_local):
         tokens_per_source = sources_of([t for _, t in everyone], ctx.rank * num_local + e)
         for s, tokens in enumerate(tokens_per_source):
@@ -187,7 +187,7 @@ def check_dispatch(ctx, x, topk_idx, num_experts, recv, recv_count, handle, use_
             assert torch.equal(sources.long(), tokens), f"src_info of expert {e} from rank {s}"
             expected_rows = everyone[s][0][tokens]
             if not use_fp8:
-                assert torch.equal(rows, expected_rows), f"bf16 rows of expert {e} from rank {s}"
+                assert torch.equal(rows, expected_rows.view(torch.uint8)), f"bf16 rows of expert {e} from rank {s}"
                 continue
             _check_fp8_rows(rows, scales, expected_rows, round_scale, use_ue8m0)
     return parts

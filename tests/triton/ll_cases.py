@@ -21,6 +21,7 @@ from mtdeepep import _C
 from mtdeepep.kernels.low_latency import LowLatencyKernels
 
 from ..conformance.low_latency_cases import make_routing as routing  # one routing generator for both suites
+from ..conformance.low_latency_cases import segments
 
 COUNT_MASK = (1 << 32) - 1
 TIMEOUT_S = 20.0
@@ -57,28 +58,6 @@ def make_x(ctx, num_tokens, hidden, seed, wide=False):
         x = x * torch.exp2(torch.randint(-24, 4, (num_tokens, hidden), generator=generator).float())
         x[:, :128] = 0.0
     return x.bfloat16()
-
-
-def segments(recv_x, recv_scales, src_info, layout_range):
-    """{(e, s): (rows, scales, tokens)} with the rows as bytes; also checks that the segments tile [0, count)."""
-    out = {}
-    for e in range(layout_range.size(0)):
-        spans = []
-        for s, packed in enumerate(layout_range[e].tolist()):
-            begin, count = packed >> 32, packed & COUNT_MASK
-            rows = slice(begin, begin + count)
-            out[(e, s)] = (
-                recv_x[e, rows].view(torch.uint8).clone(),
-                None if recv_scales is None else recv_scales[e, rows].clone(),
-                src_info[e, rows].clone(),
-            )
-            if count:
-                spans.append((begin, count))
-        position = 0
-        for begin, count in sorted(spans):
-            assert begin == position, f"expert {e}: segments {sorted(spans)} leave a gap or overlap"
-            position += count
-    return out
 
 
 def dispatch_both(ctx, kernels, cpu, x, topk_idx, t_max, num_experts, mode, hook=False, stats=None):

@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from abc import abstractmethod
+from typing import Any
 
 import torch.distributed as dist
 
 import mtdeepep as deep_ep
+from moe.layer.dispatcher.base import TokenDispatcher
 from moe.layer.dispatcher.comm import group_rank, group_size
+from mtdeepep.utils.fp8 import FP8_BLOCK
 
 
 def _destroy_buffers(current: dict, created: weakref.WeakSet) -> None:
@@ -141,3 +145,41 @@ def buffer_source(
     if buffer is not None or ep_group is None:
         return None
     return ep_buffers if ep_buffers is not None else default_ep_buffers(ep_group)
+
+
+class BufferDispatcher(TokenDispatcher):
+    """A dispatcher on an `mtdeepep.Buffer` ('flex', 'flex_ll'), with the arguments they share (their docstrings say
+    what each means for them): the buffer given (`buffer`), else the one of its group taken from `ep_buffers` (or the
+    group's default, see `buffer_source`) with the sizes `_buffer_request` names. `use_fp8` needs `hidden_size` to be
+    a multiple of 128 (ValueError otherwise)."""
+
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        hidden_size: int,
+        ep_group: dist.ProcessGroup | None = None,
+        buffer: deep_ep.Buffer | None = None,
+        ep_buffers: EPBuffers | None = None,
+        use_fp8: bool = False,
+    ) -> None:
+        if use_fp8 and hidden_size % FP8_BLOCK:
+            raise ValueError(f"use_fp8 needs hidden_size % {FP8_BLOCK} == 0, got hidden_size={hidden_size}")
+        ep_group = buffer_group(buffer, ep_group)
+        super().__init__(num_experts=num_experts, ep_group=ep_group)
+        self.hidden_size = hidden_size
+        self.use_fp8 = bool(use_fp8)
+        self._buffer = buffer
+        self.ep_buffers = buffer_source(buffer, ep_buffers, ep_group)
+
+    @abstractmethod
+    def _buffer_request(self) -> dict[str, Any]:
+        """The keyword arguments of `EPBuffers.get` for the buffer this dispatcher needs (its mode and bytes)."""
+
+    @property
+    def buffer(self) -> deep_ep.Buffer | None:
+        """The `mtdeepep.Buffer` the next dispatch uses: the given one, else the `ep_buffers` one (created or grown on
+        first use; collective). None when there is no EP group."""
+        if self.ep_buffers is None:
+            return self._buffer
+        return self.ep_buffers.get(self.ep_group, **self._buffer_request())

@@ -45,17 +45,19 @@ once, however many of its experts are local), N rows for the experts (one per (r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import mtdeepep as deep_ep
-from moe.layer.dispatcher.base import DispatchResult, TokenDispatcher, sort_slots_by_expert, weighted_scatter_sum
-from moe.layer.dispatcher.buffers import EPBuffers, buffer_group, buffer_source
+from moe.layer.dispatcher.base import DispatchResult, sort_slots_by_expert, weighted_scatter_sum
+from moe.layer.dispatcher.buffers import BufferDispatcher, EPBuffers
 from moe.layer.fp8.recipe import fp8_switches
 from moe.layer.phase_timer import mark_backward
-from mtdeepep.utils.fp8 import FP8_BLOCK, per_token_cast_back, per_token_cast_to_fp8
+from mtdeepep.utils.fp8 import per_token_cast_back, per_token_cast_to_fp8
 
 # Combine sends float32 partial sums (exact FP32 reduction across ranks); size the buffer for float32 rows.
 _COMBINE_DTYPE = torch.float32
@@ -143,7 +145,7 @@ def nvl_bytes_hint(hidden_size: int, num_ranks: int) -> int:
     )
 
 
-class FlexDispatcher(TokenDispatcher):
+class FlexDispatcher(BufferDispatcher):
     """Token dispatcher on `mtdeepep`'s normal-mode kernels (`Buffer.get_dispatch_layout/dispatch/combine`).
 
     Args:
@@ -162,33 +164,13 @@ class FlexDispatcher(TokenDispatcher):
     supports_async = True
     supports_async_combine = True
 
-    def __init__(
-        self,
-        *,
-        num_experts: int,
-        hidden_size: int,
-        ep_group: dist.ProcessGroup | None = None,
-        buffer: deep_ep.Buffer | None = None,
-        ep_buffers: EPBuffers | None = None,
-        use_fp8: bool = False,
-    ) -> None:
-        if use_fp8 and hidden_size % FP8_BLOCK:
-            raise ValueError(f"use_fp8 needs hidden_size % {FP8_BLOCK} == 0, got hidden_size={hidden_size}")
-        ep_group = buffer_group(buffer, ep_group)
-        super().__init__(num_experts=num_experts, ep_group=ep_group)
-        self.hidden_size = hidden_size
-        self.num_nvl_bytes = nvl_bytes_hint(hidden_size, self.ep_size)
-        self._buffer = buffer
-        self.ep_buffers = buffer_source(buffer, ep_buffers, ep_group)
-        self.use_fp8 = bool(use_fp8)
+    @functools.cached_property
+    def num_nvl_bytes(self) -> int:
+        """The normal-mode region it asks `ep_buffers` for: `nvl_bytes_hint(hidden_size, ep_size)`."""
+        return nvl_bytes_hint(self.hidden_size, self.ep_size)
 
-    @property
-    def buffer(self) -> deep_ep.Buffer | None:
-        """The `mtdeepep.Buffer` the next dispatch uses: the given one, else the `ep_buffers` one (created or grown on
-        first use; collective). None when there is no EP group."""
-        if self.ep_buffers is None:
-            return self._buffer
-        return self.ep_buffers.get(self.ep_group, num_nvl_bytes=self.num_nvl_bytes)
+    def _buffer_request(self) -> dict[str, Any]:
+        return {"num_nvl_bytes": self.num_nvl_bytes}
 
     def dispatch_begin(self, hidden_TH, probs_TK, topk_idx_TK) -> _PendingFlexDispatch:
         T = hidden_TH.size(0)

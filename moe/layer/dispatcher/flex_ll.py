@@ -32,16 +32,17 @@ the experts (one per (received token, local expert)).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import mtdeepep as deep_ep
 from moe.layer.dispatcher.alltoall import AllToAllDispatcher
-from moe.layer.dispatcher.base import DispatchResult, TokenDispatcher
-from moe.layer.dispatcher.buffers import EPBuffers, buffer_group, buffer_source
+from moe.layer.dispatcher.base import DispatchResult
+from moe.layer.dispatcher.buffers import BufferDispatcher, EPBuffers
 from moe.layer.fp8.recipe import fp8_switches
-from mtdeepep.utils.fp8 import FP8_BLOCK, per_token_cast_back, per_token_cast_to_fp8
+from mtdeepep.utils.fp8 import per_token_cast_back, per_token_cast_to_fp8
 
 DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK = 128
 _WIRE_DTYPE = torch.bfloat16  # the only non-FP8 payload of low-latency mode
@@ -114,7 +115,7 @@ def low_latency_rdma_bytes(max_tokens_per_rank: int, hidden_size: int, num_ranks
     return deep_ep.Buffer.get_low_latency_rdma_size_hint(max_tokens_per_rank, hidden_size, num_ranks, num_experts)
 
 
-class FlexLowLatencyDispatcher(TokenDispatcher):
+class FlexLowLatencyDispatcher(BufferDispatcher):
     """Token dispatcher on `mtdeepep`'s low-latency kernels (`low_latency_dispatch/combine`); inference only.
 
     Args:
@@ -137,48 +138,29 @@ class FlexLowLatencyDispatcher(TokenDispatcher):
     supports_async_combine = True
 
     def __init__(
-        self,
-        *,
-        num_experts: int,
-        hidden_size: int,
-        ep_group: dist.ProcessGroup | None = None,
-        buffer: deep_ep.Buffer | None = None,
-        ep_buffers: EPBuffers | None = None,
-        num_max_dispatch_tokens_per_rank: int = DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK,
-        use_fp8: bool = False,
-    ) -> None:
-        ep_group = buffer_group(buffer, ep_group)
-        super().__init__(num_experts=num_experts, ep_group=ep_group)
+        self, *, num_max_dispatch_tokens_per_rank: int = DEFAULT_MAX_DISPATCH_TOKENS_PER_RANK, **arguments: Any
+    ) -> None:  # the other arguments: `BufferDispatcher`'s (see the class docstring)
         T_max = num_max_dispatch_tokens_per_rank
         if isinstance(T_max, bool) or not isinstance(T_max, int) or T_max <= 0:
             raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, got {T_max!r}")
-        if use_fp8 and hidden_size % FP8_BLOCK:
-            raise ValueError(f"use_fp8 needs hidden_size % {FP8_BLOCK} == 0, got hidden_size={hidden_size}")
-        self.hidden_size = hidden_size
+        super().__init__(**arguments)
         self.num_max_dispatch_tokens_per_rank = T_max
-        self.use_fp8 = bool(use_fp8)
-        self.rdma_bytes = low_latency_rdma_bytes(T_max, hidden_size, self.ep_size, num_experts)
+        self.rdma_bytes = low_latency_rdma_bytes(T_max, self.hidden_size, self.ep_size, self.num_experts)
+        buffer = self._buffer
         if buffer is not None and not buffer.low_latency_mode:
             raise ValueError("the buffer must be created with low_latency_mode=True")
         if buffer is not None and buffer.num_rdma_bytes < self.rdma_bytes:
             raise ValueError(
                 f"the buffer has num_rdma_bytes={buffer.num_rdma_bytes}, less than the {self.rdma_bytes} that "
-                f"num_max_dispatch_tokens_per_rank={T_max}, hidden_size={hidden_size}, {self.ep_size} ranks and "
-                f"{num_experts} experts need (Buffer.get_low_latency_rdma_size_hint)"
+                f"num_max_dispatch_tokens_per_rank={T_max}, hidden_size={self.hidden_size}, {self.ep_size} ranks "
+                f"and {self.num_experts} experts need (Buffer.get_low_latency_rdma_size_hint)"
             )
-        self._buffer = buffer
-        self.ep_buffers = buffer_source(buffer, ep_buffers, ep_group)
         # One process: no buffer; the 'alltoall' dispatcher over no group regroups the rows locally.
-        self._local = AllToAllDispatcher(num_experts=num_experts) if ep_group is None else None
+        self._local = AllToAllDispatcher(num_experts=self.num_experts) if self.ep_group is None else None
 
-    @property
-    def buffer(self) -> deep_ep.Buffer | None:
-        """The low-latency `mtdeepep.Buffer` the next dispatch uses: the given one, else the `ep_buffers` one (created
-        or grown on first use; collective). None when there is no EP group."""
-        if self.ep_buffers is None:
-            return self._buffer
+    def _buffer_request(self) -> dict[str, Any]:
         # Low-latency calls use only the low-latency area (num_rdma_bytes), no normal region.
-        return self.ep_buffers.get(self.ep_group, num_rdma_bytes=self.rdma_bytes, low_latency_mode=True)
+        return {"num_rdma_bytes": self.rdma_bytes, "low_latency_mode": True}
 
     # -----------------------------------------------------------------------------------------------------------
     # Checks (all local, before any communication)
