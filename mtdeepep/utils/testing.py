@@ -149,6 +149,9 @@ _IMPORT_TIME_PREFIXES = (
     "TORCH", "PYTORCH", "TRITON", "CUDA", "NCCL", "NVIDIA", "HIP", "ROCM", "MUSA", "KINETO", "ATEN", "XLA", "OMP_",
     "MKL", "KMP_", "GOMP", "OPENBLAS", "NPY_", "NUMPY", "PYTHON", "LD_", "MALLOC", "LIBC",
 )  # fmt: skip
+# ... but for these, read when used: torch itself sets the inductor's cache directory in the caller at its first
+# torch.compile (and megatron.core at import), which would otherwise spawn every launch after it.
+_READ_WHEN_USED = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"})
 _forkserver_env: dict[str, str] | None = None  # the environment the fork server started with (None: not started)
 _start_counts: dict[str, int] = {}  # "forkserver" / "spawn: <why>" -> processes started
 
@@ -180,7 +183,9 @@ def _start_context(num_processes: int) -> tuple[Any, dict[str, str] | None]:
             _forkserver_env = env
         changed = sorted(
             k for k in set(env) | set(_forkserver_env)
-            if env.get(k) != _forkserver_env.get(k) and k.upper().startswith(_IMPORT_TIME_PREFIXES)
+            if env.get(k) != _forkserver_env.get(k)
+            and k.upper().startswith(_IMPORT_TIME_PREFIXES)
+            and k not in _READ_WHEN_USED
         )  # fmt: skip
         if not changed:
             _start_counts["forkserver"] = _start_counts.get("forkserver", 0) + num_processes
