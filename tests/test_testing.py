@@ -107,7 +107,7 @@ def _environment_of(proc, names):
     return {name: os.environ.get(name) for name in names}
 
 
-def test_ranks_are_forked_with_the_callers_environment(monkeypatch):
+def test_ranks_are_forked_with_the_callers_environment(monkeypatch, tmp_path):
     """A variable set (or removed) after the fork server started reaches the forked ranks, which are still forked;
     only one that the server's preloaded modules read at import (torch's, ...) makes the launch spawn, counted with
     its name. Before: any difference from the server's environment spawned silently, ~2.5 s of CPU per rank."""
@@ -116,6 +116,10 @@ def test_ranks_are_forked_with_the_callers_environment(monkeypatch):
     run_processes(_environment_of, 1, (names,), timeout_s=60)  # the fork server runs from here on
     before = start_counts()
     monkeypatch.setenv("MTDEEPEP_TEST_PROBE", "forked")
+    # What a torch.compile in the caller leaves behind (tests/models/test_dsv3_compile.py spawned every later launch
+    # of a full run): variables torch reads when it uses them, not at import.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "1")
     finished = run_processes(_environment_of, 2, (names,), timeout_s=60)
     assert finished.values == {
         r: [{"MTDEEPEP_TEST_PROBE": "forked", "TORCH_MTDEEPEP_TEST_PROBE": None}] for r in (0, 1)
