@@ -136,10 +136,11 @@ class _PoolSettings:
 # the 2-core test machine, most of a short multi-process test. Instead a fork server that has imported torch (and
 # nothing of this library, whose modules read their environment at import) forks each rank: the same fresh state but
 # for torch's own import. A forked rank inherits the fork server's environment, not the caller's: the caller's whole
-# environment travels with the rank and replaces it there before anything of the caller's runs. That is exact but
-# for the variables the preloaded modules read when they are imported (torch's, Triton's, OpenMP's, ...): when one
-# of those differs from the server's, the ranks are spawned instead (`start_counts()` counts both, and why; the
-# suite's summary prints them). MTDEEPEP_TEST_START_METHOD=spawn spawns always.
+# environment travels with the rank and replaces it there before the rank runs its target or case (their modules are
+# imported just before: this library and its test cases read their variables when they use them, not at import).
+# That is exact but for the variables the preloaded modules read when they are imported (torch's, Triton's,
+# OpenMP's, ...): when one of those differs from the server's, the ranks are spawned instead (`start_counts()` counts
+# both, and why; the suite's summary prints them). MTDEEPEP_TEST_START_METHOD=spawn spawns always.
 START_METHOD_ENV = "MTDEEPEP_TEST_START_METHOD"
 # Third party only; torch.distributed.pipelining (the trainer's schedules) pulls in torch._dynamo and DTensor: ~2 s.
 _FORKSERVER_PRELOAD = ["numpy", "torch", "torch.distributed", "torch.multiprocessing", "torch.distributed.pipelining"]
