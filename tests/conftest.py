@@ -19,6 +19,8 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from mtdeepep.utils.testing import start_counts  # noqa: E402
+
 from .ranks import pool_fixture  # noqa: E402
 
 # A test's time limit catches a hang; it is no speed requirement. On a busy machine (CI beside other jobs) every test
@@ -62,6 +64,16 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     return f"mtdeepep: test time limits x{getattr(config, '_mtdeepep_timeout_scale', 1.0):.2f} (load-based)"
+
+
+def pytest_terminal_summary(terminalreporter):
+    # How the rank processes started (mtdeepep.utils.testing): a spawned rank costs ~2.5 s of CPU more than a forked
+    # one, so a run that stops forking shows it here, with the reason, instead of only taking longer.
+    counts = start_counts()
+    if counts:
+        terminalreporter.write_line(
+            "mtdeepep rank processes: " + "; ".join(f"{n} {how}" for how, n in sorted(counts.items()))
+        )
 
 
 # `rank_pools[n]`: the module's pool of `n` rank processes (spawned once, at first use; gloo on 127.0.0.1).

@@ -1,5 +1,6 @@
 """The launcher itself (`mtdeepep.utils.testing`): results by rank, the failing rank's traceback, deadlines, restart
-after a broken case, and hand-rolled processes that die or hang."""
+after a broken case, hand-rolled processes that die or hang, and ranks forked (not spawned) with the caller's
+environment."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mtdeepep.utils.testing import RankFailure, RankPool, run_processes, run_ranks
+from mtdeepep.utils.testing import START_METHOD_ENV, RankFailure, RankPool, run_processes, run_ranks, start_counts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -100,3 +101,37 @@ def test_run_processes_collects_values_exit_codes_and_failures():
     with pytest.raises(RankFailure, match=r"processes \[0\] did not finish within 1 s"):
         run_processes(_hangs, 1, timeout_s=1)
     assert time.monotonic() - start < 15
+
+
+def _environment_of(proc, names):
+    return {name: os.environ.get(name) for name in names}
+
+
+def test_ranks_are_forked_with_the_callers_environment(monkeypatch, tmp_path):
+    """A variable set (or removed) after the fork server started reaches the forked ranks, which are still forked;
+    only one that the server's preloaded modules read at import (torch's, ...) makes the launch spawn, counted with
+    its name. Before: any difference from the server's environment spawned silently, ~2.5 s of CPU per rank."""
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    names = ("MTDEEPEP_TEST_PROBE", "TORCH_MTDEEPEP_TEST_PROBE")
+    run_processes(_environment_of, 1, (names,), timeout_s=60)  # the fork server runs from here on
+    before = start_counts()
+    monkeypatch.setenv("MTDEEPEP_TEST_PROBE", "forked")
+    # What a torch.compile in the caller leaves behind (tests/models/test_dsv3_compile.py spawned every later launch
+    # of a full run): variables torch reads when it uses them, not at import.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "1")
+    finished = run_processes(_environment_of, 2, (names,), timeout_s=60)
+    assert finished.values == {
+        r: [{"MTDEEPEP_TEST_PROBE": "forked", "TORCH_MTDEEPEP_TEST_PROBE": None}] for r in (0, 1)
+    }
+    after = start_counts()
+    assert after.get("forkserver", 0) == before.get("forkserver", 0) + 2, (before, after)
+    assert {k: v for k, v in after.items() if k.startswith("spawn")} == {
+        k: v for k, v in before.items() if k.startswith("spawn")
+    }
+    monkeypatch.setenv("TORCH_MTDEEPEP_TEST_PROBE", "1")
+    monkeypatch.delenv("MTDEEPEP_TEST_PROBE")
+    finished = run_processes(_environment_of, 1, (names,), timeout_s=60)
+    assert finished.values == {0: [{"MTDEEPEP_TEST_PROBE": None, "TORCH_MTDEEPEP_TEST_PROBE": "1"}]}
+    why = "spawn: the fork server's import-time variables differ: TORCH_MTDEEPEP_TEST_PROBE"
+    assert start_counts().get(why, 0) == after.get(why, 0) + 1, start_counts()

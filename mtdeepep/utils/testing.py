@@ -129,39 +129,78 @@ class _PoolSettings:
     threads: int
     env: tuple[tuple[str, str], ...]
     pg_timeout_s: float | None
+    caller_env: dict[str, str] | None = None  # a forked rank's caller's environment (`_start_context`)
 
 
 # How rank processes start. A spawned process is a fresh interpreter that imports torch: ~2.5 s of CPU per rank on
 # the 2-core test machine, most of a short multi-process test. Instead a fork server that has imported torch (and
 # nothing of this library, whose modules read their environment at import) forks each rank: the same fresh state but
-# for torch's own import. A fork server's children inherit the environment it started with, not the caller's, so it
-# is used only while the caller's environment is that one (else spawn, as with MTDEEPEP_TEST_START_METHOD=spawn).
+# for torch's own import. A forked rank inherits the fork server's environment, not the caller's: the caller's whole
+# environment travels with the rank and replaces it there before the rank runs its target or case (their modules are
+# imported just before: this library and its test cases read their variables when they use them, not at import).
+# That is exact but for the variables the preloaded modules read when they are imported (torch's, Triton's,
+# OpenMP's, ...): when one of those differs from the server's, the ranks are spawned instead (`start_counts()` counts
+# both, and why; the suite's summary prints them). MTDEEPEP_TEST_START_METHOD=spawn spawns always.
 START_METHOD_ENV = "MTDEEPEP_TEST_START_METHOD"
 # Third party only; torch.distributed.pipelining (the trainer's schedules) pulls in torch._dynamo and DTensor: ~2 s.
 _FORKSERVER_PRELOAD = ["numpy", "torch", "torch.distributed", "torch.multiprocessing", "torch.distributed.pipelining"]
+# Variables read at import by the preloaded modules (torch, numpy, Triton through torch._dynamo, the OpenMP / BLAS
+# runtimes they load) or by the interpreter at its start: a fork server imported them under its own values.
+_IMPORT_TIME_PREFIXES = (
+    "TORCH", "PYTORCH", "TRITON", "CUDA", "NCCL", "NVIDIA", "HIP", "ROCM", "MUSA", "KINETO", "ATEN", "XLA", "OMP_",
+    "MKL", "KMP_", "GOMP", "OPENBLAS", "NPY_", "NUMPY", "PYTHON", "LD_", "MALLOC", "LIBC",
+)  # fmt: skip
+# ... but for these, read when used: torch itself sets the inductor's cache directory in the caller at its first
+# torch.compile (and megatron.core at import), which would otherwise spawn every launch after it.
+_READ_WHEN_USED = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"})
 _forkserver_env: dict[str, str] | None = None  # the environment the fork server started with (None: not started)
+_start_counts: dict[str, int] = {}  # "forkserver" / "spawn: <why>" -> processes started
 
 
 def _environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # pytest rewrites it every test
 
 
-def _start_context():
-    """The multiprocessing context that starts the next ranks (see `START_METHOD_ENV`)."""
+def start_counts() -> dict[str, int]:
+    """Rank processes started by this process so far: 'forkserver' (forked from the fork server) and 'spawn: why'
+    (fresh interpreters, with the reason: the switch, or the import-time variables that differ from the server's)."""
+    return dict(_start_counts)
+
+
+def _start_context(num_processes: int) -> tuple[Any, dict[str, str] | None]:
+    """The multiprocessing context that starts the next `num_processes` ranks (see `START_METHOD_ENV`), and the
+    environment a forked rank must take on (None for a spawned one, which inherits the caller's)."""
     global _forkserver_env
     method = os.environ.get(START_METHOD_ENV, "forkserver")
     if method not in ("spawn", "forkserver"):
         raise ValueError(f"{START_METHOD_ENV} must be 'spawn' or 'forkserver', got {method!r}")
-    if method == "forkserver":
-        env = _environment()
+    env = _environment()
+    if method == "spawn":
+        why = f"spawn: {START_METHOD_ENV}=spawn"
+    else:
         if _forkserver_env is None:
             context = mp.get_context("forkserver")
             context.set_forkserver_preload(_FORKSERVER_PRELOAD)
             _forkserver_env = env
-            return context
-        if env == _forkserver_env:
-            return mp.get_context("forkserver")
-    return mp.get_context("spawn")
+        changed = sorted(
+            k for k in set(env) | set(_forkserver_env)
+            if env.get(k) != _forkserver_env.get(k)
+            and k.upper().startswith(_IMPORT_TIME_PREFIXES)
+            and k not in _READ_WHEN_USED
+        )  # fmt: skip
+        if not changed:
+            _start_counts["forkserver"] = _start_counts.get("forkserver", 0) + num_processes
+            return mp.get_context("forkserver"), env
+        why = f"spawn: the fork server's import-time variables differ: {', '.join(changed)}"
+    _start_counts[why] = _start_counts.get(why, 0) + num_processes
+    return mp.get_context("spawn"), None
+
+
+def _take_environment(env: dict[str, str] | None) -> None:
+    """A forked rank takes on its caller's environment (see `_start_context`)."""
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
 
 
 _READY = -1  # the task id of the start-up report
@@ -169,6 +208,7 @@ _READY = -1  # the task id of the start-up report
 
 def _pool_worker(rank: int, settings: _PoolSettings, tasks, results) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for the stacks of a hung rank
+    _take_environment(settings.caller_env)
     os.environ.update(dict(settings.env))
     torch.set_num_threads(settings.threads)
     try:
@@ -218,8 +258,8 @@ class RankPool:
     # -- lifetime
 
     def _start(self) -> None:
-        context = _start_context()
-        settings = _PoolSettings(self.world_size, free_port(), self._threads, self._env, self._pg_timeout_s)
+        context, caller_env = _start_context(self.world_size)
+        settings = _PoolSettings(self.world_size, free_port(), self._threads, self._env, self._pg_timeout_s, caller_env)
         self._tasks = [context.Queue() for _ in range(self.world_size)]
         self._results = context.Queue()
         self.processes = [
@@ -365,8 +405,10 @@ class ProcessResults:
     pids: list[int]
 
 
-def _process_entry(target: Callable[..., Any], proc: ProcessContext, args: tuple) -> None:
+def _process_entry(target: Callable[..., Any], proc: ProcessContext, args: tuple,
+                   caller_env: dict[str, str] | None = None) -> None:  # fmt: skip
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _take_environment(caller_env)
     try:
         value = target(proc, *args)
     except BaseException:
@@ -381,11 +423,13 @@ def run_processes(target: Callable[..., Any], num_processes: int, args: tuple = 
     """Runs `target(proc, *args)` in `num_processes` spawned processes (`proc` a `ProcessContext`) and joins them
     all within `timeout_s`. A process may kill itself (its exit code says so); one that raises fails the call
     with its traceback, and one still alive at the deadline is killed and fails it too."""
-    context = _start_context()
+    context, caller_env = _start_context(num_processes)
     results = context.SimpleQueue()  # put() writes to the pipe before it returns, unlike Queue's feeder thread
     port = free_port()
     processes = [
-        context.Process(target=_process_entry, args=(target, ProcessContext(rank, num_processes, port, results), args))
+        context.Process(
+            target=_process_entry, args=(target, ProcessContext(rank, num_processes, port, results), args, caller_env)
+        )
         for rank in range(num_processes)
     ]
     for process in processes:

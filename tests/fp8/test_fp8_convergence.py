@@ -21,16 +21,25 @@ from pathlib import Path
 
 import pytest
 
+from moe.trainer.data.token_file import prepare_tokens
+from moe.trainer.train.job_config import job_from_args
+
 pytestmark = pytest.mark.slow  # slow: two 120-step trainings
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench" / "fp8_convergence.py"
 RUNS = ("fp32", "delayed", "blockwise")
 TOLERANCE = 0.015
+TINY = ROOT / "examples" / "deepseek_v3" / "configs" / "tiny.toml"
 
 
 @pytest.mark.timeout(900)
 def test_fp8_training_ends_within_1_5_percent_of_fp32(tmp_path):
+    # The three runs read one token file (the python-stdlib corpus in tiny's BPE vocabulary, the trainer's cache):
+    # on a machine without it, it is built here once, not by the three processes at once (each would train the
+    # tokenizer and encode the corpus: ~30 s of CPU apiece on 2 cores). The same data flags as the bench's runs.
+    job = job_from_args(TINY, ["--corpus", "python-stdlib", "--tokenizer", "bpe"])
+    prepare_tokens(job.data, job.model.vocab_size)
     procs = {}
     for run in RUNS:
         out = tmp_path / f"{run}.json"
