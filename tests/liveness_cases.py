@@ -229,6 +229,9 @@ def diverged_generations(proc, big: int, timeout_s: float):
     if proc.rank == 0:
         outcomes = [_attempt(group, timeout_s), _attempt(group, timeout_s, big)]
         dist.barrier()
+        dist.barrier()  # rank 0 hosts the store: it stays until rank 1's attempt has read it
         return outcomes
     dist.barrier()
-    return [_attempt(group, timeout_s)]
+    outcomes = [_attempt(group, timeout_s)]
+    dist.barrier()
+    return outcomes

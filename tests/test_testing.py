@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -135,3 +136,23 @@ def test_ranks_are_forked_with_the_callers_environment(monkeypatch, tmp_path):
     assert finished.values == {0: [{"MTDEEPEP_TEST_PROBE": None, "TORCH_MTDEEPEP_TEST_PROBE": "1"}]}
     why = "spawn: the fork server's import-time variables differ: TORCH_MTDEEPEP_TEST_PROBE"
     assert start_counts().get(why, 0) == after.get(why, 0) + 1, start_counts()
+
+
+def _prints(proc, text):
+    print(f"{text} from rank {proc.rank}", flush=True)
+    print(f"{text} on stderr from rank {proc.rank}", file=sys.stderr, flush=True)
+
+
+def test_forked_ranks_print_to_the_callers_streams(monkeypatch, capfd):
+    """A forked rank writes to its caller's standard output and error as they are at the launch, not to the fork
+    server's (those of the moment it started: under pytest, the capture file of whichever test started it; before,
+    a rank's prints missed the test that launched it and tests reading them through capfd failed)."""
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    with capfd.disabled():  # the fork server (if this starts it) gets other streams than the launches below
+        run_processes(_prints, 1, ("warm-up",), timeout_s=60)
+    before = start_counts().get("forkserver", 0)
+    run_processes(_prints, 2, ("hello",), timeout_s=60)
+    assert start_counts().get("forkserver", 0) == before + 2  # forked, not spawned
+    out, err = capfd.readouterr()
+    assert "hello from rank 0" in out and "hello from rank 1" in out, out
+    assert "hello on stderr from rank 1" in err, err

@@ -29,11 +29,13 @@ import os
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -129,7 +131,7 @@ class _PoolSettings:
     threads: int
     env: tuple[tuple[str, str], ...]
     pg_timeout_s: float | None
-    caller_env: dict[str, str] | None = None  # a forked rank's caller's environment (`_start_context`)
+    caller: _Caller | None = None  # what a forked rank takes on from its caller (`_start_context`)
 
 
 # How rank processes start. A spawned process is a fresh interpreter that imports torch: ~2.5 s of CPU per rank on
@@ -167,9 +169,34 @@ def start_counts() -> dict[str, int]:
     return dict(_start_counts)
 
 
-def _start_context(num_processes: int) -> tuple[Any, dict[str, str] | None]:
-    """The multiprocessing context that starts the next `num_processes` ranks (see `START_METHOD_ENV`), and the
-    environment a forked rank must take on (None for a spawned one, which inherits the caller's)."""
+class _Caller:
+    """What a forked rank takes on from its caller (see `_start_context`): the caller's environment, and its standard
+    output and error as they are at the launch. The fork server's own are those of the moment it started (under
+    pytest, the capture file of whichever test started it), so a rank's prints would miss the test that launched it.
+    Pickled into the rank's arguments, the two descriptors travel as duplicates (multiprocessing's `DupFd`)."""
+
+    def __init__(self, env: dict[str, str], streams: tuple | None = None) -> None:
+        self.env = env
+        self.streams = streams  # in the rank: handles of duplicates of the caller's descriptors 1 and 2
+
+    def __reduce__(self):
+        return (_Caller, (self.env, tuple(reduction.DupFd(fd) for fd in (1, 2))))
+
+    def take_on(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.env)
+        if self.streams is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for target, handle in zip((1, 2), self.streams):
+                fd = handle.detach()
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+def _start_context(num_processes: int) -> tuple[Any, _Caller | None]:
+    """The multiprocessing context that starts the next `num_processes` ranks (see `START_METHOD_ENV`), and what a
+    forked rank must take on from its caller (None for a spawned one, which inherits the caller's)."""
     global _forkserver_env
     method = os.environ.get(START_METHOD_ENV, "forkserver")
     if method not in ("spawn", "forkserver"):
@@ -190,17 +217,16 @@ def _start_context(num_processes: int) -> tuple[Any, dict[str, str] | None]:
         )  # fmt: skip
         if not changed:
             _start_counts["forkserver"] = _start_counts.get("forkserver", 0) + num_processes
-            return mp.get_context("forkserver"), env
+            return mp.get_context("forkserver"), _Caller(env)
         why = f"spawn: the fork server's import-time variables differ: {', '.join(changed)}"
     _start_counts[why] = _start_counts.get(why, 0) + num_processes
     return mp.get_context("spawn"), None
 
 
-def _take_environment(env: dict[str, str] | None) -> None:
-    """A forked rank takes on its caller's environment (see `_start_context`)."""
-    if env is not None:
-        os.environ.clear()
-        os.environ.update(env)
+def _take_on_caller(caller: _Caller | None) -> None:
+    """A forked rank takes on its caller's environment and streams (see `_Caller`)."""
+    if caller is not None:
+        caller.take_on()
 
 
 _READY = -1  # the task id of the start-up report
@@ -208,7 +234,7 @@ _READY = -1  # the task id of the start-up report
 
 def _pool_worker(rank: int, settings: _PoolSettings, tasks, results) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for the stacks of a hung rank
-    _take_environment(settings.caller_env)
+    _take_on_caller(settings.caller)
     os.environ.update(dict(settings.env))
     torch.set_num_threads(settings.threads)
     try:
@@ -258,8 +284,8 @@ class RankPool:
     # -- lifetime
 
     def _start(self) -> None:
-        context, caller_env = _start_context(self.world_size)
-        settings = _PoolSettings(self.world_size, free_port(), self._threads, self._env, self._pg_timeout_s, caller_env)
+        context, caller = _start_context(self.world_size)
+        settings = _PoolSettings(self.world_size, free_port(), self._threads, self._env, self._pg_timeout_s, caller)
         self._tasks = [context.Queue() for _ in range(self.world_size)]
         self._results = context.Queue()
         self.processes = [
@@ -406,9 +432,9 @@ class ProcessResults:
 
 
 def _process_entry(target: Callable[..., Any], proc: ProcessContext, args: tuple,
-                   caller_env: dict[str, str] | None = None) -> None:  # fmt: skip
+                   caller: _Caller | None = None) -> None:  # fmt: skip
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    _take_environment(caller_env)
+    _take_on_caller(caller)
     try:
         value = target(proc, *args)
     except BaseException:
@@ -423,12 +449,12 @@ def run_processes(target: Callable[..., Any], num_processes: int, args: tuple = 
     """Runs `target(proc, *args)` in `num_processes` spawned processes (`proc` a `ProcessContext`) and joins them
     all within `timeout_s`. A process may kill itself (its exit code says so); one that raises fails the call
     with its traceback, and one still alive at the deadline is killed and fails it too."""
-    context, caller_env = _start_context(num_processes)
+    context, caller = _start_context(num_processes)
     results = context.SimpleQueue()  # put() writes to the pipe before it returns, unlike Queue's feeder thread
     port = free_port()
     processes = [
         context.Process(
-            target=_process_entry, args=(target, ProcessContext(rank, num_processes, port, results), args, caller_env)
+            target=_process_entry, args=(target, ProcessContext(rank, num_processes, port, results), args, caller)
         )
         for rank in range(num_processes)
     ]
