@@ -152,6 +152,28 @@ def test_trainer_across_hosts(runs):
     )
 
 
+def _wait_for_the_pause(procs, log_dir) -> None:
+    """Until host 1's ranks report their injected pause (every launch still running, 300 s at most)."""
+    deadline = time.monotonic() + 300
+    while "fault injection: pause rank" not in (log_dir / "agent1.log").read_text():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs(log_dir, 2)
+        time.sleep(0.05)
+
+
+def _survivors_name_host1(log_dir, step: str) -> dict[str, str]:
+    """Checks that a survivor on host 0 named the phase (mtdeepep's internode operation, or train.py's `step`
+    pattern for the trainer's own collectives: gloo alone names an address), ranks 2, 3 and host 1; returns each
+    survivor's last exception line (the one it raised: a chained cause comes before it), by rank."""
+    text = (log_dir / "agent0.log").read_text()
+    named = re.findall(rf"rank [01]: (?:internode \w+|{step}, \w+ > \w+)[^\n]*ranks 2, 3 on host host1", text)
+    assert named, logs(log_dir, 2)
+    final = {}
+    for line in text.splitlines():
+        if match := re.match(r"\[rank([01])\]: [\w.]*(?:Error|Exception): ", line):
+            final[match.group(1)] = line
+    return final
+
+
 def test_link_down_in_a_checkpoint_write_then_resume(tmp_path, config, runs):
     """From the step-3 checkpoint written on 1 host x 4 ranks, 2 hosts x 2 ranks train step 4 (its loss: the
     uninterrupted run's, bit for bit) and write its checkpoint; host 1's ranks pause halfway through their shards
@@ -168,23 +190,12 @@ def test_link_down_in_a_checkpoint_write_then_resume(tmp_path, config, runs):
         log_dir = tmp_path / "logs_cut"
         argv = _argv(config, run_dir, "--resume", timeout_s=TIMEOUT_S)
         procs = launch(hosts, 2, argv, log_dir, env={1: {FAULTS_ENV: json.dumps(pause)}})
-        deadline = time.monotonic() + 300
-        while "fault injection: pause rank" not in (log_dir / "agent1.log").read_text():
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs(log_dir, 2)
-            time.sleep(0.05)
+        _wait_for_the_pause(procs, log_dir)
         cut = time.monotonic()
         hosts.set_link(1, up=False)
         codes = wait_all(procs[:1], log_dir, TIMEOUT_S + 30)
         assert codes[0] != 0 and time.monotonic() - cut < TIMEOUT_S + 30, (codes, logs(log_dir, 2))
-        text = (log_dir / "agent0.log").read_text()
-        # Each survivor that raised (its agent may end the other first) names the phase, the ranks and the host:
-        # mtdeepep's dispatch / combine, or train.py for the trainer's own collectives (gloo names an address).
-        named = re.findall(r"rank [01]: (?:internode \w+|step 5, \w+ > \w+)[^\n]*ranks 2, 3 on host host1", text)
-        assert named, logs(log_dir, 2)
-        final = {}  # each survivor's last exception line: the one it raised (a chained cause comes before it)
-        for line in text.splitlines():
-            if match := re.match(r"\[rank([01])\]: [\w.]*(?:Error|Exception): ", line):
-                final[match.group(1)] = line
+        final = _survivors_name_host1(log_dir, step=r"step 5")
         assert all("ranks 2, 3 on host host1" in line for line in final.values()), final
         # Step 4 ran across hosts from the checkpoint written on one host: its record is the uninterrupted run's.
         assert _losses(run_dir)[3] == ref[3]
@@ -222,24 +233,14 @@ def test_host_sigkilled_mid_run_is_named_and_nothing_leaks(tmp_path, config):
         log_dir = tmp_path / "logs"
         argv = _argv(config, run_dir, timeout_s=TIMEOUT_S)
         procs = launch(hosts, 2, argv, log_dir, env={1: {FAULTS_ENV: json.dumps(pause)}})
-        deadline = time.monotonic() + 300
-        while "fault injection: pause rank" not in (log_dir / "agent1.log").read_text():
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs(log_dir, 2)
-            time.sleep(0.05)
+        _wait_for_the_pause(procs, log_dir)
         assert len(set(hosts.pids(1)) - {hosts.hosts[1].holder_pid}) >= 3, hosts.pids(1)  # the agent and its ranks
         killed = time.monotonic()
         hosts.kill(1)
         assert procs[1].wait(timeout=30) == -signal.SIGKILL
         codes = wait_all(procs[:1], log_dir, TIMEOUT_S + 30)
         assert codes[0] != 0 and time.monotonic() - killed < TIMEOUT_S + 30, (codes, logs(log_dir, 2))
-        text = (log_dir / "agent0.log").read_text()
-        # Each survivor that raised (its agent may end the other first) names the phase, the ranks and the host.
-        named = re.findall(r"rank [01]: (?:internode \w+|step \d+, \w+ > \w+)[^\n]*ranks 2, 3 on host host1", text)
-        assert named, logs(log_dir, 2)
-        final = {}  # each survivor's last exception line: the one it raised (a chained cause comes before it)
-        for line in text.splitlines():
-            if match := re.match(r"\[rank([01])\]: [\w.]*(?:Error|Exception): ", line):
-                final[match.group(1)] = line
+        final = _survivors_name_host1(log_dir, step=r"step \d+")
         assert final and all("ranks 2, 3 on host host1" in line for line in final.values()), final
         # Nothing hangs or is left: host 0's agent ended its ranks; no segment in either host's /dev/shm.
         for i in range(2):
